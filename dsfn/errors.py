@@ -1,0 +1,49 @@
+"""dsfn's public exceptions.
+
+Every error a user can cause is one of these, with a message that names the problem and
+the fix. They subclass the matching builtin (ValueError, TypeError, RuntimeError) so code
+that already catches those keeps working.
+"""
+from __future__ import annotations
+
+
+class DsfnError(Exception):
+    """Base class of every error dsfn raises on purpose."""
+
+
+class ConfigError(DsfnError, ValueError):
+    """An invalid argument or configuration value (unknown key, value out of range)."""
+
+
+class StackError(DsfnError, ValueError):
+    """A stack of transforms that cannot work together, found at `compose` time."""
+
+
+class MeshError(DsfnError, ValueError):
+    """A device mesh that does not fit the world (sizes, axis names)."""
+
+
+class ShapeError(DsfnError, ValueError):
+    """A batch or tensor whose shape does not fit the layout (e.g. not divisible by dp)."""
+
+
+class LeafTypeError(DsfnError, TypeError):
+    """A pytree leaf of the wrong kind (e.g. a Python float where a tensor is required)."""
+
+
+class DistributedError(DsfnError, RuntimeError):
+    """The process group is missing or misconfigured."""
+
+
+class RankFailure(DsfnError, RuntimeError):
+    """A rank of a multi-process run crashed, raised, or hung past its timeout.
+
+    Attributes:
+        rank: the first failing rank.
+        reason: "timeout", "exception" or "exit".
+    """
+
+    def __init__(self, message: str, rank: int, reason: str):
+        super().__init__(message)
+        self.rank = rank
+        self.reason = reason
