@@ -1,0 +1,26 @@
+"""dsfn: DeepSpeed's training features as composable, functional transforms for PyTorch.
+
+    apply_fn, params = dsfn.functionalize(model)
+    state = dsfn.TrainState.create(params, tx=dsfn.optim.adamw(lr=3e-4))
+    step = dsfn.compose(data_parallel())(train_step)
+    state = step.place(state)
+    state, metrics = step(state, batch)
+"""
+from dsfn import errors, tree
+from dsfn.functional import functionalize, value_and_grad
+from dsfn.state import TrainState, gather_tree as gather
+from dsfn.transforms import compose
+
+from dsfn import optim, runtime, transforms  # noqa: E402  (after the core names)
+
+
+def __getattr__(name: str):
+    # launch is imported lazily so `python -m dsfn.launch` does not import it twice
+    if name == "launch":
+        import importlib
+        return importlib.import_module("dsfn.launch")
+    raise AttributeError(f"module 'dsfn' has no attribute {name!r}")
+
+__all__ = ["TrainState", "compose", "errors", "functionalize", "gather", "launch", "optim", "runtime",
+           "transforms", "tree", "value_and_grad"]
+__version__ = "0.1.0"

@@ -1,0 +1,524 @@
+"""Start a function (or a script) on N local ranks, torchrun-style, and fail fast.
+
+`spawn(fn, world_size)` runs `fn` in `world_size` child processes that form one process
+group (gloo on CPU by default) and returns their results indexed by rank. It exists for
+tests and small local runs: a rank that raises, dies or hangs turns into a `RankFailure`
+that names the rank within a fraction of a second (or at the timeout), and no child is
+ever left behind.
+
+`python -m dsfn.launch --nproc N script.py [args...]` is a tiny torchrun for local CPU
+runs: it sets the same environment variables and runs the script N times; the script
+calls `dsfn.runtime.env.init_distributed()`.
+
+How the ranks meet: the parent hosts the rendezvous TCPStore itself (port 0, so the OS
+picks a free port and there is no bind race between picking and using it) and the ranks
+connect as clients (`TORCHELASTIC_USE_AGENT_STORE=True`, exactly what torchrun does).
+The store is started only after the children are forked, so no child inherits a copy
+of its server thread; the port reaches each child through its pipe.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import faulthandler
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Mapping, Sequence
+
+from dsfn.errors import ConfigError, RankFailure
+
+__all__ = ["spawn", "main"]
+
+_START_METHODS = ("fork", "spawn", "forkserver")
+# After the first failure, how long to keep listening for other ranks' reports, so the
+# root cause (the earliest failure) is reported rather than a peer's collateral error.
+_FAILURE_GRACE_S = 0.25
+# How long hung ranks get to write their Python stacks after SIGUSR1 at a timeout.
+_STACK_DUMP_WAIT_S = 1.0
+_MAX_STACK_CHARS = 6000
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _start_store(timeout_s: float):
+    """A TCPStore server in this process on a free port (the rendezvous of one run)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, None, True,
+                    timeout=datetime.timedelta(seconds=max(float(timeout_s), 30.0)),
+                    wait_for_workers=False)
+
+
+def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The torchrun environment of one local rank."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        # Ranks connect to the parent's store as clients instead of rank 0 hosting it.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no orphans even if the
+    parent itself is SIGKILLed), and exit now if the parent is already gone.
+
+    `parent_pid` None: the parent is a forkserver, not the caller; skip both."""
+    if parent_pid is None:
+        return
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        except Exception:  # pragma: no cover - best effort
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _to_cpu(result: Any) -> Any:
+    """Move tensors in a pytree result to CPU, so unpickling in the parent never
+    initialises CUDA there (which would break later fork-started runs)."""
+    import torch
+
+    from dsfn import tree
+
+    try:
+        return tree.map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, result)
+    except Exception:
+        return result
+
+
+def _stack_path(stack_dir: str, rank: int) -> str:
+    return os.path.join(stack_dir, f"rank{rank}.stack")
+
+
+# --------------------------------------------------------------------------- child
+
+
+def _child_main(rank: int, world_size: int, fn: Callable[..., Any], args: tuple,
+                kwargs: dict, env: Mapping[str, str | None] | None, conn: Any,
+                stack_dir: str, parent_pid: int | None, start_method: str) -> None:
+    """Body of one rank: set up the environment, run fn, report back, exit hard."""
+    status = 1
+    try:
+        try:
+            # Own process group so the parent can kill the rank with anything it started.
+            os.setpgrp()
+        except OSError:
+            pass
+        _die_with_parent(parent_pid)
+        stack_file = open(_stack_path(stack_dir, rank), "w")
+        # At a timeout the parent sends SIGUSR1 and reports where the rank was stuck.
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+
+        port = pickle.loads(conn.recv_bytes())
+
+        if not env or "DSFN_FORCE_CPU" not in env:
+            os.environ["DSFN_FORCE_CPU"] = "1"
+        for key, value in (env or {}).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = str(value)
+        os.environ.update(_rank_env(rank, world_size, port))
+
+        import torch
+
+        if start_method == "fork":
+            # GNU OpenMP (libgomp, which torch's CPU build uses) is not fork-safe: once
+            # the parent has run a parallel region, a forked child that enters one with
+            # more than one thread hangs forever (a matmul is enough). One thread is
+            # safe, and is also what N ranks sharing the CPUs want anyway.
+            torch.set_num_threads(1)
+        elif "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+        from dsfn.runtime import env as dsfn_env
+
+        dsfn_env.init_distributed()
+        result = fn(*args, **kwargs)
+        try:
+            payload = pickle.dumps(("ok", _to_cpu(result)), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            raise TypeError(f"the return value of fn on rank {rank} cannot be pickled "
+                            f"({type(e).__name__}: {e}); return tensors, numbers or plain "
+                            f"containers of them") from e
+        # Report before tearing down: the result is what matters, and a teardown that
+        # hangs must not hide it.
+        conn.send_bytes(payload)
+        status = 0
+        try:
+            dsfn_env.shutdown()
+        except Exception:
+            pass
+    except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent
+        report = ("error", type(e).__qualname__, str(e), traceback.format_exc(), time.time())
+        try:
+            conn.send_bytes(pickle.dumps(report))
+        except Exception:
+            pass
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        # Skip atexit handlers and destructors inherited from the parent (pytest's,
+        # gloo's): they can hang or run the parent's cleanup a second time.
+        os._exit(status)
+
+
+# --------------------------------------------------------------------------- parent
+
+
+def _kill(procs: Sequence[Any]) -> None:
+    """SIGKILL every rank that has not been reaped yet (with its process group), then reap."""
+    for p in procs:
+        if p.pid is None or p.exitcode is not None:
+            continue
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            p.kill()
+        except Exception:
+            pass
+    for p in procs:
+        if p.pid is not None:
+            p.join(timeout=5)
+
+
+def _read_report(conn: Any) -> tuple | None:
+    """The rank's report if one is waiting; None when nothing (more) can come from it."""
+    try:
+        if not conn.poll(0):
+            return None
+        data = conn.recv_bytes()
+    except (EOFError, OSError):
+        return None
+    try:
+        return pickle.loads(data)
+    except Exception as e:
+        return ("error", type(e).__name__,
+                f"the result arrived but could not be unpickled in the parent: {e}",
+                traceback.format_exc(), time.time())
+
+
+def _hung_stacks(procs: Sequence[Any], ranks: Sequence[int], stack_dir: str) -> dict[int, str]:
+    """Python stacks of hung ranks, via faulthandler on SIGUSR1."""
+    for r in ranks:
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    stacks: dict[int, str] = {}
+    end = time.monotonic() + _STACK_DUMP_WAIT_S
+    while time.monotonic() < end and len(stacks) < len(ranks):
+        time.sleep(0.05)
+        for r in ranks:
+            try:
+                with open(_stack_path(stack_dir, r)) as f:
+                    text = f.read()
+            except OSError:
+                continue
+            if text.strip():
+                stacks[r] = text
+    return stacks
+
+
+def _collect(procs: Sequence[Any], conns: Sequence[Any], deadline: float, timeout: float,
+             stack_dir: str) -> list:
+    n = len(procs)
+    reports: list[tuple | None] = [None] * n
+    exited: dict[int, int | None] = {}    # ranks that died without a report -> exit code
+    pending = set(range(n))
+    dead_conns: set[int] = set()           # EOF seen; wait for the process sentinel only
+    first_failure: float | None = None
+
+    while pending:
+        limit = deadline if first_failure is None else min(deadline, first_failure + _FAILURE_GRACE_S)
+        remaining = limit - time.monotonic()
+        if remaining <= 0:
+            break
+        waitables: dict[Any, int] = {}
+        for r in pending:
+            waitables[procs[r].sentinel] = r
+            if r not in dead_conns:
+                waitables[conns[r]] = r
+        for obj in mp_connection.wait(list(waitables), timeout=remaining):
+            r = waitables[obj]
+            if r not in pending:
+                continue
+            report = _read_report(conns[r])
+            if report is not None:
+                reports[r] = report
+                pending.discard(r)
+                failed = report[0] != "ok"
+            elif procs[r].is_alive():
+                dead_conns.add(r)  # pipe closed but the process lingers: its sentinel will tell
+                continue
+            else:
+                procs[r].join(timeout=1)
+                exited[r] = procs[r].exitcode
+                pending.discard(r)
+                failed = True
+            if failed and first_failure is None:
+                first_failure = time.monotonic()
+
+    errors = {r: rep for r, rep in enumerate(reports) if rep is not None and rep[0] == "error"}
+    if exited or errors:
+        raise _failure_error(n, exited, errors)
+    if pending:
+        hung = sorted(pending)
+        stacks = _hung_stacks(procs, hung, stack_dir)
+        done = sorted(set(range(n)) - pending)
+        msg = (f"spawn timed out after {timeout:g} s: rank(s) {hung} of {n} still running "
+               f"(finished: {done}). A rank that never returns is usually blocked in a "
+               f"collective that another rank did not call, or stuck in fn itself.")
+        if hung[0] in stacks:
+            msg += (f"\n\nPython stack of rank {hung[0]} at the timeout:\n"
+                    f"{stacks[hung[0]][-_MAX_STACK_CHARS:]}")
+        err = RankFailure(msg, rank=hung[0], reason="timeout")
+        err.ranks = hung
+        err.stacks = stacks
+        raise err
+    return [rep[1] for rep in reports]  # type: ignore[index]
+
+
+def _failure_error(n: int, exited: dict[int, int | None], errors: dict[int, tuple]) -> RankFailure:
+    """One RankFailure naming the root cause: a rank that died silently (peers only ever
+    see it as a broken connection), else the earliest exception."""
+    def describe_exit(code: int | None) -> str:
+        if code is not None and code < 0:
+            try:
+                return f"was killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with code {code} without returning a result"
+
+    others: list[str] = []
+    if exited:
+        rank = min(exited)
+        code = exited[rank]
+        msg = f"rank {rank} of {n} {describe_exit(code)}"
+        err = RankFailure(msg, rank=rank, reason="exit")
+        err.exitcode = code
+        err.remote_traceback = None
+    else:
+        rank = min(errors, key=lambda r: (errors[r][4], r))
+        _, etype, emsg, tb, _ = errors[rank]
+        msg = f"rank {rank} of {n} raised {etype}: {emsg}\n\nTraceback from rank {rank}:\n{tb}"
+        err = RankFailure(msg, rank=rank, reason="exception")
+        err.exitcode = None
+        err.remote_traceback = tb
+    for r in sorted(exited):
+        if r != rank:
+            others.append(f"rank {r} {describe_exit(exited[r])}")
+    for r in sorted(errors):
+        if r != rank:
+            first_line = errors[r][2].splitlines()[0] if errors[r][2] else ""
+            others.append(f"rank {r} raised {errors[r][1]}: {first_line[:200]}")
+    if others:
+        err.args = (err.args[0] + "\nAlso failed (often as a consequence): " + "; ".join(others),)
+    err.failed_ranks = sorted(set(exited) | set(errors))
+    return err
+
+
+def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
+          kwargs: Mapping[str, Any] | None = None, timeout: float = 120.0,
+          start_method: str = "fork", env: Mapping[str, str | None] | None = None) -> list:
+    """Run `fn(*args, **kwargs)` on `world_size` local ranks; return results by rank.
+
+    Each rank is a child process with torchrun's variables (RANK, WORLD_SIZE,
+    LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT) and
+    `DSFN_FORCE_CPU=1` unless `env` sets it; `env` adds variables (a None value unsets
+    one). The rank initialises the default process group
+    (`dsfn.runtime.env.init_distributed`), runs fn, sends back its return value
+    (pickled; tensors moved to CPU) and destroys the group.
+
+    Args:
+        fn: with "fork" (default, ~50x faster to start) any callable, closures
+            included; with "spawn"/"forkserver" it must be picklable (module level).
+        world_size: number of ranks, >= 1.
+        timeout: seconds for the whole run, start-up included.
+        start_method: "fork", "spawn" or "forkserver".
+        env: extra environment variables for the ranks.
+
+    Raises:
+        RankFailure: reason "exception" (a rank raised; the message has its remote
+            traceback, also in `.remote_traceback`), "exit" (a rank died without a
+            result; `.exitcode`, negative for a signal) or "timeout" (`.ranks` still
+            running, their Python stacks in `.stacks`). The other ranks are killed at
+            once, so a rank blocked in a collective never delays the report.
+        ConfigError: invalid world_size, timeout or start_method.
+
+    Under "fork" each rank runs torch with one intra-op thread: libgomp hangs a
+    forked child that uses more threads after the parent has. Do not raise it in fn.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"spawn: world_size must be an int >= 1, got {world_size!r}")
+    if not timeout or timeout <= 0:
+        raise ConfigError(f"spawn: timeout must be > 0 seconds, got {timeout!r}")
+    if start_method not in _START_METHODS:
+        raise ConfigError(f"spawn: start_method must be one of {_START_METHODS}, got {start_method!r}")
+    kwargs = dict(kwargs or {})
+    args = tuple(args)
+    if start_method == "fork":
+        wants_cuda = env is not None and str(env.get("DSFN_FORCE_CPU", "1")).strip().lower() not in (
+            "1", "true", "yes", "on")
+        torch_mod = sys.modules.get("torch")
+        if wants_cuda and torch_mod is not None and torch_mod.cuda.is_initialized():
+            raise ConfigError("spawn: CUDA is already initialised in this process and a forked "
+                              "child cannot use it; pass start_method='spawn' or keep "
+                              "DSFN_FORCE_CPU=1")
+
+    ctx = mp.get_context(start_method)
+    deadline = time.monotonic() + timeout
+    stack_dir = tempfile.mkdtemp(prefix="dsfn-spawn-")
+    procs: list[Any] = []
+    conns: list[Any] = []
+    store = None
+    try:
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=_child_main, name=f"dsfn-rank{rank}",
+                args=(rank, world_size, fn, args, kwargs, dict(env) if env else None,
+                      child_conn, stack_dir,
+                      None if start_method == "forkserver" else os.getpid(), start_method))
+            try:
+                proc.start()
+            except (pickle.PicklingError, AttributeError, TypeError) as e:
+                if start_method == "fork":
+                    raise
+                raise ConfigError(
+                    f"spawn: with start_method={start_method!r}, fn and its arguments must be "
+                    f"picklable (define fn at module level), or use start_method='fork' "
+                    f"({type(e).__name__}: {e})") from e
+            finally:
+                child_conn.close()
+            procs.append(proc)
+            conns.append(parent_conn)
+        # Only now, with every child started, start the store's server thread.
+        store = _start_store(timeout)
+        port_msg = pickle.dumps(store.port)
+        for conn in conns:
+            try:
+                conn.send_bytes(port_msg)
+            except OSError:
+                pass  # that rank already died; _collect reports it
+        results = _collect(procs, conns, deadline, timeout, stack_dir)
+        # Give ranks a moment to finish tearing down their groups before the store goes.
+        for proc in procs:
+            proc.join(timeout=max(0.0, min(deadline - time.monotonic(), 5.0)))
+        return results
+    finally:
+        _kill(procs)
+        for conn in conns:
+            conn.close()
+        for proc in procs:
+            try:
+                proc.close()
+            except ValueError:
+                pass
+        del store
+        shutil.rmtree(stack_dir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m dsfn.launch",
+        description="Run a script on N local ranks (a tiny torchrun for CPU/gloo runs). "
+                    "The script calls dsfn.runtime.env.init_distributed().")
+    p.add_argument("--nproc", "--nproc-per-node", type=int, default=1, dest="nproc",
+                   help="number of ranks (default 1)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds before all ranks are killed (default: none)")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="treat the target as a module name (python -m MODULE)")
+    p.add_argument("script", help="script path (or module name with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `python -m dsfn.launch`; returns the process exit code.
+
+    The first rank to exit non-zero ends the run: the others are killed and its code is
+    returned (124 on timeout).
+    """
+    ns = _parse_args(argv)
+    if ns.nproc < 1:
+        print(f"dsfn.launch: --nproc must be >= 1, got {ns.nproc}", file=sys.stderr)
+        return 2
+    store = _start_store(ns.timeout or 300.0)
+    base = dict(os.environ)
+    base.setdefault("DSFN_FORCE_CPU", "1")
+    base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ns.nproc)))
+    cmd = [sys.executable] + (["-m"] if ns.module else []) + [ns.script] + list(ns.script_args)
+    parent_pid = os.getpid()
+    procs: list[subprocess.Popen] = []
+    code = 0
+    try:
+        for rank in range(ns.nproc):
+            procs.append(subprocess.Popen(
+                cmd, env={**base, **_rank_env(rank, ns.nproc, store.port)},
+                start_new_session=True, preexec_fn=lambda: _die_with_parent(parent_pid)))
+        deadline = None if ns.timeout is None else time.monotonic() + ns.timeout
+        running = set(range(ns.nproc))
+        while running:
+            for r in sorted(running):
+                rc = procs[r].poll()
+                if rc is None:
+                    continue
+                running.discard(r)
+                if rc != 0 and code == 0:
+                    code = rc if rc > 0 else 128 - rc
+                    print(f"dsfn.launch: rank {r} of {ns.nproc} failed with exit code {rc}; "
+                          f"stopping the other ranks", file=sys.stderr)
+            if code != 0:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"dsfn.launch: timed out after {ns.timeout:g} s; ranks still running: "
+                      f"{sorted(running)}", file=sys.stderr)
+                code = 124
+                break
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    proc.kill()
+        for proc in procs:
+            proc.wait()
+        del store
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

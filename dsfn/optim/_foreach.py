@@ -1,0 +1,70 @@
+"""Private helpers: validation of hyper-parameters and foreach arithmetic over leaf lists.
+
+All arithmetic goes through `torch._foreach_*` over the whole list of leaves (one call per
+op); out-of-place ops produce the new tensors, and in-place ops are applied only to those
+fresh tensors.
+"""
+from __future__ import annotations
+
+import math
+from numbers import Real
+from typing import Any
+
+import torch
+
+from dsfn.errors import ConfigError
+
+
+def check_real(name: str, value: Any, *, lo: float | None = None, hi: float | None = None,
+               lo_open: bool = False, hi_open: bool = False, hint: str = "") -> float:
+    """`value` as a float, or ConfigError if it is not a finite real number within the bounds."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
+        raise ConfigError(f"{name}={value!r}: expected a finite number{hint}")
+    v = float(value)
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise ConfigError(f"{name}={value!r}: must be {'>' if lo_open else '>='} {lo}{hint}")
+    if hi is not None and (v >= hi if hi_open else v > hi):
+        raise ConfigError(f"{name}={value!r}: must be {'<' if hi_open else '<='} {hi}{hint}")
+    return v
+
+
+def check_int(name: str, value: Any, *, lo: int | None = None, hint: str = "") -> int:
+    """`value` as an int, or ConfigError if it is not an integer >= lo."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}={value!r}: expected an integer{hint}")
+    if lo is not None and value < lo:
+        raise ConfigError(f"{name}={value!r}: must be >= {lo}{hint}")
+    return int(value)
+
+
+def check_betas(betas: Any, who: str) -> tuple[float, float]:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ConfigError(f"{who}(betas={betas!r}): pass two coefficients, e.g. betas=(0.9, 0.999)")
+    b1 = check_real(f"{who}(betas[0])", betas[0], lo=0.0, hi=1.0, hi_open=True,
+                    hint="; the first-moment decay lies in [0, 1), e.g. 0.9")
+    b2 = check_real(f"{who}(betas[1])", betas[1], lo=0.0, hi=1.0, hi_open=True,
+                    hint="; the second-moment decay lies in [0, 1), e.g. 0.999")
+    return b1, b2
+
+
+def mul_scalar(tensors: list[torch.Tensor], s: float | torch.Tensor) -> list[torch.Tensor]:
+    """New tensors `t * s`; each result keeps its input's dtype.
+
+    A tensor `s` (0-dim or shape (1,)) is cast to each (device, dtype) group of the leaves
+    for the multiply only: a float64 lr must not promote a 0-dim float32 leaf to float64
+    (0-dim tensors promote each other), and foreach needs the scalar on the leaves' device.
+    """
+    if not tensors:
+        return []
+    if not isinstance(s, torch.Tensor):
+        return list(torch._foreach_mul(tensors, s))
+    s = s.reshape(())
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    out: list[Any] = [None] * len(tensors)
+    for (device, dtype), idx in groups.items():
+        sc = s if (s.device == device and s.dtype == dtype) else s.to(device=device, dtype=dtype)
+        for i, r in zip(idx, torch._foreach_mul([tensors[i] for i in idx], sc)):
+            out[i] = r
+    return out

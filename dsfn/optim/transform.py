@@ -1,0 +1,379 @@
+"""Primitive gradient transformations; the aliases (`adamw`, `sgd`, ...) chain these.
+
+Each primitive does one job and follows `torch.optim`'s arithmetic so that the chains in
+`alias.py` match `torch.optim.{AdamW, Adam, SGD}`:
+
+| primitive | update (per leaf) | state |
+|---|---|---|
+| `scale(f)` | `u * f` | none |
+| `add_decayed_weights(wd)` | `u + wd * p` | none |
+| `scale_by_adam(b1, b2, eps, amsgrad)` | `m_hat / (sqrt(v_hat) + eps)` | count, mu, nu (, nu_max) |
+| `adam_step(lr, b1, b2, eps, wd, amsgrad)` | torch Adam(W)'s `p' - p` (fused, bitwise) | count, mu, nu (, nu_max), lr |
+| `trace(momentum, dampening, nesterov)` | torch SGD's momentum buffer | count, trace |
+| `scale_by_learning_rate(lr)` | `-lr * u` | count, lr |
+
+Learning rates (`LearningRate`): a float, a schedule `f(count) -> float | Tensor` called
+with the transform's 0-dim int64 `count` (= updates already applied; see
+`dsfn.optim.schedules` for DeepSpeed's), or a tensor of shape () or (1,). A tensor lr is
+used as is at every update (its device and dtype are kept; changing its value in place
+between steps takes effect) and is the very object stored in the state.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Union
+
+import torch
+
+from dsfn import tree
+from dsfn.errors import ConfigError, LeafTypeError
+from dsfn.optim._foreach import check_real, mul_scalar
+from dsfn.optim.base import EmptyState, GradientTransformation, PyTree, tensor_leaves, zero_count
+
+Schedule = Callable[[torch.Tensor], Union[float, torch.Tensor]]
+LearningRate = Union[float, torch.Tensor, Schedule]
+
+
+def _flatten_like(t: PyTree, spec: tree.TreeSpec, what: str) -> list[torch.Tensor]:
+    leaves, s = tree.flatten(t)
+    if s != spec:
+        raise LeafTypeError(f"{what} does not have the structure of the updates ({s} vs {spec}); pass the "
+                            "state this transform's init/update returned for the same params tree")
+    return leaves
+
+
+def check_learning_rate(lr: Any, who: str) -> None:
+    """ConfigError unless `lr` is a float >= 0, a schedule, or a 1-element float tensor."""
+    if isinstance(lr, torch.Tensor):
+        if lr.dim() > 1 or lr.numel() != 1:
+            raise ConfigError(f"{who}(lr=tensor of shape {tuple(lr.shape)}): a tensor lr must have shape () "
+                              "or (1,)")
+        if not lr.is_floating_point():
+            raise ConfigError(f"{who}(lr=tensor of dtype {lr.dtype}): a tensor lr must be floating point, e.g. "
+                              "torch.tensor(1e-3, dtype=torch.float64)")
+        if lr.device.type == "cpu" and not bool(lr.reshape(()) >= 0):   # no host sync for device lrs
+            raise ConfigError(f"{who}(lr={lr.item()!r}): the learning rate must be >= 0")
+        return
+    if callable(lr):
+        return
+    check_real(f"{who}(lr)", lr, lo=0.0, hint="; pass a learning rate >= 0, a schedule (e.g. "
+               "dsfn.optim.schedules.WarmupLR(...)) or a 1-element tensor")
+
+
+def _lr_value(lr: LearningRate, count: torch.Tensor) -> float | torch.Tensor:
+    if isinstance(lr, torch.Tensor):
+        return lr
+    if callable(lr):
+        v = lr(count)
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                raise LeafTypeError(f"the lr schedule returned a tensor of shape {tuple(v.shape)}; "
+                                    "return a float or a 1-element tensor")
+            return v
+        return float(v)
+    return float(lr)
+
+
+def _lr_record(v: float | torch.Tensor) -> torch.Tensor:
+    return v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64)
+
+
+# ---------------------------------------------------------------------------------------
+# stateless
+
+
+def scale(factor: float) -> GradientTransformation:
+    """`u -> u * factor` (`factor=-1` is an exact negation, torch's `maximize`)."""
+    factor = check_real("scale(factor)", factor)
+
+    def init(params: PyTree) -> EmptyState:
+        return EmptyState()
+
+    def update(updates: PyTree, state: EmptyState, params: PyTree = None) -> tuple[PyTree, EmptyState]:
+        u, spec = tensor_leaves(updates, "updates")
+        if not u or factor == 1.0:
+            return updates, state
+        out = torch._foreach_neg(u) if factor == -1.0 else torch._foreach_mul(u, factor)
+        return tree.unflatten(spec, out), state
+
+    return GradientTransformation(init, update)
+
+
+def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
+    """`u -> u + weight_decay * p` (torch's `grad.add(param, alpha=weight_decay)`).
+
+    Before `scale_by_adam` it is Adam's L2 penalty; after it and before
+    `scale_by_learning_rate` it is AdamW's decoupled decay `p * (1 - lr * wd)`.
+    """
+    wd = check_real("add_decayed_weights(weight_decay)", weight_decay, lo=0.0,
+                    hint="; use 0 for no weight decay")
+
+    def init(params: PyTree) -> EmptyState:
+        return EmptyState()
+
+    def update(updates: PyTree, state: EmptyState, params: PyTree = None) -> tuple[PyTree, EmptyState]:
+        if wd == 0.0:
+            return updates, state
+        if params is None:
+            raise LeafTypeError("add_decayed_weights needs params: call update(grads, state, params)")
+        u, spec = tensor_leaves(updates, "updates")
+        if not u:
+            return updates, state
+        p = _flatten_like(params, spec, "params")
+        return tree.unflatten(spec, torch._foreach_add(u, p, alpha=wd)), state
+
+    return GradientTransformation(init, update)
+
+
+# ---------------------------------------------------------------------------------------
+# Adam
+
+
+class ScaleByAdamState(NamedTuple):
+    """count: 0-dim int64 (updates made); mu, nu: first/second moments shaped like params;
+    nu_max: running max of nu (amsgrad) or None."""
+    count: torch.Tensor
+    mu: PyTree
+    nu: PyTree
+    nu_max: PyTree
+
+
+class AdamState(NamedTuple):
+    """`adam_step`'s state: ScaleByAdamState's fields plus `lr` (see ScaleByLearningRateState)."""
+    count: torch.Tensor
+    mu: PyTree
+    nu: PyTree
+    nu_max: PyTree
+    lr: torch.Tensor
+
+
+def _adam_init(params: PyTree, amsgrad: bool) -> tuple[PyTree, PyTree, PyTree]:
+    leaves, spec = tensor_leaves(params, "params")
+    zeros = lambda: tree.unflatten(spec, [torch.zeros_like(x) for x in leaves])  # noqa: E731
+    return zeros(), zeros(), (zeros() if amsgrad else None)
+
+
+def _adam_moments(g: list[torch.Tensor], state: Any, spec: tree.TreeSpec, b1: float, b2: float,
+                  amsgrad: bool) -> tuple[list, list, list | None]:
+    """torch.optim.Adam's moment updates (same kernels, so bitwise torch's), out of place."""
+    mu = torch._foreach_lerp(_flatten_like(state.mu, spec, "Adam state.mu"), g, 1.0 - b1)
+    nu = torch._foreach_mul(_flatten_like(state.nu, spec, "Adam state.nu"), b2)
+    torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)          # nu is ours: in place is pure
+    nu_max = None
+    if amsgrad:
+        nu_max = torch._foreach_maximum(_flatten_like(state.nu_max, spec, "Adam state.nu_max"), nu)
+    return mu, nu, nu_max
+
+
+def _check_adam_args(who: str, b1: Any, b2: Any, eps: Any) -> tuple[float, float, float]:
+    return (check_real(f"{who}(b1)", b1, lo=0.0, hi=1.0, hi_open=True, hint="; e.g. 0.9"),
+            check_real(f"{who}(b2)", b2, lo=0.0, hi=1.0, hi_open=True, hint="; e.g. 0.999"),
+            check_real(f"{who}(eps)", eps, lo=0.0, hint="; e.g. 1e-8"))
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                  amsgrad: bool = False) -> GradientTransformation:
+    """Adam's direction `m_hat / (sqrt(v_hat) + eps)` with torch's bias correction (no lr).
+
+    For composing custom chains, e.g. `chain(scale_by_adam(), masked(add_decayed_weights(wd),
+    by_ndim(2), others="pass"), scale_by_learning_rate(lr))`. With t = count + 1:
+    `m = lerp(m, g, 1 - b1)`, `v = b2 * v + (1 - b2) * g * g`,
+    `out = m / (bc1 * (sqrt(v) / sqrt(bc2) + eps))`, bc_i = 1 - b_i ** t (float64, host).
+    The aliases use `adam_step`, which also applies the lr and matches torch bitwise.
+    """
+    b1, b2, eps = _check_adam_args("scale_by_adam", b1, b2, eps)
+    amsgrad = bool(amsgrad)
+
+    def init(params: PyTree) -> ScaleByAdamState:
+        return ScaleByAdamState(zero_count(), *_adam_init(params, amsgrad))
+
+    def update(updates: PyTree, state: ScaleByAdamState, params: PyTree = None) -> tuple[PyTree, ScaleByAdamState]:
+        g, spec = tensor_leaves(updates, "updates")
+        count = state.count + 1
+        if not g:
+            return updates, state._replace(count=count)
+        t = int(count)
+        bc1, bc2_sqrt = 1.0 - b1 ** t, (1.0 - b2 ** t) ** 0.5
+        mu, nu, nu_max = _adam_moments(g, state, spec, b1, b2, amsgrad)
+        denom = torch._foreach_sqrt(nu_max if amsgrad else nu)
+        torch._foreach_mul_(denom, bc1 / bc2_sqrt)                # bc1 folded in: one pass fewer
+        torch._foreach_add_(denom, eps * bc1)
+        out = torch._foreach_div(mu, denom)
+        new = ScaleByAdamState(count, tree.unflatten(spec, mu), tree.unflatten(spec, nu),
+                               tree.unflatten(spec, nu_max) if amsgrad else None)
+        return tree.unflatten(spec, out), new
+
+    return GradientTransformation(init, update)
+
+
+def adam_step(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+              weight_decay: float = 0.0, amsgrad: bool = False) -> GradientTransformation:
+    """torch.optim.Adam/AdamW's whole step: moments, bias correction, lr, decoupled decay.
+
+    With t = count + 1, bc_i = 1 - b_i ** t (float64, host), lr = lr(count):
+        m = lerp(m, g, 1 - b1);  v = b2 * v + (1 - b2) * g * g   (v_max = max(v_max, v))
+        denom = sqrt(v) / sqrt(bc2) + eps
+        p' = p * (1 - lr * weight_decay) + (-lr / bc1) * m / denom        (torch's addcdiv_)
+        update = p' - p
+    p' is computed with torch's own kernels and scalars, and `p' - p` is exact whenever
+    p' is within a factor 2 of p (Sterbenz), so `apply_updates` returns torch's p'
+    bitwise except where a step moves a parameter across or near zero (then within an
+    ulp of the larger value). 9 foreach passes (+1 with weight decay, +1 amsgrad), the
+    same as scaling a direction by -lr would take.
+
+    The state is `AdamState` (moments, count, and `lr` as for `scale_by_learning_rate`).
+    `weight_decay` is AdamW's decoupled decay; for Adam's L2 penalty put
+    `add_decayed_weights(wd)` before this and leave weight_decay=0.
+    """
+    check_learning_rate(lr, "adam_step")
+    b1, b2, eps = _check_adam_args("adam_step", b1, b2, eps)
+    wd = check_real("adam_step(weight_decay)", weight_decay, lo=0.0, hint="; use 0 for no weight decay")
+    amsgrad = bool(amsgrad)
+
+    def init(params: PyTree) -> AdamState:
+        count = zero_count()
+        return AdamState(count, *_adam_init(params, amsgrad), lr=_lr_record(_lr_value(lr, count)))
+
+    def update(updates: PyTree, state: AdamState, params: PyTree = None) -> tuple[PyTree, AdamState]:
+        g, spec = tensor_leaves(updates, "updates")
+        count = state.count + 1
+        v = _lr_value(lr, state.count)
+        if not g:
+            return updates, state._replace(count=count, lr=_lr_record(v))
+        if params is None:
+            raise LeafTypeError("adam_step needs params: call update(grads, state, params)")
+        p = _flatten_like(params, spec, "params")
+        t = int(count)
+        bc1, bc2_sqrt = 1.0 - b1 ** t, (1.0 - b2 ** t) ** 0.5
+        mu, nu, nu_max = _adam_moments(g, state, spec, b1, b2, amsgrad)
+        denom = torch._foreach_sqrt(nu_max if amsgrad else nu)
+        torch._foreach_div_(denom, bc2_sqrt)
+        torch._foreach_add_(denom, eps)
+        if isinstance(v, torch.Tensor):
+            # tensor lr: scalars stay tensors (no host sync); (s * m) / denom then + p is
+            # the order addcdiv uses, so this equals torch's update too
+            lr_t = v.reshape(())
+            new_p = mul_scalar(p, 1 - lr_t * wd) if wd != 0.0 else None
+            q = mul_scalar(mu, -(lr_t / bc1))
+            torch._foreach_div_(q, denom)
+            if new_p is None:
+                new_p = torch._foreach_add(p, q)
+            else:
+                torch._foreach_add_(new_p, q)
+        else:
+            step_size = v / bc1
+            if wd != 0.0:
+                new_p = torch._foreach_mul(p, 1 - v * wd)
+                torch._foreach_addcdiv_(new_p, mu, denom, value=-step_size)
+            else:
+                new_p = torch._foreach_addcdiv(p, mu, denom, value=-step_size)
+        torch._foreach_sub_(new_p, p)                               # exact: see the docstring
+        new = AdamState(count, tree.unflatten(spec, mu), tree.unflatten(spec, nu),
+                        tree.unflatten(spec, nu_max) if amsgrad else None, lr=_lr_record(v))
+        return tree.unflatten(spec, new_p), new
+
+    return GradientTransformation(init, update)
+
+
+# ---------------------------------------------------------------------------------------
+# SGD momentum
+
+
+class TraceState(NamedTuple):
+    """count: 0-dim int64 (updates made); trace: momentum buffers shaped like params."""
+    count: torch.Tensor
+    trace: PyTree
+
+
+def trace(momentum: float, dampening: float = 0.0, nesterov: bool = False) -> GradientTransformation:
+    """torch.optim.SGD's momentum buffer.
+
+    First update (count 0): `buf = g` (a copy; torch's first-step rule, no dampening).
+    Later: `buf = momentum * buf + (1 - dampening) * g`.
+    Output: `g + momentum * buf` with nesterov, else `buf`.
+    """
+    momentum = check_real("trace(momentum)", momentum, lo=0.0, hint="; e.g. 0.9")
+    dampening = check_real("trace(dampening)", dampening)
+    if nesterov and (momentum <= 0.0 or dampening != 0.0):
+        raise ConfigError(f"nesterov=True needs momentum > 0 and dampening == 0 (got momentum={momentum}, "
+                          f"dampening={dampening}); set nesterov=False or change them")
+
+    def init(params: PyTree) -> TraceState:
+        leaves, spec = tensor_leaves(params, "params")
+        return TraceState(count=zero_count(), trace=tree.unflatten(spec, [torch.zeros_like(x) for x in leaves]))
+
+    def update(updates: PyTree, state: TraceState, params: PyTree = None) -> tuple[PyTree, TraceState]:
+        g, spec = tensor_leaves(updates, "updates")
+        count = state.count + 1
+        if not g:
+            return updates, state._replace(count=count)
+        if int(state.count) == 0:
+            buf = [x.detach().clone() for x in g]   # a copy: the state must not alias the caller's grads
+        else:
+            buf = torch._foreach_mul(_flatten_like(state.trace, spec, "trace state"), momentum)
+            torch._foreach_add_(buf, g, alpha=1.0 - dampening)
+        out = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
+        return tree.unflatten(spec, out), TraceState(count=count, trace=tree.unflatten(spec, buf))
+
+    return GradientTransformation(init, update)
+
+
+# ---------------------------------------------------------------------------------------
+# learning rate
+
+
+class ScaleByLearningRateState(NamedTuple):
+    """count: 0-dim int64 (updates made); lr: the lr of the last update (before the first
+    update: the lr the first one will use). A tensor lr is stored as the same object; a
+    float lr as a 0-dim float64 CPU tensor. `current_lr` finds this field."""
+    count: torch.Tensor
+    lr: torch.Tensor
+
+
+def scale_by_learning_rate(lr: LearningRate, *, flip_sign: bool = True) -> GradientTransformation:
+    """`u -> -lr * u` (or `lr * u` with flip_sign=False); lr resolved at each update.
+
+    The lr used by the update at count c is `lr(c)` for a schedule; the state records it.
+    """
+    check_learning_rate(lr, "scale_by_learning_rate")
+    sign = -1.0 if flip_sign else 1.0
+
+    def init(params: PyTree) -> ScaleByLearningRateState:
+        count = zero_count()
+        return ScaleByLearningRateState(count=count, lr=_lr_record(_lr_value(lr, count)))
+
+    def update(updates: PyTree, state: ScaleByLearningRateState,
+               params: PyTree = None) -> tuple[PyTree, ScaleByLearningRateState]:
+        u, spec = tensor_leaves(updates, "updates")
+        v = _lr_value(lr, state.count)
+        new = ScaleByLearningRateState(count=state.count + 1, lr=_lr_record(v))
+        if not u:
+            return updates, new
+        if isinstance(v, torch.Tensor):
+            factor = torch.neg(v.reshape(())) if flip_sign else v   # stays a tensor: no host sync
+        else:
+            factor = sign * v
+        return tree.unflatten(spec, mul_scalar(u, factor)), new
+
+    return GradientTransformation(init, update)
+
+
+def _is_lr_state(x: Any) -> bool:
+    """A state node (NamedTuple or dataclass) with a tensor field `lr`: the protocol by which
+    any lr-applying transform (ours, or e.g. a Muon step) reports its lr to `current_lr`."""
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return "lr" in x._fields and isinstance(x.lr, torch.Tensor)
+    return dataclasses.is_dataclass(x) and not isinstance(x, type) and isinstance(getattr(x, "lr", None), torch.Tensor)
+
+
+def current_lr(opt_state: PyTree) -> torch.Tensor | None:
+    """The `lr` of the first lr-recording state node in `opt_state` (flatten order), or None.
+
+    Lr-recording nodes are NamedTuples/dataclasses with a tensor field `lr`
+    (`ScaleByLearningRateState`, `AdamState`). Used for the `lr` step metric; with several
+    learning rates (e.g. `partition`) it is the first one's.
+    """
+    for node in tree.leaves(opt_state, is_leaf=_is_lr_state):
+        if _is_lr_state(node):
+            return node.lr
+    return None

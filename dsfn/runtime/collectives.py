@@ -1,0 +1,180 @@
+"""Collectives over named mesh axes, with per-axis call and byte counters.
+
+Every collective dsfn issues goes through here, so tests and `explain` can compare the
+communication a stack performs with the theory. Bytes counted per call:
+
+| op              | bytes counted                          |
+|-----------------|----------------------------------------|
+| all_reduce      | the tensor's bytes                      |
+| all_gather      | the gathered (full) output's bytes      |
+| reduce_scatter  | the (full) input's bytes                |
+| all_to_all      | the input's bytes                       |
+| broadcast       | the tensor's bytes                      |
+
+A size-1 axis performs no communication and counts nothing. `async_op=True` returns a
+`Pending` whose `wait()` gives the result.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from dsfn.errors import ShapeError
+from dsfn.runtime.mesh import Mesh, current_mesh
+
+
+@dataclass
+class OpCount:
+    calls: int = 0
+    bytes: int = 0
+
+
+class CommCounters:
+    """Counts collectives per (axis, op). `snapshot()` copies, `reset()` zeroes."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str], OpCount] = defaultdict(OpCount)
+
+    def record(self, axis: str, op: str, nbytes: int) -> None:
+        c = self._counts[(axis, op)]
+        c.calls += 1
+        c.bytes += int(nbytes)
+
+    def snapshot(self) -> dict[tuple[str, str], OpCount]:
+        return {k: OpCount(v.calls, v.bytes) for k, v in self._counts.items()}
+
+    def bytes(self, axis: str | None = None, op: str | None = None) -> int:
+        return sum(v.bytes for (a, o), v in self._counts.items()
+                   if (axis is None or a == axis) and (op is None or o == op))
+
+    def calls(self, axis: str | None = None, op: str | None = None) -> int:
+        return sum(v.calls for (a, o), v in self._counts.items()
+                   if (axis is None or a == axis) and (op is None or o == op))
+
+    def reset(self) -> None:
+        self._counts.clear()
+
+
+counters = CommCounters()
+
+
+class Pending:
+    """An in-flight collective; `wait()` returns its result tensor."""
+
+    def __init__(self, work, result: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self._work, self._result, self._finish = work, result, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._finish is not None:
+            self._result, self._finish = self._finish(self._result), None
+        return self._result
+
+
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _mesh(mesh: Mesh | None) -> Mesh:
+    return mesh if mesh is not None else current_mesh()
+
+
+def _done(result: torch.Tensor, async_op: bool):
+    return Pending(None, result) if async_op else result
+
+
+def all_reduce_(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | None = None,
+                async_op: bool = False):
+    """In-place all-reduce of `t` along `axis` (op: sum | avg | max | min)."""
+    m = _mesh(mesh)
+    if m.size(axis) == 1:
+        return _done(t, async_op)
+    counters.record(axis, "all_reduce", _nbytes(t))
+    work = dist.all_reduce(t, op=_OPS[op], group=m.group(axis), async_op=async_op)
+    return Pending(work, t) if async_op else t
+
+
+def all_reduce(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | None = None,
+               async_op: bool = False):
+    """All-reduce into a new tensor; `t` is left unchanged."""
+    if _mesh(mesh).size(axis) == 1:
+        return _done(t, async_op)
+    return all_reduce_(t.clone(), axis, op, mesh=mesh, async_op=async_op)
+
+
+def all_gather(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None, async_op: bool = False):
+    """Concatenate every rank's `t` along dim 0: shape [size * t.shape[0], ...]."""
+    m = _mesh(mesh)
+    n = m.size(axis)
+    if n == 1:
+        return _done(t, async_op)
+    t = t.contiguous()
+    out = torch.empty((n * t.shape[0],) + tuple(t.shape[1:]) if t.dim() else (n,), dtype=t.dtype,
+                      device=t.device)
+    counters.record(axis, "all_gather", _nbytes(out))
+    work = dist.all_gather_into_tensor(out, t if t.dim() else t.reshape(1), group=m.group(axis),
+                                       async_op=async_op)
+    return Pending(work, out) if async_op else out
+
+
+def reduce_scatter(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | None = None,
+                   async_op: bool = False):
+    """Reduce `t` over the axis and keep this rank's dim-0 chunk: shape [t.shape[0] // size, ...]."""
+    m = _mesh(mesh)
+    n = m.size(axis)
+    if n == 1:
+        return _done(t, async_op)
+    if t.dim() == 0 or t.shape[0] % n:
+        raise ShapeError(f"reduce_scatter along {axis!r} needs dim 0 divisible by {n}, got shape "
+                         f"{tuple(t.shape)}; pad the tensor first")
+    t = t.contiguous()
+    out = torch.empty((t.shape[0] // n,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    counters.record(axis, "reduce_scatter", _nbytes(t))
+    work = dist.reduce_scatter_tensor(out, t, op=_OPS[op], group=m.group(axis), async_op=async_op)
+    return Pending(work, out) if async_op else out
+
+
+def all_to_all(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None, async_op: bool = False):
+    """Split dim 0 into `size` chunks, send chunk i to rank i, concatenate what arrives."""
+    m = _mesh(mesh)
+    n = m.size(axis)
+    if n == 1:
+        return _done(t, async_op)
+    if t.dim() == 0 or t.shape[0] % n:
+        raise ShapeError(f"all_to_all along {axis!r} needs dim 0 divisible by {n}, got shape "
+                         f"{tuple(t.shape)}")
+    t = t.contiguous()
+    out = torch.empty_like(t)
+    counters.record(axis, "all_to_all", _nbytes(t))
+    work = dist.all_to_all_single(out, t, group=m.group(axis), async_op=async_op)
+    return Pending(work, out) if async_op else out
+
+
+def broadcast_(t: torch.Tensor, axis: str, src: int = 0, *, mesh: Mesh | None = None,
+               async_op: bool = False):
+    """In-place broadcast from the rank at index `src` along `axis`."""
+    m = _mesh(mesh)
+    if m.size(axis) == 1:
+        return _done(t, async_op)
+    counters.record(axis, "broadcast", _nbytes(t))
+    work = dist.broadcast(t, src=m.ranks(axis)[src], group=m.group(axis), async_op=async_op)
+    return Pending(work, t) if async_op else t
+
+
+def barrier(axis: str | None = None, *, mesh: Mesh | None = None) -> None:
+    m = _mesh(mesh)
+    if axis is None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+    elif m.size(axis) > 1:
+        dist.barrier(group=m.group(axis))

@@ -1,0 +1,137 @@
+"""Process environment: device, backend and the default process group.
+
+This is the only module in dsfn that decides CUDA vs CPU and NCCL vs gloo. Everything
+else asks it (`device()`, `backend()`, `rank()`, ...), so the same code runs on one CPU
+process, on gloo ranks started by `dsfn.launch.spawn`, and on GPUs under `torchrun`.
+
+The process group is read from the torchrun environment variables (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT, LOCAL_RANK). With none of them set the process is a
+single-process run: nothing is initialised and rank()/world_size() are 0/1.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from dsfn.errors import DistributedError
+
+# Variables that together describe one rank of an env:// rendezvous.
+REQUIRED_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def force_cpu() -> bool:
+    """True when `DSFN_FORCE_CPU` is set to 1/true/yes/on: use CPU + gloo even if CUDA is visible."""
+    return os.environ.get("DSFN_FORCE_CPU", "").strip().lower() in _TRUE
+
+
+def use_cuda() -> bool:
+    """True when this process computes on CUDA (available and not forced to CPU)."""
+    return not force_cpu() and torch.cuda.is_available()
+
+
+def local_rank() -> int:
+    """This process's index on its node (LOCAL_RANK; 0 for a single process)."""
+    value = os.environ.get("LOCAL_RANK")
+    if value is None or value == "":
+        return 0
+    try:
+        return int(value)
+    except ValueError:
+        raise DistributedError(f"LOCAL_RANK={value!r} is not an integer") from None
+
+
+def local_world_size() -> int:
+    """Number of ranks on this node (LOCAL_WORLD_SIZE, else world_size())."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value:
+        try:
+            return int(value)
+        except ValueError:
+            raise DistributedError(f"LOCAL_WORLD_SIZE={value!r} is not an integer") from None
+    return world_size()
+
+
+def device() -> torch.device:
+    """`cuda:{local_rank}` on CUDA, else `cpu`."""
+    if use_cuda():
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def backend() -> str:
+    """The collective backend matching `device()`: "nccl" on CUDA, "gloo" on CPU."""
+    return "nccl" if use_cuda() else "gloo"
+
+
+def is_distributed() -> bool:
+    """True once the default process group is initialised (by dsfn or by anyone else)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """Global rank in the default group; 0 when no group is initialised."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """Number of ranks in the default group; 1 when no group is initialised."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def _env_int(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise DistributedError(f"{name}={value!r} is not an integer") from None
+
+
+def init_distributed(timeout_s: float = 300) -> bool:
+    """Initialise the default process group from torchrun's environment variables.
+
+    Idempotent. Returns True when a process group is (now) initialised, False for a
+    single process (none of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), in which
+    case nothing is initialised.
+
+    Raises:
+        DistributedError: some but not all of the variables are set, or they are
+            inconsistent (rank out of range, not integers).
+    """
+    if is_distributed():
+        return True
+    present = [v for v in REQUIRED_VARS if os.environ.get(v)]
+    if not present:
+        return False
+    missing = [v for v in REQUIRED_VARS if v not in present]
+    if missing:
+        raise DistributedError(
+            f"incomplete distributed environment: {', '.join(present)} set but "
+            f"{', '.join(missing)} missing. Launch with `torchrun --nproc-per-node N script.py`, "
+            f"`python -m dsfn.launch --nproc N script.py` or `dsfn.launch.spawn(fn, N)`, "
+            f"or unset {', '.join(present)} to run as a single process.")
+    if not dist.is_available():
+        raise DistributedError("torch.distributed is not available in this build of PyTorch")
+    rank_, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if world < 1 or not 0 <= rank_ < world:
+        raise DistributedError(f"RANK={rank_} is not in [0, WORLD_SIZE={world})")
+    be = backend()
+    kwargs = {}
+    if be == "nccl":
+        # Bind the device before init so NCCL never guesses (all ranks on cuda:0).
+        dev = device()
+        torch.cuda.set_device(dev)
+        kwargs["device_id"] = dev
+    dist.init_process_group(backend=be, init_method="env://", rank=rank_, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return True
+
+
+def shutdown() -> None:
+    """Destroy the default process group if one is initialised (no-op otherwise)."""
+    if is_distributed():
+        dist.destroy_process_group()

@@ -1,0 +1,144 @@
+"""A device mesh with named axes (dp, sp, tp, ...) over torch.distributed process groups.
+
+Ranks are laid out row-major in the order the axes are given, the last axis varying
+fastest: with `Mesh({"dp": 2, "tp": 2})` ranks 0,1 form the first tp group and ranks
+0,2 the first dp group. Axis sizes multiply to the world size.
+
+Every rank must construct the same mesh (process-group creation is collective).
+A mesh in a single process has every axis of size 1 and no groups.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Mapping
+
+import torch.distributed as dist
+
+from dsfn.errors import MeshError
+from dsfn.runtime import env
+
+DEFAULT_AXES = ("dp", "sp", "tp")
+
+
+class Mesh:
+    """Named axes over the world; `group(axis)` is this rank's process group along it."""
+
+    def __init__(self, axes: Mapping[str, int] | None = None):
+        world = env.world_size()
+        axes = dict(axes) if axes else {"dp": -1}
+        for name, size in axes.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise MeshError(f"mesh axis names must be identifiers, got {name!r}")
+            if not isinstance(size, int) or (size < 1 and size != -1):
+                raise MeshError(f"mesh axis {name!r} has size {size!r}; sizes are positive ints "
+                                "(or -1 once, meaning 'the rest of the world')")
+        inferred = [n for n, s in axes.items() if s == -1]
+        if len(inferred) > 1:
+            raise MeshError(f"only one mesh axis may be -1 (inferred), got {inferred}")
+        known = math.prod(s for s in axes.values() if s != -1)
+        if inferred:
+            if world % known:
+                raise MeshError(f"world size {world} is not divisible by the fixed axes "
+                                f"{ {n: s for n, s in axes.items() if s != -1} } (product {known})")
+            axes[inferred[0]] = world // known
+        if math.prod(axes.values()) != world:
+            raise MeshError(f"mesh axes {axes} multiply to {math.prod(axes.values())}, but the world "
+                            f"size is {world}; choose sizes whose product is {world}")
+        for name in DEFAULT_AXES:   # transforms may always ask for the standard axes
+            axes.setdefault(name, 1)
+        self.axes: dict[str, int] = axes
+        self.rank = env.rank()
+        self.coords = self._coords_of(self.rank)
+        self._groups: dict[str, object] = {}
+        self._ranks: dict[str, list[int]] = {}
+        if env.is_distributed():
+            self._build_groups()
+        else:
+            self._ranks = {a: [0] for a in self.axes}
+
+    def _coords_of(self, rank: int) -> dict[str, int]:
+        coords, rest = {}, rank
+        for name, size in reversed(self.axes.items()):
+            coords[name] = rest % size
+            rest //= size
+        return {n: coords[n] for n in self.axes}
+
+    def _rank_of(self, coords: Mapping[str, int]) -> int:
+        rank = 0
+        for name, size in self.axes.items():
+            rank = rank * size + coords[name]
+        return rank
+
+    def _build_groups(self) -> None:
+        names = list(self.axes)
+        for axis in names:
+            others = [n for n in names if n != axis]
+            # every rank creates every group in the same order (new_group is collective)
+            for other_coords in itertools.product(*(range(self.axes[n]) for n in others)):
+                fixed = dict(zip(others, other_coords))
+                ranks = [self._rank_of({**fixed, axis: i}) for i in range(self.axes[axis])]
+                if self.axes[axis] == 1:
+                    group = None
+                elif len(ranks) == env.world_size():
+                    group = dist.group.WORLD
+                else:
+                    group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self._groups[axis] = group
+                    self._ranks[axis] = ranks
+
+    def size(self, axis: str) -> int:
+        self._check_axis(axis)
+        return self.axes[axis]
+
+    def local_rank(self, axis: str) -> int:
+        """This rank's index along `axis` (0 .. size-1)."""
+        self._check_axis(axis)
+        return self.coords[axis]
+
+    def group(self, axis: str):
+        """The process group along `axis` holding this rank (None for a size-1 axis)."""
+        self._check_axis(axis)
+        return self._groups.get(axis)
+
+    def ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's group along `axis`, in axis order."""
+        self._check_axis(axis)
+        return list(self._ranks[axis])
+
+    def _check_axis(self, axis: str) -> None:
+        if axis not in self.axes:
+            raise MeshError(f"mesh has no axis {axis!r}; its axes are {list(self.axes)}. "
+                            f"Create it with dsfn.runtime.init_mesh({axis}=...)")
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.axes}, rank={self.rank})"
+
+
+_current: Mesh | None = None
+
+
+def init_mesh(**axes: int) -> Mesh:
+    """Build the process mesh (initialising torch.distributed from torchrun vars if needed).
+
+    `init_mesh(dp=2, tp=2)`; unnamed standard axes get size 1; one axis may be -1.
+    With no arguments every rank is on `dp`.
+    """
+    global _current
+    env.init_distributed()
+    _current = Mesh(axes or None)
+    return _current
+
+
+def current_mesh() -> Mesh:
+    """The mesh set by `init_mesh`, or a default all-dp mesh over the current world."""
+    global _current
+    if _current is None or _current.rank != env.rank() or math.prod(_current.axes.values()) != env.world_size():
+        _current = Mesh()
+    return _current
+
+
+def reset_mesh() -> None:
+    global _current
+    _current = None

@@ -1,0 +1,78 @@
+"""`TrainState`: the whole training state as one immutable pytree.
+
+Fields (children unless noted):
+- `step`: 0-dim int64 tensor, number of optimizer updates applied so far.
+- `params`: pytree of parameter tensors (usually `dict[str, Tensor]` from `functionalize`).
+- `opt_state`: the optimizer's state pytree (moments, counts, lr).
+- `rng`: int64 tensor [2] = (seed, draws); `rng_generator` derives torch generators from it.
+- `extra`: dict for more state owned by transforms and users (loss scale, data cursor, ...).
+- `tx` (static): the `GradientTransformation` that owns `opt_state`.
+
+States are never mutated: `replace` and `apply_gradients` return new states; the input
+state's tensors are unchanged after a step. Leaves may be `Placed` (sharded/offloaded
+pieces) after `Step.place`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dsfn import tree
+from dsfn.errors import LeafTypeError
+from dsfn.transforms.core import bind
+
+
+@tree.dataclass
+class TrainState:
+    step: torch.Tensor
+    params: Any
+    opt_state: Any
+    rng: torch.Tensor
+    extra: dict = tree.field(default_factory=dict)
+    tx: Any = tree.static_field(default=None)
+
+    @classmethod
+    def create(cls, params: Any, tx: Any, seed: int = 0, extra: dict | None = None) -> "TrainState":
+        """A fresh state: step 0, `tx.init(params)`, rng from `seed`."""
+        check_tensor_leaves(params, "params")
+        if tx is None or not (hasattr(tx, "init") and hasattr(tx, "update")):
+            from dsfn.errors import ConfigError
+            raise ConfigError("TrainState.create needs tx=a dsfn optimizer (e.g. dsfn.optim.adamw(lr=1e-3)), "
+                              f"got {tx!r}")
+        return cls(step=torch.zeros((), dtype=torch.int64), params=params, opt_state=tx.init(params),
+                   rng=torch.tensor([int(seed), 0], dtype=torch.int64), extra=dict(extra or {}), tx=tx)
+
+    def replace(self, **changes: Any) -> "TrainState":
+        return tree.replace(self, **changes)
+
+    def apply_gradients(self, grads: Any) -> "TrainState":
+        """One optimizer update with `grads` (same structure as `params`); step += 1.
+
+        A primitive: transforms such as ZeRO change how (and where) the update runs.
+        """
+        return bind("apply_gradients", _apply_gradients, self, grads)
+
+    def rng_generator(self, stream: int = 0) -> torch.Generator:
+        """A torch.Generator determined by (seed, step, stream): reproducible across resumes."""
+        g = torch.Generator()
+        seed, _ = (int(x) for x in self.rng.tolist())
+        g.manual_seed((seed * 1_000_003 + int(self.step) * 7919 + stream) % (2**63 - 1))
+        return g
+
+
+def _apply_gradients(state: TrainState, grads: Any) -> TrainState:
+    from dsfn.optim import apply_updates
+    if tree.structure(grads) != tree.structure(state.params):
+        raise LeafTypeError("apply_gradients: grads do not have the structure of params "
+                            f"(grads: {tree.structure(grads)}, params: {tree.structure(state.params)})")
+    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+    return state.replace(step=state.step + 1, params=apply_updates(state.params, updates), opt_state=opt_state)
+
+
+def check_tensor_leaves(t: Any, what: str) -> None:
+    """Raise LeafTypeError naming the first leaf of `t` that is not a tensor."""
+    for path, x in tree.leaves_with_path(t):
+        if not isinstance(x, torch.Tensor):
+            raise LeafTypeError(f"{what} leaf {path or '<root>'!r} is a {type(x).__name__}; dsfn needs "
+                                "torch.Tensor leaves here (wrap numbers with torch.tensor)")

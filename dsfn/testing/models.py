@@ -1,0 +1,41 @@
+"""Tiny deterministic models and data for tests and property checks."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    """Linear-tanh stack; `sizes` = [in, hidden..., out]."""
+
+    def __init__(self, sizes: list[int]):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return x
+
+
+def make_mlp(sizes: list[int], seed: int = 0) -> MLP:
+    torch.manual_seed(seed)
+    return MLP(sizes)
+
+
+def regression_batches(n_batches: int, batch_size: int, d_in: int, d_out: int, seed: int = 0) -> list[dict]:
+    """Random regression batches {"x": [B, d_in], "y": [B, d_out]} from a fixed generator."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(batch_size, d_in, generator=g), "y": torch.randn(batch_size, d_out, generator=g)}
+            for _ in range(n_batches)]
+
+
+def token_batches(n_batches: int, batch_size: int, seq_len: int, vocab: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_batches):
+        ids = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=g)
+        out.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+    return out

@@ -1,0 +1,86 @@
+"""`assert_matches_reference`: a stack of transforms on N ranks equals the single process.
+
+The reference is the same `train_step` with no transforms, in this process, on the same
+global batches. The stack runs on `world_size` gloo ranks (`run_on_ranks`); every rank
+gathers its final state to logical form, and losses and the final logical state
+(params and optimizer state) are compared leaf by leaf.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+import dsfn
+from dsfn.testing.asserts import assert_trees_close
+from dsfn.testing.ranks import run_on_ranks
+
+LossFn = Callable[[Callable, Any, dict], torch.Tensor]
+
+
+def mse_loss(apply_fn: Callable, params: Any, batch: dict) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(apply_fn(params, batch["x"]), batch["y"])
+
+
+def lm_loss(apply_fn: Callable, params: Any, batch: dict) -> torch.Tensor:
+    logits = apply_fn(params, batch["input_ids"])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
+
+
+@dataclass
+class RunResult:
+    losses: list[float]
+    state: Any          # final logical TrainState
+    metrics: list[dict]
+
+
+def run_training(make_model: Callable[[], nn.Module], make_tx: Callable[[], Any], batches: Sequence[dict],
+                 transforms: Sequence[Any] = (), loss_fn: LossFn = mse_loss, seed: int = 0) -> RunResult:
+    """Train on this process/rank with `transforms`; returns losses and the gathered state."""
+    torch.manual_seed(seed)
+    apply_fn, params = dsfn.functionalize(make_model())
+
+    def train_step(state, batch):
+        loss, grads = dsfn.value_and_grad(lambda p, b: loss_fn(apply_fn, p, b))(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    step = dsfn.compose(*transforms)(train_step)
+    state = step.place(dsfn.TrainState.create(params, make_tx(), seed=seed))
+    losses, metrics = [], []
+    for batch in batches:
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+        metrics.append({k: float(v) for k, v in m.items()})
+    return RunResult(losses, step.gather(state), metrics)
+
+
+def _strip(state: Any) -> dict:
+    return {"params": state.params, "opt_state": state.opt_state, "step": state.step}
+
+
+def assert_matches_reference(make_transforms: Callable[[], Sequence[Any]], make_model: Callable[[], nn.Module],
+                             make_tx: Callable[[], Any], batches: Sequence[dict], world_size: int,
+                             loss_fn: LossFn = mse_loss, rtol: float = 1e-5, atol: float = 1e-6,
+                             seed: int = 0, timeout: float = 120.0) -> tuple[RunResult, list[RunResult]]:
+    """Run the reference here and the stack on `world_size` ranks; assert they agree.
+
+    `make_transforms` is called inside every rank (transforms may hold per-rank state).
+    Returns (reference, per-rank results) for further checks.
+    """
+    ref = run_training(make_model, make_tx, batches, (), loss_fn, seed)
+
+    def rank_fn():
+        res = run_training(make_model, make_tx, batches, tuple(make_transforms()), loss_fn, seed)
+        res.state = res.state.replace(tx=None)   # optimizers hold closures: not picklable
+        return res
+
+    results = run_on_ranks(rank_fn, world_size, timeout=timeout)
+    for r, res in enumerate(results):
+        assert torch.allclose(torch.tensor(res.losses, dtype=torch.float64),
+                              torch.tensor(ref.losses, dtype=torch.float64), rtol=rtol, atol=atol), \
+            f"rank {r} losses {res.losses} differ from the reference {ref.losses}"
+        assert_trees_close(_strip(res.state), _strip(ref.state), rtol=rtol, atol=atol,
+                           msg=f"rank {r} final state vs reference")
+    return ref, results

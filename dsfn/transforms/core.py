@@ -1,0 +1,145 @@
+"""The transform protocol and the primitive dispatcher (effect handlers).
+
+`train_step` calls a handful of dsfn *primitives* for the things a transform may want to
+change. Each primitive has a default meaning (what a single process does); while a
+`Step` runs, its transforms are *active* and may handle primitives:
+
+| primitive          | arguments                                  | default                      |
+|--------------------|--------------------------------------------|------------------------------|
+| "value_and_grad"   | (fn, params, args, kwargs, has_aux)        | autograd on one process      |
+| "apply_gradients"  | (state, grads)                             | optimizer update, step += 1  |
+| "reduce_metrics"   | (metrics: dict[str, 0-dim tensor])         | identity                     |
+
+A transform handles primitive P by defining `handle_P(self, call_next, *args)`; it may
+change the arguments, call `call_next(*args)` (the transforms further out, and finally
+the default), and change the result. Dispatch starts at the innermost transform (the
+one closest to `train_step`) and moves outwards, as in JAX where the inner transform
+interprets the function first. Transforms that do not define `handle_P` are skipped, so
+a new transform is a new handler, never a new branch here.
+
+Besides handlers, a transform may change the state's layout (`place`: logical ->
+physical; the generic `gather` of layouts inverts it) and wrap the whole step
+(`wrap_step`: batch slicing, step-boundary hooks).
+"""
+from __future__ import annotations
+
+import inspect
+import threading
+from typing import Any, Callable, ClassVar, Sequence
+
+from dsfn.errors import ConfigError, StackError
+
+_local = threading.local()
+
+
+def active_stack() -> tuple["Transform", ...]:
+    """Transforms of the running Step, outermost first (empty outside a Step)."""
+    return getattr(_local, "stack", ())
+
+
+class _Activate:
+    def __init__(self, stack: Sequence["Transform"]):
+        self.stack = tuple(stack)
+
+    def __enter__(self):
+        self.prev = active_stack()
+        _local.stack = self.prev + self.stack
+        return self
+
+    def __exit__(self, *exc):
+        _local.stack = self.prev
+        return False
+
+
+def activate(stack: Sequence["Transform"]) -> _Activate:
+    return _Activate(stack)
+
+
+def bind(primitive: str, default: Callable[..., Any], *args: Any) -> Any:
+    """Run `primitive` through the active handlers, innermost first, then `default`."""
+    name = "handle_" + primitive
+    handlers = [t for t in reversed(active_stack()) if hasattr(t, name)]
+
+    def call(i: int, *a: Any) -> Any:
+        if i == len(handlers):
+            return default(*a)
+        return getattr(handlers[i], name)(lambda *b: call(i + 1, *b), *a)
+
+    return call(0, *args)
+
+
+class Transform:
+    """Base class of every transform.
+
+    Subclasses set `name`, take their options in `__init__` (keyword arguments are
+    validated by `make_transform`), and override what they need:
+    - `check_stack(stack, index)`: raise StackError if the stack cannot work;
+    - `place(state)`: logical state -> this rank's physical state;
+    - `wrap_step(fn)`: a step function around `fn` (same signature);
+    - `handle_<primitive>(call_next, *args)`: see the module docstring.
+    `unique = True` (the default) forbids two transforms of the same class in a stack.
+    """
+
+    name: ClassVar[str] = "transform"
+    unique: ClassVar[bool] = True
+
+    def check_stack(self, stack: Sequence["Transform"], index: int) -> None:
+        """Raise StackError when this transform cannot work at `stack[index]`."""
+
+    def place(self, state: Any) -> Any:
+        return state
+
+    def wrap_step(self, fn: Callable[[Any, Any], tuple[Any, dict]]) -> Callable[[Any, Any], tuple[Any, dict]]:
+        return fn
+
+    def describe(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{self.name}({opts})"
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+    def __call__(self, fn: Callable) -> "Step":
+        """`t(f)`: a Step with `t` outermost; `t(Step)` prepends `t` to its stack."""
+        from dsfn.transforms.compose import Step
+        if isinstance(fn, Step):
+            return Step(fn.fn, (self,) + fn.stack)
+        return Step(fn, (self,))
+
+
+def make_transform(cls: type[Transform], factory_name: str, args: tuple, kwargs: dict) -> Transform:
+    """Build `cls(*args, **kwargs)`, turning a bad signature into an actionable ConfigError."""
+    sig = inspect.signature(cls.__init__)
+    params = [p for p in sig.parameters.values() if p.name != "self"]
+    names = [p.name for p in params]
+    unknown = [k for k in kwargs if k not in names]
+    if unknown:
+        raise ConfigError(f"{factory_name}() got unknown argument(s) {unknown}; valid arguments: {names}")
+    try:
+        sig.bind(None, *args, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{factory_name}(): {e}; signature: {factory_name}{_public_sig(sig)}") from None
+    return cls(*args, **kwargs)
+
+
+def _public_sig(sig: inspect.Signature) -> str:
+    return str(sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "self"]))
+
+
+def check_stack(stack: Sequence[Any]) -> tuple[Transform, ...]:
+    """Validate a stack at compose time; returns it as a tuple."""
+    for i, t in enumerate(stack):
+        if not isinstance(t, Transform):
+            hint = ""
+            if callable(t) and getattr(t, "__module__", "").startswith("dsfn.transforms"):
+                hint = f" Did you forget to call it, e.g. {getattr(t, '__name__', 'transform')}()?"
+            raise StackError(f"compose() takes dsfn transforms; argument {i} is {t!r}.{hint}")
+    seen: dict[type, int] = {}
+    for i, t in enumerate(stack):
+        if t.unique and type(t) in seen:
+            raise StackError(f"{t.name} appears twice in the stack (positions {seen[type(t)]} and {i}); "
+                             f"use it once")
+        seen.setdefault(type(t), i)
+    for i, t in enumerate(stack):
+        t.check_stack(stack, i)
+    return tuple(stack)

@@ -1,0 +1,118 @@
+"""`data_parallel()`: replicate the state, split the batch, average gradients over dp.
+
+- `place`: every state leaf is broadcast from dp-rank 0, so all replicas start equal
+  (like DDP's construction-time broadcast).
+- step: the global batch's leading dimension is split evenly over the dp axis; this
+  rank runs `train_step` on its rows (`split_batch=False` when the loader already gives
+  each rank its own rows).
+- `value_and_grad`: gradients are packed into buckets of `bucket_mb` and all-reduced
+  (mean) over dp — all-reduce bytes per step equal the gradient bytes. For a loss that
+  is a mean over equally sized per-rank batches this equals the single-process gradient
+  of the global batch.
+- `reduce_metrics`: metrics are averaged over dp.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from dsfn import tree
+from dsfn.errors import ConfigError, ShapeError
+from dsfn.runtime import buckets as B
+from dsfn.runtime import collectives as C
+from dsfn.runtime.mesh import current_mesh
+from dsfn.transforms.core import Transform, make_transform
+
+
+class DataParallel(Transform):
+    name = "data_parallel"
+
+    def __init__(self, axis: str = "dp", split_batch: bool = True, bucket_mb: float = 25.0):
+        if not isinstance(axis, str):
+            raise ConfigError(f"data_parallel(axis=...) takes a mesh axis name, got {axis!r}")
+        if not bucket_mb > 0:
+            raise ConfigError(f"data_parallel(bucket_mb={bucket_mb!r}): bucket size must be > 0 MB")
+        self.axis = axis
+        self.split_batch = bool(split_batch)
+        self.bucket_mb = float(bucket_mb)
+
+    def place(self, state: Any) -> Any:
+        mesh = current_mesh()
+        if mesh.size(self.axis) == 1:
+            return state
+        leaves, spec = tree.flatten(state)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        synced = iter(all_reduce_buckets(tensors, self.axis, int(self.bucket_mb * 2**20), op=None))
+        return tree.unflatten(spec, [next(synced) if isinstance(x, torch.Tensor) else x for x in leaves])
+
+    def wrap_step(self, fn):
+        if not self.split_batch:
+            return fn
+
+        def step(state, batch):
+            return fn(state, split_batch(batch, self.axis))
+        return step
+
+    def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
+        value, grads = call_next(fn, params, args, kwargs, has_aux)
+        if current_mesh().size(self.axis) == 1:
+            return value, grads
+        leaves, spec = tree.flatten(grads)
+        reduced = all_reduce_buckets(leaves, self.axis, int(self.bucket_mb * 2**20), op="avg")
+        return value, tree.unflatten(spec, reduced)
+
+    def handle_reduce_metrics(self, call_next, metrics):
+        return call_next(average_metrics(metrics, self.axis))
+
+
+def data_parallel(*args: Any, **kwargs: Any) -> DataParallel:
+    """`data_parallel(axis="dp", split_batch=True, bucket_mb=25.0)`; see the module docstring."""
+    return make_transform(DataParallel, "data_parallel", args, kwargs)
+
+
+def all_reduce_buckets(tensors: Sequence[torch.Tensor], axis: str, bucket_bytes: int,
+                       op: str | None) -> list[torch.Tensor]:
+    """Reduce (op="avg"/"sum") or broadcast from index 0 (op=None) a list of tensors in buckets.
+
+    All buckets are launched before any is waited on, so transfers pipeline.
+    Returns new tensors; the inputs are not modified.
+    """
+    tensors = list(tensors)
+    buckets = B.pack(tensors, bucket_bytes)
+    pending = []
+    for b in buckets:
+        flat = b.flatten(tensors)
+        if op is None:
+            pending.append(C.broadcast_(flat, axis, 0, async_op=True))
+        else:
+            pending.append(C.all_reduce_(flat, axis, op, async_op=True))
+    return B.reassemble(len(tensors), buckets, [p.wait() for p in pending])
+
+
+def split_batch(batch: Any, axis: str) -> Any:
+    """This rank's rows of every batch leaf (leading dim split evenly over `axis`)."""
+    mesh = current_mesh()
+    n, r = mesh.size(axis), mesh.local_rank(axis)
+    if n == 1:
+        return batch
+
+    def take(path: str, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0 or x.shape[0] % n:
+            raise ShapeError(f"batch leaf {path or '<root>'!r} has shape {tuple(x.shape)}; splitting over "
+                             f"{axis}={n} needs a leading dimension divisible by {n}. Use a global batch size "
+                             f"that is a multiple of {n}, or pass per-rank batches with split_batch=False")
+        rows = x.shape[0] // n
+        return x[r * rows:(r + 1) * rows]
+    return tree.map_with_path(take, batch)
+
+
+def average_metrics(metrics: dict[str, torch.Tensor], axis: str) -> dict[str, torch.Tensor]:
+    """Mean of each metric over `axis`, in one collective."""
+    if current_mesh().size(axis) == 1 or not metrics:
+        return metrics
+    keys = sorted(metrics)
+    vec = torch.stack([metrics[k].to(torch.float64) for k in keys])
+    vec = C.all_reduce_(vec, axis, "avg")
+    return {k: vec[i].to(metrics[k].dtype if metrics[k].is_floating_point() else torch.float64)
+            for i, k in enumerate(keys)}

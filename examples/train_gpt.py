@@ -1,0 +1,308 @@
+"""Train a small GPT on the Python standard library's source code, on CPU, with dsfn.
+
+    python examples/train_gpt.py                      # 2 local ranks, data parallel, ~1-2 min
+    python examples/train_gpt.py --world-size 1       # one process
+    python examples/train_gpt.py --model tiny --steps 50
+
+The model sees bytes (vocab 256) of the stdlib's *.py files (see `corpus.py`); the last
+5% of the files are held out for validation. The training step is written once, for
+one device, and `dsfn.compose(data_parallel())` runs it on every rank: each rank takes
+its rows of the global batch, gradients are averaged over ranks, metrics come back
+averaged.
+
+Outputs (in --out, default runs/train_gpt): metrics.jsonl (one JSON object per step),
+loss.png (the loss curve), summary.json (what the summary printed at the end says).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+# Running as `python examples/train_gpt.py` from a checkout without `pip install -e .`:
+# make the repository's dsfn importable.
+if importlib.util.find_spec("dsfn") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if str(Path(__file__).resolve().parent) not in sys.path:     # `corpus` when imported as a module
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+
+import dsfn
+from dsfn.models import GPT, GPTConfig, gpt_loss, greedy_generate
+from dsfn.transforms import data_parallel
+
+import corpus
+
+DEFAULTS: dict[str, Any] = dict(
+    model="small",
+    steps=200,
+    world_size=2,
+    batch_size=32,        # global: split over the ranks
+    lr=2e-3,
+    warmup=10,
+    weight_decay=0.1,
+    seed=0,
+    out="runs/train_gpt",
+    max_bytes=8_000_000,  # corpus size: the first 8 MB of the stdlib's sources
+    eval_batches=16,
+    prompt="def ",
+    sample_tokens=160,
+)
+
+
+def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
+         world_size: int = DEFAULTS["world_size"], batch_size: int = DEFAULTS["batch_size"],
+         lr: float = DEFAULTS["lr"], warmup: int = DEFAULTS["warmup"],
+         weight_decay: float = DEFAULTS["weight_decay"], seed: int = DEFAULTS["seed"],
+         out: str | Path = DEFAULTS["out"], max_bytes: int = DEFAULTS["max_bytes"],
+         eval_batches: int = DEFAULTS["eval_batches"], prompt: str = DEFAULTS["prompt"],
+         sample_tokens: int = DEFAULTS["sample_tokens"], progress: bool = True,
+         verbose: bool = True) -> dict[str, Any]:
+    """Train, write metrics.jsonl / loss.png / summary.json under `out`, return the summary.
+
+    `batch_size` is the global batch (sequences per step, over all ranks); it must be a
+    multiple of `world_size`. `world_size=1` trains in this process; more ranks run as
+    local gloo processes (`dsfn.launch.spawn`).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if batch_size % world_size:
+        raise ValueError(f"batch_size={batch_size} must be a multiple of world_size={world_size}")
+    cfg = GPTConfig.preset(model)
+    if cfg.vocab_size < 256:
+        raise ValueError(f"model {model!r} has vocab_size={cfg.vocab_size}; byte-level data needs >= 256")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.perf_counter()
+    data = corpus.load_corpus(max_bytes)
+    train_data, val_data = corpus.train_val_split(data, val_fraction=0.05)
+    run = dict(cfg=cfg, model=model, steps=steps, world_size=world_size, batch_size=batch_size,
+               lr=lr, warmup=warmup, weight_decay=weight_decay, seed=seed, out=str(out),
+               eval_batches=eval_batches, prompt=prompt, sample_tokens=sample_tokens,
+               progress=progress, corpus_bytes=len(data))
+
+    if world_size == 1:
+        result = _train(train_data, val_data, run)          # in-process: all cores, no group
+    else:
+        # Forked ranks share the corpus tensor copy-on-write; one torch thread each.
+        results = dsfn.launch.spawn(_train, world_size, args=(train_data, val_data, run),
+                                    timeout=max(600.0, 10.0 * steps))
+        result = results[0]
+    result["wall_s"] = time.perf_counter() - t0
+
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    plot_loss(metrics, out / "loss.png", title=_title(cfg, model, world_size, batch_size),
+              val_loss=result["val_loss"])
+    summary = _summary(result, metrics, run, out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if verbose:
+        print(format_summary(summary))
+    return summary
+
+
+def lr_schedule(lr: float, warmup: int, steps: int) -> Any:
+    """Linear warmup for `warmup` steps, then cosine decay to lr/10 at `steps`."""
+    def schedule(count: torch.Tensor) -> float:   # TEMPORARY until dsfn.optim.schedules exists
+        c = int(count)
+        if c < warmup:
+            return lr * (c + 1) / warmup
+        frac = min(1.0, (c - warmup) / max(1, steps - warmup))
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    return schedule
+
+
+def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]) -> dict[str, Any]:
+    """One rank's training run (also the whole run when world_size == 1).
+
+    Every rank draws the same global batches; data_parallel gives each its rows.
+    Rank 0 logs and evaluates; its return value is the run's result.
+    """
+    cfg: GPTConfig = run["cfg"]
+    rank = dsfn.runtime.rank()
+    model = GPT(cfg, seed=run["seed"])
+    apply_fn, params = dsfn.functionalize(model)
+    from dsfn.optim.alias import adamw  # TEMPORARY
+    tx = adamw(betas=(0.9, 0.95), lr=lr_schedule(run["lr"], run["warmup"], run["steps"]),
+                          weight_decay=run["weight_decay"])
+    state = dsfn.TrainState.create(params, tx=tx, seed=run["seed"])
+
+    def loss_fn(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = apply_fn(params, batch["input_ids"])          # [B/world, T, V]
+        return gpt_loss(logits, batch["labels"])
+
+    def train_step(state: dsfn.TrainState, batch: dict[str, torch.Tensor]):
+        loss, grads = dsfn.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    step = dsfn.compose(data_parallel())(train_step)
+    state = step.place(state)
+
+    tokens_per_step = run["batch_size"] * cfg.seq_len
+    data_iter = corpus.batches(train_data, run["batch_size"], cfg.seq_len, seed=run["seed"])
+    log = open(Path(run["out"]) / "metrics.jsonl", "w") if rank == 0 else None
+    bar = _progress_bar(run) if rank == 0 else None
+    start = time.perf_counter()
+    try:
+        for i in range(run["steps"]):
+            batch = next(data_iter)
+            t = time.perf_counter()
+            state, metrics = step(state, batch)
+            dt = time.perf_counter() - t
+            if rank != 0:
+                continue
+            record = {"step": i + 1, "loss": float(metrics["loss"]),
+                      "lr": float(metrics["lr"]) if "lr" in metrics else None,
+                      "tokens_per_s": tokens_per_step / dt,
+                      "elapsed": time.perf_counter() - start}
+            log.write(json.dumps(record) + "\n")
+            if bar is not None:
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                                refresh=False)
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+        if log is not None:
+            log.close()
+    train_s = time.perf_counter() - start
+
+    final = step.gather(state)               # logical state: every rank takes part
+    if rank != 0:
+        return {}
+    model.eval()
+    logits_fn = lambda ids: apply_fn(final.params, ids)  # noqa: E731
+    val_loss = evaluate(logits_fn, val_data, cfg.seq_len, run["batch_size"], run["eval_batches"],
+                        seed=run["seed"] + 1)
+    prompt = corpus.encode(run["prompt"])[None]          # [1, T0]
+    sample = greedy_generate(logits_fn, prompt, run["sample_tokens"], cfg.seq_len)
+    return {"train_s": train_s, "val_loss": val_loss, "sample": corpus.decode(sample[0]),
+            "num_params": sum(p.numel() for p in params.values())}
+
+
+@torch.no_grad()
+def evaluate(logits_fn, data: torch.Tensor, seq_len: int, batch_size: int, n_batches: int,
+             seed: int) -> float:
+    """Mean loss over `n_batches` fixed random windows of `data` (uint8[N])."""
+    it = corpus.batches(data, batch_size, seq_len, seed=seed)
+    losses = [gpt_loss(logits_fn(b["input_ids"]), b["labels"]).item() for b, _ in zip(it, range(n_batches))]
+    return sum(losses) / len(losses)
+
+
+def _progress_bar(run: dict[str, Any]):
+    if not run["progress"]:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=run["steps"], desc=f"train {run['model']} x{run['world_size']}", unit="step",
+                dynamic_ncols=True)
+
+
+def _title(cfg: GPTConfig, model: str, world_size: int, batch_size: int) -> str:
+    return (f"GPT '{model}' ({cfg.num_params() / 1e6:.2f}M params) on stdlib bytes, "
+            f"{world_size} rank{'s' if world_size > 1 else ''}, batch {batch_size}x{cfg.seq_len}")
+
+
+def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str = "",
+              val_loss: float | None = None) -> None:
+    """Training loss per step (raw and smoothed) and the final validation loss, as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")                    # no display needed
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in metrics]
+    loss = [m["loss"] for m in metrics]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot(steps, loss, color="tab:blue", alpha=0.3, lw=1, label="train loss")
+    ax.plot(steps, _ema(loss, 0.9), color="tab:blue", lw=2, label="train loss (EMA 0.9)")
+    if val_loss is not None:
+        ax.scatter([steps[-1]], [val_loss], color="tab:red", zorder=3, label=f"val loss {val_loss:.3f}")
+    ax.axhline(math.log(256), color="gray", ls=":", lw=1, label="uniform over bytes (ln 256)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross entropy (nats/byte)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _ema(xs: list[float], decay: float) -> list[float]:
+    out, avg = [], None
+    for x in xs:
+        avg = x if avg is None else decay * avg + (1 - decay) * x
+        out.append(avg)
+    return out
+
+
+def _summary(result: dict[str, Any], metrics: list[dict[str, Any]], run: dict[str, Any],
+             out: Path) -> dict[str, Any]:
+    losses = [m["loss"] for m in metrics]
+    tail = losses[-max(1, len(losses) // 10):]          # smooth the last value over ~10% of steps
+    tokens = run["steps"] * run["batch_size"] * run["cfg"].seq_len
+    return {
+        "model": run["model"], "num_params": result["num_params"], "world_size": run["world_size"],
+        "steps": run["steps"], "global_batch": run["batch_size"], "seq_len": run["cfg"].seq_len,
+        "corpus_bytes": run["corpus_bytes"],
+        "initial_loss": losses[0], "final_loss": sum(tail) / len(tail), "last_loss": losses[-1],
+        "val_loss": result["val_loss"],
+        "tokens": tokens, "tokens_per_s": tokens / result["train_s"],
+        "train_s": result["train_s"], "wall_s": result["wall_s"],
+        "prompt": run["prompt"], "sample": result["sample"],
+        "files": {name: str(out / name) for name in ("metrics.jsonl", "loss.png", "summary.json")},
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    sample = s["sample"].replace("\t", "    ")
+    return "\n".join([
+        "",
+        f"== train_gpt: '{s['model']}' GPT, {s['num_params'] / 1e6:.2f}M params, "
+        f"{s['world_size']} rank(s) with data_parallel, {s['steps']} steps of "
+        f"{s['global_batch']}x{s['seq_len']} tokens",
+        f"  train loss  {s['initial_loss']:.3f} -> {s['final_loss']:.3f}  (first step -> mean of the last 10%;"
+        f" ln 256 = {math.log(256):.3f})",
+        f"  val loss    {s['val_loss']:.3f}  (held-out stdlib files)",
+        f"  throughput  {s['tokens_per_s']:,.0f} tokens/s over all ranks",
+        f"  time        {s['wall_s']:.1f} s wall ({s['train_s']:.1f} s in the training loop)",
+        f"  files       {Path(s['files']['metrics.jsonl']).parent}/{{metrics.jsonl, loss.png, summary.json}}",
+        f"  sample      greedy continuation of {s['prompt']!r}:",
+        *("    | " + line for line in sample.splitlines()),
+        "",
+    ])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=DEFAULTS["model"], choices=sorted(_presets()),
+                   help="GPT size preset (dsfn.models.GPTConfig.preset)")
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"])
+    p.add_argument("--world-size", type=int, default=DEFAULTS["world_size"],
+                   help="local ranks (gloo processes); 1 = this process")
+    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
+                   help="global batch in sequences (split over the ranks)")
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="linear warmup steps")
+    p.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    p.add_argument("--out", default=DEFAULTS["out"], help="output directory")
+    p.add_argument("--max-bytes", type=int, default=DEFAULTS["max_bytes"], help="corpus size cap")
+    p.add_argument("--prompt", default=DEFAULTS["prompt"], help="prompt of the generated sample")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def _presets() -> list[str]:
+    from dsfn.models.gpt import PRESETS
+    return list(PRESETS)
+
+
+if __name__ == "__main__":
+    main(**vars(parse_args()))

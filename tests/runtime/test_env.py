@@ -1,0 +1,94 @@
+"""dsfn.runtime.env: device/backend choice and process-group set-up from torchrun's variables."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsfn.errors import DistributedError
+from dsfn.launch import spawn
+from dsfn.runtime import env
+
+DIST_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    """This process as a plain single-process run (whatever launched pytest)."""
+    for var in DIST_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert not env.is_distributed()
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("YES", True),
+                                            ("0", False), ("", False), (None, False)])
+def test_force_cpu_values(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("DSFN_FORCE_CPU", raising=False)
+    else:
+        monkeypatch.setenv("DSFN_FORCE_CPU", value)
+    assert env.force_cpu() is expected
+
+
+def test_cuda_when_visible_unless_forced(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("DSFN_FORCE_CPU", raising=False)
+    assert env.device() == torch.device("cuda", 1) and env.backend() == "nccl"
+    monkeypatch.setenv("DSFN_FORCE_CPU", "1")
+    assert env.device() == torch.device("cpu") and env.backend() == "gloo"
+
+
+def test_cpu_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("DSFN_FORCE_CPU", raising=False)
+    assert env.device() == torch.device("cpu") and env.backend() == "gloo"
+
+
+def test_single_process_without_env_vars(single_process):
+    assert env.init_distributed() is False
+    assert not env.is_distributed()
+    assert (env.rank(), env.world_size(), env.local_rank()) == (0, 1, 0)
+    env.shutdown()  # no-op without a group
+
+
+@pytest.mark.parametrize("present", [("RANK",), ("WORLD_SIZE", "MASTER_ADDR"),
+                                     ("RANK", "WORLD_SIZE", "MASTER_PORT"), ("MASTER_ADDR",)])
+def test_half_set_env_vars_name_what_is_missing(single_process, monkeypatch, present):
+    values = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for var in present:
+        monkeypatch.setenv(var, values[var])
+    with pytest.raises(DistributedError) as info:
+        env.init_distributed()
+    msg = str(info.value)
+    for var in env.REQUIRED_VARS:
+        if var not in present:
+            assert var in msg
+    assert "torchrun" in msg and "dsfn.launch" in msg
+    assert not env.is_distributed()
+
+
+@pytest.mark.parametrize("rank,world", [("2", "2"), ("-1", "2"), ("x", "2"), ("0", "0")])
+def test_inconsistent_env_vars(single_process, monkeypatch, rank, world):
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(DistributedError):
+        env.init_distributed()
+    assert not env.is_distributed()
+
+
+def _inside_rank():
+    # spawn already called init_distributed: a second call is a no-op.
+    assert env.init_distributed() is True
+    info = (env.is_distributed(), env.rank(), env.world_size(), env.local_rank(),
+            env.local_world_size(), str(env.device()), env.backend())
+    env.shutdown()
+    return info + (env.is_distributed(), env.rank(), env.world_size())
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_initialised_group_in_ranks(world_size):
+    out = spawn(_inside_rank, world_size, timeout=60)
+    assert out == [(True, r, world_size, r, world_size, "cpu", "gloo", False, 0, 1)
+                   for r in range(world_size)]
