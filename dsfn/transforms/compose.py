@@ -4,7 +4,7 @@
 `train_step` and the stack (outermost first):
 
     step.place(state)   logical -> this rank's physical state (innermost transform first)
-    step.gather(state)  physical -> logical (the layouts on the leaves say how)
+    step.gather(state)  physical -> logical (layouts on the leaves, then each transform's gather)
     step(state, batch)  -> (new_state, metrics)
 
 Inside `step(state, batch)` the transforms are active (they handle primitives), each
@@ -55,8 +55,16 @@ class Step:
         return state
 
     def gather(self, state: Any) -> Any:
-        """Physical state -> logical state (collective when leaves are sharded)."""
-        return gather_tree(state)
+        """Physical state -> logical state (collective when leaves are sharded).
+
+        The layouts on the leaves are gathered first; then each transform undoes the
+        structural changes its `place` made, outermost first (the reverse of `place`).
+        """
+        state = gather_tree(state)
+        with activate(self.stack):
+            for t in self.stack:
+                state = t.gather(state)
+        return state
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, dict[str, torch.Tensor]]:
         _check_batch(batch)

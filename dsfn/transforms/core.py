@@ -11,11 +11,12 @@ change. Each primitive has a default meaning (what a single process does); while
 | "reduce_metrics"   | (metrics: dict[str, 0-dim tensor])         | identity                     |
 
 A transform handles primitive P by defining `handle_P(self, call_next, *args)`; it may
-change the arguments, call `call_next(*args)` (the transforms further out, and finally
-the default), and change the result. Dispatch starts at the innermost transform (the
-one closest to `train_step`) and moves outwards, as in JAX where the inner transform
-interprets the function first. Transforms that do not define `handle_P` are skipped, so
-a new transform is a new handler, never a new branch here.
+change the arguments, call `call_next(*args)` (the transforms further in, and finally
+the default), and change the result. Dispatch starts at the outermost transform and
+moves inwards, like middleware: the outermost transform sees the physical state it laid
+out (e.g. ZeRO's flat shards) and hands the next one a more logical view, down to the
+default that does the single-process work. Transforms that do not define `handle_P`
+are skipped, so a new transform is a new handler, never a new branch here.
 
 Besides handlers, a transform may change the state's layout (`place`: logical ->
 physical; the generic `gather` of layouts inverts it) and wrap the whole step
@@ -56,9 +57,9 @@ def activate(stack: Sequence["Transform"]) -> _Activate:
 
 
 def bind(primitive: str, default: Callable[..., Any], *args: Any) -> Any:
-    """Run `primitive` through the active handlers, innermost first, then `default`."""
+    """Run `primitive` through the active handlers, outermost first, then `default`."""
     name = "handle_" + primitive
-    handlers = [t for t in reversed(active_stack()) if hasattr(t, name)]
+    handlers = [t for t in active_stack() if hasattr(t, name)]
 
     def call(i: int, *a: Any) -> Any:
         if i == len(handlers):
@@ -74,7 +75,9 @@ class Transform:
     Subclasses set `name`, take their options in `__init__` (keyword arguments are
     validated by `make_transform`), and override what they need:
     - `check_stack(stack, index)`: raise StackError if the stack cannot work;
-    - `place(state)`: logical state -> this rank's physical state;
+    - `place(state)`: logical state -> this rank's physical state (run innermost first);
+    - `gather(state)`: undo structural changes of `place` after the layouts on the
+      leaves were gathered (run outermost first);
     - `wrap_step(fn)`: a step function around `fn` (same signature);
     - `handle_<primitive>(call_next, *args)`: see the module docstring.
     `unique = True` (the default) forbids two transforms of the same class in a stack.
@@ -87,6 +90,9 @@ class Transform:
         """Raise StackError when this transform cannot work at `stack[index]`."""
 
     def place(self, state: Any) -> Any:
+        return state
+
+    def gather(self, state: Any) -> Any:
         return state
 
     def wrap_step(self, fn: Callable[[Any, Any], tuple[Any, dict]]) -> Callable[[Any, Any], tuple[Any, dict]]:

@@ -19,6 +19,10 @@ class Tag(Transform):
         self.log.append(("place", self.label))
         return state
 
+    def gather(self, state):
+        self.log.append(("gather", self.label))
+        return state
+
     def wrap_step(self, fn):
         def step(state, batch):
             self.log.append(("enter", self.label))
@@ -48,15 +52,17 @@ def test_compose_equals_nested_application():
     assert log1 == log2
 
 
-def test_order_outer_wraps_outermost_inner_handles_first_inner_places_first():
+def test_order_outer_wraps_and_handles_first_inner_places_first_and_gathers_last():
     log = []
     step = compose(Tag("outer", log), Tag("inner", log))(probe_step)
     step.place({})
     _, m = step({}, {"x": torch.zeros(2)})
+    step.gather({})
     assert log == [("place", "inner"), ("place", "outer"),
                    ("enter", "outer"), ("enter", "inner"),
-                   ("probe", "inner"), ("probe", "outer"),
-                   ("exit", "inner"), ("exit", "outer")]
+                   ("probe", "outer"), ("probe", "inner"),
+                   ("exit", "inner"), ("exit", "outer"),
+                   ("gather", "outer"), ("gather", "inner")]
     assert m["n"] == 2.0
 
 
