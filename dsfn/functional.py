@@ -36,14 +36,24 @@ class ApplyFn:
         self.param_names = param_names
 
     def __call__(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        """A primitive ("apply_module"): ZeRO-3 gathers sharded parameters unit by unit."""
         if not isinstance(params, dict):
             raise LeafTypeError(f"apply_fn expects the params dict from functionalize, got {type(params).__name__}")
         missing = [n for n in self.param_names if n not in params]
         if missing:
             raise LeafTypeError(f"apply_fn: params lack {missing[:5]}{'...' if len(missing) > 5 else ''}; pass the "
                                 "dict returned by functionalize (or a tree of the same structure)")
-        return torch.func.functional_call(self.module, {**self.constants, **params}, args, kwargs,
-                                          tie_weights=True, strict=False)
+        return bind("apply_module", call_module, self, params, args, kwargs)
+
+
+def call_module(apply_fn: ApplyFn, params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+    """The default meaning of "apply_module": the module's forward with these tensors."""
+    for name, x in params.items():
+        if not isinstance(x, torch.Tensor):
+            raise LeafTypeError(f"apply_fn: params[{name!r}] is a {type(x).__name__}, not a tensor. Sharded "
+                                "parameters (Placed) can only be used inside the Step whose transforms placed them")
+    return torch.func.functional_call(apply_fn.module, {**apply_fn.constants, **params}, args, kwargs,
+                                      tie_weights=True, strict=False)
 
 
 def functionalize(module: nn.Module) -> tuple[ApplyFn, dict[str, torch.Tensor]]:

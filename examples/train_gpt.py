@@ -107,15 +107,16 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
     return summary
 
 
-def lr_schedule(lr: float, warmup: int, steps: int) -> Any:
-    """Linear warmup for `warmup` steps, then cosine decay to lr/10 at `steps`."""
-    def schedule(count: torch.Tensor) -> float:   # TEMPORARY until dsfn.optim.schedules exists
-        c = int(count)
-        if c < warmup:
-            return lr * (c + 1) / warmup
-        frac = min(1.0, (c - warmup) / max(1, steps - warmup))
-        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-    return schedule
+def make_optimizer(lr: float, warmup: int, steps: int, weight_decay: float) -> Any:
+    """Clip the global gradient norm to 1, then AdamW (betas 0.9/0.95, the usual GPT choice).
+
+    The lr follows DeepSpeed's WarmupCosineLR: linear warmup over `warmup` steps to `lr`, then
+    a cosine to lr/10 at `steps` (DeepSpeed's first update uses lr 0; dsfn keeps that).
+    """
+    schedule = dsfn.optim.WarmupCosineLR(base_lr=lr, total_num_steps=steps, warmup_num_steps=warmup,
+                                         warmup_type="linear", cos_min_ratio=0.1)
+    return dsfn.optim.chain(dsfn.optim.clip_by_global_norm(1.0),
+                            dsfn.optim.adamw(lr=schedule, betas=(0.9, 0.95), weight_decay=weight_decay))
 
 
 def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]) -> dict[str, Any]:
@@ -128,9 +129,7 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
     rank = dsfn.runtime.rank()
     model = GPT(cfg, seed=run["seed"])
     apply_fn, params = dsfn.functionalize(model)
-    from dsfn.optim.alias import adamw  # TEMPORARY
-    tx = adamw(betas=(0.9, 0.95), lr=lr_schedule(run["lr"], run["warmup"], run["steps"]),
-                          weight_decay=run["weight_decay"])
+    tx = make_optimizer(run["lr"], run["warmup"], run["steps"], run["weight_decay"])
     state = dsfn.TrainState.create(params, tx=tx, seed=run["seed"])
 
     def loss_fn(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:

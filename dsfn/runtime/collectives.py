@@ -61,6 +61,20 @@ class CommCounters:
 
 counters = CommCounters()
 
+# Gauges: named levels the runtime reports (e.g. "zero3.live_units"), with their maxima.
+gauges: dict[str, int] = {}
+gauge_max: dict[str, int] = {}
+
+
+def gauge(name: str, value: int) -> None:
+    gauges[name] = value
+    gauge_max[name] = max(gauge_max.get(name, value), value)
+
+
+def reset_gauges() -> None:
+    gauges.clear()
+    gauge_max.clear()
+
 
 class Pending:
     """An in-flight collective; `wait()` returns its result tensor."""

@@ -1,0 +1,64 @@
+"""`accumulate(n)`: gradient accumulation over n micro-batches, one optimizer step.
+
+Handles the gradient primitive: the batch arguments' leading dimension is split into n
+equal micro-batches, the differentiated function runs once per micro-batch with its
+loss multiplied by 1/n (the only place the loss is scaled for accumulation), and the
+gradients and values are summed — the mean over the whole batch. Any reduction a
+transform further out does inside backward (ZeRO-2/3 reduce-scatter) therefore happens
+per micro-batch into the shard; stage 0/1 and data parallel reduce once, at the end.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dsfn import tree
+from dsfn.errors import ConfigError, ShapeError
+from dsfn.transforms.core import Transform, make_transform
+
+
+class Accumulate(Transform):
+    name = "accumulate"
+
+    def __init__(self, n: int):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"accumulate(n={n!r}): the number of micro-batches is an int >= 1")
+        self.n = n
+
+    def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
+        if self.n == 1:
+            return call_next(fn, params, args, kwargs, has_aux)
+        micro = [self._slice(args, kwargs, i) for i in range(self.n)]
+        inv = 1.0 / self.n
+
+        def scaled(p, *a, **k):
+            out = fn(p, *a, **k)
+            return (out[0] * inv, out[1]) if has_aux else out * inv
+        total_v, total_g, auxes = None, None, []
+        for a, k in micro:
+            value, grads = call_next(scaled, params, a, k, has_aux)
+            if has_aux:
+                value, aux = value
+                auxes.append(aux)
+            total_v = value if total_v is None else total_v + value
+            total_g = grads if total_g is None else tree.map(torch.add, total_g, grads)
+        return ((total_v, auxes) if has_aux else total_v), total_g
+
+    def _slice(self, args: Any, kwargs: Any, i: int) -> tuple[Any, Any]:
+        n = self.n
+
+        def take(path: str, x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            if x.dim() == 0 or x.shape[0] % n:
+                raise ShapeError(f"accumulate({n}): input {path or '<arg>'!r} has shape {tuple(x.shape)}; its "
+                                 f"leading (batch) dimension must be a multiple of {n}")
+            rows = x.shape[0] // n
+            return x[i * rows:(i + 1) * rows]
+        return tree.map_with_path(take, args), tree.map_with_path(take, kwargs)
+
+
+def accumulate(*args: Any, **kwargs: Any) -> Accumulate:
+    """`accumulate(n)`; see the module docstring."""
+    return make_transform(Accumulate, "accumulate", args, kwargs)

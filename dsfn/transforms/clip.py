@@ -1,0 +1,58 @@
+"""`clip_grad_norm(max_norm)`: clip by the global gradient norm over all shards and axes.
+
+The norm is the single-process one: a sharded gradient contributes its piece once per
+shard axis, a replicated one once (dsfn.transforms.grad_stats), so ZeRO stages 0-3 report
+the same norm as the reference. Clipping follows torch's `clip_grad_norm_`: grads are
+multiplied by min(1, max_norm / (norm + 1e-6)). Inside `loss_scale`, unscaling is the
+same multiply: factor = (1/scale) * min(1, max_norm / (norm/scale + 1e-6)) — one pass,
+DeepSpeed's combined unscale-and-clip. Metric: `grad_norm` (unscaled, before clipping).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dsfn import tree
+from dsfn.errors import ConfigError
+from dsfn.transforms.core import Transform, active_stack, make_transform
+from dsfn.transforms.grad_stats import global_sq_norm
+
+
+class ClipGradNorm(Transform):
+    name = "clip_grad_norm"
+
+    def __init__(self, max_norm: float):
+        if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+            raise ConfigError(f"clip_grad_norm(max_norm={max_norm!r}): use a number > 0 "
+                              "(leave the transform out to disable clipping)")
+        self.max_norm = float(max_norm)
+        self._norm: torch.Tensor | None = None
+
+    def check_stack(self, stack, index):
+        from dsfn.errors import StackError
+        from dsfn.transforms.loss_scale import LossScale
+        if any(isinstance(t, LossScale) for t in stack[index + 1:]):
+            raise StackError("clip_grad_norm must sit inside loss_scale (it needs unscaled gradients): write "
+                             "compose(..., loss_scale(), clip_grad_norm(max_norm))")
+
+    def handle_apply_gradients(self, call_next, state, grads):
+        from dsfn.transforms.loss_scale import LossScale
+        unscale = next((t.pending_unscale for t in active_stack()
+                        if isinstance(t, LossScale) and t.pending_unscale is not None), None)
+        inv = unscale.double() if unscale is not None else torch.ones((), dtype=torch.float64)
+        norm = global_sq_norm(grads).sqrt() * inv
+        self._norm = norm.float()
+        factor = (inv * torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)).float()
+        leaves, spec = tree.flatten(grads)
+        return call_next(state, tree.unflatten(spec, torch._foreach_mul(leaves, factor) if leaves else []))
+
+    def handle_reduce_metrics(self, call_next, metrics):
+        if self._norm is not None:
+            metrics = {**metrics, "grad_norm": self._norm.reshape(())}
+        return call_next(metrics)
+
+
+def clip_grad_norm(*args: Any, **kwargs: Any) -> ClipGradNorm:
+    """`clip_grad_norm(max_norm)`; see the module docstring."""
+    return make_transform(ClipGradNorm, "clip_grad_norm", args, kwargs)

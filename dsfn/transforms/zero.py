@@ -1,0 +1,420 @@
+"""`shard_zero(stage)`: ZeRO data parallelism over the mesh's dp axis.
+
+Every stage is data parallelism (batch split over dp, metrics averaged); what differs is
+what each rank stores, as layouts on the state's leaves:
+
+| stage | params            | grads (after backward)          | optimizer state   |
+|-------|-------------------|---------------------------------|-------------------|
+| 0     | replicated        | all-reduced (mean), replicated  | replicated        |
+| 1     | replicated        | reduce-scattered after backward | FlatShard         |
+| 2     | replicated        | reduce-scattered in buckets *during* backward; full grads are dropped as soon as they are queued | FlatShard |
+| 3     | FlatShard         | as stage 2                      | FlatShard         |
+
+`FlatShard` (dsfn.state.layout): each tensor is flattened, zero-padded to a multiple of
+the dp size and split evenly; padding is zero, so it never changes sums, norms or
+updates, and `gather` trims it. Optimizer-state leaves are sharded when they *mirror* a
+parameter: same shape and a path that ends with the parameter's path (Adam's
+`mu.<name>`, mixed precision's `master.<name>`); scalars (counts, lr) stay replicated.
+
+Update (stages 1-2): each rank slices its shard of the parameters, the optimizer runs on
+shards (`tx.update` sees flat pieces; every elementwise optimizer is unchanged by
+this), and the updated shards are all-gathered, bucketed. Stage 3 keeps parameters
+sharded: `apply_fn` (the "apply_module" primitive) gathers a *unit*'s parameters just
+before the unit runs and frees them after it; saved-tensor hooks store the shard
+instead of the gathered weight and re-gather it when backward needs it; the next unit
+is prefetched while the current one runs. Units default to the model's repeated
+blocks (a Hugging Face `_no_split_modules`, else the children of its largest
+ModuleList); the parameters outside every unit form a root unit, live for the whole
+forward. Parameters with at most `param_persistence_threshold` elements stay
+replicated (their gradients are all-reduced), as in DeepSpeed.
+
+Communication per step (Ψ = parameter elements, N = dp size, counted by the runtime):
+stages 1-2 reduce-scatter Ψ and all-gather Ψ (2Ψ(N-1)/N moved per rank); stage 3
+all-gathers Ψ in forward and again in backward and reduce-scatters Ψ (3Ψ(N-1)/N).
+Gradient accumulation reduces every micro-batch into the shard (DeepSpeed's stage 2/3
+choice: only shards are ever held).
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from dsfn import tree
+from dsfn.errors import ConfigError, StackError
+from dsfn.runtime import collectives as C
+from dsfn.runtime.flat import ShardReducer, all_gather_full
+from dsfn.runtime.mesh import current_mesh
+from dsfn.state.layout import FlatShard, Placed, is_placed, place
+from dsfn.transforms.core import Transform, make_transform
+from dsfn.transforms.data_parallel import DataParallel, all_reduce_buckets
+
+
+class ShardZero(DataParallel):
+    name = "shard_zero"
+
+    def __init__(self, stage: int, axis: str = "dp", reduce_bucket_size: int = 50_000_000,
+                 allgather_bucket_size: int = 50_000_000, param_persistence_threshold: int = 100_000,
+                 units: Sequence[str] | None = None, prefetch: int = 1, split_batch: bool = True):
+        if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+            raise ConfigError(f"shard_zero(stage={stage!r}): stage must be 0, 1, 2 or 3 "
+                              "(0 = plain data parallel, 1 = + optimizer state, 2 = + gradients, 3 = + parameters)")
+        for key, v in (("reduce_bucket_size", reduce_bucket_size), ("allgather_bucket_size", allgather_bucket_size)):
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"shard_zero({key}={v!r}): a bucket holds a positive number of elements")
+        if not isinstance(param_persistence_threshold, int) or param_persistence_threshold < 0:
+            raise ConfigError(f"shard_zero(param_persistence_threshold={param_persistence_threshold!r}): "
+                              "use an element count >= 0 (0 shards every parameter)")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(f"shard_zero(prefetch={prefetch!r}): prefetch depth is an int >= 0")
+        super().__init__(axis=axis, split_batch=split_batch, bucket_mb=reduce_bucket_size * 4 / 2**20)
+        self.stage = stage
+        self.reduce_bucket_size = reduce_bucket_size
+        self.allgather_bucket_size = allgather_bucket_size
+        self.param_persistence_threshold = param_persistence_threshold
+        self.units = tuple(units) if units is not None else None
+        self.prefetch = prefetch
+        self._reducer: ShardReducer | None = None
+        self._reduce_dtype: torch.dtype | None = None
+
+    # -- stack rules -------------------------------------------------------------------
+    def check_stack(self, stack, index):
+        for t in stack:
+            if type(t) is DataParallel:
+                raise StackError("shard_zero already does data parallelism over "
+                                 f"{self.axis!r}; remove data_parallel() from the stack")
+        from dsfn.transforms.precision import MixedPrecision
+        for t in stack[index + 1:]:
+            if isinstance(t, MixedPrecision):
+                self._reduce_dtype = t.reduce_dtype
+
+    def explain_note(self) -> str:
+        if current_mesh().size(self.axis) == 1:
+            return f"shard_zero({self.stage}): the {self.axis!r} axis has size 1, so nothing is sharded (identity)"
+        return f"shard_zero({self.stage}) over {self.axis!r} (size {current_mesh().size(self.axis)})"
+
+    # -- layout ----------------------------------------------------------------------------
+    def _sharded(self, x: torch.Tensor) -> bool:
+        """Stage-3 rule: parameters above the persistence threshold are stored sharded."""
+        return x.numel() > self.param_persistence_threshold
+
+    def place(self, state: Any) -> Any:
+        state = super().place(state)            # replicas start equal (broadcast from dp rank 0)
+        if self.stage == 0:
+            return state
+        params = dict(tree.leaves_with_path(state.params))
+        if self.stage == 3:
+            state = state.replace(params=tree.map(
+                lambda x: place(x, FlatShard(self.axis, tuple(x.shape))) if self._sharded(x) else x, state.params))
+
+        def shard_mirror(path: str, x: torch.Tensor) -> Any:
+            owner = _mirrored_param(path, x, params)
+            if owner is None or (self.stage == 3 and not self._sharded(params[owner])):
+                return x
+            return place(x, FlatShard(self.axis, tuple(x.shape)))
+        return state.replace(opt_state=tree.map_with_path(shard_mirror, state.opt_state))
+
+    # -- gradients -------------------------------------------------------------------------
+    def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
+        if self.stage == 0:
+            return super().handle_value_and_grad(call_next, fn, params, args, kwargs, has_aux)
+        outer = self._reducer
+        reducer = self._reducer = outer or ShardReducer(self.axis, self.reduce_bucket_size, "avg", self._reduce_dtype)
+        try:
+            if self.stage == 2:
+                fn = _tapped(fn, reducer)
+            value, grads = call_next(fn, params, args, kwargs, has_aux)
+        finally:
+            self._reducer = outer
+        if outer is not None:      # nested call: the outermost call reduces
+            return value, grads
+        # reducer keys are leaf paths; stage 1 reduces everything after backward, in order
+        g_paths = tree.leaves_with_path(grads, is_leaf=is_placed)
+        if self.stage == 1:
+            for path, g in g_paths:
+                reducer.add(path, g)
+        shards = reducer.finish()
+        leaves = tree.leaves_with_path(params, is_leaf=is_placed)
+        replicated = [k for k, (_, x) in enumerate(leaves) if self.stage == 3 and not isinstance(x, Placed)]
+        reduced = dict(zip(replicated, all_reduce_buckets([g_paths[k][1] for k in replicated], self.axis,
+                                                          self.reduce_bucket_size * 4, "avg")))
+        out = []
+        for k, (path, x) in enumerate(leaves):
+            if k in reduced:
+                out.append(reduced[k])
+                continue
+            layout = FlatShard(self.axis, tuple(x.layout.shape if isinstance(x, Placed) else x.shape))
+            shard = shards.get(path)
+            if shard is None:   # the parameter took no part in the loss: a zero gradient
+                shard = torch.zeros(layout.local_shape(), dtype=self._reduce_dtype or _data(x).dtype)
+            out.append(Placed(shard, layout))
+        return value, tree.unflatten(tree.structure(params, is_leaf=is_placed), out)
+
+    # -- update ----------------------------------------------------------------------------
+    def handle_apply_gradients(self, call_next, state, grads):
+        if self.stage == 0:
+            return call_next(state, grads)
+        grads = tree.map(self._as_shard, grads, is_leaf=is_placed)
+        if self.stage == 3:
+            return call_next(state, grads)
+        shards = tree.map(self._as_shard, state.params, is_leaf=is_placed)
+        new = call_next(state.replace(params=shards), grads)
+        leaves, spec = tree.flatten(new.params, is_leaf=is_placed)
+        full = all_gather_full([x.data for x in leaves], [x.layout.shape for x in leaves], self.axis,
+                               self.allgather_bucket_size)
+        return new.replace(params=tree.unflatten(spec, full))
+
+    def _as_shard(self, x: Any) -> Any:
+        """A full (logical, already reduced) tensor -> this rank's Placed shard."""
+        return x if isinstance(x, Placed) else place(x, FlatShard(self.axis, tuple(x.shape)))
+
+    # -- stage 3: gather units just in time -----------------------------------------------------
+    def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
+        if self.stage != 3 or not any(isinstance(v, Placed) for v in params.values()):
+            return call_next(apply_fn, params, args, kwargs)
+        gatherer = UnitGatherer(apply_fn.module, params, self)
+        with gatherer:
+            return call_next(apply_fn, gatherer.call_params, args, kwargs)
+
+
+def shard_zero(*args: Any, **kwargs: Any) -> ShardZero:
+    """`shard_zero(stage, axis="dp", reduce_bucket_size=5e7, allgather_bucket_size=5e7,
+    param_persistence_threshold=1e5, units=None, prefetch=1, split_batch=True)`.
+
+    Bucket sizes and the threshold count elements, as DeepSpeed's config keys do.
+    """
+    return make_transform(ShardZero, "shard_zero", args, kwargs)
+
+
+def _data(x: Any) -> torch.Tensor:
+    return x.data if isinstance(x, Placed) else x
+
+
+def _mirrored_param(path: str, x: Any, params: dict[str, torch.Tensor]) -> str | None:
+    """The parameter path this optimizer-state leaf mirrors (longest suffix, same shape)."""
+    if not isinstance(x, torch.Tensor):
+        return None
+    best = None
+    for name, p in params.items():
+        if tuple(p.shape) == tuple(x.shape) and (path == name or path.endswith("." + name)):
+            if best is None or len(name) > len(best):
+                best = name
+    return best
+
+
+class _Tap(torch.autograd.Function):
+    """Identity in forward; in backward hands the full gradient to the reducer and
+    returns a zero-stride zero, so the full gradient is freed once queued."""
+
+    @staticmethod
+    def forward(ctx, x, reducer, index):
+        ctx.reducer, ctx.index = reducer, index
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.reducer.add(ctx.index, grad)
+        return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape), None, None
+
+
+def _tapped(fn, reducer: ShardReducer):
+    def tapped(params, *args, **kwargs):
+        return fn(tree.map_with_path(lambda path, x: _Tap.apply(x, reducer, path), params), *args, **kwargs)
+    return tapped
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 3 machinery
+# ---------------------------------------------------------------------------------------------
+
+class _Gather(torch.autograd.Function):
+    """shard -> full parameter (gathered by the UnitGatherer); backward queues the full
+    gradient for reduce-scatter and returns a zero-stride zero for the shard."""
+
+    @staticmethod
+    def forward(ctx, shard, gatherer, index):
+        ctx.gatherer, ctx.index = gatherer, index
+        return gatherer.full(index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.gatherer.grad_ready(ctx.index, grad)
+        return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(ctx.gatherer.shard_shape(ctx.index)), None, None
+
+
+def find_units(module: nn.Module, patterns: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
+    """The modules whose parameters are gathered together (in registration order)."""
+    named = list(module.named_modules())
+    if patterns is not None:
+        units = [(n, m) for n, m in named if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+        if not units:
+            raise ConfigError(f"shard_zero(units={list(patterns)}) matches no module; module names look like "
+                              f"{[n for n, _ in named[1:6]]}")
+    else:
+        classes = set()
+        for _, m in named:
+            classes.update(getattr(m, "_no_split_modules", None) or ())
+        units = [(n, m) for n, m in named if n and type(m).__name__ in classes]
+        if not units:
+            lists = [(n, m) for n, m in named if isinstance(m, nn.ModuleList)]
+            if lists:
+                name, biggest = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
+                units = [(f"{name}.{k}", child) for k, child in biggest.named_children()]
+    # drop units nested in other units: the outer one gathers everything inside it
+    names = [n for n, _ in units]
+    return [(n, m) for n, m in units if not any(n != o and n.startswith(o + ".") for o in names)]
+
+
+class UnitGatherer:
+    """Gathers a forward's sharded parameters unit by unit (see the module docstring).
+
+    Index i refers to `params`' i-th sharded entry; unit 0 is the root. The number of
+    gathered units besides the root is published as the runtime gauge
+    "zero3.live_units" (current and max) for tests and explain.
+    """
+
+    def __init__(self, module: nn.Module, params: dict[str, Any], zero: ShardZero):
+        self.zero, self.module = zero, module
+        self.names = [n for n, v in params.items() if isinstance(v, Placed)]
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.shards = [params[n].data for n in self.names]
+        self.layouts = [params[n].layout for n in self.names]
+        self.call_params = {n: (v.data if isinstance(v, Placed) else v) for n, v in params.items()}
+        # every (owner module, attribute) slot through which a parameter is reached (tied ones too)
+        by_obj: dict[int, list[str]] = {}
+        for full_name, p in module.named_parameters(remove_duplicate=False):
+            by_obj.setdefault(id(p), []).append(full_name)
+        canonical = {n: names for names in by_obj.values() for n in names[:1]}
+        self.slots: list[list[tuple[nn.Module, str]]] = []
+        for n in self.names:
+            slots = []
+            for alias in canonical.get(n, [n]):
+                owner_name, _, attr = alias.rpartition(".")
+                slots.append((module.get_submodule(owner_name), attr))
+            self.slots.append(slots)
+        # units: each sharded parameter belongs to the first unit holding it, else to the root
+        unit_mods = find_units(module, zero.units)
+        self.unit_params: list[list[int]] = []
+        owner_of: dict[int, int] = {}
+        for u, (uname, umod) in enumerate(unit_mods):
+            mine = []
+            for pname, _ in umod.named_parameters(prefix=uname, remove_duplicate=False):
+                i = self.index.get(pname)
+                if i is not None and i not in owner_of:
+                    owner_of[i] = u
+                    mine.append(i)
+            self.unit_params.append(mine)
+        root = [i for i in range(len(self.names)) if i not in owner_of]
+        # the root unit (parameters outside every unit) runs first and stays live to the end
+        self.units = [module] + [m for _, m in unit_mods]
+        self.unit_params.insert(0, root)
+        self.unit_of = {i: u for u, ids in enumerate(self.unit_params) for i in ids}
+        self._full: dict[int, torch.Tensor] = {}              # gathered, in use
+        self._pending: dict[int, C.Pending | list[torch.Tensor]] = {}   # unit -> in-flight gather
+        self._bw: dict[int, torch.Tensor] = {}                # re-gathered for backward
+        self._storage: dict[int, int] = {}                    # storage ptr -> index, for pack
+        self._live: set[int] = set()
+        self._hooks: list[Any] = []
+        self._order = list(range(len(self.units)))
+
+    # -- gathering -------------------------------------------------------------------------------
+    def _launch(self, u: int) -> None:
+        if u in self._pending or u in self._live or not self.unit_params[u]:
+            return
+        ids = self.unit_params[u]
+        shapes = [self.layouts[i].shape for i in ids]
+        # one bucketed all-gather per unit; async so the next unit's gather overlaps compute
+        self._pending[u] = all_gather_full([self.shards[i] for i in ids], shapes, self.zero.axis,
+                                           self.zero.allgather_bucket_size, async_op=True)
+        self._live.add(u)
+        _gauge_live(self._live)
+
+    def _materialize(self, u: int) -> None:
+        self._launch(u)
+        handle = self._pending.pop(u, None)
+        if handle is not None:
+            for i, t in zip(self.unit_params[u], handle.wait()):
+                self._full[i] = t
+
+    def full(self, i: int) -> torch.Tensor:
+        t = self._full[i]
+        self._storage[t.untyped_storage().data_ptr()] = i
+        return t
+
+    def shard_shape(self, i: int) -> tuple[int, ...]:
+        return tuple(self.shards[i].shape)
+
+    def _pre(self, u: int):
+        def hook(mod, args):
+            self._materialize(u)
+            for nxt in range(u + 1, min(u + 1 + self.zero.prefetch, len(self.units))):
+                self._launch(nxt)      # prefetch: its all-gather overlaps this unit's compute
+            for i in self.unit_params[u]:
+                full = _Gather.apply(self.shards[i], self, i)
+                for owner, attr in self.slots[i]:
+                    owner._parameters[attr] = full
+        return hook
+
+    def _post(self, u: int):
+        def hook(mod, args, out):
+            for i in self.unit_params[u]:
+                t = self._full.pop(i, None)
+                if t is not None:
+                    self._storage.pop(t.untyped_storage().data_ptr(), None)
+                for owner, attr in self.slots[i]:
+                    owner._parameters[attr] = self.shards[i]
+            self._live.discard(u)
+            _gauge_live(self._live)
+        return hook
+
+    # -- saved tensors: keep the shard, re-gather in backward ---------------------------------------
+    def _pack(self, t: torch.Tensor) -> Any:
+        i = self._storage.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        if i is None:
+            return t
+        return ("dsfn.zero3", i, tuple(t.shape), t.stride(), t.storage_offset())
+
+    def _unpack(self, x: Any) -> torch.Tensor:
+        if not (isinstance(x, tuple) and len(x) == 5 and x[0] == "dsfn.zero3"):
+            return x
+        _, i, shape, stride, offset = x
+        if i not in self._bw:
+            u = self.unit_of[i]
+            ids = self.unit_params[u]
+            fulls = all_gather_full([self.shards[j] for j in ids], [self.layouts[j].shape for j in ids],
+                                    self.zero.axis, self.zero.allgather_bucket_size)
+            for j, t in zip(ids, fulls):
+                self._bw.setdefault(j, t)
+        base = self._bw[i]
+        return base.as_strided(shape, stride, offset)
+
+    def grad_ready(self, i: int, grad: torch.Tensor) -> None:
+        self._bw.pop(i, None)                 # every use of the weight in backward is done
+        self.zero._reducer.add(self.names[i], grad)
+
+    # -- context -----------------------------------------------------------------------------------
+    def __enter__(self):
+        for u, m in enumerate(self.units):
+            self._hooks.append(m.register_forward_pre_hook(self._pre(u)))
+            self._hooks.append(m.register_forward_hook(self._post(u)))
+        self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saved.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._saved.__exit__(*exc)
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._pending.clear()
+        self._live.clear()
+        _gauge_live(self._live)
+        return False
+
+
+def _gauge_live(live: set[int]) -> None:
+    """Gathered units other than the root (unit 0, live for the whole forward)."""
+    C.gauge("zero3.live_units", len(live - {0}))
