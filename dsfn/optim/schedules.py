@@ -152,7 +152,8 @@ class WarmupLR(Schedule):
         self.warmup_type = _warmup_type(who, warmup_type)
         # DeepSpeed's derived constants, computed with its expressions (bitwise values)
         self._delta = self.warmup_max_lr - self.warmup_min_lr
-        self._w = max(2, self.warmup_num_steps)
+        self._w = self.warmup_num_steps if self.warmup_num_steps > 1 else 2
+        self._w = self.warmup_num_steps + (self.warmup_num_steps < 2)
         self._inv_log_w = 1.0 / math.log(self._w)
 
     def _warmup_gamma(self, lbi: int) -> float:

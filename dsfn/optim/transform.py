@@ -253,7 +253,7 @@ def adam_step(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float =
             # tensor lr: scalars stay tensors (no host sync); (s * m) / denom then + p is
             # the order addcdiv uses, so this equals torch's update too
             lr_t = v.reshape(())
-            new_p = mul_scalar(p, 1 - lr_t.float() * wd) if wd != 0.0 else None
+            new_p = mul_scalar(p, 1 - lr_t * wd) if wd != 0.0 else None
             q = mul_scalar(mu, -(lr_t / bc1))
             torch._foreach_div_(q, denom)
             if new_p is None:

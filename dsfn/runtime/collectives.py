@@ -95,6 +95,11 @@ _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp
         "min": dist.ReduceOp.MIN}
 
 
+# torch >= 2.10 renamed the tensor collectives; keep working on older releases (>= 2.4)
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -136,7 +141,7 @@ def all_gather(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None, async_op
     out = torch.empty((n * t.shape[0],) + tuple(t.shape[1:]) if t.dim() else (n,), dtype=t.dtype,
                       device=t.device)
     counters.record(axis, "all_gather", _nbytes(out))
-    work = dist.all_gather_into_tensor(out, t if t.dim() else t.reshape(1), group=m.group(axis),
+    work = _all_gather_tensor(out, t if t.dim() else t.reshape(1), group=m.group(axis),
                                        async_op=async_op)
     return Pending(work, out) if async_op else out
 
@@ -154,7 +159,7 @@ def reduce_scatter(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | 
     t = t.contiguous()
     out = torch.empty((t.shape[0] // n,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     counters.record(axis, "reduce_scatter", _nbytes(t))
-    work = dist.reduce_scatter_tensor(out, t, op=_OPS[op], group=m.group(axis), async_op=async_op)
+    work = _reduce_scatter_tensor(out, t, op=_OPS[op], group=m.group(axis), async_op=async_op)
     return Pending(work, out) if async_op else out
 
 

@@ -63,13 +63,17 @@ def _strip(state: Any) -> dict:
 def assert_matches_reference(make_transforms: Callable[[], Sequence[Any]], make_model: Callable[[], nn.Module],
                              make_tx: Callable[[], Any], batches: Sequence[dict], world_size: int,
                              loss_fn: LossFn = mse_loss, rtol: float = 1e-5, atol: float = 1e-6,
-                             seed: int = 0, timeout: float = 120.0) -> tuple[RunResult, list[RunResult]]:
+                             seed: int = 0, timeout: float = 120.0,
+                             make_reference_transforms: Callable[[], Sequence[Any]] = tuple
+                             ) -> tuple[RunResult, list[RunResult]]:
     """Run the reference here and the stack on `world_size` ranks; assert they agree.
 
     `make_transforms` is called inside every rank (transforms may hold per-rank state).
+    The reference is the single process with `make_reference_transforms()` (default: none;
+    pass the transforms that change the math, e.g. clipping, to compare like with like).
     Returns (reference, per-rank results) for further checks.
     """
-    ref = run_training(make_model, make_tx, batches, (), loss_fn, seed)
+    ref = run_training(make_model, make_tx, batches, tuple(make_reference_transforms()), loss_fn, seed)
 
     def rank_fn():
         res = run_training(make_model, make_tx, batches, tuple(make_transforms()), loss_fn, seed)

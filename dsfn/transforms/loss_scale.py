@@ -93,8 +93,10 @@ class LossScale(Transform):
         scale = self._scale
 
         def scaled(p, *a, **k):
+            # scale in float32: an fp16 loss times 2**16 would itself overflow, while the
+            # backward still runs through the fp16 graph
             out = fn(p, *a, **k)
-            return (out[0] * scale.to(out[0].dtype), out[1]) if has_aux else out * scale.to(out.dtype)
+            return (out[0].float() * scale, out[1]) if has_aux else out.float() * scale
         value, grads = call_next(scaled, params, args, kwargs, has_aux)
         if has_aux:
             return (value[0] / scale, value[1]), grads
