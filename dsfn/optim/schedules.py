@@ -152,8 +152,7 @@ class WarmupLR(Schedule):
         self.warmup_type = _warmup_type(who, warmup_type)
         # DeepSpeed's derived constants, computed with its expressions (bitwise values)
         self._delta = self.warmup_max_lr - self.warmup_min_lr
-        self._w = self.warmup_num_steps if self.warmup_num_steps > 1 else 2
-        self._w = self.warmup_num_steps + (self.warmup_num_steps < 2)
+        self._w = max(2, self.warmup_num_steps)
         self._inv_log_w = 1.0 / math.log(self._w)
 
     def _warmup_gamma(self, lbi: int) -> float:
@@ -296,7 +295,7 @@ class OneCycle(Schedule):
                 pos = ci * stairs / self.cycle_first_step_size
             else:
                 pos = (self._total - ci) * stairs / self.cycle_second_step_size
-            scale = math.floor(pos) / stairs
+            scale = round(pos) / stairs
         return scale
 
     def value(self, c: int) -> float:
