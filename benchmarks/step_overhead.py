@@ -33,7 +33,7 @@ with the same threads; `--threads 2` uses start_method="spawn", where that is sa
 `torch.optim.AdamW` is used as a user writes it (`--torch-adamw default`: on CPU torch
 picks its per-tensor loop); `foreach` and `fused` can be chosen instead.
 
-`--breakdown N` (default 5; 0 disables) runs N more instrumented steps after the timed
+`--breakdown N` (default 4; 0 disables) runs N more instrumented steps after the timed
 ones and splits each step into forward / backward / gradient all-reduce / optimizer /
 rest. dsfn's split comes from a timing transform wrapped around the primitives
 (value_and_grad, apply_gradients), so it sees exactly what the handlers do.
@@ -211,18 +211,20 @@ def _measure(runners: dict[str, Any], batches: list[dict], opts: dict) -> dict:
     names = list(runners)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     times: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
     losses: dict[str, list[float]] = {n: [] for n in names}
     warmup, steps = opts["warmup"], opts["steps"]
     for i in range(warmup + steps):
         for n in (names if i % 2 == 0 else names[::-1]):
             if distributed:
                 dist.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             loss = runners[n].step(batches[i])
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             losses[n].append(float(loss))
             if i >= warmup:
                 times[n].append(dt)
+                cpu[n].append(dc)
     breakdown: dict[str, dict[str, list[float]]] = {n: defaultdict(list) for n in names}
     for j in range(opts["breakdown"]):
         i = warmup + steps + j
@@ -230,7 +232,7 @@ def _measure(runners: dict[str, Any], batches: list[dict], opts: dict) -> dict:
             if distributed:
                 dist.barrier()
             runners[n].step_breakdown(batches[i], breakdown[n])
-    return {"times": times, "losses": losses, "breakdown": {n: dict(b) for n, b in breakdown.items()}}
+    return {"times": times, "cpu": cpu, "losses": losses, "breakdown": {n: dict(b) for n, b in breakdown.items()}}
 
 
 def _phase_single(opts: dict, batches: list[dict]) -> dict:
@@ -263,6 +265,13 @@ def _make_batches(opts: dict) -> list[dict]:
     return [next(it) for _ in range(n)]
 
 
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def _stats(xs: list[float]) -> dict:
     return {"n": len(xs), "median_s": statistics.median(xs), "min_s": min(xs),
             "mean_s": statistics.fmean(xs), "max_s": max(xs), "times_s": xs}
@@ -271,7 +280,9 @@ def _stats(xs: list[float]) -> dict:
 def run(opts: dict, log=print) -> dict:
     """Run both phases `opts["repeats"]` times; return the figures (what --json writes)."""
     batches = _make_batches(opts)
+    load_before = _loadavg()
     times: dict[str, list[float]] = {n: [] for names in PHASES.values() for n in names}
+    cpu: dict[str, list[float]] = {n: [] for names in PHASES.values() for n in names}
     losses: dict[str, list[float]] = {}
     breakdown: dict[str, dict[str, list[float]]] = {}
     threads: dict[str, int] = {}
@@ -288,6 +299,7 @@ def run(opts: dict, log=print) -> dict:
             for n in PHASES[phase]:
                 # a 2-rank step lasts as long as its slowest rank
                 times[n] += [max(ts) for ts in zip(*(r["times"][n] for r in res))]
+                cpu[n] += [max(cs) for cs in zip(*(r["cpu"][n] for r in res))]
                 if rep == 0:
                     # per-step loss averaged over ranks (= the global-batch loss)
                     losses[n] = [statistics.fmean(ls) for ls in zip(*(r["losses"][n] for r in res))]
@@ -300,14 +312,17 @@ def run(opts: dict, log=print) -> dict:
         if ts:
             ranks = 1 if n in PHASES["single"] else 2
             results[n] = {"label": LABELS[n], "ranks": ranks, "threads_per_rank": threads[n],
-                          "rows_per_rank": opts["micro_batch"], **_stats(ts)}
+                          "rows_per_rank": opts["micro_batch"], **_stats(ts),
+                          "cpu_median_s": statistics.median(cpu[n]), "cpu_times_s": cpu[n]}
     ratios = {}
     for a, b in PAIRS:
         if a in results and b in results:
             paired = [x / y for x, y in zip(times[a], times[b])]
             med = results[a]["median_s"] / results[b]["median_s"]
             ratios[f"{a}/{b}"] = {"median": med, "min": results[a]["min_s"] / results[b]["min_s"],
-                                  "paired_median": statistics.median(paired), "target": TARGET,
+                                  "paired_median": statistics.median(paired),
+                                  "cpu_median": results[a]["cpu_median_s"] / results[b]["cpu_median_s"],
+                                  "target": TARGET,
                                   "pass": med <= TARGET}
     loss_check = {}
     for a, b in PAIRS:
@@ -317,7 +332,7 @@ def run(opts: dict, log=print) -> dict:
                                       "first_abs_diff": diffs[0], "max_abs_diff": max(diffs),
                                       "steps": len(diffs), "tol": LOSS_TOL, "ok": diffs[0] <= LOSS_TOL}
     bd = {n: {k: statistics.median(v) for k, v in parts.items()} for n, parts in breakdown.items() if parts}
-    return {"config": opts, "hyper_parameters": HP, "results": results, "ratios": ratios,
+    return {"config": opts, "hyper_parameters": HP, "loadavg_1min": {"before": load_before, "after": _loadavg()}, "results": results, "ratios": ratios,
             "loss_check": loss_check, "breakdown_median_s": bd,
             "env": {"torch": torch.__version__, "python": platform.python_version(),
                     "cpu_count": os.cpu_count(), "machine": platform.machine()}}
@@ -332,16 +347,24 @@ def report(out: dict) -> str:
              f"threads: {o['threads']} intra-op thread(s) in the 1-process runs (1-rank dsfn.launch.spawn), "
              f"1 per rank in the 2-rank runs (dsfn.launch.spawn, fork); {out['env']['cpu_count']} CPUs",
              f"steps: {o['steps']} timed x {o['repeats']} repeat(s) per config after {o['warmup']} warm-up, "
-             "contenders alternating ABBA in the same process(es)", ""]
-    hdr = f"{'config':<46} {'ranks':>5} {'thr':>3} {'steps':>5} {'median s':>9} {'min s':>8} {'mean s':>8}"
+             "contenders alternating ABBA in the same process(es); cpu s = process CPU time per step"]
+    la, n_cpu = out["loadavg_1min"], out["env"]["cpu_count"] or 1
+    if la["before"] is not None:
+        busy = max(la["before"], la["after"]) > 0.5 * n_cpu
+        lines.append(f"1-min load average before/after: {la['before']:.2f}/{la['after']:.2f}"
+                     + (f"  -- WARNING: other processes shared the {n_cpu} CPUs; wall times are inflated and "
+                        "noisy, trust the paired and cpu ratios more" if busy else ""))
+    lines.append("")
+    hdr = (f"{'config':<46} {'ranks':>5} {'thr':>3} {'steps':>5} {'median s':>9} {'min s':>8} {'mean s':>8} "
+           f"{'cpu s':>7}")
     lines += [hdr, "-" * len(hdr)]
     for n, r in out["results"].items():
         lines.append(f"{r['label']:<46} {r['ranks']:>5} {r['threads_per_rank']:>3} {r['n']:>5} "
-                     f"{r['median_s']:>9.4f} {r['min_s']:>8.4f} {r['mean_s']:>8.4f}")
+                     f"{r['median_s']:>9.4f} {r['min_s']:>8.4f} {r['mean_s']:>8.4f} {r['cpu_median_s']:>7.3f}")
     lines.append("")
     for k, r in out["ratios"].items():
         lines.append(f"ratio {k:<14} median {r['median']:.3f}   min {r['min']:.3f}   paired-median "
-                     f"{r['paired_median']:.3f}   target <= {r['target']:.2f}: {'PASS' if r['pass'] else 'FAIL'}")
+                     f"{r['paired_median']:.3f}   cpu {r['cpu_median']:.3f}   target <= {r['target']:.2f}: {'PASS' if r['pass'] else 'FAIL'}")
     for k, r in out["loss_check"].items():
         a, b = k.split("/")
         fl = r["first_loss"]
@@ -368,7 +391,7 @@ def _parse(argv: list[str] | None) -> dict:
     p.add_argument("--torch-adamw", choices=("default", "foreach", "fused"), default="default",
                    help="implementation of torch.optim.AdamW on the plain/DDP side (default: torch's choice)")
     p.add_argument("--breakdown", type=int, default=None,
-                   help="instrumented steps per config for the per-phase breakdown (default 5, 0: off)")
+                   help="instrumented steps per config for the per-phase breakdown (default 4, 0: off)")
     p.add_argument("--only", choices=("single", "dp"), default=None, help="run one phase only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (< 30 s)")
@@ -378,7 +401,7 @@ def _parse(argv: list[str] | None) -> dict:
     opts = dict(model=a.model or ("tiny" if quick else "27m"),
                 steps=a.steps if a.steps is not None else (8 if quick else 20),
                 warmup=a.warmup if a.warmup is not None else (2 if quick else 3),
-                breakdown=a.breakdown if a.breakdown is not None else (2 if quick else 5),
+                breakdown=a.breakdown if a.breakdown is not None else (2 if quick else 4),
                 repeats=a.repeats, micro_batch=a.micro_batch, threads=a.threads, torch_adamw=a.torch_adamw,
                 seed=a.seed, phases=[a.only] if a.only else ["single", "dp"],
                 corpus_bytes=1_000_000 if quick else 8_000_000, json=a.json)

@@ -56,8 +56,14 @@ def call_module(apply_fn: ApplyFn, params: dict[str, torch.Tensor], args: tuple,
                                       tie_weights=True, strict=False)
 
 
-def functionalize(module: nn.Module) -> tuple[ApplyFn, dict[str, torch.Tensor]]:
-    """Split `module` into a pure `apply_fn` and its trainable `params` (see module docstring)."""
+def functionalize(module: nn.Module, release: bool = False) -> tuple[ApplyFn, dict[str, torch.Tensor]]:
+    """Split `module` into a pure `apply_fn` and its trainable `params` (see module docstring).
+
+    `release=True` empties the module's own trainable parameters (`p.data` becomes a
+    0-element tensor; the returned `params` keep the storage), so the module holds no
+    second copy once the first update makes new tensors. The module then only works
+    through `apply_fn`.
+    """
     if not isinstance(module, nn.Module):
         raise LeafTypeError(f"functionalize expects a torch.nn.Module, got {type(module).__name__}")
     params, constants = {}, {}
@@ -65,6 +71,10 @@ def functionalize(module: nn.Module) -> tuple[ApplyFn, dict[str, torch.Tensor]]:
         (params if p.requires_grad else constants)[name] = p.detach()
     for name, b in module.named_buffers(remove_duplicate=True):
         constants[name] = b.detach()
+    if release:
+        for p in module.parameters():
+            if p.requires_grad:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     return ApplyFn(module, constants, tuple(params)), params
 
 

@@ -34,7 +34,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:     # `corpus` when imp
 import torch
 
 import dsfn
-from dsfn.models import GPT, GPTConfig, gpt_loss, greedy_generate
+from dsfn.models import GPT, GPTConfig, generate, gpt_loss
 from dsfn.transforms import data_parallel
 
 import corpus
@@ -53,6 +53,7 @@ DEFAULTS: dict[str, Any] = dict(
     eval_batches=16,
     prompt="def ",
     sample_tokens=160,
+    temperature=0.8,      # 0 = greedy; a small model's greedy text soon loops on one phrase
 )
 
 
@@ -62,7 +63,8 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
          weight_decay: float = DEFAULTS["weight_decay"], seed: int = DEFAULTS["seed"],
          out: str | Path = DEFAULTS["out"], max_bytes: int = DEFAULTS["max_bytes"],
          eval_batches: int = DEFAULTS["eval_batches"], prompt: str = DEFAULTS["prompt"],
-         sample_tokens: int = DEFAULTS["sample_tokens"], progress: bool = True,
+         sample_tokens: int = DEFAULTS["sample_tokens"],
+         temperature: float = DEFAULTS["temperature"], progress: bool = True,
          verbose: bool = True) -> dict[str, Any]:
     """Train, write metrics.jsonl / loss.png / summary.json under `out`, return the summary.
 
@@ -86,6 +88,7 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
     run = dict(cfg=cfg, model=model, steps=steps, world_size=world_size, batch_size=batch_size,
                lr=lr, warmup=warmup, weight_decay=weight_decay, seed=seed, out=str(out),
                eval_batches=eval_batches, prompt=prompt, sample_tokens=sample_tokens,
+               temperature=temperature,
                progress=progress, corpus_bytes=len(data))
 
     if world_size == 1:
@@ -180,7 +183,8 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
     val_loss = evaluate(logits_fn, val_data, cfg.seq_len, run["batch_size"], run["eval_batches"],
                         seed=run["seed"] + 1)
     prompt = corpus.encode(run["prompt"])[None]          # [1, T0]
-    sample = greedy_generate(logits_fn, prompt, run["sample_tokens"], cfg.seq_len)
+    sample = generate(logits_fn, prompt, run["sample_tokens"], cfg.seq_len, temperature=run["temperature"],
+                      generator=torch.Generator().manual_seed(run["seed"]))
     return {"train_s": train_s, "val_loss": val_loss, "sample": corpus.decode(sample[0]),
             "num_params": sum(p.numel() for p in params.values())}
 
@@ -218,7 +222,9 @@ def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str = "",
     loss = [m["loss"] for m in metrics]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     ax.plot(steps, loss, color="tab:blue", alpha=0.3, lw=1, label="train loss")
-    ax.plot(steps, _ema(loss, 0.9), color="tab:blue", lw=2, label="train loss (EMA 0.9)")
+    half = max(1, len(loss) // 40)
+    ax.plot(steps, _moving_average(loss, half), color="tab:blue", lw=2,
+            label=f"train loss (mean of {2 * half + 1} steps)")
     if val_loss is not None:
         ax.scatter([steps[-1]], [val_loss], color="tab:red", zorder=3, label=f"val loss {val_loss:.3f}")
     ax.axhline(math.log(256), color="gray", ls=":", lw=1, label="uniform over bytes (ln 256)")
@@ -232,11 +238,12 @@ def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str = "",
     plt.close(fig)
 
 
-def _ema(xs: list[float], decay: float) -> list[float]:
-    out, avg = [], None
-    for x in xs:
-        avg = x if avg is None else decay * avg + (1 - decay) * x
-        out.append(avg)
+def _moving_average(xs: list[float], half: int) -> list[float]:
+    """Centered mean over +-`half` points (shrinking at the ends): smooths without lagging."""
+    out = []
+    for i in range(len(xs)):
+        window = xs[max(0, i - half): i + half + 1]
+        out.append(sum(window) / len(window))
     return out
 
 
@@ -253,7 +260,7 @@ def _summary(result: dict[str, Any], metrics: list[dict[str, Any]], run: dict[st
         "val_loss": result["val_loss"],
         "tokens": tokens, "tokens_per_s": tokens / result["train_s"],
         "train_s": result["train_s"], "wall_s": result["wall_s"],
-        "prompt": run["prompt"], "sample": result["sample"],
+        "prompt": run["prompt"], "temperature": run["temperature"], "sample": result["sample"],
         "files": {name: str(out / name) for name in ("metrics.jsonl", "loss.png", "summary.json")},
     }
 
@@ -271,7 +278,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  throughput  {s['tokens_per_s']:,.0f} tokens/s over all ranks",
         f"  time        {s['wall_s']:.1f} s wall ({s['train_s']:.1f} s in the training loop)",
         f"  files       {Path(s['files']['metrics.jsonl']).parent}/{{metrics.jsonl, loss.png, summary.json}}",
-        f"  sample      greedy continuation of {s['prompt']!r}:",
+        f"  sample      {'greedy' if s['temperature'] == 0 else 'sampled (T=' + str(s['temperature']) + ')'}"
+        f" continuation of {s['prompt']!r}:",
         *("    | " + line for line in sample.splitlines()),
         "",
     ])
@@ -294,6 +302,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=DEFAULTS["out"], help="output directory")
     p.add_argument("--max-bytes", type=int, default=DEFAULTS["max_bytes"], help="corpus size cap")
     p.add_argument("--prompt", default=DEFAULTS["prompt"], help="prompt of the generated sample")
+    p.add_argument("--temperature", type=float, default=DEFAULTS["temperature"],
+                   help="sampling temperature of the sample text (0 = greedy)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p.parse_args(argv)
 

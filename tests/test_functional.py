@@ -85,3 +85,13 @@ def test_value_and_grad_rejects_non_scalar_value():
 def test_functionalize_rejects_non_module():
     with pytest.raises(LeafTypeError, match="nn.Module"):
         dsfn.functionalize(lambda x: x)
+
+
+def test_release_empties_the_module_but_params_keep_their_values():
+    torch.manual_seed(0)
+    m = Tied()
+    ids = torch.randint(0, 11, (2, 3))
+    expected = m(ids).detach()
+    apply_fn, params = dsfn.functionalize(m, release=True)
+    assert m.proj.weight.numel() == 0 and m.frozen.weight.numel() == 36     # frozen ones are constants
+    assert torch.equal(apply_fn(params, ids), expected)

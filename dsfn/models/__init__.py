@@ -1,4 +1,4 @@
 """Reference models used by dsfn's examples, tests and benchmarks."""
-from dsfn.models.gpt import GPT, GPTConfig, gpt_loss, greedy_generate
+from dsfn.models.gpt import GPT, GPTConfig, generate, gpt_loss, greedy_generate
 
-__all__ = ["GPT", "GPTConfig", "gpt_loss", "greedy_generate"]
+__all__ = ["GPT", "GPTConfig", "generate", "gpt_loss", "greedy_generate"]

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "gpt_loss",
+__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "gpt_loss", "generate",
            "greedy_generate", "PRESETS"]
 
 
@@ -217,16 +217,32 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def greedy_generate(logits_fn: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Tensor,
-                    max_new_tokens: int, seq_len: int) -> torch.Tensor:
-    """Append `max_new_tokens` argmax tokens to `prompt`.
+def generate(logits_fn: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Tensor,
+             max_new_tokens: int, seq_len: int, temperature: float = 0.0,
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    """Append `max_new_tokens` tokens to `prompt`, greedily (temperature 0) or sampled.
 
     logits_fn: Long[B, T] -> Float[B, T, V] (a module, or `lambda ids: apply_fn(params, ids)`).
-    prompt: Long[B, T0]. Returns Long[B, T0 + max_new_tokens]. The context is cropped to
-    the last `seq_len` tokens (no KV cache: this is for short samples).
+    prompt: Long[B, T0]. Returns Long[B, T0 + max_new_tokens]. With temperature > 0 each
+    token is drawn from softmax(logits / temperature) using `generator` (seed it for a
+    reproducible sample). The context is cropped to the last `seq_len` tokens (no KV
+    cache: this is for short samples).
     """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     ids = prompt
     for _ in range(max_new_tokens):
-        logits = logits_fn(ids[:, -seq_len:])
-        ids = torch.cat([ids, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+        logits = logits_fn(ids[:, -seq_len:])[:, -1].float()           # [B, V]
+        if temperature == 0:
+            nxt = logits.argmax(dim=-1, keepdim=True)
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator)     # [B, 1]
+        ids = torch.cat([ids, nxt], dim=1)
     return ids
+
+
+def greedy_generate(logits_fn: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Tensor,
+                    max_new_tokens: int, seq_len: int) -> torch.Tensor:
+    """`generate` with temperature 0: always the most likely next token."""
+    return generate(logits_fn, prompt, max_new_tokens, seq_len)

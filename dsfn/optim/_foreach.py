@@ -47,12 +47,18 @@ def check_betas(betas: Any, who: str) -> tuple[float, float]:
     return b1, b2
 
 
-def mul_scalar(tensors: list[torch.Tensor], s: float | torch.Tensor) -> list[torch.Tensor]:
+def mul_scalar(tensors: list[torch.Tensor], s: float | torch.Tensor, *, promote: bool) -> list[torch.Tensor]:
     """New tensors `t * s`; each result keeps its input's dtype.
 
-    A tensor `s` (0-dim or shape (1,)) is cast to each (device, dtype) group of the leaves
-    for the multiply only: a float64 lr must not promote a 0-dim float32 leaf to float64
-    (0-dim tensors promote each other), and foreach needs the scalar on the leaves' device.
+    A tensor `s` (0-dim or shape (1,), any float dtype) follows one of torch's two rules,
+    which differ only for 0-dim leaves (0-dim tensors promote each other):
+    - `promote=True`: like the in-place tensor op `t.mul_(s)`: the product is taken in
+      the promoted dtype (float64 for a 0-dim float32 leaf and a float64 lr) and stored
+      in `t`'s dtype;
+    - `promote=False`: like a Scalar argument (`alpha=`, `value=`): `s` is first rounded
+      to `t`'s dtype.
+    Either way a float64 lr never turns a float32 leaf into float64. `s` is moved to the
+    leaves' device (a 0-dim copy) when needed.
     """
     if not tensors:
         return []
@@ -64,7 +70,7 @@ def mul_scalar(tensors: list[torch.Tensor], s: float | torch.Tensor) -> list[tor
         groups.setdefault((t.device, t.dtype), []).append(i)
     out: list[Any] = [None] * len(tensors)
     for (device, dtype), idx in groups.items():
-        sc = s if (s.device == device and s.dtype == dtype) else s.to(device=device, dtype=dtype)
+        sc = s.to(device=device) if promote else s.to(device=device, dtype=dtype)
         for i, r in zip(idx, torch._foreach_mul([tensors[i] for i in idx], sc)):
-            out[i] = r
+            out[i] = r if r.dtype == dtype else r.to(dtype)
     return out

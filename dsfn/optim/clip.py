@@ -43,6 +43,6 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         if not u:
             return updates, state
         coef = torch.clamp(max_norm / (_norm_of(u) + 1e-6), max=1.0)
-        return tree.unflatten(spec, mul_scalar(u, coef)), state
+        return tree.unflatten(spec, mul_scalar(u, coef, promote=True)), state   # torch: grads.mul_(coef)
 
     return GradientTransformation(init, update)

@@ -295,7 +295,7 @@ class OneCycle(Schedule):
                 pos = ci * stairs / self.cycle_first_step_size
             else:
                 pos = (self._total - ci) * stairs / self.cycle_second_step_size
-            scale = round(pos) / stairs
+            scale = math.floor(pos) / stairs
         return scale
 
     def value(self, c: int) -> float:

@@ -250,11 +250,12 @@ def adam_step(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float =
         torch._foreach_div_(denom, bc2_sqrt)
         torch._foreach_add_(denom, eps)
         if isinstance(v, torch.Tensor):
-            # tensor lr: scalars stay tensors (no host sync); (s * m) / denom then + p is
-            # the order addcdiv uses, so this equals torch's update too
+            # tensor lr: scalars stay tensors (no host sync). torch multiplies p by the
+            # tensor (1 - lr*wd) in place and passes -lr/bc1 to addcdiv_ as a Scalar; its
+            # (s * m) / denom + p order is kept, so this is torch's update bitwise too
             lr_t = v.reshape(())
-            new_p = mul_scalar(p, 1 - lr_t * wd) if wd != 0.0 else None
-            q = mul_scalar(mu, -(lr_t / bc1))
+            new_p = mul_scalar(p, 1 - lr_t * wd, promote=True) if wd != 0.0 else None
+            q = mul_scalar(mu, -(lr_t / bc1), promote=False)
             torch._foreach_div_(q, denom)
             if new_p is None:
                 new_p = torch._foreach_add(p, q)
@@ -353,7 +354,7 @@ def scale_by_learning_rate(lr: LearningRate, *, flip_sign: bool = True) -> Gradi
             factor = torch.neg(v.reshape(())) if flip_sign else v   # stays a tensor: no host sync
         else:
             factor = sign * v
-        return tree.unflatten(spec, mul_scalar(u, factor)), new
+        return tree.unflatten(spec, mul_scalar(u, factor, promote=False)), new
 
     return GradientTransformation(init, update)
 

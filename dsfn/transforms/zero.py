@@ -157,9 +157,11 @@ class ShardZero(DataParallel):
     def handle_apply_gradients(self, call_next, state, grads):
         if self.stage == 0:
             return call_next(state, grads)
-        grads = tree.map(self._as_shard, grads, is_leaf=is_placed)
-        if self.stage == 3:
+        if self.stage == 3:   # grads follow their parameter's layout (persistent ones stay replicated)
+            grads = tree.map(lambda g, p: self._as_shard(g) if isinstance(p, Placed) else g, grads, state.params,
+                             is_leaf=is_placed)
             return call_next(state, grads)
+        grads = tree.map(self._as_shard, grads, is_leaf=is_placed)
         shards = tree.map(self._as_shard, state.params, is_leaf=is_placed)
         new = call_next(state.replace(params=shards), grads)
         leaves, spec = tree.flatten(new.params, is_leaf=is_placed)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsfn.models import GPT, GPTConfig, gpt_loss, greedy_generate
+from dsfn.models import GPT, GPTConfig, generate, gpt_loss, greedy_generate
 
 
 @pytest.fixture
@@ -110,3 +110,14 @@ def test_greedy_generate(tiny: GPT) -> None:
                           seq_len=tiny.config.seq_len)
     assert out.shape == (1, 3 + tiny.config.seq_len + 5)
     assert torch.equal(out[:, :3], prompt)
+
+
+def test_sampled_generate_is_seeded(tiny: GPT) -> None:
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    run = lambda seed: generate(tiny, prompt, 10, tiny.config.seq_len, temperature=1.0,  # noqa: E731
+                                generator=torch.Generator().manual_seed(seed))
+    a, b = run(0), run(0)
+    assert a.shape == (2, 13) and torch.equal(a, b)
+    assert not torch.equal(a, run(1))
+    with pytest.raises(ValueError, match="temperature"):
+        generate(tiny, prompt, 1, tiny.config.seq_len, temperature=-1.0)
