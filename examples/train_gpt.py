@@ -3,6 +3,7 @@
     python examples/train_gpt.py                      # 2 local ranks, data parallel, ~1-2 min
     python examples/train_gpt.py --world-size 1       # one process
     python examples/train_gpt.py --model tiny --steps 50
+    python -m dsfn.launch --nproc 2 examples/train_gpt.py   # or torchrun: ranks started outside
 
 The model sees bytes (vocab 256) of the stdlib's *.py files (see `corpus.py`); the last
 5% of the files are held out for validation. The training step is written once, for
@@ -70,10 +71,15 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
 
     `batch_size` is the global batch (sequences per step, over all ranks); it must be a
     multiple of `world_size`. `world_size=1` trains in this process; more ranks run as
-    local gloo processes (`dsfn.launch.spawn`).
+    local gloo processes (`dsfn.launch.spawn`). When this process is already one rank of
+    a launched job (torchrun or `python -m dsfn.launch` set RANK, WORLD_SIZE, ...), it
+    trains as that rank and `world_size` is the job's; ranks other than 0 return {}.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    launched = dsfn.runtime.init_distributed()          # False unless started by a launcher
+    if launched:
+        world_size = dsfn.runtime.world_size()
     if batch_size % world_size:
         raise ValueError(f"batch_size={batch_size} must be a multiple of world_size={world_size}")
     cfg = GPTConfig.preset(model)
@@ -91,8 +97,10 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
                temperature=temperature,
                progress=progress, corpus_bytes=len(data))
 
-    if world_size == 1:
-        result = _train(train_data, val_data, run)          # in-process: all cores, no group
+    if launched or world_size == 1:
+        result = _train(train_data, val_data, run)          # this process is the (or a) rank
+        if dsfn.runtime.rank() != 0:
+            return {}
     else:
         # Forked ranks share the corpus tensor copy-on-write; one torch thread each.
         results = dsfn.launch.spawn(_train, world_size, args=(train_data, val_data, run),
@@ -164,9 +172,9 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
                       "tokens_per_s": tokens_per_step / dt,
                       "elapsed": time.perf_counter() - start}
             log.write(json.dumps(record) + "\n")
-            if bar is not None:
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                                refresh=False)
+            if bar is not None:       # tokens/s averaged over the run so far: steadier than per step
+                bar.set_postfix(loss=f"{record['loss']:.3f}",
+                                tok_s=f"{tokens_per_step * (i + 1) / record['elapsed']:,.0f}", refresh=False)
                 bar.update(1)
     finally:
         if bar is not None:

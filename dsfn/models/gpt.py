@@ -40,6 +40,8 @@ class GPTConfig:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPTConfig":
@@ -181,18 +183,20 @@ class GPT(nn.Module):
             p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=g))
 
         seen: set[int] = set()
-        for name, p in self.named_parameters():       # deterministic order; tied weight once
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            if name.endswith("bias"):
-                p.zero_()
-            elif ".ln" in name or name.startswith("ln_"):
-                p.fill_(1.0)                           # LayerNorm weight
-            elif name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
-                normal_(p, resid_std)                  # keeps the residual stream's variance O(1)
-            else:
-                normal_(p, 0.02)
+        for mod_name, module in self.named_modules():  # fixed order -> fixed draws per seed
+            for name, p in module.named_parameters(recurse=False):
+                if id(p) in seen:                      # the tied lm_head weight: already drawn
+                    continue
+                seen.add(id(p))
+                full = f"{mod_name}.{name}" if mod_name else name
+                if isinstance(module, nn.LayerNorm):
+                    p.fill_(1.0 if name == "weight" else 0.0)
+                elif name == "bias":
+                    p.zero_()
+                elif full.endswith(("attn.proj.weight", "mlp.proj.weight")):
+                    normal_(p, resid_std)              # keeps the residual stream's variance O(1)
+                else:
+                    normal_(p, 0.02)
 
     def num_params(self, include_position: bool = True) -> int:
         """Number of distinct parameters (a tied weight counted once)."""

@@ -1,13 +1,15 @@
 """dsfn.optim: functional optimizers (optax's protocol) matching torch.optim, and DeepSpeed's schedules.
 
-    tx = dsfn.optim.chain(dsfn.optim.clip_by_global_norm(1.0),
-                          dsfn.optim.adamw(lr=dsfn.optim.WarmupLR(warmup_max_lr=3e-4, warmup_num_steps=100)))
+    tx = dsfn.optim.chain(
+        dsfn.optim.clip_by_global_norm(1.0),
+        dsfn.optim.adamw(lr=dsfn.optim.WarmupLR(warmup_max_lr=3e-4, warmup_num_steps=100)))
     state = tx.init(params)
     updates, state = tx.update(grads, state, params)      # pure: inputs are not modified
     params = dsfn.optim.apply_updates(params, updates)
 
-Modules: `base` (protocol, chain, apply_updates), `transform` (primitives), `alias`
-(adamw, adam, sgd), `clip`, `masks` (masked, partition), `schedules` (DeepSpeed's).
+Modules: `base` (protocol, chain, identity, apply_updates), `transform` (primitives and
+learning rates), `alias` (adamw, adam, sgd), `clip`, `masks` (masked, partition),
+`schedules` (DeepSpeed's, with the count <-> last_batch_iteration mapping).
 """
 from dsfn.optim import schedules
 from dsfn.optim.alias import adam, adamw, sgd
@@ -15,14 +17,15 @@ from dsfn.optim.base import EmptyState, GradientTransformation, apply_updates, c
 from dsfn.optim.clip import clip_by_global_norm, global_norm
 from dsfn.optim.masks import MaskedState, PartitionState, by_name, by_ndim, masked, partition
 from dsfn.optim.schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, constant, linear
-from dsfn.optim.transform import (AdamState, LearningRate, ScaleByAdamState, ScaleByLearningRateState, TraceState,
-                                  adam_step, add_decayed_weights, current_lr, scale, scale_by_adam, scale_by_learning_rate,
-                                  trace)
+from dsfn.optim.transform import (AdamState, LearningRate, ScaleByAdamState, ScaleByLearningRateState,
+                                  TraceState, adam_step, add_decayed_weights, current_lr, scale, scale_by_adam,
+                                  scale_by_learning_rate, trace)
 
 __all__ = [
-    "AdamState", "EmptyState", "GradientTransformation", "LRRangeTest", "LearningRate", "MaskedState", "OneCycle",
-    "PartitionState", "ScaleByAdamState", "ScaleByLearningRateState", "TraceState", "WarmupCosineLR",
-    "WarmupDecayLR", "WarmupLR", "adam", "adam_step", "adamw", "add_decayed_weights", "apply_updates", "by_name", "by_ndim",
-    "chain", "clip_by_global_norm", "constant", "current_lr", "global_norm", "identity", "linear", "masked",
-    "partition", "scale", "scale_by_adam", "scale_by_learning_rate", "schedules", "sgd", "trace",
+    "AdamState", "EmptyState", "GradientTransformation", "LRRangeTest", "LearningRate", "MaskedState",
+    "OneCycle", "PartitionState", "ScaleByAdamState", "ScaleByLearningRateState", "TraceState",
+    "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "adam", "adam_step", "adamw", "add_decayed_weights",
+    "apply_updates", "by_name", "by_ndim", "chain", "clip_by_global_norm", "constant", "current_lr",
+    "global_norm", "identity", "linear", "masked", "partition", "scale", "scale_by_adam",
+    "scale_by_learning_rate", "schedules", "sgd", "trace",
 ]

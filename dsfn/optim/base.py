@@ -61,18 +61,12 @@ def tensor_leaves(t: PyTree, what: str) -> tuple[list[torch.Tensor], tree.TreeSp
     return leaves, spec
 
 
-def same_structure(a: PyTree, b: PyTree, what_a: str, what_b: str) -> None:
-    if tree.structure(a) != tree.structure(b):
-        raise LeafTypeError(f"{what_a} and {what_b} have different tree structures "
-                            f"({tree.structure(a)} vs {tree.structure(b)}); pass trees shaped like params")
-
-
 def apply_updates(params: Params, updates: Updates) -> Params:
     """`params + updates` leaf by leaf; each result has its param's dtype.
 
-    Shapes: leaf i of `updates` broadcasts to leaf i of `params` (normally equal shapes).
-    The sum is taken in the promoted dtype and cast back (optax's rule), so fp32 updates
-    on bf16 params round once. Inputs are not modified.
+    Shapes: leaf i of `updates` has the shape of leaf i of `params`. The sum is taken in
+    the promoted dtype of the pair and cast back to the param's dtype (optax's rule).
+    One foreach pass; inputs are not modified.
     """
     p_leaves, spec = tensor_leaves(params, "params")
     u_leaves, u_spec = tensor_leaves(updates, "updates")

@@ -6,7 +6,8 @@ Names, constructor arguments and values follow `deepspeed/runtime/lr_schedules.p
 `schedule(count) -> float`, `count` = the number of updates already applied (a 0-dim
 int64 tensor, as `scale_by_learning_rate` passes it, or an int). Values are computed on
 the host in float64 with the same float operations as DeepSpeed, so they are bitwise
-DeepSpeed's.
+DeepSpeed's (checked once against the 0.19.8 source driven like its engine; the tests
+use an independent transcription instead, so they do not need deepspeed).
 
 ## count <-> DeepSpeed's `last_batch_iteration`
 
@@ -19,15 +20,18 @@ update at `count = c` is the (c+1)-th, hence
 
     schedule(c) == DeepSpeed get_lr() at last_batch_iteration = c - 1,
 
-with c = 0 meaning the value the constructor set. Consequences, all DeepSpeed's:
+with c = 0 meaning the value the constructor set. Equivalently, a DeepSpeed scheduler
+whose `state_dict()` holds `last_batch_iteration = L` (after L + 1 updates) resumes
+here at count = L + 1. An update skipped for overflow must not advance `count` (as it
+does not step DeepSpeed's scheduler). Consequences, all DeepSpeed's:
 - `WarmupLR` / `WarmupDecayLR`: c = 0 and c = 1 both give `warmup_min_lr` (the
   constructor's value, then gamma = log(1)/log(W) = 0, or 0/W for linear). The lr
   reaches `warmup_max_lr` at c = W + 1 (log: already at c = W), W = max(2, warmup_num_steps).
 - `WarmupCosineLR`: c = 0 gives 0.0 (the constructor's value, whatever
   `warmup_min_ratio`), c = 1 gives `base_lr * warmup_min_ratio`. DeepSpeed PR #5287
   proposed changing these two steps and was closed unmerged, so this is still
-  DeepSpeed's behaviour. The cosine part ends at `cos_min_ratio` for
-  c >= total_num_steps + 1 and stays there (clamped, DeepSpeed >= 0.19).
+  DeepSpeed's behaviour. The cosine reaches `cos_min_ratio` at c = total_num_steps
+  and stays there (progress is clamped, as in DeepSpeed 0.19).
 - `OneCycle`: c is DeepSpeed's `batch_iteration = last_batch_iteration + 1`: min lr at
   c = 0, peak at c = cycle_first_step_size, min again at c = total cycle size, then decay.
 

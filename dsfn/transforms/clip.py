@@ -5,7 +5,8 @@ shard axis, a replicated one once (dsfn.transforms.grad_stats), so ZeRO stages 0
 the same norm as the reference. Clipping follows torch's `clip_grad_norm_`: grads are
 multiplied by min(1, max_norm / (norm + 1e-6)). Inside `loss_scale`, unscaling is the
 same multiply: factor = (1/scale) * min(1, max_norm / (norm/scale + 1e-6)) — one pass,
-DeepSpeed's combined unscale-and-clip. Metric: `grad_norm` (unscaled, before clipping).
+DeepSpeed's combined unscale-and-clip. Metric: `grad_norm` (unscaled, before clipping;
+NaN on a step that `loss_scale` skipped for overflow, where no norm is computed).
 """
 from __future__ import annotations
 
@@ -36,6 +37,12 @@ class ClipGradNorm(Transform):
             raise StackError("clip_grad_norm must sit inside loss_scale (it needs unscaled gradients): write "
                              "compose(..., loss_scale(), clip_grad_norm(max_norm))")
 
+    def wrap_step(self, fn):
+        def step(state, batch):
+            self._norm = None      # a skipped update (overflow) computes no norm: reported as NaN
+            return fn(state, batch)
+        return step
+
     def handle_apply_gradients(self, call_next, state, grads):
         from dsfn.transforms.loss_scale import LossScale
         unscale = next((t.pending_unscale for t in active_stack()
@@ -48,9 +55,8 @@ class ClipGradNorm(Transform):
         return call_next(state, tree.unflatten(spec, torch._foreach_mul(leaves, factor) if leaves else []))
 
     def handle_reduce_metrics(self, call_next, metrics):
-        if self._norm is not None:
-            metrics = {**metrics, "grad_norm": self._norm.reshape(())}
-        return call_next(metrics)
+        norm = self._norm if self._norm is not None else torch.tensor(float("nan"))
+        return call_next({**metrics, "grad_norm": norm.reshape(())})
 
 
 def clip_grad_norm(*args: Any, **kwargs: Any) -> ClipGradNorm:

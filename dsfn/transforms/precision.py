@@ -14,7 +14,9 @@ changes: no second copy is made.
 Gradients come back in `param_dtype` and are reduced in `reduce_dtype` (default:
 `param_dtype`); the update casts them to `master_dtype`, runs the optimizer on the
 master weights, and casts the result back to `param_dtype`. Floating inputs of the
-differentiated function are cast to `param_dtype` (`cast_inputs`). Place it inside the
+differentiated function are cast to `param_dtype` (`cast_inputs`), and so are the
+module's frozen parameters and floating buffers (`apply_fn.constants`, cast once and
+cached). Place it inside the
 parallel transform: `compose(shard_zero(s), mixed_precision(...))`.
 """
 from __future__ import annotations
@@ -86,13 +88,29 @@ class MixedPrecision(Transform):
             return (value[0].float(), value[1]), grads
         return value.float(), grads
 
+    def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
+        """Frozen parameters and floating buffers compute in `param_dtype` too."""
+        if not self.active:
+            return call_next(apply_fn, params, args, kwargs)
+        return call_next(self._cast_constants(apply_fn), params, args, kwargs)
+
+    def _cast_constants(self, apply_fn):
+        cached = getattr(self, "_cast_cache", None)
+        if cached is not None and cached[0] is apply_fn and cached[1] is apply_fn.constants:
+            return cached[2]
+        from dsfn.functional import ApplyFn
+        consts = {k: (v.to(self.param_dtype) if v.is_floating_point() else v) for k, v in apply_fn.constants.items()}
+        cast = ApplyFn(apply_fn.module, consts, apply_fn.param_names)
+        self._cast_cache = (apply_fn, apply_fn.constants, cast)
+        return cast
+
     def handle_apply_gradients(self, call_next, state, grads):
         if not isinstance(state.opt_state, MasterState):
             return call_next(state, grads)
         grads = tree.map(lambda g: g.to(self.master_dtype), grads)
         inner = state.replace(params=state.opt_state.master, opt_state=state.opt_state.inner)
         new = call_next(inner, grads)
-        if new is inner:      # the update was skipped (e.g. fp16 overflow): nothing changed
+        if new.params is inner.params:   # the update was skipped (fp16 overflow): nothing to cast
             return state.replace(extra=new.extra)
         return new.replace(params=tree.map(lambda m: m.to(self.param_dtype), new.params),
                            opt_state=MasterState(master=new.params, inner=new.opt_state))

@@ -59,7 +59,7 @@ class ShardZero(DataParallel):
     def __init__(self, stage: int, axis: str = "dp", reduce_bucket_size: int = 50_000_000,
                  allgather_bucket_size: int = 50_000_000, param_persistence_threshold: int = 100_000,
                  units: Sequence[str] | None = None, prefetch: int = 1, split_batch: bool = True):
-        if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
             raise ConfigError(f"shard_zero(stage={stage!r}): stage must be 0, 1, 2 or 3 "
                               "(0 = plain data parallel, 1 = + optimizer state, 2 = + gradients, 3 = + parameters)")
         for key, v in (("reduce_bucket_size", reduce_bucket_size), ("allgather_bucket_size", allgather_bucket_size)):
@@ -297,18 +297,19 @@ class UnitGatherer:
                 owner_name, _, attr = alias.rpartition(".")
                 slots.append((module.get_submodule(owner_name), attr))
             self.slots.append(slots)
-        # units: each sharded parameter belongs to the first unit holding it, else to the root
+        # units: a sharded parameter reached from exactly one unit belongs to it; one reached
+        # from several units (tied across units) or from none belongs to the root
         unit_mods = find_units(module, zero.units)
-        self.unit_params: list[list[int]] = []
+        def unit_holding(alias: str) -> int | None:
+            return next((u for u, (uname, _) in enumerate(unit_mods) if alias.startswith(uname + ".")), None)
         owner_of: dict[int, int] = {}
-        for u, (uname, umod) in enumerate(unit_mods):
-            mine = []
-            for pname, _ in umod.named_parameters(prefix=uname, remove_duplicate=False):
-                i = self.index.get(pname)
-                if i is not None and i not in owner_of:
-                    owner_of[i] = u
-                    mine.append(i)
-            self.unit_params.append(mine)
+        for i, n in enumerate(self.names):
+            holders = {unit_holding(alias) for alias in canonical.get(n, [n])}
+            if len(holders) == 1 and None not in holders:
+                owner_of[i] = holders.pop()
+        self.unit_params: list[list[int]] = [[] for _ in unit_mods]
+        for i in sorted(owner_of):
+            self.unit_params[owner_of[i]].append(i)
         root = [i for i in range(len(self.names)) if i not in owner_of]
         # the root unit (parameters outside every unit) runs first and stays live to the end
         self.units = [module] + [m for _, m in unit_mods]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,6 +52,19 @@ def test_main_one_rank_matches_two_ranks(tmp_path: Path) -> None:
     l2 = [json.loads(x)["loss"] for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert l1 == pytest.approx(l2, rel=1e-4, abs=1e-4)
     assert one["val_loss"] == pytest.approx(two["val_loss"], rel=1e-4, abs=1e-4)
+
+
+def test_script_under_dsfn_launch(tmp_path: Path) -> None:
+    # The script as users run it, its ranks started by a launcher (as torchrun would).
+    cmd = [sys.executable, "-m", "dsfn.launch", "--nproc", "2", "--timeout", "120",
+           str(EXAMPLES / "train_gpt.py"), "--model", "tiny", "--steps", "3", "--batch-size", "4",
+           "--max-bytes", "100000", "--out", str(tmp_path), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150,
+                          cwd=EXAMPLES.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("== train_gpt:") == 1            # only rank 0 reports
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 3
 
 
 def test_batch_size_must_divide(tmp_path: Path) -> None:

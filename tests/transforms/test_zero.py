@@ -99,10 +99,11 @@ def run_each_rank(make_transforms, make_model, make_tx, batches, world, loss_fn=
 # 1. equality with the single-process reference
 # ----------------------------------------------------------------------------------------------
 
-@settings(deadline=None, max_examples=16, derandomize=True)
-@given(stage=st.integers(0, 3), world=st.sampled_from([1, 2, 4]), seed=st.integers(0, 10_000),
-       hidden=st.integers(1, 9), n_acc=st.sampled_from([1, 2]), clip=st.sampled_from([None, 0.05, 1e3]),
-       bucket=st.sampled_from([3, 64, 50_000_000]))
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@settings(deadline=None, max_examples=2, derandomize=True)
+@given(seed=st.integers(0, 10_000), hidden=st.integers(1, 9), n_acc=st.sampled_from([1, 2]),
+       clip=st.sampled_from([None, 0.05, 1e3]), bucket=st.sampled_from([3, 64, 50_000_000]))
 def test_zero_equals_single_process_reference(stage, world, seed, hidden, n_acc, clip, bucket):
     """Property: losses, final params and optimizer state equal the single process (fp32: rtol
     1e-5, atol 1e-6) for stages 0-3 x world 1/2/4, with and without accumulation and clipping
