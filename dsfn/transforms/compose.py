@@ -74,11 +74,64 @@ class Step:
             metrics = bind("reduce_metrics", lambda m: m, metrics)
         return new_state, metrics
 
+    def explain(self, state: Any, batch: Any) -> "Explanation":
+        """A dry run of one step on this rank: layouts, collectives, bytes.
+
+        `state` is the placed (physical) state. The step runs once and its result is
+        dropped (states are immutable, so `state` is unchanged); the runtime's counters
+        give each collective's calls and bytes per (axis, op).
+        """
+        from dsfn.runtime import collectives as C
+        from dsfn.state.layout import Placed, is_placed, layout_of
+        before = C.counters.snapshot()
+        C.reset_gauges()
+        self(state, batch)
+        after = C.counters.snapshot()
+        comm = {}
+        for key, v in after.items():
+            b = before.get(key)
+            calls, nbytes = v.calls - (b.calls if b else 0), v.bytes - (b.bytes if b else 0)
+            if calls:
+                comm[key] = (calls, nbytes)
+        leaves = []
+        for path, x in tree.leaves_with_path(state, is_leaf=is_placed):
+            t = x.data if isinstance(x, Placed) else x
+            if isinstance(t, torch.Tensor):
+                leaves.append((path, layout_of(x), tuple(t.shape), t.dtype, t.numel() * t.element_size()))
+        notes = [getattr(t, "explain_note", t.describe)() for t in self.stack]
+        return Explanation(notes, leaves, comm, dict(C.gauge_max))
+
     def __repr__(self) -> str:
         inner = getattr(self.fn, "__name__", repr(self.fn))
         for t in reversed(self.stack):
             inner = f"{t.describe()}({inner})"
         return f"Step[{inner}]"
+
+
+class Explanation:
+    """What a step does on this rank: `stack` notes, `leaves` (path, layout, local shape,
+    dtype, bytes), `collectives` {(axis, op): (calls, bytes)} per step, runtime `gauges`."""
+
+    def __init__(self, stack: list[str], leaves: list[tuple], collectives: dict, gauges: dict):
+        self.stack, self.leaves, self.collectives, self.gauges = stack, leaves, collectives, gauges
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(x[4] for x in self.leaves)
+
+    def __str__(self) -> str:
+        lines = ["stack (outermost first):"] + [f"  {n}" for n in self.stack] or ["  (no transforms)"]
+        lines.append(f"state on this rank: {self.state_bytes / 2**20:.2f} MiB in {len(self.leaves)} tensors")
+        for path, layout, shape, dtype, nbytes in self.leaves:
+            lines.append(f"  {path:50s} {str(dtype).replace('torch.', ''):9s} {str(shape):16s} {layout}")
+        lines.append("collectives per step:" if self.collectives else "collectives per step: none")
+        for (axis, op), (calls, nbytes) in sorted(self.collectives.items()):
+            lines.append(f"  {axis:4s} {op:15s} {calls:5d} calls {nbytes / 2**20:10.3f} MiB")
+        for k, v in sorted(self.gauges.items()):
+            lines.append(f"peak {k}: {v}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
 
 
 def compose(*transforms: Transform) -> Callable[[StepFn], Step]:
