@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -206,25 +207,32 @@ class DsfnRunner:
 # --------------------------------------------------------------------------- one phase (runs on every rank)
 
 
+def _minflt() -> int:
+    """Minor page faults of this process so far (a fault per fresh 4 KiB page touched)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _measure(runners: dict[str, Any], batches: list[dict], opts: dict) -> dict:
     """Alternate the runners step by step (ABBA), time the post-warm-up steps."""
     names = list(runners)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     times: dict[str, list[float]] = {n: [] for n in names}
     cpu: dict[str, list[float]] = {n: [] for n in names}
+    faults: dict[str, list[int]] = {n: [] for n in names}
     losses: dict[str, list[float]] = {n: [] for n in names}
     warmup, steps = opts["warmup"], opts["steps"]
     for i in range(warmup + steps):
         for n in (names if i % 2 == 0 else names[::-1]):
             if distributed:
                 dist.barrier()
-            c0, t0 = time.process_time(), time.perf_counter()
+            f0, c0, t0 = _minflt(), time.process_time(), time.perf_counter()
             loss = runners[n].step(batches[i])
-            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            dt, dc, df = time.perf_counter() - t0, time.process_time() - c0, _minflt() - f0
             losses[n].append(float(loss))
             if i >= warmup:
                 times[n].append(dt)
                 cpu[n].append(dc)
+                faults[n].append(df)
     breakdown: dict[str, dict[str, list[float]]] = {n: defaultdict(list) for n in names}
     for j in range(opts["breakdown"]):
         i = warmup + steps + j
@@ -232,7 +240,7 @@ def _measure(runners: dict[str, Any], batches: list[dict], opts: dict) -> dict:
             if distributed:
                 dist.barrier()
             runners[n].step_breakdown(batches[i], breakdown[n])
-    return {"times": times, "cpu": cpu, "losses": losses, "breakdown": {n: dict(b) for n, b in breakdown.items()}}
+    return {"times": times, "cpu": cpu, "faults": faults, "losses": losses, "breakdown": {n: dict(b) for n, b in breakdown.items()}}
 
 
 def _phase_single(opts: dict, batches: list[dict]) -> dict:
@@ -283,6 +291,7 @@ def run(opts: dict, log=print) -> dict:
     load_before = _loadavg()
     times: dict[str, list[float]] = {n: [] for names in PHASES.values() for n in names}
     cpu: dict[str, list[float]] = {n: [] for names in PHASES.values() for n in names}
+    faults: dict[str, list[int]] = {n: [] for names in PHASES.values() for n in names}
     losses: dict[str, list[float]] = {}
     breakdown: dict[str, dict[str, list[float]]] = {}
     threads: dict[str, int] = {}
@@ -300,6 +309,7 @@ def run(opts: dict, log=print) -> dict:
                 # a 2-rank step lasts as long as its slowest rank
                 times[n] += [max(ts) for ts in zip(*(r["times"][n] for r in res))]
                 cpu[n] += [max(cs) for cs in zip(*(r["cpu"][n] for r in res))]
+                faults[n] += [max(fs) for fs in zip(*(r["faults"][n] for r in res))]
                 if rep == 0:
                     # per-step loss averaged over ranks (= the global-batch loss)
                     losses[n] = [statistics.fmean(ls) for ls in zip(*(r["losses"][n] for r in res))]
@@ -313,7 +323,8 @@ def run(opts: dict, log=print) -> dict:
             ranks = 1 if n in PHASES["single"] else 2
             results[n] = {"label": LABELS[n], "ranks": ranks, "threads_per_rank": threads[n],
                           "rows_per_rank": opts["micro_batch"], **_stats(ts),
-                          "cpu_median_s": statistics.median(cpu[n]), "cpu_times_s": cpu[n]}
+                          "cpu_median_s": statistics.median(cpu[n]), "cpu_times_s": cpu[n],
+                          "minor_faults_mean": statistics.fmean(faults[n]), "minor_faults": faults[n]}
     ratios = {}
     for a, b in PAIRS:
         if a in results and b in results:
@@ -344,10 +355,12 @@ def report(out: dict) -> str:
     lines = [f"dsfn step overhead — GPT {o['model']!r} ({cfg.num_params() / 1e6:.1f}M params, {cfg.n_layer} layers, "
              f"d{cfg.d_model}, seq {cfg.seq_len}, fp32), micro-batch {o['micro_batch']} per rank, "
              f"torch.optim.AdamW impl: {o['torch_adamw']}",
-             f"threads: {o['threads']} intra-op thread(s) in the 1-process runs (1-rank dsfn.launch.spawn), "
+             f"threads: {o['threads']} intra-op thread(s) in the 1-process runs (1-rank dsfn.launch.spawn, "
+             f"{'fork' if o['threads'] == 1 else 'start_method=spawn'}), "
              f"1 per rank in the 2-rank runs (dsfn.launch.spawn, fork); {out['env']['cpu_count']} CPUs",
              f"steps: {o['steps']} timed x {o['repeats']} repeat(s) per config after {o['warmup']} warm-up, "
-             "contenders alternating ABBA in the same process(es); cpu s = process CPU time per step"]
+             "contenders alternating ABBA in the same process(es); cpu s = median process CPU time per step, "
+             "faults = mean minor page faults per step (fresh 4 KiB pages touched)"]
     la, n_cpu = out["loadavg_1min"], out["env"]["cpu_count"] or 1
     if la["before"] is not None:
         busy = max(la["before"], la["after"]) > 0.5 * n_cpu
@@ -356,11 +369,12 @@ def report(out: dict) -> str:
                         "noisy, trust the paired and cpu ratios more" if busy else ""))
     lines.append("")
     hdr = (f"{'config':<46} {'ranks':>5} {'thr':>3} {'steps':>5} {'median s':>9} {'min s':>8} {'mean s':>8} "
-           f"{'cpu s':>7}")
+           f"{'cpu s':>7} {'faults':>7}")
     lines += [hdr, "-" * len(hdr)]
     for n, r in out["results"].items():
         lines.append(f"{r['label']:<46} {r['ranks']:>5} {r['threads_per_rank']:>3} {r['n']:>5} "
-                     f"{r['median_s']:>9.4f} {r['min_s']:>8.4f} {r['mean_s']:>8.4f} {r['cpu_median_s']:>7.3f}")
+                     f"{r['median_s']:>9.4f} {r['min_s']:>8.4f} {r['mean_s']:>8.4f} {r['cpu_median_s']:>7.3f} "
+                     f"{r['minor_faults_mean']:>7.0f}")
     lines.append("")
     for k, r in out["ratios"].items():
         lines.append(f"ratio {k:<14} median {r['median']:.3f}   min {r['min']:.3f}   paired-median "

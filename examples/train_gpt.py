@@ -296,7 +296,7 @@ def format_summary(s: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=DEFAULTS["model"], choices=sorted(_presets()),
+    p.add_argument("--model", default=DEFAULTS["model"], choices=None,
                    help="GPT size preset (dsfn.models.GPTConfig.preset)")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     p.add_argument("--world-size", type=int, default=DEFAULTS["world_size"],

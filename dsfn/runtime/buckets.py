@@ -48,3 +48,46 @@ def reassemble(n: int, buckets: list[Bucket], flats: list[torch.Tensor]) -> list
         for i, t in zip(b.indices, b.unpack(flat)):
             out[i] = t
     return out  # type: ignore[return-value]
+
+
+class OverlappedAllReduce:
+    """All-reduce gradients in buckets while backward still runs (DDP's overlap).
+
+    `add(key, grad)` queues a gradient as autograd produces it; once the queue holds
+    `bucket_bytes` (per dtype) a bucket is flattened and its all-reduce launched
+    asynchronously. `finish()` launches the rest, waits, and returns {key: reduced}
+    (views into the buckets). Autograd produces gradients in the same order on every
+    rank, so buckets match across ranks.
+    """
+
+    def __init__(self, axis: str, bucket_bytes: int, op: str = "avg"):
+        from dsfn.runtime import collectives as C
+        self._C, self.axis, self.bucket_bytes, self.op = C, axis, bucket_bytes, op
+        self._queue: dict[torch.dtype, list[tuple[object, torch.Tensor]]] = {}
+        self._queued: dict[torch.dtype, int] = {}
+        self._inflight: list[tuple[list[tuple[object, torch.Tensor]], object]] = []
+
+    def add(self, key: object, grad: torch.Tensor) -> None:
+        q = self._queue.setdefault(grad.dtype, [])
+        q.append((key, grad))
+        self._queued[grad.dtype] = self._queued.get(grad.dtype, 0) + grad.numel() * grad.element_size()
+        if self._queued[grad.dtype] >= self.bucket_bytes:
+            self._launch(grad.dtype)
+
+    def _launch(self, dtype: torch.dtype) -> None:
+        items = self._queue.pop(dtype, [])
+        self._queued[dtype] = 0
+        if items:
+            flat = torch.cat([g.reshape(-1) for _, g in items])
+            self._inflight.append((items, self._C.all_reduce_(flat, self.axis, self.op, async_op=True)))
+
+    def finish(self) -> dict:
+        for dtype in list(self._queue):
+            self._launch(dtype)
+        out = {}
+        for items, pending in self._inflight:
+            flat = pending.wait()
+            for (key, g), piece in zip(items, flat.split([g.numel() for _, g in items])):
+                out[key] = piece.view(g.shape)
+        self._inflight = []
+        return out

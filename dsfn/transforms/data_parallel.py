@@ -6,9 +6,10 @@
   rank runs `train_step` on its rows (`split_batch=False` when the loader already gives
   each rank its own rows).
 - `value_and_grad`: gradients are packed into buckets of `bucket_mb` and all-reduced
-  (mean) over dp — all-reduce bytes per step equal the gradient bytes. For a loss that
-  is a mean over equally sized per-rank batches this equals the single-process gradient
-  of the global batch.
+  (mean) over dp — all-reduce bytes per step equal the gradient bytes. Buckets are
+  launched during backward as gradients arrive (DDP's overlap); with `accumulate`
+  inside, once after the last micro-batch. For a loss that is a mean over equally
+  sized per-rank batches this equals the single-process gradient of the global batch.
 - `reduce_metrics`: metrics are averaged over dp.
 """
 from __future__ import annotations
@@ -36,6 +37,8 @@ class DataParallel(Transform):
         self.axis = axis
         self.split_batch = bool(split_batch)
         self.bucket_mb = float(bucket_mb)
+        self._overlap = True                      # set from the stack by check_stack
+        self._reduce_dtype: torch.dtype | None = None
 
     def place(self, state: Any) -> Any:
         mesh = current_mesh()
@@ -54,13 +57,30 @@ class DataParallel(Transform):
             return fn(state, split_batch(batch, self.axis))
         return step
 
+    def check_stack(self, stack, index):
+        from dsfn.transforms.accumulate import Accumulate
+        from dsfn.transforms.precision import MixedPrecision
+        inner = stack[index + 1:]
+        # with accumulation inside, reduce once at the end rather than per micro-batch
+        self._overlap = not any(isinstance(t, Accumulate) for t in inner)
+        # gradients travel in mixed precision's reduce dtype
+        self._reduce_dtype = next((t.reduce_dtype for t in inner if isinstance(t, MixedPrecision) and t.active), None)
+
     def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
-        value, grads = call_next(fn, params, args, kwargs, has_aux)
         if current_mesh().size(self.axis) == 1:
-            return value, grads
-        leaves, spec = tree.flatten(grads)
-        reduced = all_reduce_buckets(leaves, self.axis, int(self.bucket_mb * 2**20), op="avg")
-        return value, tree.unflatten(spec, reduced)
+            return call_next(fn, params, args, kwargs, has_aux)
+        bucket_bytes = int(self.bucket_mb * 2**20)
+        if not self._overlap:
+            value, grads = call_next(fn, params, args, kwargs, has_aux)
+            leaves, spec = tree.flatten(grads)
+            return value, tree.unflatten(spec, all_reduce_buckets(leaves, self.axis, bucket_bytes, op="avg"))
+        reducer = B.OverlappedAllReduce(self.axis, bucket_bytes, "avg")
+        dtype = self._reduce_dtype
+        sink = reducer.add if dtype is None else (lambda key, g: reducer.add(key, g.to(dtype)))
+        value, grads = call_next(tap_gradients(fn, sink), params, args, kwargs, has_aux)
+        reduced = reducer.finish()
+        return value, tree.map_with_path(
+            lambda path, g: reduced[path] if path in reduced else C.all_reduce_(g.clone(), self.axis, "avg"), grads)
 
     def handle_reduce_metrics(self, call_next, metrics):
         return call_next(average_metrics(metrics, self.axis))
@@ -88,6 +108,28 @@ def all_reduce_buckets(tensors: Sequence[torch.Tensor], axis: str, bucket_bytes:
         else:
             pending.append(C.all_reduce_(flat, axis, op, async_op=True))
     return B.reassemble(len(tensors), buckets, [p.wait() for p in pending])
+
+
+class _Tap(torch.autograd.Function):
+    """Identity in forward; in backward hands the parameter's full gradient to `sink`
+    (a reducer) and returns a zero-stride zero, so the full gradient is not kept."""
+
+    @staticmethod
+    def forward(ctx, x, sink, key):
+        ctx.sink, ctx.key = sink, key
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink(ctx.key, grad)
+        return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape), None, None
+
+
+def tap_gradients(fn, sink):
+    """`fn` whose parameter leaves report their gradients to `sink(path, grad)` during backward."""
+    def tapped(params, *args, **kwargs):
+        return fn(tree.map_with_path(lambda path, x: _Tap.apply(x, sink, path), params), *args, **kwargs)
+    return tapped
 
 
 def split_batch(batch: Any, axis: str) -> Any:

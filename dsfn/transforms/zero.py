@@ -50,7 +50,7 @@ from dsfn.runtime.flat import ShardReducer, all_gather_full
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import FlatShard, Placed, is_placed, place
 from dsfn.transforms.core import Transform, make_transform
-from dsfn.transforms.data_parallel import DataParallel, all_reduce_buckets
+from dsfn.transforms.data_parallel import DataParallel, all_reduce_buckets, tap_gradients
 
 
 class ShardZero(DataParallel):
@@ -78,18 +78,14 @@ class ShardZero(DataParallel):
         self.units = tuple(units) if units is not None else None
         self.prefetch = prefetch
         self._reducer: ShardReducer | None = None
-        self._reduce_dtype: torch.dtype | None = None
 
     # -- stack rules -------------------------------------------------------------------
     def check_stack(self, stack, index):
+        super().check_stack(stack, index)    # overlap and reduce dtype, as data parallel
         for t in stack:
             if type(t) is DataParallel:
                 raise StackError("shard_zero already does data parallelism over "
                                  f"{self.axis!r}; remove data_parallel() from the stack")
-        from dsfn.transforms.precision import MixedPrecision
-        for t in stack[index + 1:]:
-            if isinstance(t, MixedPrecision):
-                self._reduce_dtype = t.reduce_dtype
 
     def explain_note(self) -> str:
         if current_mesh().size(self.axis) == 1:
@@ -125,7 +121,7 @@ class ShardZero(DataParallel):
         reducer = self._reducer = outer or ShardReducer(self.axis, self.reduce_bucket_size, "avg", self._reduce_dtype)
         try:
             if self.stage == 2:
-                fn = _tapped(fn, reducer)
+                fn = tap_gradients(fn, reducer.add)
             value, grads = call_next(fn, params, args, kwargs, has_aux)
         finally:
             self._reducer = outer
@@ -205,27 +201,6 @@ def _mirrored_param(path: str, x: Any, params: dict[str, torch.Tensor]) -> str |
             if best is None or len(name) > len(best):
                 best = name
     return best
-
-
-class _Tap(torch.autograd.Function):
-    """Identity in forward; in backward hands the full gradient to the reducer and
-    returns a zero-stride zero, so the full gradient is freed once queued."""
-
-    @staticmethod
-    def forward(ctx, x, reducer, index):
-        ctx.reducer, ctx.index = reducer, index
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.reducer.add(ctx.index, grad)
-        return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape), None, None
-
-
-def _tapped(fn, reducer: ShardReducer):
-    def tapped(params, *args, **kwargs):
-        return fn(tree.map_with_path(lambda path, x: _Tap.apply(x, reducer, path), params), *args, **kwargs)
-    return tapped
 
 
 # ---------------------------------------------------------------------------------------------
