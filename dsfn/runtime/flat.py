@@ -9,7 +9,7 @@ rank's row holds its shards back to back.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 

@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import inspect
 import threading
-from typing import Any, Callable, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 from dsfn.errors import ConfigError, StackError
+
+if TYPE_CHECKING:
+    from dsfn.transforms.compose import Step
 
 _local = threading.local()
 

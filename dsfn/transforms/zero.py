@@ -37,7 +37,6 @@ choice: only shards are ever held).
 from __future__ import annotations
 
 import fnmatch
-import math
 from typing import Any, Sequence
 
 import torch
@@ -49,7 +48,7 @@ from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import ShardReducer, all_gather_full
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import FlatShard, Placed, is_placed, place
-from dsfn.transforms.core import Transform, make_transform
+from dsfn.transforms.core import make_transform
 from dsfn.transforms.data_parallel import DataParallel, all_reduce_buckets, tap_gradients
 
 

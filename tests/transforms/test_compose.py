@@ -2,7 +2,6 @@
 import pytest
 import torch
 
-import dsfn
 from dsfn.errors import ConfigError, LeafTypeError, StackError
 from dsfn.transforms import Transform, compose, data_parallel
 from dsfn.transforms.core import bind

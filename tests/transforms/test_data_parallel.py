@@ -1,5 +1,4 @@
 """data_parallel: equals the single-process reference; communicates exactly the gradients."""
-import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
