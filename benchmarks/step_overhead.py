@@ -36,7 +36,10 @@ picks its per-tensor loop); `foreach` and `fused` can be chosen instead.
 `--breakdown N` (default 4; 0 disables) runs N more instrumented steps after the timed
 ones and splits each step into forward / backward / gradient all-reduce / optimizer /
 rest. dsfn's split comes from a timing transform wrapped around the primitives
-(value_and_grad, apply_gradients), so it sees exactly what the handlers do.
+(value_and_grad, apply_gradients), so it sees exactly what the handlers do: on 2 ranks,
+communication that data_parallel overlaps with the backward counts in "backward" (as
+in DDP's "backward + all-reduce"), and "all-reduce after backward" is what is left to
+wait for (or, without overlap, all of it).
 """
 from __future__ import annotations
 
@@ -197,7 +200,7 @@ class DsfnRunner:
         rec["forward"].append(self._fwd[0])
         rec["backward"].append(local - self._fwd[0])
         if self.dp:
-            rec["all-reduce"].append(full - local)
+            rec["all-reduce after backward"].append(full - local)
         rec["optimizer"].append(opt)
         rec["rest of the step"].append(total - full - opt)
         rec["total"].append(total)

@@ -10,12 +10,12 @@ different (but equally real) corpus.
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
-__all__ = ["stdlib_root", "load_corpus", "train_val_split", "batches", "encode", "decode"]
+__all__ = ["batches", "decode", "encode", "load_corpus", "stdlib_root", "train_val_split"]
 
 # Third-party code lives under the stdlib directory too; keep only the standard library.
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}

@@ -23,7 +23,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 # Running as `python examples/train_gpt.py` from a checkout without `pip install -e .`:
 # make the repository's dsfn importable.
@@ -32,13 +32,12 @@ if importlib.util.find_spec("dsfn") is None:
 if str(Path(__file__).resolve().parent) not in sys.path:     # `corpus` when imported as a module
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import corpus
 import torch
 
 import dsfn
 from dsfn.models import GPT, GPTConfig, generate, gpt_loss
 from dsfn.transforms import data_parallel
-
-import corpus
 
 DEFAULTS: dict[str, Any] = dict(
     model="small",
@@ -98,8 +97,16 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
                progress=progress, corpus_bytes=len(data))
 
     if launched or world_size == 1:
-        result = _train(train_data, val_data, run)          # this process is the (or a) rank
-        if dsfn.runtime.rank() != 0:
+        try:
+            result = _train(train_data, val_data, run)      # this process is the (or a) rank
+        finally:
+            if launched:
+                # We joined the group, so we leave it: a process that exits with a live gloo
+                # group can abort in its destructors ("terminate called ..."). The barrier
+                # keeps a fast rank from closing its sockets while a peer still reads them.
+                dsfn.runtime.collectives.barrier()
+                dsfn.runtime.env.shutdown()
+        if not result:                                      # ranks other than 0
             return {}
     else:
         # Forked ranks share the corpus tensor copy-on-write; one torch thread each.
@@ -187,7 +194,7 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
     if rank != 0:
         return {}
     model.eval()
-    logits_fn = lambda ids: apply_fn(final.params, ids)  # noqa: E731
+    logits_fn = lambda ids: apply_fn(final.params, ids)
     val_loss = evaluate(logits_fn, val_data, cfg.seq_len, run["batch_size"], run["eval_batches"],
                         seed=run["seed"] + 1)
     prompt = corpus.encode(run["prompt"])[None]          # [1, T0]
@@ -274,20 +281,22 @@ def _summary(result: dict[str, Any], metrics: list[dict[str, Any]], run: dict[st
 
 
 def format_summary(s: dict[str, Any]) -> str:
+    """The end-of-run report printed by `main`."""
     sample = s["sample"].replace("\t", "    ")
+    how = "greedy" if s["temperature"] == 0 else f"sampled (T={s['temperature']})"
+    header = (f"== train_gpt: '{s['model']}' GPT, {s['num_params'] / 1e6:.2f}M params, "
+              f"{s['world_size']} rank(s) with data_parallel, {s['steps']} steps of "
+              f"{s['global_batch']}x{s['seq_len']} tokens")
     return "\n".join([
         "",
-        f"== train_gpt: '{s['model']}' GPT, {s['num_params'] / 1e6:.2f}M params, "
-        f"{s['world_size']} rank(s) with data_parallel, {s['steps']} steps of "
-        f"{s['global_batch']}x{s['seq_len']} tokens",
-        f"  train loss  {s['initial_loss']:.3f} -> {s['final_loss']:.3f}  (first step -> mean of the last 10%;"
-        f" ln 256 = {math.log(256):.3f})",
+        header,
+        (f"  train loss  {s['initial_loss']:.3f} -> {s['final_loss']:.3f}  "
+         f"(first step -> mean of the last 10%; ln 256 = {math.log(256):.3f})"),
         f"  val loss    {s['val_loss']:.3f}  (held-out stdlib files)",
         f"  throughput  {s['tokens_per_s']:,.0f} tokens/s over all ranks",
         f"  time        {s['wall_s']:.1f} s wall ({s['train_s']:.1f} s in the training loop)",
         f"  files       {Path(s['files']['metrics.jsonl']).parent}/{{metrics.jsonl, loss.png, summary.json}}",
-        f"  sample      {'greedy' if s['temperature'] == 0 else 'sampled (T=' + str(s['temperature']) + ')'}"
-        f" continuation of {s['prompt']!r}:",
+        f"  sample      {how} continuation of {s['prompt']!r}:",
         *("    | " + line for line in sample.splitlines()),
         "",
     ])
@@ -296,23 +305,25 @@ def format_summary(s: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=DEFAULTS["model"], choices=None,
+    p.add_argument("--model", default=DEFAULTS["model"], choices=sorted(_presets()),
                    help="GPT size preset (dsfn.models.GPTConfig.preset)")
-    p.add_argument("--steps", type=int, default=DEFAULTS["steps"])
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
     p.add_argument("--world-size", type=int, default=DEFAULTS["world_size"],
                    help="local ranks (gloo processes); 1 = this process")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
                    help="global batch in sequences (split over the ranks)")
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak learning rate")
     p.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="linear warmup steps")
-    p.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
-    p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    p.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"], help="AdamW weight decay")
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="model init, data order and sample")
     p.add_argument("--out", default=DEFAULTS["out"], help="output directory")
     p.add_argument("--max-bytes", type=int, default=DEFAULTS["max_bytes"], help="corpus size cap")
     p.add_argument("--prompt", default=DEFAULTS["prompt"], help="prompt of the generated sample")
     p.add_argument("--temperature", type=float, default=DEFAULTS["temperature"],
                    help="sampling temperature of the sample text (0 = greedy)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    # "%(default).0s" prints nothing; it stops the formatter adding a confusing "(default: True)".
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="hide the progress bar%(default).0s")
     return p.parse_args(argv)
 
 

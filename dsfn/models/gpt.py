@@ -11,14 +11,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
-__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "gpt_loss", "generate",
-           "greedy_generate", "PRESETS"]
+__all__ = [
+    "GPT",
+    "MLP",
+    "PRESETS",
+    "Block",
+    "CausalSelfAttention",
+    "GPTConfig",
+    "generate",
+    "gpt_loss",
+    "greedy_generate",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +54,7 @@ class GPTConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> "GPTConfig":
+    def preset(cls, name: str, **overrides) -> GPTConfig:
         """A named size, optionally with fields overridden (e.g. `preset("small", seq_len=64)`).
 
         - "tiny"  (~0.17M params): unit tests.
@@ -151,7 +161,7 @@ class GPT(nn.Module):
     """
 
     # Hugging Face convention: modules that must stay whole (ZeRO-3 / remat units).
-    _no_split_modules = ["Block"]
+    _no_split_modules: ClassVar[list[str]] = ["Block"]
 
     def __init__(self, config: GPTConfig | None = None, seed: int = 0):
         super().__init__()
@@ -205,7 +215,7 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: Long[B, T] with T <= seq_len -> logits Float[B, T, V]."""
-        B, T = input_ids.shape
+        T = input_ids.shape[1]
         if T > self.config.seq_len:
             raise ValueError(f"sequence length {T} exceeds config.seq_len={self.config.seq_len}")
         pos = torch.arange(T, device=input_ids.device)

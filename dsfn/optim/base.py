@@ -35,9 +35,24 @@ UpdateFn = Callable[[Updates, OptState, Params], "tuple[Updates, OptState]"]
 
 
 class GradientTransformation(NamedTuple):
-    """`init(params) -> state`; `update(grads, state, params) -> (updates, new_state)`."""
+    """`init(params) -> state`; `update(grads, state, params) -> (updates, new_state)`.
+
+    `apply` (optional) is a fast path with the same meaning as
+    `update` followed by `apply_updates`: `apply(grads, state, params) -> (new_params,
+    new_state)`. A transform that computes the new parameters directly (Adam) offers it
+    to skip the `p' - p` / `p + u` round trip (two passes and an allocation per step).
+    """
     init: InitFn
     update: UpdateFn
+    apply: Callable[[Updates, OptState, Params], "tuple[Params, OptState]"] | None = None
+
+
+def step(tx: GradientTransformation, grads: Updates, state: OptState, params: Params) -> tuple[Params, OptState]:
+    """New params and state after one update: `tx.apply` when offered, else update + apply_updates."""
+    if tx.apply is not None:
+        return tx.apply(grads, state, params)
+    updates, state = tx.update(grads, state, params)
+    return apply_updates(params, updates), state
 
 
 class EmptyState(NamedTuple):
@@ -115,4 +130,17 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
+    if txs and txs[-1].apply is not None:
+        update_head = chain(*txs[:-1]).update if len(txs) > 1 else None
+
+        def apply(updates: Updates, state: tuple, params: Params) -> tuple[Params, tuple]:
+            # the last transform computes the new params directly (see GradientTransformation)
+            if not isinstance(state, tuple) or len(state) != len(txs):
+                update(updates, state, params)            # raises the clear error above
+            head_state: tuple = ()
+            if update_head is not None:
+                updates, head_state = update_head(updates, state[:-1], params)
+            new_params, last = txs[-1].apply(updates, state[-1], params)
+            return new_params, tuple(head_state) + (last,)
+        return GradientTransformation(init, update, apply)
     return GradientTransformation(init, update)

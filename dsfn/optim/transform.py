@@ -219,7 +219,8 @@ def adam_step(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float =
     p' is within a factor 2 of p (Sterbenz), so `apply_updates` returns torch's p'
     bitwise except where a step moves a parameter across or near zero (then within an
     ulp of the larger value). 9 foreach passes (+1 with weight decay, +1 amsgrad), the
-    same as scaling a direction by -lr would take.
+    same as scaling a direction by -lr would take. `apply` (the fast path `TrainState`
+    uses) returns p' itself: torch's result bitwise, two passes fewer.
 
     The state is `AdamState` (moments, count, and `lr` as for `scale_by_learning_rate`).
     `weight_decay` is AdamW's decoupled decay; for Adam's L2 penalty put
@@ -235,11 +236,23 @@ def adam_step(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float =
         return AdamState(count, *_adam_init(params, amsgrad), lr=_lr_record(_lr_value(lr, count)))
 
     def update(updates: PyTree, state: AdamState, params: PyTree = None) -> tuple[PyTree, AdamState]:
+        new_p, p, spec, new = step(updates, state, params)
+        if new_p is None:
+            return updates, new
+        torch._foreach_sub_(new_p, p)                               # exact: see the docstring
+        return tree.unflatten(spec, new_p), new
+
+    def apply(updates: PyTree, state: AdamState, params: PyTree) -> tuple[PyTree, AdamState]:
+        new_p, _, spec, new = step(updates, state, params)
+        return (params if new_p is None else tree.unflatten(spec, new_p)), new
+
+    def step(updates: PyTree, state: AdamState, params: PyTree):
+        """(new param leaves, param leaves, spec, new state); leaves are None for an empty tree."""
         g, spec = tensor_leaves(updates, "updates")
         count = state.count + 1
         v = _lr_value(lr, state.count)
         if not g:
-            return updates, state._replace(count=count, lr=_lr_record(v))
+            return None, None, spec, state._replace(count=count, lr=_lr_record(v))
         if params is None:
             raise LeafTypeError("adam_step needs params: call update(grads, state, params)")
         p = _flatten_like(params, spec, "params")
@@ -268,12 +281,11 @@ def adam_step(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float =
                 torch._foreach_addcdiv_(new_p, mu, denom, value=-step_size)
             else:
                 new_p = torch._foreach_addcdiv(p, mu, denom, value=-step_size)
-        torch._foreach_sub_(new_p, p)                               # exact: see the docstring
         new = AdamState(count, tree.unflatten(spec, mu), tree.unflatten(spec, nu),
                         tree.unflatten(spec, nu_max) if amsgrad else None, lr=_lr_record(v))
-        return tree.unflatten(spec, new_p), new
+        return new_p, p, spec, new
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, apply)
 
 
 # ---------------------------------------------------------------------------------------

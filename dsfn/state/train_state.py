@@ -62,12 +62,12 @@ class TrainState:
 
 
 def _apply_gradients(state: TrainState, grads: Any) -> TrainState:
-    from dsfn.optim import apply_updates
+    from dsfn.optim.base import step as optim_step
     if tree.structure(grads) != tree.structure(state.params):
         raise LeafTypeError("apply_gradients: grads do not have the structure of params "
                             f"(grads: {tree.structure(grads)}, params: {tree.structure(state.params)})")
-    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-    return state.replace(step=state.step + 1, params=apply_updates(state.params, updates), opt_state=opt_state)
+    params, opt_state = optim_step(state.tx, grads, state.opt_state, state.params)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
 
 
 def check_tensor_leaves(t: Any, what: str) -> None:

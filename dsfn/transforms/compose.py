@@ -19,6 +19,7 @@ import torch
 
 from dsfn import tree
 from dsfn.errors import LeafTypeError, StackError
+from dsfn.runtime import env
 from dsfn.state.layout import gather_tree
 from dsfn.transforms.core import Transform, activate, bind, check_stack
 
@@ -35,6 +36,7 @@ class Step:
             raise StackError(f"compose(...) must be applied to a train_step function, got {fn!r}")
         self.fn = fn
         self.stack = check_stack(stack)
+        env.tune_host_allocator()      # a functional step reallocates its state every step
         wrapped = self._call_inner
         for t in reversed(self.stack):   # the innermost wraps first, so the outermost runs first
             wrapped = t.wrap_step(wrapped)
@@ -70,9 +72,8 @@ class Step:
         _check_batch(batch)
         with activate(self.stack):
             new_state, metrics = self._wrapped(state, batch)
-            metrics = _metrics_to_tensors(metrics, new_state)
-            metrics = bind("reduce_metrics", lambda m: m, metrics)
-        return new_state, metrics
+            metrics = bind("reduce_metrics", lambda m: m, _metrics_to_tensors(metrics))
+        return new_state, _with_lr(metrics, new_state)
 
     def explain(self, state: Any, batch: Any) -> "Explanation":
         """A dry run of one step on this rank: layouts, collectives, bytes.
@@ -151,7 +152,7 @@ def _check_batch(batch: Any) -> None:
                                 "leaf must be a torch.Tensor (convert with torch.as_tensor)")
 
 
-def _metrics_to_tensors(metrics: dict, state: Any) -> dict[str, torch.Tensor]:
+def _metrics_to_tensors(metrics: dict) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in metrics.items():
         if isinstance(v, torch.Tensor):
@@ -162,10 +163,15 @@ def _metrics_to_tensors(metrics: dict, state: Any) -> dict[str, torch.Tensor]:
             out[k] = torch.tensor(float(v))
         else:
             raise LeafTypeError(f"metric {k!r} is a {type(v).__name__}; metrics are scalars or 0-dim tensors")
+    return out
+
+
+def _with_lr(metrics: dict[str, torch.Tensor], state: Any) -> dict[str, torch.Tensor]:
+    """Add the optimizer's learning rate (the same on every rank, so never reduced)."""
     opt_state = getattr(state, "opt_state", None)
-    if "lr" not in out and opt_state is not None:
+    if "lr" not in metrics and opt_state is not None:
         from dsfn.optim import current_lr
         lr = current_lr(opt_state)
         if lr is not None:
-            out["lr"] = lr.detach().reshape(()).clone()
-    return out
+            return {**metrics, "lr": lr.detach().reshape(()).clone()}
+    return metrics

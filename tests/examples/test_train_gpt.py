@@ -14,8 +14,8 @@ import torch
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-import corpus  # noqa: E402
-import train_gpt  # noqa: E402
+import corpus
+import train_gpt
 
 
 def test_main_tiny_two_ranks(tmp_path: Path) -> None:
@@ -59,7 +59,7 @@ def test_script_under_dsfn_launch(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "dsfn.launch", "--nproc", "2", "--timeout", "120",
            str(EXAMPLES / "train_gpt.py"), "--model", "tiny", "--steps", "3", "--batch-size", "4",
            "--max-bytes", "100000", "--out", str(tmp_path), "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, check=False,
                           cwd=EXAMPLES.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("== train_gpt:") == 1            # only rank 0 reports

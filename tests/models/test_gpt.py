@@ -114,7 +114,7 @@ def test_greedy_generate(tiny: GPT) -> None:
 
 def test_sampled_generate_is_seeded(tiny: GPT) -> None:
     prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
-    run = lambda seed: generate(tiny, prompt, 10, tiny.config.seq_len, temperature=1.0,  # noqa: E731
+    run = lambda seed: generate(tiny, prompt, 10, tiny.config.seq_len, temperature=1.0,
                                 generator=torch.Generator().manual_seed(seed))
     a, b = run(0), run(0)
     assert a.shape == (2, 13) and torch.equal(a, b)
