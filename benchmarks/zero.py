@@ -98,7 +98,9 @@ def _rank_main(name: str, preset: str, micro: int, warmup: int, steps: int, seed
                 times.append(time.perf_counter() - t0)
         state_bytes = _local_bytes(net.parameters()) + grad_bytes + _local_bytes(
             t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-        info["loss"] = float(loss)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, op=dist.ReduceOp.AVG)     # the global-batch loss, as dsfn reports it
+        info["loss"] = float(mean)
     else:
         stage = int(name[-1])
         apply_fn, params = dsfn.functionalize(model, release=True)
@@ -139,7 +141,7 @@ def main() -> None:
     ap.add_argument("--model", default="50m")
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--quick", action="store_true", help="tiny GPT, 1 warm-up + 3 steps")

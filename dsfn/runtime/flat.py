@@ -69,7 +69,8 @@ class ShardReducer:
         for items, pending in self._inflight:
             row = pending.wait()
             for (i, c), piece in zip(items, row.split([c for _, c in items])):
-                self.shards[i] = piece.clone() if i not in self.shards else self.shards[i] + piece
+                # views of the bucket's row (a fresh tensor of exactly the shards' size)
+                self.shards[i] = piece if i not in self.shards else self.shards[i] + piece
         self._inflight = []
         return self.shards
 

@@ -55,8 +55,8 @@ from dsfn.transforms.data_parallel import DataParallel, all_reduce_buckets, tap_
 class ShardZero(DataParallel):
     name = "shard_zero"
 
-    def __init__(self, stage: int, axis: str = "dp", reduce_bucket_size: int = 50_000_000,
-                 allgather_bucket_size: int = 50_000_000, param_persistence_threshold: int = 100_000,
+    def __init__(self, stage: int, axis: str = "dp", reduce_bucket_size: int = 4_000_000,
+                 allgather_bucket_size: int = 50_000_000, param_persistence_threshold: int = 0,
                  units: Sequence[str] | None = None, prefetch: int = 1, split_batch: bool = True):
         if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
             raise ConfigError(f"shard_zero(stage={stage!r}): stage must be 0, 1, 2 or 3 "
@@ -178,10 +178,15 @@ class ShardZero(DataParallel):
 
 
 def shard_zero(*args: Any, **kwargs: Any) -> ShardZero:
-    """`shard_zero(stage, axis="dp", reduce_bucket_size=5e7, allgather_bucket_size=5e7,
-    param_persistence_threshold=1e5, units=None, prefetch=1, split_batch=True)`.
+    """`shard_zero(stage, axis="dp", reduce_bucket_size=4e6, allgather_bucket_size=5e7,
+    param_persistence_threshold=0, units=None, prefetch=1, split_batch=True)`.
 
-    Bucket sizes and the threshold count elements, as DeepSpeed's config keys do.
+    Bucket sizes and the threshold count elements, as DeepSpeed's config keys do. Two
+    defaults differ from DeepSpeed's on purpose: `reduce_bucket_size` (DeepSpeed 5e8) is
+    small so that stage 2/3 keep only a bucket of full gradients alive and start
+    reducing while backward runs; `param_persistence_threshold` (DeepSpeed 1e5) is 0
+    because a unit's small parameters ride in the same all-gather as its large ones (no
+    extra call), while a persistent one would need its own gradient all-reduce.
     """
     return make_transform(ShardZero, "shard_zero", args, kwargs)
 
@@ -292,6 +297,7 @@ class UnitGatherer:
         self._full: dict[int, torch.Tensor] = {}              # gathered, in use
         self._pending: dict[int, C.Pending | list[torch.Tensor]] = {}   # unit -> in-flight gather
         self._bw: dict[int, torch.Tensor] = {}                # re-gathered for backward
+        self._bw_pending: dict[int, Any] = {}                 # unit -> prefetched backward gather
         self._storage: dict[int, int] = {}                    # storage ptr -> index, for pack
         self._live: set[int] = set()
         self._hooks: list[Any] = []
@@ -359,14 +365,26 @@ class UnitGatherer:
             return x
         _, i, shape, stride, offset = x
         if i not in self._bw:
-            u = self.unit_of[i]
-            ids = self.unit_params[u]
-            fulls = all_gather_full([self.shards[j] for j in ids], [self.layouts[j].shape for j in ids],
-                                    self.zero.axis, self.zero.allgather_bucket_size)
-            for j, t in zip(ids, fulls):
-                self._bw.setdefault(j, t)
-        base = self._bw[i]
-        return base.as_strided(shape, stride, offset)
+            self._gather_for_backward(self.unit_of[i])
+        return self._bw[i].as_strided(shape, stride, offset)
+
+    def _gather_async(self, u: int):
+        ids = self.unit_params[u]
+        return all_gather_full([self.shards[j] for j in ids], [self.layouts[j].shape for j in ids],
+                               self.zero.axis, self.zero.allgather_bucket_size, async_op=True)
+
+    def _gather_for_backward(self, u: int) -> None:
+        """Re-gather unit u for backward and prefetch the unit backward reaches next.
+
+        Backward runs the forward order in reverse: the root's head first, then the last
+        unit down to the first; so after unit u comes u - 1 (after the root, the last)."""
+        handle = self._bw_pending.pop(u, None) or self._gather_async(u)
+        for j, t in zip(self.unit_params[u], handle.wait()):
+            self._bw.setdefault(j, t)
+        nxt = len(self.units) - 1 if u == 0 else u - 1
+        if self.zero.prefetch and 1 <= nxt != u and nxt not in self._bw_pending and self.unit_params[nxt] \
+                and any(j not in self._bw for j in self.unit_params[nxt]):
+            self._bw_pending[nxt] = self._gather_async(nxt)
 
     def grad_ready(self, i: int, grad: torch.Tensor) -> None:
         self._bw.pop(i, None)                 # every use of the weight in backward is done
