@@ -43,6 +43,8 @@ see; `from_config(..., optimizer_lr=...)` fills it in like DeepSpeed).
 """
 from __future__ import annotations
 
+import abc
+
 import inspect
 import math
 from typing import Any, Mapping
@@ -88,14 +90,15 @@ def _warmup_steps(who: str, v: Any) -> int:
     return check_int(f"{who}(warmup_num_steps)", v, lo=1, hint="; DeepSpeed requires a positive integer")
 
 
-class Schedule:
+class Schedule(abc.ABC):
     """Base class: `schedule(count) -> float`; subclasses define `value(c: int)`."""
 
     def __call__(self, count: Any) -> float:
         return self.value(_count(count))
 
+    @abc.abstractmethod
     def value(self, c: int) -> float:
-        raise NotImplementedError
+        """The learning rate for the update made after `c` earlier updates."""
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self._args().items())

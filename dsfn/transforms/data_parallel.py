@@ -122,7 +122,13 @@ class _Tap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         ctx.sink(ctx.key, grad)
-        return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape), None, None
+        return stand_in_grad(grad, grad.shape), None, None
+
+
+def stand_in_grad(grad: torch.Tensor, shape) -> torch.Tensor:
+    """A zero of `shape` with no storage (stride 0): what a tap hands autograd once the
+    real gradient went to a reducer, so autograd keeps nothing parameter-sized."""
+    return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(shape)
 
 
 def tap_gradients(fn, sink):

@@ -49,7 +49,7 @@ from dsfn.runtime.flat import ShardReducer, all_gather_full
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import FlatShard, Placed, is_placed, place
 from dsfn.transforms.core import make_transform
-from dsfn.transforms.data_parallel import DataParallel, all_reduce_buckets, tap_gradients
+from dsfn.transforms.data_parallel import DataParallel, all_reduce_buckets, stand_in_grad, tap_gradients
 
 
 class ShardZero(DataParallel):
@@ -196,15 +196,17 @@ def _data(x: Any) -> torch.Tensor:
 
 
 def _mirrored_param(path: str, x: Any, params: dict[str, torch.Tensor]) -> str | None:
-    """The parameter path this optimizer-state leaf mirrors (longest suffix, same shape)."""
+    """The parameter path this optimizer-state leaf mirrors: the longest dotted suffix of
+    `path` that names a parameter of the same shape (Adam's `1.mu.<name>` -> `<name>`)."""
     if not isinstance(x, torch.Tensor):
         return None
-    best = None
-    for name, p in params.items():
-        if tuple(p.shape) == tuple(x.shape) and (path == name or path.endswith("." + name)):
-            if best is None or len(name) > len(best):
-                best = name
-    return best
+    parts = path.split(".")
+    for k in range(len(parts)):
+        name = ".".join(parts[k:])
+        p = params.get(name)
+        if p is not None and tuple(p.shape) == tuple(x.shape):
+            return name
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,7 +225,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         ctx.gatherer.grad_ready(ctx.index, grad)
-        return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(ctx.gatherer.shard_shape(ctx.index)), None, None
+        return stand_in_grad(grad, ctx.gatherer.shard_shape(ctx.index)), None, None
 
 
 def find_units(module: nn.Module, patterns: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
