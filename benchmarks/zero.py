@@ -114,7 +114,7 @@ def _rank_main(name: str, preset: str, micro: int, warmup: int, steps: int, seed
             return state.apply_gradients(grads), {"loss": loss}
 
         step = dsfn.compose(shard_zero(stage))(train_step)
-        state = step.place(dsfn.TrainState.create(params, dsfn.optim.adamw(**HP), seed=seed))
+        state = step.init_state(params, dsfn.optim.adamw(**HP), seed=seed)   # optimizer state born sharded
         del params
         for i, b in enumerate(batches):
             if i == warmup:

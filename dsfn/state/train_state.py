@@ -33,14 +33,20 @@ class TrainState:
     tx: Any = tree.static_field(default=None)
 
     @classmethod
-    def create(cls, params: Any, tx: Any, seed: int = 0, extra: dict | None = None) -> "TrainState":
-        """A fresh state: step 0, `tx.init(params)`, rng from `seed`."""
+    def create(cls, params: Any, tx: Any, seed: int = 0, extra: dict | None = None,
+               init_optimizer: bool = True) -> "TrainState":
+        """A fresh state: step 0, `tx.init(params)`, rng from `seed`.
+
+        `init_optimizer=False` leaves `opt_state` None, for `Step.init_state`, which
+        makes the optimizer state after the layout is known (only this rank's shard).
+        """
         check_tensor_leaves(params, "params")
         if tx is None or not (hasattr(tx, "init") and hasattr(tx, "update")):
             from dsfn.errors import ConfigError
             raise ConfigError("TrainState.create needs tx=a dsfn optimizer (e.g. dsfn.optim.adamw(lr=1e-3)), "
                               f"got {tx!r}")
-        return cls(step=torch.zeros((), dtype=torch.int64), params=params, opt_state=tx.init(params),
+        return cls(step=torch.zeros((), dtype=torch.int64), params=params,
+                   opt_state=tx.init(params) if init_optimizer else None,
                    rng=torch.tensor([int(seed), 0], dtype=torch.int64), extra=dict(extra or {}), tx=tx)
 
     def replace(self, **changes: Any) -> "TrainState":

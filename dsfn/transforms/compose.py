@@ -56,6 +56,22 @@ class Step:
                 state = t.place(state)
         return state
 
+    def init_state(self, params: Any, tx: Any, seed: int = 0, extra: dict | None = None) -> Any:
+        """This rank's physical state for fresh training, without the full optimizer state.
+
+        Equals `self.place(TrainState.create(params, tx, seed, extra))`, but the
+        optimizer state is made only for what the optimizer will see on this rank (ZeRO
+        shards, mixed precision's master weights): the "init_optimizer" primitive, whose
+        default is `tx.init(params)`. Full parameters are still needed once, on every
+        rank, as `params`.
+        """
+        from dsfn.state.train_state import TrainState
+        state = TrainState.create(params, tx, seed=seed, extra=extra, init_optimizer=False)
+        state = self.place(state)
+        with activate(self.stack):
+            opt_state = bind("init_optimizer", lambda s: s.tx.init(s.params), state)
+        return state.replace(opt_state=opt_state)
+
     def gather(self, state: Any) -> Any:
         """Physical state -> logical state (collective when leaves are sharded).
 

@@ -104,6 +104,13 @@ class MixedPrecision(Transform):
         self._cast_cache = (apply_fn, apply_fn.constants, cast)
         return cast
 
+    def handle_init_optimizer(self, call_next, state):
+        """The optimizer runs on the master weights."""
+        if not isinstance(state.opt_state, MasterState):
+            return call_next(state)
+        inner = call_next(state.replace(params=state.opt_state.master, opt_state=state.opt_state.inner))
+        return MasterState(master=state.opt_state.master, inner=inner)
+
     def handle_apply_gradients(self, call_next, state, grads):
         if not isinstance(state.opt_state, MasterState):
             return call_next(state, grads)

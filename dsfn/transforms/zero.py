@@ -164,6 +164,12 @@ class ShardZero(DataParallel):
                                self.allgather_bucket_size)
         return new.replace(params=tree.unflatten(spec, full))
 
+    def handle_init_optimizer(self, call_next, state):
+        """The optimizer state is made for what the update will see: shards (stage >= 1)."""
+        if self.stage in (1, 2):
+            state = state.replace(params=tree.map(self._as_shard, state.params, is_leaf=is_placed))
+        return call_next(state)
+
     def _as_shard(self, x: Any) -> Any:
         """A full (logical, already reduced) tensor -> this rank's Placed shard."""
         return x if isinstance(x, Placed) else place(x, FlatShard(self.axis, tuple(x.shape)))
