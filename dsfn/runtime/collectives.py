@@ -12,7 +12,8 @@ communication a stack performs with the theory. Bytes counted per call:
 | broadcast       | the tensor's bytes                      |
 
 A size-1 axis performs no communication and counts nothing. `async_op=True` returns a
-`Pending` whose `wait()` gives the result.
+`Pending` whose `wait()` gives the result. Under NCCL, host tensors (step counts,
+metrics) are staged through the device and the result comes back to the host.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dsfn.errors import ShapeError
+from dsfn.runtime import env
 from dsfn.runtime.mesh import Mesh, current_mesh
 
 
@@ -112,6 +114,23 @@ def _done(result: torch.Tensor, async_op: bool):
     return Pending(None, result) if async_op else result
 
 
+def _to_backend(t: torch.Tensor) -> torch.Tensor:
+    """NCCL moves only CUDA tensors: stage host tensors (counts, metrics) on the device."""
+    if t.device.type == "cpu" and env.backend() == "nccl":
+        return t.to(env.device())
+    return t
+
+
+def _result(work, out: torch.Tensor, home: torch.device, async_op: bool, target: torch.Tensor | None = None):
+    """The collective's result back where the caller's tensor lives (into `target` if in place)."""
+    finish = None
+    if out.device != home:
+        finish = (lambda r: target.copy_(r)) if target is not None else (lambda r: r.to(home))
+    if async_op:
+        return Pending(work, out, finish)
+    return finish(out) if finish is not None else out
+
+
 def all_reduce_(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | None = None,
                 async_op: bool = False):
     """In-place all-reduce of `t` along `axis` (op: sum | avg | max | min)."""
@@ -119,8 +138,9 @@ def all_reduce_(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | Non
     if m.size(axis) == 1:
         return _done(t, async_op)
     counters.record(axis, "all_reduce", _nbytes(t))
-    work = dist.all_reduce(t, op=_OPS[op], group=m.group(axis), async_op=async_op)
-    return Pending(work, t) if async_op else t
+    dev = _to_backend(t)
+    work = dist.all_reduce(dev, op=_OPS[op], group=m.group(axis), async_op=async_op)
+    return _result(work, dev, t.device, async_op, target=t)
 
 
 def all_reduce(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | None = None,
@@ -137,13 +157,12 @@ def all_gather(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None, async_op
     n = m.size(axis)
     if n == 1:
         return _done(t, async_op)
-    t = t.contiguous()
+    home, t = t.device, _to_backend(t.contiguous())
     out = torch.empty((n * t.shape[0],) + tuple(t.shape[1:]) if t.dim() else (n,), dtype=t.dtype,
                       device=t.device)
     counters.record(axis, "all_gather", _nbytes(out))
-    work = _all_gather_tensor(out, t if t.dim() else t.reshape(1), group=m.group(axis),
-                                       async_op=async_op)
-    return Pending(work, out) if async_op else out
+    work = _all_gather_tensor(out, t if t.dim() else t.reshape(1), group=m.group(axis), async_op=async_op)
+    return _result(work, out, home, async_op)
 
 
 def reduce_scatter(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | None = None,
@@ -156,11 +175,11 @@ def reduce_scatter(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | 
     if t.dim() == 0 or t.shape[0] % n:
         raise ShapeError(f"reduce_scatter along {axis!r} needs dim 0 divisible by {n}, got shape "
                          f"{tuple(t.shape)}; pad the tensor first")
-    t = t.contiguous()
+    home, t = t.device, _to_backend(t.contiguous())
     out = torch.empty((t.shape[0] // n,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     counters.record(axis, "reduce_scatter", _nbytes(t))
     work = _reduce_scatter_tensor(out, t, op=_OPS[op], group=m.group(axis), async_op=async_op)
-    return Pending(work, out) if async_op else out
+    return _result(work, out, home, async_op)
 
 
 def all_to_all(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None, async_op: bool = False):
@@ -172,11 +191,11 @@ def all_to_all(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None, async_op
     if t.dim() == 0 or t.shape[0] % n:
         raise ShapeError(f"all_to_all along {axis!r} needs dim 0 divisible by {n}, got shape "
                          f"{tuple(t.shape)}")
-    t = t.contiguous()
+    home, t = t.device, _to_backend(t.contiguous())
     out = torch.empty_like(t)
     counters.record(axis, "all_to_all", _nbytes(t))
     work = dist.all_to_all_single(out, t, group=m.group(axis), async_op=async_op)
-    return Pending(work, out) if async_op else out
+    return _result(work, out, home, async_op)
 
 
 def broadcast_(t: torch.Tensor, axis: str, src: int = 0, *, mesh: Mesh | None = None,
@@ -186,8 +205,9 @@ def broadcast_(t: torch.Tensor, axis: str, src: int = 0, *, mesh: Mesh | None = 
     if m.size(axis) == 1:
         return _done(t, async_op)
     counters.record(axis, "broadcast", _nbytes(t))
-    work = dist.broadcast(t, src=m.ranks(axis)[src], group=m.group(axis), async_op=async_op)
-    return Pending(work, t) if async_op else t
+    dev = _to_backend(t)
+    work = dist.broadcast(dev, src=m.ranks(axis)[src], group=m.group(axis), async_op=async_op)
+    return _result(work, dev, t.device, async_op, target=t)
 
 
 def barrier(axis: str | None = None, *, mesh: Mesh | None = None) -> None:

@@ -52,7 +52,8 @@ class ClipGradNorm(Transform):
         self._norm = norm.float()
         factor = (inv * torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)).float()
         leaves, spec = tree.flatten(grads)
-        return call_next(state, tree.unflatten(spec, torch._foreach_mul(leaves, factor) if leaves else []))
+        return call_next(state, tree.unflatten(
+            spec, torch._foreach_mul(leaves, factor.to(leaves[0].device)) if leaves else []))
 
     def handle_reduce_metrics(self, call_next, metrics):
         norm = self._norm if self._norm is not None else torch.tensor(float("nan"))

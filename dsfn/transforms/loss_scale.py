@@ -119,7 +119,8 @@ class LossScale(Transform):
                 self.pending_unscale = None
         else:
             leaves, spec = tree.flatten(grads)
-            new = call_next(state, tree.unflatten(spec, torch._foreach_mul(leaves, inv) if leaves else []))
+            new = call_next(state, tree.unflatten(
+                spec, torch._foreach_mul(leaves, inv.to(leaves[0].device)) if leaves else []))
         return new.replace(extra={**new.extra, KEY: new_ls})
 
     def _clip_inside(self) -> bool:

@@ -1,0 +1,13 @@
+"""Universal checkpoints: a JSON manifest of logical tensors stored as slices in per-rank
+safetensors files; any layout loads any checkpoint by reading the slices it needs.
+
+    dsfn.checkpoint.save(dir, state, keep=3)          # collective when distributed
+    state = dsfn.checkpoint.load(dir, like=step.init_state(params, tx))
+"""
+from dsfn.checkpoint.errors import CheckpointError
+from dsfn.checkpoint.format import FORMAT_VERSION, Manifest, latest_step, read_manifest, resolve
+from dsfn.checkpoint.load import load
+from dsfn.checkpoint.save import save
+
+__all__ = ["CheckpointError", "FORMAT_VERSION", "Manifest", "latest_step", "load", "read_manifest", "resolve",
+           "save"]
