@@ -160,7 +160,7 @@ def average_metrics(metrics: dict[str, torch.Tensor], axis: str) -> dict[str, to
     if current_mesh().size(axis) == 1 or not metrics:
         return metrics
     keys = sorted(metrics)
-    vec = torch.stack([metrics[k].to(torch.float64) for k in keys])
+    vec = torch.stack([metrics[k].detach().to("cpu", torch.float64) for k in keys])   # metrics may live on mixed devices
     vec = C.all_reduce_(vec, axis, "avg")
     return {k: vec[i].to(metrics[k].dtype if metrics[k].is_floating_point() else torch.float64)
             for i, k in enumerate(keys)}
