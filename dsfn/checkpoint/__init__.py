@@ -6,8 +6,8 @@ safetensors files; any layout loads any checkpoint by reading the slices it need
 """
 from dsfn.checkpoint.errors import CheckpointError
 from dsfn.checkpoint.format import FORMAT_VERSION, Manifest, latest_step, read_manifest, resolve
-from dsfn.checkpoint.load import load
-from dsfn.checkpoint.save import save
+from dsfn.checkpoint.reader import load
+from dsfn.checkpoint.writer import save
 
-__all__ = ["CheckpointError", "FORMAT_VERSION", "Manifest", "latest_step", "load", "read_manifest", "resolve",
+__all__ = ["FORMAT_VERSION", "CheckpointError", "Manifest", "latest_step", "load", "read_manifest", "resolve",
            "save"]

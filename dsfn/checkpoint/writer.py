@@ -1,0 +1,288 @@
+"""`save(dir, state, step=None, keep=None)`: the synchronous checkpoint engine.
+
+Protocol (collective over every rank when torch.distributed is initialised):
+
+1. rank 0 removes stale `DIR/.tmp_*` directories (crashed saves) and creates
+   `DIR/.tmp_step_N/`; a barrier on checkpointing's own gloo group (never the training
+   group; it has a timeout) lets the others start.
+2. every rank writes `rank_{r}.safetensors` with the slices it owns (replicated leaves
+   by the rank at coordinate 0 of every mesh axis, i.e. rank 0; a sharded leaf by the ranks
+   at coordinate 0 of every *other* axis), fsyncs it and hashes it;
+3. the ranks' slice tables and statuses are gathered on the checkpoint group; if any rank
+   failed, every rank raises and nothing is committed;
+4. rank 0 writes `manifest.json` (fsync), fsyncs the directory, renames it to
+   `DIR/step_N` (`_commit`), fsyncs `DIR`, then replaces `DIR/latest` atomically and
+   applies retention (`keep`); its status is broadcast, so every rank returns only after
+   the commit (or raises if it failed).
+
+A crash anywhere before the rename leaves only a `.tmp_*` directory, which readers never
+look at; the previous checkpoint and `latest` are untouched.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsfn import tree
+from dsfn.checkpoint import format as F
+from dsfn.checkpoint.errors import CheckpointError
+from dsfn.runtime import env
+from dsfn.runtime.mesh import current_mesh
+from dsfn.state.layout import Placed, Replicated, is_placed
+
+DEFAULT_TIMEOUT_S = 600.0
+
+_group_cache: dict[Any, Any] = {}
+
+
+def checkpoint_group(timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Checkpointing's own gloo process group (created collectively on first use); None alone."""
+    if not env.is_distributed():
+        return None
+    key = (id(dist.group.WORLD), env.world_size())
+    if key not in _group_cache:
+        _group_cache.clear()
+        _group_cache[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return _group_cache[key]
+
+
+def save(directory: str | os.PathLike, state: Any, step: int | None = None, keep: int | None = None,
+         user_data: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
+    """Write `state` (a placed state, any layout) as a committed checkpoint `DIR/step_N`.
+
+    Collective: every rank calls it with its own piece of the same state. `step` defaults
+    to `state.step`. `keep=N` keeps the newest N committed checkpoints (never deleting the
+    newest). `user_data` is any JSON-serialisable object (e.g. a data-loader position),
+    read back with `read_manifest(dir).user_data`. Returns the committed directory.
+
+    Raises:
+        CheckpointError: a rank failed to write (every rank raises; nothing is committed),
+            a non-tensor leaf that is not JSON, or the ranks disagreeing past the timeout.
+    """
+    root = os.path.abspath(os.fspath(directory))
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+        raise CheckpointError(f"save(keep={keep!r}): keep is a number of checkpoints >= 1 (or None for all)")
+    if step is None:
+        s = getattr(state, "step", None)
+        if s is None:
+            raise CheckpointError("save: the state has no `step`; pass step=N")
+        step = int(s.data if isinstance(s, Placed) else s)
+    step = int(step)
+    if user_data is not None:
+        _check_json(user_data, "user_data")
+    group = checkpoint_group(timeout_s)
+    rank, world = env.rank(), env.world_size()
+    tmp = os.path.join(root, F.TMP_PREFIX + F.step_dirname(step))
+    final = os.path.join(root, F.step_dirname(step))
+
+    # 1. rank 0 prepares the temporary directory
+    err = None
+    if rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            clean_stale(root)
+            os.makedirs(tmp)
+        except OSError as e:
+            err = f"rank 0 could not prepare {tmp}: {e}"
+    err = _agree_on(err, group, "prepare")
+    if err:
+        raise CheckpointError(err)
+
+    # 2. every rank writes its slices
+    report: dict[str, Any] = {"rank": rank, "ok": True}
+    try:
+        report.update(_write_rank_file(tmp, state, rank))
+    except Exception as e:  # noqa: BLE001 (reported to every rank below, so none commits)
+        report = {"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}"}
+
+    # 3. gather every rank's table
+    reports = _all_gather_json(report, group, world)
+    failed = [r for r in reports if not r["ok"]]
+    if failed:
+        raise CheckpointError(f"checkpoint step {step} not committed: " +
+                              "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed))
+
+    # 4. rank 0 commits
+    err = None
+    if rank == 0:
+        try:
+            manifest = _build_manifest(step, world, reports, user_data, state)
+            F.write_json_durably(os.path.join(tmp, F.MANIFEST), manifest)
+            F.fsync_dir(tmp)
+            _commit(tmp, final, root)
+            _write_latest(root, F.step_dirname(step))
+            if keep is not None:
+                apply_retention(root, keep)
+        except Exception as e:  # noqa: BLE001 (every rank must learn of it)
+            err = f"rank 0 could not commit checkpoint step {step}: {type(e).__name__}: {e}"
+    err = _agree_on(err, group, "commit")
+    if err:
+        raise CheckpointError(err)
+    return final
+
+
+# -- pieces ------------------------------------------------------------------------------------
+def _write_rank_file(tmp: str, state: Any, rank: int) -> dict:
+    mesh = current_mesh()
+    tensors: dict[str, torch.Tensor] = {}
+    slices: dict[str, dict] = {}
+    leaves: dict[str, dict] = {}
+    values: dict[str, Any] = {}
+    seen_storage: set[int] = set()
+    for path, x in tree.leaves_with_path(state, is_leaf=is_placed):
+        if isinstance(x, Placed):
+            layout, piece = x.layout, x.data
+        elif isinstance(x, torch.Tensor):
+            layout, piece = Replicated(tuple(x.shape)), x
+        else:
+            _check_json(x, f"leaf {path!r}")
+            values[path] = x
+            continue
+        if not isinstance(piece, torch.Tensor):
+            raise CheckpointError(f"leaf {path!r} holds a {type(piece).__name__}, not a tensor")
+        region, axis = F.region_of(layout, mesh)
+        leaves[path] = {"shape": list(F.logical_shape(layout, piece)), "dtype": F.dtype_name(piece.dtype),
+                        "layout": F.layout_to_json(layout)}
+        owner = all(c == 0 for a, c in mesh.coords.items() if a != axis)
+        if not owner or region.empty or piece.numel() == 0:
+            continue
+        t = F.local_valid_part(piece.detach(), region).to("cpu").contiguous()
+        st = t.untyped_storage()
+        if st.data_ptr() in seen_storage or st.nbytes() != t.numel() * t.element_size():
+            t = t.clone()          # safetensors refuses views and shared storage
+        seen_storage.add(t.untyped_storage().data_ptr())
+        tensors[path] = t
+        slices[path] = region.to_json()
+    out = {"leaves": leaves, "values": values, "slices": slices, "file": None}
+    if tensors:
+        from safetensors.torch import save_file
+        name = F.rank_filename(rank)
+        fpath = os.path.join(tmp, name)
+        save_file(tensors, fpath, metadata={"format": F.FORMAT_NAME, "rank": str(rank)})
+        fd = os.open(fpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        out.update(file=name, sha256=F.sha256_file(fpath), bytes=os.path.getsize(fpath))
+    return out
+
+
+def _build_manifest(step: int, world: int, reports: list[dict], user_data: Any, state: Any) -> dict:
+    leaves: dict[str, dict] = {}
+    for path, desc in reports[0]["leaves"].items():
+        leaves[path] = {**desc, "slices": []}
+    for path, v in reports[0]["values"].items():
+        leaves[path] = {"value": v}
+    files = {}
+    for r in reports:
+        if set(r["leaves"]) != set(reports[0]["leaves"]):
+            raise CheckpointError(f"rank {r['rank']} saved different leaves from rank 0 "
+                                  f"({sorted(set(r['leaves']) ^ set(reports[0]['leaves']))[:5]})")
+        if r["file"] is None:
+            continue
+        files[r["file"]] = {"sha256": r["sha256"], "bytes": r["bytes"], "rank": r["rank"]}
+        for path, region in r["slices"].items():
+            leaves[path]["slices"].append({"file": r["file"], **region})
+    mesh = current_mesh()
+    return {"format": F.FORMAT_NAME, "version": F.FORMAT_VERSION, "step": step, "world_size": world,
+            "mesh": dict(mesh.axes), "leaves": leaves, "files": files, "user_data": user_data,
+            "metadata": {"created": time.time(), "torch": torch.__version__,
+                         "treespec": str(tree.structure(state, is_leaf=is_placed)),
+                         "paths": [p for p, _ in tree.leaves_with_path(state, is_leaf=is_placed)]}}
+
+
+def _commit(tmp: str, final: str, root: str) -> None:
+    """Make the checkpoint visible: rename the finished temporary directory, fsync the parent."""
+    if os.path.exists(final):      # re-saving a step: move the old one aside, then drop it
+        old = os.path.join(root, F.TMP_PREFIX + "replaced_" + os.path.basename(final))
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        F.fsync_dir(root)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    F.fsync_dir(root)
+
+
+def _write_latest(root: str, name: str) -> None:
+    tmp = os.path.join(root, F.TMP_PREFIX + F.LATEST)
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, F.LATEST))
+    F.fsync_dir(root)
+
+
+def clean_stale(root: str) -> list[str]:
+    """Remove `.tmp_*` entries (crashed or abandoned saves) under `root`; returns their names."""
+    removed = []
+    for name in os.listdir(root):
+        if name.startswith(F.TMP_PREFIX):
+            p = os.path.join(root, name)
+            if os.path.isdir(p):
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                try:
+                    os.remove(p)
+                except FileNotFoundError:
+                    pass
+            removed.append(name)
+    return removed
+
+
+def apply_retention(root: str, keep: int) -> list[int]:
+    """Delete all but the newest `keep` committed checkpoints (never the one `latest` names)."""
+    steps = F.committed_steps(root)
+    newest = F.latest_step(root)
+    doomed = [s for s in steps[:-keep] if s != newest] if keep < len(steps) else []
+    for s in doomed:
+        # rename first: a half-deleted directory must never still look committed
+        src = os.path.join(root, F.step_dirname(s))
+        dst = os.path.join(root, F.TMP_PREFIX + "deleting_" + F.step_dirname(s))
+        os.rename(src, dst)
+        shutil.rmtree(dst, ignore_errors=True)
+    if doomed:
+        F.fsync_dir(root)
+    return doomed
+
+
+# -- agreement over the checkpoint group --------------------------------------------------------
+def _all_gather_json(obj: dict, group, world: int) -> list[dict]:
+    if group is None:
+        return [obj]
+    out: list[Any] = [None] * world
+    try:
+        dist.all_gather_object(out, json.dumps(obj), group=group)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint ranks did not agree (a rank died or timed out): {e}") from e
+    return [json.loads(s) for s in out]
+
+
+def _agree_on(err: str | None, group, what: str) -> str | None:
+    """Rank 0's error (or None), known to every rank; a barrier with the group's timeout."""
+    if group is None:
+        return err
+    box = [err]
+    try:
+        dist.broadcast_object_list(box, src=0, group=group)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint ranks did not agree at {what!r} (a rank died or timed out): {e}") from e
+    return box[0]
+
+
+def _check_json(x: Any, what: str) -> None:
+    try:
+        json.dumps(x)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{what} is not JSON-serialisable ({e}); checkpoints store tensors and JSON "
+                              "only (no pickle)") from None
