@@ -4,10 +4,11 @@ safetensors files; any layout loads any checkpoint by reading the slices it need
     dsfn.checkpoint.save(dir, state, keep=3)          # collective when distributed
     state = dsfn.checkpoint.load(dir, like=step.init_state(params, tx))
 """
+from dsfn.checkpoint.async_engine import AsyncSaver
 from dsfn.checkpoint.errors import CheckpointError
 from dsfn.checkpoint.format import FORMAT_VERSION, Manifest, latest_step, read_manifest, resolve
 from dsfn.checkpoint.reader import load
 from dsfn.checkpoint.writer import save
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "Manifest", "latest_step", "load", "read_manifest", "resolve",
-           "save"]
+__all__ = ["FORMAT_VERSION", "AsyncSaver", "CheckpointError", "Manifest", "latest_step", "load", "read_manifest",
+           "resolve", "save"]

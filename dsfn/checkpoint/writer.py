@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import threading
 import shutil
 import time
 from typing import Any
@@ -53,8 +54,19 @@ def checkpoint_group(timeout_s: float = DEFAULT_TIMEOUT_S):
     return _group_cache[key]
 
 
+_save_lock = threading.Lock()   # one save at a time per process: they share the checkpoint group
+
+
 def save(directory: str | os.PathLike, state: Any, step: int | None = None, keep: int | None = None,
          user_data: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
+    """See `_save`; serialised per process (a background save and a direct one never
+    interleave their collectives on the checkpoint group)."""
+    with _save_lock:
+        return _save(directory, state, step, keep, user_data, timeout_s)
+
+
+def _save(directory: str | os.PathLike, state: Any, step: int | None = None, keep: int | None = None,
+          user_data: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
     """Write `state` (a placed state, any layout) as a committed checkpoint `DIR/step_N`.
 
     Collective: every rank calls it with its own piece of the same state. `step` defaults
@@ -165,7 +177,9 @@ def _write_rank_file(tmp: str, state: Any, rank: int) -> dict:
         from safetensors.torch import save_file
         name = F.rank_filename(rank)
         fpath = os.path.join(tmp, name)
-        save_file(tensors, fpath, metadata={"format": F.FORMAT_NAME, "rank": str(rank)})
+        # one metadata key: safetensors writes a dict's keys in varying order, and the
+        # file (hence its checksum) should depend only on the tensors
+        save_file(tensors, fpath, metadata={"dsfn": json.dumps({"format": F.FORMAT_NAME, "rank": rank})})
         fd = os.open(fpath, os.O_RDONLY)
         try:
             os.fsync(fd)

@@ -4,6 +4,7 @@ Canonical order, outermost first: compose(shard_zero(s) | data_parallel(), accum
 mixed_precision(...), loss_scale(), clip_grad_norm(c)).
 """
 from dsfn.transforms.accumulate import accumulate
+from dsfn.transforms.checkpointing import async_checkpoint
 from dsfn.transforms.clip import clip_grad_norm
 from dsfn.transforms.compose import Step, compose
 from dsfn.transforms.core import Transform, bind
@@ -12,5 +13,5 @@ from dsfn.transforms.loss_scale import loss_scale
 from dsfn.transforms.precision import mixed_precision
 from dsfn.transforms.zero import shard_zero
 
-__all__ = ["Step", "Transform", "accumulate", "bind", "clip_grad_norm", "compose", "data_parallel", "loss_scale",
-           "mixed_precision", "shard_zero"]
+__all__ = ["Step", "Transform", "accumulate", "async_checkpoint", "bind", "clip_grad_norm", "compose",
+           "data_parallel", "loss_scale", "mixed_precision", "shard_zero"]

@@ -188,3 +188,11 @@ def test_one_rank_failing_commits_nothing(tmp_path):
     assert all("rank 1" in m and "disk full" in m for m in msgs), msgs
     assert ck.latest_step(tmp_path) == 1
     assert not (tmp_path / "step_00000002").exists()
+
+
+def test_identical_states_give_byte_identical_files(tmp_path):
+    step, like = _setup()
+    state = _train(step, like, 2)
+    a, b = ck.save(tmp_path / "a", state), ck.save(tmp_path / "b", state)
+    files_a, files_b = ck.read_manifest(a).files, ck.read_manifest(b).files
+    assert {k: v["sha256"] for k, v in files_a.items()} == {k: v["sha256"] for k, v in files_b.items()}

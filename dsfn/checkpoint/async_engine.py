@@ -1,0 +1,129 @@
+"""The asynchronous checkpoint engine: the synchronous `save`, run on a background thread.
+
+    saver = AsyncSaver()
+    saver.submit(dir, state, keep=3)      # returns after the capture; the write runs behind
+    ...                                   # training continues (its own collectives included)
+    saver.wait()                          # blocks until the save is committed; re-raises its error
+
+Capture is by reference: a dsfn state is an immutable pytree and the next step builds
+new tensors, never writing into the ones captured, so handing the state to the thread
+costs nothing (no copy). On CUDA the writer's device-to-host copies then run in the
+background thread; a bounded pinned host cache (`host_cache_size`) is not implemented
+yet: the captured state stays on the device until its save finishes.
+
+Deadlock safety (DCP's known pitfall: `async_save` on the default group deadlocks against
+the training loop's own collectives). The background thread talks to other ranks only on
+checkpointing's dedicated gloo group (`writer.checkpoint_group`), never on the default or
+mesh groups, and it never *creates* a group: `submit` creates the checkpoint group and the
+mesh on the calling (training) thread first, where group creation is ordered the same on
+every rank. Each process group has its own connections and worker, so collectives on two
+groups from two threads do not wait on each other.
+
+At most one save is in flight: `submit` waits for the previous one first. A background
+failure is kept and re-raised as `CheckpointError` (its cause chained and in `.cause`) by
+`check()` (non-blocking), `wait()` and the next `submit`; an `atexit` hook flushes the
+last save and reports a failure on stderr, so nothing is lost silently.
+"""
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+from dsfn.checkpoint.errors import CheckpointError
+
+__all__ = ["AsyncSaver"]
+
+
+class AsyncSaver:
+    """One background checkpoint writer per process (one save in flight)."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: CheckpointError | None = None
+        self._lock = threading.Lock()
+        self.last_committed: str | None = None   # the directory of the newest save that committed
+        self.saves_started = 0
+        self.saves_committed = 0
+        self._atexit_registered = False
+
+    # -- public ------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """True while a save is running in the background."""
+        t = self._thread
+        return t is not None and t.is_alive()
+
+    def submit(self, directory: Any, state: Any, step: int | None = None, keep: int | None = None,
+               user_data: Any = None, timeout_s: float | None = None) -> float:
+        """Start saving `state` in the background; returns the seconds the caller was blocked.
+
+        Collective in the sense of `dsfn.checkpoint.save`: every rank submits the same step.
+        Waits for the previous save first (raising its error, if it failed).
+        """
+        t0 = time.perf_counter()
+        self.wait()
+        from dsfn.checkpoint import writer
+        from dsfn.runtime.mesh import current_mesh
+        kwargs: dict[str, Any] = {"step": step, "keep": keep, "user_data": user_data}
+        if timeout_s is not None:
+            kwargs["timeout_s"] = timeout_s
+        # collective set-up on *this* thread, never in the background (see the module docstring)
+        current_mesh()
+        writer.checkpoint_group(timeout_s if timeout_s is not None else writer.DEFAULT_TIMEOUT_S)
+        if not self._atexit_registered:
+            ref = weakref.ref(self)
+            atexit.register(_flush_at_exit, ref)
+            self._atexit_registered = True
+        self.saves_started += 1
+        th = threading.Thread(target=self._run, args=(directory, state, kwargs, step),
+                              name="dsfn-async-checkpoint", daemon=True)
+        self._thread = th
+        th.start()
+        return time.perf_counter() - t0
+
+    def check(self) -> None:
+        """Raise the failure of a finished background save (once); never blocks."""
+        with self._lock:
+            err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) finished; re-raise its failure."""
+        t = self._thread
+        if t is not None:
+            t.join()
+            self._thread = None
+        self.check()
+
+    # -- the background thread -----------------------------------------------------------------
+    def _run(self, directory: Any, state: Any, kwargs: dict, step: int | None) -> None:
+        from dsfn.checkpoint import writer
+        try:
+            out = writer.save(directory, state, **kwargs)
+        except BaseException as e:  # noqa: BLE001 (kept and re-raised on the training thread)
+            what = f"step {step}" if step is not None else "a step"
+            err = CheckpointError(f"background checkpoint save of {what} to {directory} failed: "
+                                  f"{type(e).__name__}: {e}")
+            err.__cause__ = e
+            err.cause = e
+            with self._lock:
+                self._error = err
+            return
+        self.last_committed = out
+        self.saves_committed += 1
+
+
+def _flush_at_exit(ref: weakref.ref[AsyncSaver]) -> None:
+    saver = ref()
+    if saver is None:
+        return
+    try:
+        saver.wait()
+    except CheckpointError as e:
+        print(f"dsfn: {e}", file=sys.stderr, flush=True)
+        raise
