@@ -6,9 +6,10 @@ safetensors files; any layout loads any checkpoint by reading the slices it need
 """
 from dsfn.checkpoint.async_engine import AsyncSaver
 from dsfn.checkpoint.errors import CheckpointError
+from dsfn.checkpoint.export import convert, export
 from dsfn.checkpoint.format import FORMAT_VERSION, Manifest, latest_step, read_manifest, resolve
 from dsfn.checkpoint.reader import load
 from dsfn.checkpoint.writer import save
 
-__all__ = ["FORMAT_VERSION", "AsyncSaver", "CheckpointError", "Manifest", "latest_step", "load", "read_manifest",
-           "resolve", "save"]
+__all__ = ["FORMAT_VERSION", "AsyncSaver", "CheckpointError", "Manifest", "convert", "export", "latest_step", "load",
+           "read_manifest", "resolve", "save"]

@@ -1,0 +1,306 @@
+"""`export(dir, out, format="hf"|"torch")` and `convert(dir, out)`: offline tools over a
+committed checkpoint (the `zero_to_fp32` job, without ever holding the whole state).
+
+Streaming: tensors are rebuilt one at a time from the slices stored in the per-rank files
+(`reader._assemble` with a `full` region reads one stored slice at a time and copies it
+into the output buffer), written, and dropped before the next is rebuilt. The safetensors
+output is written by a streaming writer (the header is computed up front from the
+manifest's shapes and dtypes), so the host memory peak of `export(format="hf")` and of
+`convert` is **the largest logical tensor + one stored slice** (plus, with `dtype=`, the
+cast copy of that one tensor). Files are mmapped by safetensors for partial reads.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from dsfn.checkpoint import format as F
+from dsfn.checkpoint import reader as R
+from dsfn.checkpoint.errors import CheckpointError
+
+__all__ = ["MASTER_PREFIX", "convert", "export", "parse_dtype"]
+
+MASTER_PREFIX = "opt_state.master."      # mixed_precision's full-precision master weights
+
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _n, _c in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
+               ("uint32", "U32"), ("uint64", "U64")):
+    if isinstance(getattr(torch, _n, None), torch.dtype):
+        _ST_DTYPES[getattr(torch, _n)] = _c
+
+_DTYPE_ALIASES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                  "float16": torch.float16, "half": torch.float16, "fp32": torch.float32,
+                  "float32": torch.float32, "float": torch.float32, "fp64": torch.float64,
+                  "float64": torch.float64}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """None, a torch floating dtype, or one of "bf16", "fp16", "fp32", "fp64" (and long names)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPE_ALIASES[str(dtype).lower().removeprefix("torch.")]
+    except KeyError:
+        raise CheckpointError(f"unknown export dtype {dtype!r}; use one of bf16, fp16, fp32, fp64") from None
+
+
+# -- a streaming safetensors writer -----------------------------------------------------------------
+class _StreamWriter:
+    """Writes a safetensors file tensor by tensor, in the order of `entries` (name, dtype, shape)."""
+
+    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        header: dict[str, Any] = {}
+        off = 0
+        for name, dtype, shape in entries:
+            if dtype not in _ST_DTYPES:
+                raise CheckpointError(f"tensor {name!r}: dtype {dtype} has no safetensors code")
+            n = 1
+            for d in shape:
+                n *= int(d)
+            nbytes = n * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": [int(d) for d in shape],
+                            "data_offsets": [off, off + nbytes]}
+            off += nbytes
+        if metadata:
+            header["__metadata__"] = metadata
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self.order = [(n, d, tuple(s)) for n, d, s in entries]
+        self.i = 0
+        self.f = open(path, "wb")  # noqa: SIM115 (closed by close() or the caller's cleanup)
+        self.f.write(struct.pack("<Q", len(blob)))
+        self.f.write(blob)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        want = self.order[self.i]
+        if (name, t.dtype, tuple(t.shape)) != want:
+            raise CheckpointError(f"internal: streaming writer expected {want}, got {(name, t.dtype, tuple(t.shape))}")
+        self.i += 1
+        if t.numel():
+            self.f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+    def close(self) -> None:
+        if self.i != len(self.order):
+            self.f.close()
+            raise CheckpointError(f"internal: streaming writer got {self.i} of {len(self.order)} tensors")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
+# -- selecting and rebuilding tensors ------------------------------------------------------------------
+def _select(manifest: F.Manifest, prefix: str, prefer_master: bool) -> list[tuple[str, str]]:
+    """[(output name, leaf path)] for every tensor leaf under `prefix`, sorted by name."""
+    leaves = manifest.leaves
+    out = []
+    for path, desc in leaves.items():
+        if not path.startswith(prefix) or "value" in desc:
+            continue
+        name = path[len(prefix):]
+        src = path
+        if prefer_master and MASTER_PREFIX + name in leaves and "value" not in leaves[MASTER_PREFIX + name]:
+            src = MASTER_PREFIX + name
+        out.append((name, src))
+    if not out:
+        raise CheckpointError(f"checkpoint {manifest.path} has no tensor leaves under {prefix!r} "
+                              f"(its leaves start with {sorted({p.split('.')[0] for p in leaves})})")
+    return sorted(out)
+
+
+def _rebuild(manifest: F.Manifest, reader: R._Reader, path: str) -> torch.Tensor:
+    """The full logical tensor of leaf `path`, read one stored slice at a time."""
+    desc = manifest.leaves[path]
+    for s in desc["slices"]:
+        if s["file"] not in manifest.files:
+            raise CheckpointError(f"leaf {path!r} names file {s['file']!r}, which the manifest does not list")
+    shape = tuple(int(d) for d in desc["shape"])
+    return R._assemble(path, desc, F.Region("full"), shape, F.dtype_from_name(desc["dtype"]), reader)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    # only floating tensors are cast: integer / bool leaves keep their dtype
+    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
+
+
+def _out_dtype(desc: dict, dtype: torch.dtype | None) -> torch.dtype:
+    d = F.dtype_from_name(desc["dtype"])
+    return dtype if dtype is not None and d.is_floating_point else d
+
+
+def _tmp_name(final: str) -> str:
+    return os.path.join(os.path.dirname(final), f".tmp_{os.path.basename(final)}.{os.getpid()}")
+
+
+# -- export ---------------------------------------------------------------------------------------------
+def export(path: str | os.PathLike, out: str | os.PathLike, format: str = "hf",
+           dtype: str | torch.dtype | None = None, prefix: str = "params.", verify: bool = True,
+           config: Any = None) -> str:
+    """Consolidated full weights of a checkpoint (the `zero_to_fp32` job); returns the file written.
+
+    `path`: a checkpoint root (its latest committed step) or a step directory, saved from any
+    layout / world size. Every tensor leaf under `prefix` (default the model parameters
+    `params.<name>`) is rebuilt from its slices, cast to `dtype` if given (floating tensors
+    only; "bf16", "fp16", "fp32" or a torch dtype), and written under `<name>` (the prefix
+    stripped: for a functionalized HF model, `model.layers.0.self_attn.q_proj.weight`).
+    With `prefix="params."` and mixed precision, the full-precision master weights
+    (`opt_state.master.<name>`) are exported instead of the low-precision params.
+
+    format="hf": `out/model.safetensors`, no pickle, written streaming: peak host memory is
+        the largest tensor + one stored slice. `config` (a dict, or an object with
+        `to_dict()`, e.g. a `transformers.PretrainedConfig`) is also written as
+        `out/config.json`, so `AutoModel.from_pretrained(out)` works.
+    format="torch": `out/pytorch_model.bin` via `torch.save` of a state dict. **This file is
+        a pickle** (loading it with `torch.load(weights_only=False)` can run code; prefer "hf").
+        torch.save needs every tensor at once: they are rebuilt one at a time into
+        file-backed (mmap) storage in a scratch directory, so anonymous memory still peaks at
+        about one tensor + one slice, but the page cache holds the whole model while saving.
+
+    Files are written to a temporary name, fsynced and renamed (atomic). `verify` checks
+    the sha256 of every rank file read.
+    """
+    fmt = str(format).lower()
+    if fmt not in ("hf", "torch"):
+        raise CheckpointError(f"export format {format!r}: use 'hf' (safetensors) or 'torch' (torch.save)")
+    dt = parse_dtype(dtype)
+    manifest = F.read_manifest(path)
+    names = _select(manifest, prefix, prefer_master=(prefix == "params."))
+    out = os.path.abspath(os.fspath(out))
+    os.makedirs(out, exist_ok=True)
+    reader = R._Reader(manifest, verify)
+    try:
+        if fmt == "hf":
+            final = os.path.join(out, "model.safetensors")
+            entries = [(n, _out_dtype(manifest.leaves[p], dt), tuple(manifest.leaves[p]["shape"])) for n, p in names]
+            _stream_safetensors(final, entries, ((n, p) for n, p in names), manifest, reader, dt,
+                                {"format": "pt"})
+        else:
+            final = os.path.join(out, "pytorch_model.bin")
+            _export_torch(final, names, manifest, reader, dt)
+    finally:
+        reader.close()
+    if config is not None:
+        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        if dt is not None and "torch_dtype" in cfg:
+            cfg["torch_dtype"] = F.dtype_name(dt)
+        F.write_json_durably(os.path.join(out, "config.json"), cfg)
+    F.fsync_dir(out)
+    return final
+
+
+def _stream_safetensors(final: str, entries, items: Iterable[tuple[str, str]], manifest: F.Manifest,
+                        reader: R._Reader, dt: torch.dtype | None, metadata: dict | None) -> tuple[str, int]:
+    """Write `final` atomically; returns (sha256, bytes)."""
+    tmp = _tmp_name(final)
+    w = _StreamWriter(tmp, entries, metadata)
+    try:
+        for name, leaf in items:
+            t = _cast(_rebuild(manifest, reader, leaf), dt)
+            w.write(name, t)
+            del t               # free this tensor before the next one is rebuilt
+        w.close()
+        os.replace(tmp, final)
+    except BaseException:
+        w.f.close()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return F.sha256_file(final), os.path.getsize(final)
+
+
+def _export_torch(final: str, names, manifest: F.Manifest, reader: R._Reader, dt: torch.dtype | None) -> None:
+    tmp = _tmp_name(final)
+    scratch = tempfile.mkdtemp(prefix=".tmp_export_", dir=os.path.dirname(final))
+    try:
+        sd: dict[str, torch.Tensor] = {}
+        for i, (name, leaf) in enumerate(names):
+            t = _cast(_rebuild(manifest, reader, leaf), dt)
+            if t.numel():
+                fb = torch.from_file(os.path.join(scratch, str(i)), shared=True, size=t.numel(), dtype=t.dtype)
+                fb = fb.view(t.shape)
+                fb.copy_(t)
+            else:
+                fb = t
+            sd[name] = fb
+            del t, fb
+        with open(tmp, "wb") as f:
+            torch.save(sd, f)
+            f.flush()
+            os.fsync(f.fileno())
+        del sd
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# -- convert --------------------------------------------------------------------------------------------
+def convert(path: str | os.PathLike, out: str | os.PathLike, verify: bool = True) -> str:
+    """Consolidate a checkpoint into a world-size-1, fully replicated one at `out/step_N`.
+
+    Loading never needs an offline re-layout (`load` reshards any checkpoint into any
+    layout), so `convert` is the portable form: every tensor leaf stored whole (`full`
+    slice, `Replicated` layout) in a single `rank_00000.safetensors`, every other leaf,
+    the step, user data and metadata kept; any layout / world size loads it. Streaming
+    (peak: the largest tensor + one slice) and committed like a save (temporary directory,
+    fsync, rename, then `out/latest`). Returns the committed step directory.
+    """
+    from dsfn.checkpoint import writer as W
+    manifest = F.read_manifest(path)
+    root = os.path.abspath(os.fspath(out))
+    os.makedirs(root, exist_ok=True)
+    W.clean_stale(root)
+    stepname = F.step_dirname(manifest.step)
+    tmp = os.path.join(root, F.TMP_PREFIX + stepname)
+    os.makedirs(tmp)
+    try:
+        raw = manifest.raw
+        tensor_leaves = sorted(p for p, d in raw["leaves"].items() if "value" not in d)
+        fname = F.rank_filename(0)
+        leaves: dict[str, dict] = {}
+        for p, d in raw["leaves"].items():
+            if "value" in d:
+                leaves[p] = dict(d)
+            else:
+                leaves[p] = {"shape": list(d["shape"]), "dtype": d["dtype"],
+                             "layout": {"type": "Replicated", "shape": list(d["shape"])},
+                             "slices": [{"file": fname, "kind": "full"}]}
+        files = {}
+        if tensor_leaves:
+            entries = [(p, F.dtype_from_name(raw["leaves"][p]["dtype"]), tuple(raw["leaves"][p]["shape"]))
+                       for p in tensor_leaves]
+            reader = R._Reader(manifest, verify)
+            try:
+                sha, nbytes = _stream_safetensors(
+                    os.path.join(tmp, fname), entries, ((p, p) for p in tensor_leaves), manifest, reader, None,
+                    {"dsfn": json.dumps({"format": F.FORMAT_NAME, "rank": 0})})
+            finally:
+                reader.close()
+            files[fname] = {"sha256": sha, "bytes": nbytes, "rank": 0}
+        new = {**raw, "world_size": 1, "mesh": {k: 1 for k in (raw.get("mesh") or {"dp": 1})},
+               "leaves": leaves, "files": files,
+               "metadata": {**(raw.get("metadata") or {}), "converted": time.time(),
+                            "converted_from": {"path": manifest.path, "world_size": manifest.world_size,
+                                               "mesh": manifest.mesh}}}
+        F.write_json_durably(os.path.join(tmp, F.MANIFEST), new)
+        F.fsync_dir(tmp)
+        final = os.path.join(root, stepname)
+        W._commit(tmp, final, root)
+        W._write_latest(root, stepname)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

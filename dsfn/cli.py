@@ -1,0 +1,162 @@
+"""The `dsfn` command line (also `python -m dsfn.cli`).
+
+    dsfn ckpt inspect DIR [--leaves]            steps, latest, world size / mesh, leaves, bytes
+    dsfn ckpt verify  DIR [--all]               sha256 of every file vs the manifest (exit 1: bad)
+    dsfn ckpt export  DIR --out OUT [--format hf|torch] [--dtype bf16|fp16|fp32] [--prefix P]
+    dsfn ckpt convert DIR --out OUT             consolidate into a world-size-1 replicated checkpoint
+
+DIR is a checkpoint root (its latest committed step) or a step directory. Exit status:
+0 success, 1 verification failed, 2 bad input (missing directory, no committed
+checkpoint, unreadable manifest, bad arguments).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from dsfn.checkpoint import format as F
+from dsfn.checkpoint.errors import CheckpointError
+
+
+def _human(n: int) -> str:
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{n} B"
+
+
+def _root_of(path: str) -> str | None:
+    """The checkpoint root holding `path` (itself, or its parent if it is a step directory)."""
+    base = os.path.basename(os.path.normpath(path))
+    return os.path.dirname(os.path.abspath(path)) if F.STEP_RE.match(base) else path
+
+
+def cmd_inspect(a) -> int:
+    m = F.read_manifest(a.dir)
+    root = _root_of(a.dir)
+    steps = F.committed_steps(root) if root else [m.step]
+    latest = F.latest_step(root) if root else None
+    tensors = {p: d for p, d in m.leaves.items() if "value" not in d}
+    total = sum(int(f.get("bytes", 0)) for f in m.files.values())
+    mesh = ", ".join(f"{k}={v}" for k, v in m.mesh.items()) or "-"
+    print(f"checkpoint: {m.path}")
+    print(f"steps:      {' '.join(str(s) for s in steps) or '-'}")
+    print(f"latest:     {latest if latest is not None else '-'}")
+    print(f"step:       {m.step}")
+    print(f"format:     {m.raw.get('format')} v{m.raw.get('version')}")
+    print(f"world size: {m.world_size}   mesh: {mesh}")
+    print(f"leaves:     {len(m.leaves)} ({len(tensors)} tensors, {len(m.leaves) - len(tensors)} values)")
+    print(f"files:      {len(m.files)}   total bytes: {total} ({_human(total)})")
+    conv = (m.raw.get("metadata") or {}).get("converted_from")
+    if conv:
+        print(f"converted from world size {conv.get('world_size')} ({conv.get('path')})")
+    if a.leaves:
+        rows = []
+        for p, d in sorted(m.leaves.items()):
+            if "value" in d:
+                rows.append((p, "-", "value", repr(d["value"])))
+            else:
+                rows.append((p, "x".join(str(s) for s in d["shape"]) or "()", d["dtype"],
+                             d.get("layout", {}).get("type", "?")))
+        w = [max(len(r[i]) for r in rows + [("path", "shape", "dtype", "layout")]) for i in range(4)]
+        print()
+        for r in [("path", "shape", "dtype", "layout")] + rows:
+            print("  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip())
+    return 0
+
+
+def _verify_step(step_dir: str) -> list[str]:
+    m = F.read_manifest(step_dir)
+    bad = []
+    for name, info in sorted(m.files.items()):
+        fpath = os.path.join(m.path, name)
+        if not os.path.isfile(fpath):
+            bad.append(f"{fpath}: missing")
+            continue
+        size = os.path.getsize(fpath)
+        if "bytes" in info and size != int(info["bytes"]):
+            bad.append(f"{fpath}: size {size} != {info['bytes']} in the manifest")
+        elif F.sha256_file(fpath) != info.get("sha256"):
+            bad.append(f"{fpath}: sha256 mismatch")
+        else:
+            print(f"ok   {fpath}")
+    for p, d in m.leaves.items():
+        for s in d.get("slices", ()):
+            if s["file"] not in m.files:
+                bad.append(f"{m.path}: leaf {p!r} names unlisted file {s['file']!r}")
+    return bad
+
+
+def cmd_verify(a) -> int:
+    if a.all:
+        root = _root_of(a.dir)
+        F.resolve(a.dir)                 # clear errors for a missing dir / nothing committed
+        dirs = [os.path.join(root, F.step_dirname(s)) for s in F.committed_steps(root)] or [F.resolve(a.dir)]
+    else:
+        dirs = [F.resolve(a.dir)]
+    bad = []
+    for d in dirs:
+        bad += _verify_step(d)
+    for b in bad:
+        print(f"BAD  {b}", file=sys.stderr)
+    if bad:
+        print(f"verify: {len(bad)} problem(s)", file=sys.stderr)
+        return 1
+    print(f"verify: ok ({len(dirs)} checkpoint(s))")
+    return 0
+
+
+def cmd_export(a) -> int:
+    from dsfn.checkpoint.export import export
+    out = export(a.dir, a.out, format=a.format, dtype=a.dtype, prefix=a.prefix)
+    print(out)
+    return 0
+
+
+def cmd_convert(a) -> int:
+    from dsfn.checkpoint.export import convert
+    print(convert(a.dir, a.out))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsfn", description="dsfn command line tools")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ck = sub.add_parser("ckpt", help="inspect, verify, export or convert a checkpoint")
+    cs = ck.add_subparsers(dest="ckpt_cmd", required=True)
+    s = cs.add_parser("inspect", help="steps, layout, sizes (and per-leaf table with --leaves)")
+    s.add_argument("dir")
+    s.add_argument("--leaves", action="store_true", help="print one row per leaf")
+    s.set_defaults(fn=cmd_inspect)
+    s = cs.add_parser("verify", help="check every file's sha256 against the manifest")
+    s.add_argument("dir")
+    s.add_argument("--all", action="store_true", help="verify every committed step, not just the latest")
+    s.set_defaults(fn=cmd_verify)
+    s = cs.add_parser("export", help="consolidated full weights (safetensors or torch.save)")
+    s.add_argument("dir")
+    s.add_argument("--out", required=True)
+    s.add_argument("--format", choices=["hf", "torch"], default="hf")
+    s.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
+    s.add_argument("--prefix", default="params.")
+    s.set_defaults(fn=cmd_export)
+    s = cs.add_parser("convert", help="consolidate into a world-size-1 replicated checkpoint")
+    s.add_argument("dir")
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=cmd_convert)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except CheckpointError as e:
+        print(f"dsfn: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
