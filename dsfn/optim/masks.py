@@ -65,6 +65,20 @@ def _as_bool(v: Any) -> bool:
     return v
 
 
+def _update_leaves(who: str, updates: PyTree, params: PyTree, n_state: int) -> tuple:
+    """(update leaves, param leaves or None, spec), checked against a state made for n_state leaves."""
+    u, spec = tensor_leaves(updates, "updates")
+    if n_state != len(u):
+        raise LeafTypeError(f"{who}: the state was made for {n_state} leaves, the updates have {len(u)}; "
+                            "init the optimizer with the same params tree")
+    if params is None:
+        return u, None, spec
+    p, p_spec = tensor_leaves(params, "params")
+    if p_spec != spec:
+        raise LeafTypeError(f"{who}: params and updates differ in structure ({p_spec} vs {spec})")
+    return u, p, spec
+
+
 def _select(leaves: list, keep: tuple, spec: tree.TreeSpec) -> PyTree:
     return tree.unflatten(spec, [x if k else None for x, k in zip(leaves, keep)])
 
@@ -98,17 +112,9 @@ def masked(inner: GradientTransformation, mask: Mask,
         return MaskedState(inner=inner.init(_select(leaves, keep, spec)), mask=keep)
 
     def update(updates: PyTree, state: MaskedState, params: PyTree = None) -> tuple[PyTree, MaskedState]:
-        u, spec = tensor_leaves(updates, "updates")
         keep = state.mask
-        if len(keep) != len(u):
-            raise LeafTypeError(f"masked: the state was made for {len(keep)} leaves, the updates have {len(u)}; "
-                                "init the optimizer with the same params tree")
-        sub_p = None
-        if params is not None:
-            p, p_spec = tensor_leaves(params, "params")
-            if p_spec != spec:
-                raise LeafTypeError(f"masked: params and updates differ in structure ({p_spec} vs {spec})")
-            sub_p = _select(p, keep, spec)
+        u, p, spec = _update_leaves("masked", updates, params, len(keep))
+        sub_p = None if p is None else _select(p, keep, spec)
         sub_u, inner_state = inner.update(_select(u, keep, spec), state.inner, sub_p)
         it = iter(tree.leaves(sub_u))
         out = [next(it) if k else (torch.zeros_like(x) if others == "zero" else x) for x, k in zip(u, keep)]
@@ -155,16 +161,8 @@ def partition(transforms: Mapping[Hashable, GradientTransformation],
         return PartitionState(inner=inner, labels=labs)
 
     def update(updates: PyTree, state: PartitionState, params: PyTree = None) -> tuple[PyTree, PartitionState]:
-        u, spec = tensor_leaves(updates, "updates")
         labs = state.labels
-        if len(labs) != len(u):
-            raise LeafTypeError(f"partition: the state was made for {len(labs)} leaves, the updates have {len(u)}; "
-                                "init the optimizer with the same params tree")
-        p = None
-        if params is not None:
-            p, p_spec = tensor_leaves(params, "params")
-            if p_spec != spec:
-                raise LeafTypeError(f"partition: params and updates differ in structure ({p_spec} vs {spec})")
+        u, p, spec = _update_leaves("partition", updates, params, len(labs))
         out: list[Any] = list(u)
         new_inner = {}
         for k, t in txs.items():

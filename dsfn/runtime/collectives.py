@@ -114,6 +114,12 @@ def _done(result: torch.Tensor, async_op: bool):
     return Pending(None, result) if async_op else result
 
 
+def _check_dim0_divisible(op: str, t: torch.Tensor, axis: str, n: int) -> None:
+    if t.dim() == 0 or t.shape[0] % n:
+        raise ShapeError(f"{op} along {axis!r} needs dim 0 divisible by {n}, got shape {tuple(t.shape)}; "
+                         "pad the tensor first")
+
+
 def _to_backend(t: torch.Tensor) -> torch.Tensor:
     """NCCL moves only CUDA tensors: stage host tensors (counts, metrics) on the device."""
     if t.device.type == "cpu" and env.backend() == "nccl":
@@ -172,9 +178,7 @@ def reduce_scatter(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | 
     n = m.size(axis)
     if n == 1:
         return _done(t, async_op)
-    if t.dim() == 0 or t.shape[0] % n:
-        raise ShapeError(f"reduce_scatter along {axis!r} needs dim 0 divisible by {n}, got shape "
-                         f"{tuple(t.shape)}; pad the tensor first")
+    _check_dim0_divisible("reduce_scatter", t, axis, n)
     home, t = t.device, _to_backend(t.contiguous())
     out = torch.empty((t.shape[0] // n,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     counters.record(axis, "reduce_scatter", _nbytes(t))
@@ -188,9 +192,7 @@ def all_to_all(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None, async_op
     n = m.size(axis)
     if n == 1:
         return _done(t, async_op)
-    if t.dim() == 0 or t.shape[0] % n:
-        raise ShapeError(f"all_to_all along {axis!r} needs dim 0 divisible by {n}, got shape "
-                         f"{tuple(t.shape)}")
+    _check_dim0_divisible("all_to_all", t, axis, n)
     home, t = t.device, _to_backend(t.contiguous())
     out = torch.empty_like(t)
     counters.record(axis, "all_to_all", _nbytes(t))

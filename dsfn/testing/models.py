@@ -39,3 +39,20 @@ def token_batches(n_batches: int, batch_size: int, seq_len: int, vocab: int, see
         ids = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=g)
         out.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
     return out
+
+
+def make_tiny_llama(seed: int = 0, **config):
+    """A small Hugging Face `LlamaForCausalLM` with random weights (needs the `hf` extra).
+
+    Defaults: vocab 128, hidden 64, 3 layers, 4 heads (2 kv heads), tied embeddings;
+    `config` overrides any `LlamaConfig` field.
+    """
+    import warnings
+
+    import transformers
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**fields, **config}))

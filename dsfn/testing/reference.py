@@ -29,6 +29,19 @@ def lm_loss(apply_fn: Callable, params: Any, batch: dict) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
 
 
+def mse_loss_fp32(apply_fn: Callable, params: Any, batch: dict) -> torch.Tensor:
+    """`mse_loss` with the prediction promoted to fp32 (for bf16 / fp16 compute)."""
+    return torch.nn.functional.mse_loss(apply_fn(params, batch["x"]).float(), batch["y"])
+
+
+def train_step_for(apply_fn: Callable, loss_fn: LossFn = mse_loss) -> Callable:
+    """The standard pure train step: gradients of `loss_fn`, one update, `{"loss": loss}`."""
+    def train_step(state, batch):
+        loss, grads = dsfn.value_and_grad(lambda p, b: loss_fn(apply_fn, p, b))(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+    return train_step
+
+
 @dataclass
 class RunResult:
     losses: list[float]
@@ -41,12 +54,7 @@ def run_training(make_model: Callable[[], nn.Module], make_tx: Callable[[], Any]
     """Train on this process/rank with `transforms`; returns losses and the gathered state."""
     torch.manual_seed(seed)
     apply_fn, params = dsfn.functionalize(make_model())
-
-    def train_step(state, batch):
-        loss, grads = dsfn.value_and_grad(lambda p, b: loss_fn(apply_fn, p, b))(state.params, batch)
-        return state.apply_gradients(grads), {"loss": loss}
-
-    step = dsfn.compose(*transforms)(train_step)
+    step = dsfn.compose(*transforms)(train_step_for(apply_fn, loss_fn))
     state = step.place(dsfn.TrainState.create(params, make_tx(), seed=seed))
     losses, metrics = [], []
     for batch in batches:

@@ -12,6 +12,7 @@ from dsfn.errors import DsfnError
 from dsfn.runtime import init_mesh
 from dsfn.testing import run_on_ranks
 from dsfn.testing.models import make_mlp, regression_batches
+from dsfn.testing.reference import train_step_for
 from dsfn.transforms import shard_zero
 
 # the package re-exports the function `save`, which shadows the submodule's attribute
@@ -20,12 +21,7 @@ from dsfn.checkpoint import writer as save_mod
 
 def _setup(stage=None):
     apply_fn, params = dsfn.functionalize(make_mlp([4, 5, 2], 0))
-
-    def train_step(state, batch):
-        loss, g = dsfn.value_and_grad(
-            lambda p, b: torch.nn.functional.mse_loss(apply_fn(p, b["x"]), b["y"]))(state.params, batch)
-        return state.apply_gradients(g), {"loss": loss}
-    step = dsfn.compose(*([shard_zero(stage)] if stage is not None else []))(train_step)
+    step = dsfn.compose(*([shard_zero(stage)] if stage is not None else []))(train_step_for(apply_fn))
     tx = dsfn.optim.adamw(lr=1e-2)
     return step, step.init_state(params, tx)
 

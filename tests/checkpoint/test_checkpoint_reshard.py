@@ -10,6 +10,7 @@ from dsfn import tree
 from dsfn.runtime import init_mesh
 from dsfn.testing import run_on_ranks
 from dsfn.testing.models import make_mlp, regression_batches
+from dsfn.testing.reference import mse_loss_fp32, train_step_for
 from dsfn.transforms import mixed_precision, shard_zero
 
 SIZES = [6, 10, 3]          # 10 and 3 do not divide by 4: FlatShard padding is exercised
@@ -19,13 +20,9 @@ SAVED = [(0, False), (1, False), (2, False), (3, False), (2, True)]
 
 def _make(stage, mp):
     apply_fn, params = dsfn.functionalize(make_mlp(SIZES, 0))
-
-    def train_step(state, batch):
-        loss, g = dsfn.value_and_grad(
-            lambda p, b: torch.nn.functional.mse_loss(apply_fn(p, b["x"]).float(), b["y"]))(state.params, batch)
-        return state.apply_gradients(g), {"loss": loss}
     stack = [shard_zero(stage)] + ([mixed_precision()] if mp else [])
-    return dsfn.compose(*stack)(train_step), params, dsfn.optim.adamw(lr=1e-2, weight_decay=0.1)
+    tx = dsfn.optim.adamw(lr=1e-2, weight_decay=0.1)
+    return dsfn.compose(*stack)(train_step_for(apply_fn, mse_loss_fp32)), params, tx
 
 
 def _run(step, state, batches):

@@ -15,7 +15,8 @@ from dsfn import checkpoint as ck
 from dsfn import tree
 from dsfn.runtime import init_mesh
 from dsfn.testing import run_on_ranks
-from dsfn.testing.models import make_mlp, regression_batches
+from dsfn.testing.models import make_tiny_llama, make_mlp, regression_batches
+from dsfn.testing.reference import mse_loss_fp32, train_step_for
 from dsfn.transforms import mixed_precision, shard_zero
 
 # the package re-exports the function `export`, which shadows the submodule's attribute
@@ -27,13 +28,8 @@ SIZES = [6, 10, 3]          # 10 and 3 do not divide by 2 evenly in every leaf: 
 
 def _make(stage, mp=False):
     apply_fn, params = dsfn.functionalize(make_mlp(SIZES, 0))
-
-    def train_step(state, batch):
-        loss, g = dsfn.value_and_grad(
-            lambda p, b: torch.nn.functional.mse_loss(apply_fn(p, b["x"]).float(), b["y"]))(state.params, batch)
-        return state.apply_gradients(g), {"loss": loss}
     stack = [shard_zero(stage)] + ([mixed_precision()] if mp else [])
-    return dsfn.compose(*stack)(train_step), params, dsfn.optim.adamw(lr=1e-2)
+    return dsfn.compose(*stack)(train_step_for(apply_fn, mse_loss_fp32)), params, dsfn.optim.adamw(lr=1e-2)
 
 
 def _save_sharded(root, mp):
@@ -233,14 +229,8 @@ def test_export_errors(sharded, tmp_path):
 
 # -- a Hugging Face Llama: the export loads with from_pretrained ------------------------------------------
 def _make_llama():
-    import transformers
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                   tie_word_embeddings=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.LlamaForCausalLM(cfg)
+    return make_tiny_llama(hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=32,
+                           tie_word_embeddings=False)
 
 
 def _save_llama(root):

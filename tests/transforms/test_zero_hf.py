@@ -1,14 +1,11 @@
 """shard_zero on a Hugging Face Llama (random init from a config): units from `_no_split_modules`,
 tied embeddings, labels-in-forward loss; equals the single-process run."""
-import warnings
 
 import pytest
-import torch
-import transformers   # the `hf` extra, installed by ./dev
 
 import dsfn
 from dsfn.runtime import collectives as C
-from dsfn.testing.models import token_batches
+from dsfn.testing.models import make_tiny_llama, token_batches
 from dsfn.testing.reference import assert_matches_reference, run_training
 from dsfn.testing import run_on_ranks
 from dsfn.transforms import shard_zero
@@ -16,13 +13,7 @@ from dsfn.transforms import shard_zero
 
 
 def make_llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.LlamaForCausalLM(cfg)
+    return make_tiny_llama()
 
 
 def hf_loss(apply_fn, params, batch):
