@@ -69,24 +69,10 @@ def cmd_inspect(a) -> int:
 
 
 def _verify_step(step_dir: str) -> list[str]:
-    m = F.read_manifest(step_dir)
-    bad = []
-    for name, info in sorted(m.files.items()):
-        fpath = os.path.join(m.path, name)
-        if not os.path.isfile(fpath):
-            bad.append(f"{fpath}: missing")
-            continue
-        size = os.path.getsize(fpath)
-        if "bytes" in info and size != int(info["bytes"]):
-            bad.append(f"{fpath}: size {size} != {info['bytes']} in the manifest")
-        elif F.sha256_file(fpath) != info.get("sha256"):
-            bad.append(f"{fpath}: sha256 mismatch")
-        else:
-            print(f"ok   {fpath}")
-    for p, d in m.leaves.items():
-        for s in d.get("slices", ()):
-            if s["file"] not in m.files:
-                bad.append(f"{m.path}: leaf {p!r} names unlisted file {s['file']!r}")
+    from dsfn.checkpoint.reader import verify
+    bad = verify(step_dir)
+    if not bad:
+        print(f"ok   {F.resolve(step_dir)}")
     return bad
 
 

@@ -8,8 +8,8 @@ from dsfn.checkpoint.async_engine import AsyncSaver
 from dsfn.checkpoint.errors import CheckpointError
 from dsfn.checkpoint.export import convert, export
 from dsfn.checkpoint.format import FORMAT_VERSION, Manifest, latest_step, read_manifest, resolve
-from dsfn.checkpoint.reader import load
+from dsfn.checkpoint.reader import load, verify
 from dsfn.checkpoint.writer import save
 
 __all__ = ["FORMAT_VERSION", "AsyncSaver", "CheckpointError", "Manifest", "convert", "export", "latest_step", "load",
-           "read_manifest", "resolve", "save"]
+           "read_manifest", "resolve", "save", "verify"]

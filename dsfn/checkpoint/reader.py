@@ -93,6 +93,32 @@ def load(path: str | os.PathLike, like: Any, strict: bool = True, verify: bool =
     return tree.unflatten(spec, out)
 
 
+def verify(path: str | os.PathLike) -> list[str]:
+    """Check every file of a committed checkpoint against its manifest (all bytes).
+
+    `path` is a step directory or a root (its latest). Returns the problems found, one
+    line each naming the file; an empty list means the checkpoint is intact.
+    Raises CheckpointError when there is no committed checkpoint or the manifest is bad.
+    """
+    m = F.read_manifest(path)
+    bad = []
+    for name, info in sorted(m.files.items()):
+        fpath = os.path.join(m.path, name)
+        if not os.path.isfile(fpath):
+            bad.append(f"{fpath}: missing")
+            continue
+        size = os.path.getsize(fpath)
+        if "bytes" in info and size != int(info["bytes"]):
+            bad.append(f"{fpath}: size {size} != {info['bytes']} in the manifest")
+        elif F.sha256_file(fpath) != info.get("sha256"):
+            bad.append(f"{fpath}: sha256 mismatch")
+    for p, d in m.leaves.items():
+        for s in d.get("slices", ()):
+            if s["file"] not in m.files:
+                bad.append(f"{m.path}: leaf {p!r} names unlisted file {s['file']!r}")
+    return bad
+
+
 class _Reader:
     """Opens each file once, after checking it exists and matches its checksum."""
 
