@@ -1,7 +1,7 @@
 """The `dsfn` command line (also `python -m dsfn.cli`).
 
     dsfn ckpt inspect DIR [--leaves]            steps, latest, world size / mesh, leaves, bytes
-    dsfn ckpt verify  DIR [--all]               sha256 of every file vs the manifest (exit 1: bad)
+    dsfn ckpt verify  DIR [--all]               every byte vs the manifest's checksums (exit 1: bad)
     dsfn ckpt export  DIR --out OUT [--format hf|torch] [--dtype bf16|fp16|fp32] [--prefix P]
     dsfn ckpt convert DIR --out OUT             consolidate into a world-size-1 replicated checkpoint
 
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("dir")
     s.add_argument("--leaves", action="store_true", help="print one row per leaf")
     s.set_defaults(fn=cmd_inspect)
-    s = cs.add_parser("verify", help="check every file's sha256 against the manifest")
+    s = cs.add_parser("verify", help="check every file's checksums against the manifest")
     s.add_argument("dir")
     s.add_argument("--all", action="store_true", help="verify every committed step, not just the latest")
     s.set_defaults(fn=cmd_verify)

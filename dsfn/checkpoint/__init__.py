@@ -7,7 +7,13 @@ safetensors files; any layout loads any checkpoint by reading the slices it need
 from dsfn.checkpoint.async_engine import AsyncSaver
 from dsfn.checkpoint.errors import CheckpointError
 from dsfn.checkpoint.export import convert, export
-from dsfn.checkpoint.format import FORMAT_VERSION, Manifest, latest_step, read_manifest, resolve
+from dsfn.checkpoint.format import (
+           FORMAT_VERSION,
+           Manifest,
+           latest_step,
+           read_manifest,
+           resolve,
+)
 from dsfn.checkpoint.reader import load, verify
 from dsfn.checkpoint.writer import save
 

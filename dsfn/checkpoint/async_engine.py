@@ -66,9 +66,10 @@ class AsyncSaver:
         """
         t0 = time.perf_counter()
         self.wait()
-        from dsfn.checkpoint import writer
+        from dsfn.checkpoint import rng, writer
         from dsfn.runtime.mesh import current_mesh
-        kwargs: dict[str, Any] = {"step": step, "keep": keep, "user_data": user_data}
+        # the generators as they are at this step boundary, not when the thread gets to them
+        kwargs: dict[str, Any] = {"step": step, "keep": keep, "user_data": user_data, "rng_state": rng.capture()}
         if timeout_s is not None:
             kwargs["timeout_s"] = timeout_s
         # collective set-up on *this* thread, never in the background (see the module docstring)

@@ -7,14 +7,13 @@ into the output buffer), written, and dropped before the next is rebuilt. The sa
 output is written by a streaming writer (the header is computed up front from the
 manifest's shapes and dtypes), so the host memory peak of `export(format="hf")` and of
 `convert` is **the largest logical tensor + one stored slice** (plus, with `dtype=`, the
-cast copy of that one tensor). Files are mmapped by safetensors for partial reads.
+cast copy of that one tensor). Stored slices are read straight into the output buffer.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import struct
 import tempfile
 import time
 from collections.abc import Iterable
@@ -24,21 +23,12 @@ import torch
 
 from dsfn.checkpoint import format as F
 from dsfn.checkpoint import reader as R
+from dsfn.checkpoint import sfio
 from dsfn.checkpoint.errors import CheckpointError
 
 __all__ = ["MASTER_PREFIX", "convert", "export", "parse_dtype"]
 
 MASTER_PREFIX = "opt_state.master."      # mixed_precision's full-precision master weights
-
-_ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-for _n, _c in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
-               ("uint32", "U32"), ("uint64", "U64")):
-    if isinstance(getattr(torch, _n, None), torch.dtype):
-        _ST_DTYPES[getattr(torch, _n)] = _c
 
 _DTYPE_ALIASES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
                   "float16": torch.float16, "half": torch.float16, "fp32": torch.float32,
@@ -54,51 +44,6 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         return _DTYPE_ALIASES[str(dtype).lower().removeprefix("torch.")]
     except KeyError:
         raise CheckpointError(f"unknown export dtype {dtype!r}; use one of bf16, fp16, fp32, fp64") from None
-
-
-# -- a streaming safetensors writer -----------------------------------------------------------------
-class _StreamWriter:
-    """Writes a safetensors file tensor by tensor, in the order of `entries` (name, dtype, shape)."""
-
-    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
-        header: dict[str, Any] = {}
-        off = 0
-        for name, dtype, shape in entries:
-            if dtype not in _ST_DTYPES:
-                raise CheckpointError(f"tensor {name!r}: dtype {dtype} has no safetensors code")
-            n = 1
-            for d in shape:
-                n *= int(d)
-            nbytes = n * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": [int(d) for d in shape],
-                            "data_offsets": [off, off + nbytes]}
-            off += nbytes
-        if metadata:
-            header["__metadata__"] = metadata
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)
-        self.order = [(n, d, tuple(s)) for n, d, s in entries]
-        self.i = 0
-        self.f = open(path, "wb")  # noqa: SIM115 (closed by close() or the caller's cleanup)
-        self.f.write(struct.pack("<Q", len(blob)))
-        self.f.write(blob)
-
-    def write(self, name: str, t: torch.Tensor) -> None:
-        want = self.order[self.i]
-        if (name, t.dtype, tuple(t.shape)) != want:
-            raise CheckpointError(f"internal: streaming writer expected {want}, got {(name, t.dtype, tuple(t.shape))}")
-        self.i += 1
-        if t.numel():
-            self.f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
-
-    def close(self) -> None:
-        if self.i != len(self.order):
-            self.f.close()
-            raise CheckpointError(f"internal: streaming writer got {self.i} of {len(self.order)} tensors")
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
 
 
 # -- selecting and rebuilding tensors ------------------------------------------------------------------
@@ -169,7 +114,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike, format: str = "hf",
         about one tensor + one slice, but the page cache holds the whole model while saving.
 
     Files are written to a temporary name, fsynced and renamed (atomic). `verify` checks
-    the sha256 of every rank file read.
+    the checksums of every byte read.
     """
     fmt = str(format).lower()
     if fmt not in ("hf", "torch"):
@@ -201,23 +146,23 @@ def export(path: str | os.PathLike, out: str | os.PathLike, format: str = "hf",
 
 
 def _stream_safetensors(final: str, entries, items: Iterable[tuple[str, str]], manifest: F.Manifest,
-                        reader: R._Reader, dt: torch.dtype | None, metadata: dict | None) -> tuple[str, int]:
-    """Write `final` atomically; returns (sha256, bytes)."""
+                        reader: R._Reader, dt: torch.dtype | None, metadata: dict | None) -> dict:
+    """Write `final` atomically; returns its checksum record (`sfio`)."""
     tmp = _tmp_name(final)
-    w = _StreamWriter(tmp, entries, metadata)
+    w = sfio.Writer(tmp, entries, metadata)
     try:
         for name, leaf in items:
             t = _cast(_rebuild(manifest, reader, leaf), dt)
             w.write(name, t)
             del t               # free this tensor before the next one is rebuilt
-        w.close()
+        record = w.close()
         os.replace(tmp, final)
     except BaseException:
-        w.f.close()
+        w.abort()
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    return F.sha256_file(final), os.path.getsize(final)
+    return record
 
 
 def _export_torch(final: str, names, manifest: F.Manifest, reader: R._Reader, dt: torch.dtype | None) -> None:
@@ -284,14 +229,14 @@ def convert(path: str | os.PathLike, out: str | os.PathLike, verify: bool = True
                        for p in tensor_leaves]
             reader = R._Reader(manifest, verify)
             try:
-                sha, nbytes = _stream_safetensors(
+                record = _stream_safetensors(
                     os.path.join(tmp, fname), entries, ((p, p) for p in tensor_leaves), manifest, reader, None,
                     {"dsfn": json.dumps({"format": F.FORMAT_NAME, "rank": 0})})
             finally:
                 reader.close()
-            files[fname] = {"sha256": sha, "bytes": nbytes, "rank": 0}
+            files[fname] = {**record, "rank": 0}
         new = {**raw, "world_size": 1, "mesh": {k: 1 for k in (raw.get("mesh") or {"dp": 1})},
-               "leaves": leaves, "files": files,
+               "leaves": leaves, "files": files, "rng": {},
                "metadata": {**(raw.get("metadata") or {}), "converted": time.time(),
                             "converted_from": {"path": manifest.path, "world_size": manifest.world_size,
                                                "mesh": manifest.mesh}}}

@@ -19,7 +19,10 @@
                 PATH2: {"shape": [], "dtype": "int64", "layout": {"type": "Replicated", "shape": []},
                         "slices": [{"file": "rank_00000.safetensors", "kind": "full"}]},
                 PATH3: {"value": 3}},                 # a JSON leaf that is not a tensor
-     "files": {"rank_00000.safetensors": {"sha256": "...", "bytes": 1234, "rank": 0}, ...},
+     "files": {"rank_00000.safetensors": {"bytes": 1234, "rank": 0, "header_bytes": 96,
+                                          "header_crc32": ..., "block_size": 1048576,
+                                          "blocks": [crc32, ...]}, ...},     # see sfio
+     "rng": {"0": {"file": "rank_00000.safetensors", "keys": ["python", "torch_cpu", ...]}, ...},
      "user_data": {...}, "metadata": {"created": ..., "treespec": "...", "dsfn_paths": [...]}}
 
 Slices: `full` (the whole logical tensor), `flat` ([start, stop) of the row-major
@@ -29,7 +32,6 @@ flattened logical tensor, padding excluded; stored 1-D), `dim` ([start, stop) al
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -210,17 +212,6 @@ def write_json_durably(path: str, obj: Any) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def sha256_file(path: str, block: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(block)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
 
 
 def committed_steps(root: str) -> list[int]:

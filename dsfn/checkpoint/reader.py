@@ -5,31 +5,42 @@ stage, offload setting, ...) the logical region this rank holds is computed from
 leaf's layout, and only the stored slices overlapping it are read (safetensors partial
 reads), then assembled into this rank's piece (zero padding where the layout pads).
 Everything is validated before anything is read into the result: a missing leaf, a
-shape or dtype that does not match, a file that is missing or fails its sha256 checksum
+shape or dtype that does not match, a file that is missing or a block that fails its crc32 checksum
 each raise `CheckpointError` naming the leaf or file. Loading never runs code from disk.
 """
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from dsfn import tree
 from dsfn.checkpoint import format as F
+from dsfn.checkpoint import rng, sfio
 from dsfn.checkpoint.errors import CheckpointError
+from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import Placed, Replicated, is_placed
 
 
-def load(path: str | os.PathLike, like: Any, strict: bool = True, verify: bool = True) -> Any:
+def load(path: str | os.PathLike, like: Any, strict: bool = True, verify: bool = True,
+         restore_rng: bool = True) -> Any:
     """A state with `like`'s structure and layouts, holding the checkpoint's values.
 
     `path` is a checkpoint root (its `latest` committed step is loaded) or a step
     directory. `like` is this rank's placed state in the target layout (e.g.
     `step.init_state(params, tx)`); its values are ignored. `strict` rejects a checkpoint
-    holding leaves that `like` lacks. `verify` checks the sha256 of every file read.
-    Not collective: each rank reads what it needs.
+    holding leaves that `like` lacks. `verify` checks the checksum of every byte read.
+    `restore_rng` sets this process's global generators (torch, CUDA, `random`, numpy) to
+    the ones this rank saved, after everything else was read, when the checkpoint was
+    saved at this world size (at another world size ranks do not correspond: a warning,
+    and the generators are left alone).
+    Not collective: each rank reads only the slices its piece overlaps, straight into the
+    result; peak host memory is the result (this rank's shard) plus two checksum blocks.
+    Nothing global changes unless the whole load succeeds.
     """
     manifest = F.read_manifest(path)
     mesh = current_mesh()
@@ -88,8 +99,18 @@ def load(path: str | os.PathLike, like: Any, strict: bool = True, verify: bool =
             buf = _assemble(leaf, saved[leaf], region, shape, piece.dtype, reader)
             buf = buf.to(piece.device)
             out.append(Placed(buf, x.layout) if isinstance(x, Placed) else buf)
+        snapshot = None
+        if restore_rng and manifest.raw.get("rng"):
+            if manifest.world_size == env.world_size():
+                snapshot = read_rng(manifest, reader, env.rank())
+            else:
+                warnings.warn(f"checkpoint {manifest.path} was saved by {manifest.world_size} ranks and is loaded "
+                              f"by {env.world_size()}: the ranks' random generator states are not restored",
+                              stacklevel=2)
     finally:
         reader.close()
+    if snapshot is not None:
+        rng.restore(snapshot)
     return tree.unflatten(spec, out)
 
 
@@ -107,11 +128,14 @@ def verify(path: str | os.PathLike) -> list[str]:
         if not os.path.isfile(fpath):
             bad.append(f"{fpath}: missing")
             continue
-        size = os.path.getsize(fpath)
-        if "bytes" in info and size != int(info["bytes"]):
-            bad.append(f"{fpath}: size {size} != {info['bytes']} in the manifest")
-        elif F.sha256_file(fpath) != info.get("sha256"):
-            bad.append(f"{fpath}: sha256 mismatch")
+        try:
+            fh = sfio.File(fpath, info, verify=True)
+            try:
+                fh.check_all()
+            finally:
+                fh.close()
+        except CheckpointError as e:
+            bad.append(f"{fpath}: {e}")
     for p, d in m.leaves.items():
         for s in d.get("slices", ()):
             if s["file"] not in m.files:
@@ -120,151 +144,133 @@ def verify(path: str | os.PathLike) -> list[str]:
 
 
 class _Reader:
-    """Opens each file once, after checking it exists and matches its checksum."""
+    """Opens each file once (checking it exists and its header); verified partial reads."""
 
     def __init__(self, manifest: F.Manifest, verify: bool):
         self.manifest, self.verify, self.handles = manifest, verify, {}
 
-    def get(self, name: str):
+    def get(self, name: str) -> sfio.File:
         if name not in self.handles:
             fpath = os.path.join(self.manifest.path, name)
             info = self.manifest.files[name]
             if not os.path.isfile(fpath):
                 raise CheckpointError(f"checkpoint file {fpath} is missing (rank {info.get('rank')}'s data)")
-            if self.verify:
-                size = os.path.getsize(fpath)
-                if size != info.get("bytes", size) or F.sha256_file(fpath) != info["sha256"]:
-                    raise CheckpointError(f"checkpoint file {fpath} is corrupt: its sha256 does not match the "
-                                          "manifest")
-            from safetensors import safe_open
-            try:
-                self.handles[name] = safe_open(fpath, framework="pt", device="cpu")
-            except Exception as e:
-                raise CheckpointError(f"checkpoint file {fpath} cannot be read: {e}") from e
+            self.handles[name] = sfio.File(fpath, info, self.verify)
         return self.handles[name]
 
     def close(self) -> None:
+        for h in self.handles.values():
+            h.close()
         self.handles.clear()
 
 
-def _box(region: F.Region, shape: tuple[int, ...]) -> list[tuple[int, int]] | None:
-    """Per-dim [lo, hi) of a full or dim region; None for a flat one."""
+# -- assembling a rank's piece from stored slices ---------------------------------------------------
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= int(x)
+    return n
+
+
+def _runs(region: F.Region, shape: tuple[int, ...], extent: int | None = None) -> Iterator[tuple[int, int, int]]:
+    """The region as contiguous runs of the row-major flattened logical tensor, ascending:
+    (logical start, length, offset in the region's own buffer).
+
+    The buffer of a `dim` region is the box with `extent` rows along the split dim
+    (`region.padded` for a padded target piece; the region's size for a stored slice).
+    """
+    numel = _prod(shape)
+    if region.kind == "full":
+        if numel:
+            yield 0, numel, 0
+        return
     if region.kind == "flat":
-        return None
-    box = [(0, n) for n in shape]
-    if region.kind == "dim":
-        box[region.dim] = (region.start, region.stop)
-    return box
+        if region.stop > region.start:
+            yield region.start, region.stop - region.start, 0
+        return
+    d, a, b = region.dim, region.start, region.stop
+    ext = b - a
+    if ext <= 0 or numel == 0:
+        return
+    inner, outer, n = _prod(shape[d + 1:]), _prod(shape[:d]), shape[d]
+    stride = (extent if extent is not None else ext) * inner
+    if ext == n and stride == n * inner:                 # the whole tensor, one run
+        yield 0, numel, 0
+        return
+    for o in range(outer):
+        yield o * n * inner + a * inner, ext * inner, o * stride
+
+
+def _overlaps(target, source) -> Iterator[tuple[int, int, int]]:
+    """(source offset, target offset, length) of every overlap of two ascending run lists."""
+    t, s = next(target, None), next(source, None)
+    while t is not None and s is not None:
+        ts, tl, to = t
+        ss, sl, so = s
+        lo, hi = max(ts, ss), min(ts + tl, ss + sl)
+        if lo < hi:
+            yield so + lo - ss, to + lo - ts, hi - lo
+        if ts + tl <= ss + sl:
+            t = next(target, None)
+        else:
+            s = next(source, None)
+
+
+def _stored_shape(src: F.Region, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if src.kind == "flat":
+        return (src.stop - src.start,)
+    if src.kind == "dim":
+        return tuple(src.stop - src.start if i == src.dim else n for i, n in enumerate(shape))
+    return tuple(shape)
 
 
 def _target_buffer(region: F.Region, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """This rank's piece, uninitialised except for the padding (zeros)."""
     if region.kind == "flat":
-        return torch.zeros(region.padded, dtype=dtype)
+        buf = torch.empty(region.padded, dtype=dtype)
+        buf[max(region.stop - region.start, 0):].zero_()
+        return buf
     if region.kind == "dim":
         s = list(shape)
         s[region.dim] = region.padded
-        return torch.zeros(s, dtype=dtype)
+        buf = torch.empty(s, dtype=dtype)
+        valid = max(region.stop - region.start, 0)
+        buf.narrow(region.dim, valid, region.padded - valid).zero_()
+        return buf
     return torch.empty(shape, dtype=dtype)
-
-
-def _read(handle, path: str, index=None) -> torch.Tensor:
-    if index is None:
-        return handle.get_tensor(path)
-    return handle.get_slice(path)[index]
 
 
 def _assemble(path: str, desc: dict, region: F.Region, shape: tuple[int, ...], dtype: torch.dtype,
               reader: _Reader) -> torch.Tensor:
+    """This rank's piece of leaf `path` (its `region`), read run by run from the stored
+    slices straight into the result: no staging copies, peak = the result."""
     buf = _target_buffer(region, shape, dtype)
-    numel = 1
-    for n in shape:
-        numel *= n
-    if region.kind == "flat":
-        need = region.stop - region.start
-    elif region.kind == "dim":
-        need = (numel // shape[region.dim] * (region.stop - region.start)) if shape[region.dim] else 0
-    else:
-        need = numel
+    flat = buf.view(-1)
+    extent = region.padded if region.kind == "dim" else None
+    need = sum(n for _, n, _ in _runs(region, shape, extent))
     got = 0
-    tbox = _box(region, shape)
     for s in desc["slices"]:
         src = F.Region.from_json(s)
-        sbox = _box(src, shape)
-        handle = reader.get(s["file"])
-        if path not in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-            raise CheckpointError(f"checkpoint file {s['file']} lacks tensor {path!r} that the manifest places there")
-        if tbox is not None and sbox is not None:                 # box <- box
-            inter = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(tbox, sbox)]
-            if any(lo >= hi for lo, hi in inter):
-                continue
-            if not shape:
-                part = _read(handle, path)
-                buf.copy_(part.reshape(()))
-                got += 1
-                continue
-            part = _read(handle, path, tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(inter, sbox)))
-            view = buf[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, tbox))]
-            view.copy_(part)
-            got += part.numel()
-        elif tbox is None and sbox is None:                        # flat <- flat
-            lo, hi = max(region.start, src.start), min(region.stop, src.stop)
-            if lo >= hi:
-                continue
-            buf[lo - region.start:hi - region.start] = _read(handle, path, slice(lo - src.start, hi - src.start))
-            got += hi - lo
-        elif tbox is None:                                         # flat <- box
-            a, b = region.start, region.stop
-            if src.kind == "full":
-                if a >= b:
-                    continue
-                if not shape:
-                    buf[0] = _read(handle, path).reshape(())
-                    got += 1
-                    continue
-                row = numel // shape[0]
-                r0, r1 = a // row, -(-b // row)
-                part = _read(handle, path, slice(r0, r1)).reshape(-1)
-                buf[: b - a] = part[a - r0 * row: b - r0 * row]
-                got += b - a
-            else:                                                  # a dim slice: index arithmetic
-                idx = torch.arange(a, b)
-                coords = torch.unravel_index(idx, shape)
-                mask = (coords[src.dim] >= src.start) & (coords[src.dim] < src.stop)
-                if not bool(mask.any()):
-                    continue
-                sshape = list(shape)
-                sshape[src.dim] = src.stop - src.start
-                local = [c[mask] for c in coords]
-                local[src.dim] = local[src.dim] - src.start
-                sidx = _ravel(local, sshape)
-                part = _read(handle, path).reshape(-1)
-                buf[: b - a][mask] = part[sidx]
-                got += int(mask.sum())
-        else:                                                      # box <- flat
-            part = _read(handle, path, slice(0, src.stop - src.start)) if src.stop > src.start else None
-            if part is None:
-                continue
-            if region.kind == "full":
-                buf.view(-1)[src.start:src.stop] = part
-                got += src.stop - src.start
-                continue
-            idx = torch.arange(src.start, src.stop)
-            coords = torch.unravel_index(idx, shape)
-            mask = (coords[region.dim] >= region.start) & (coords[region.dim] < region.stop)
-            if not bool(mask.any()):
-                continue
-            local = [c[mask] for c in coords]
-            local[region.dim] = local[region.dim] - region.start
-            buf.view(-1)[_ravel(local, list(buf.shape))] = part[mask]
-            got += int(mask.sum())
+        fh = reader.get(s["file"])
+        sdtype, sshape = fh.info(path)
+        if sdtype != dtype or tuple(sshape) != _stored_shape(src, shape):
+            raise CheckpointError(f"checkpoint file {s['file']}: tensor {path!r} is {sdtype} {tuple(sshape)} but the "
+                                  f"manifest describes a {dtype} {_stored_shape(src, shape)} slice; the checkpoint "
+                                  "is corrupt")
+        for so, do, n in _overlaps(_runs(region, shape, extent), _runs(src, shape)):
+            fh.read_into(path, so, flat[do:do + n])
+            got += n
     if got != need:
         raise CheckpointError(f"leaf {path!r}: the checkpoint's slices cover {got} of the {need} elements this "
                               "rank needs; the checkpoint is incomplete")
     return buf
 
 
-def _ravel(coords: list[torch.Tensor], shape: list[int]) -> torch.Tensor:
-    flat = torch.zeros_like(coords[0])
-    for c, n in zip(coords, shape):
-        flat = flat * n + c
-    return flat
+# -- per-rank generator states --------------------------------------------------------------------
+def read_rng(manifest: F.Manifest, reader: _Reader, rank: int) -> dict[str, torch.Tensor] | None:
+    """The generator states rank `rank` saved (None if the checkpoint has none for it)."""
+    entry = (manifest.raw.get("rng") or {}).get(str(rank))
+    if entry is None:
+        return None
+    fh = reader.get(entry["file"])
+    return {k: fh.read(rng.PREFIX + k) for k in entry["keys"]}

@@ -23,8 +23,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import threading
 import shutil
+import threading
 import time
 from typing import Any
 
@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from dsfn import tree
 from dsfn.checkpoint import format as F
+from dsfn.checkpoint import rng, sfio
 from dsfn.checkpoint.errors import CheckpointError
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
@@ -58,21 +59,26 @@ _save_lock = threading.Lock()   # one save at a time per process: they share the
 
 
 def save(directory: str | os.PathLike, state: Any, step: int | None = None, keep: int | None = None,
-         user_data: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
+         user_data: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+         rng_state: dict[str, torch.Tensor] | bool | None = None) -> str:
     """See `_save`; serialised per process (a background save and a direct one never
     interleave their collectives on the checkpoint group)."""
+    if rng_state is None or rng_state is True:
+        rng_state = rng.capture()        # at the call, on the calling thread
     with _save_lock:
-        return _save(directory, state, step, keep, user_data, timeout_s)
+        return _save(directory, state, step, keep, user_data, timeout_s, rng_state or None)
 
 
-def _save(directory: str | os.PathLike, state: Any, step: int | None = None, keep: int | None = None,
-          user_data: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
+def _save(directory: str | os.PathLike, state: Any, step: int | None, keep: int | None,
+          user_data: Any, timeout_s: float, rng_state: dict[str, torch.Tensor] | None) -> str:
     """Write `state` (a placed state, any layout) as a committed checkpoint `DIR/step_N`.
 
     Collective: every rank calls it with its own piece of the same state. `step` defaults
     to `state.step`. `keep=N` keeps the newest N committed checkpoints (never deleting the
     newest). `user_data` is any JSON-serialisable object (e.g. a data-loader position),
-    read back with `read_manifest(dir).user_data`. Returns the committed directory.
+    read back with `read_manifest(dir).user_data`. `rng_state`: this rank's global
+    generator states to store (`dsfn.checkpoint.rng.capture()`); None (default) captures
+    them now, False stores none. Returns the committed directory.
 
     Raises:
         CheckpointError: a rank failed to write (every rank raises; nothing is committed),
@@ -110,7 +116,7 @@ def _save(directory: str | os.PathLike, state: Any, step: int | None = None, kee
     # 2. every rank writes its slices
     report: dict[str, Any] = {"rank": rank, "ok": True}
     try:
-        report.update(_write_rank_file(tmp, state, rank))
+        report.update(_write_rank_file(tmp, state, rank, rng_state))
     except Exception as e:  # noqa: BLE001 (reported to every rank below, so none commits)
         report = {"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}"}
 
@@ -141,13 +147,18 @@ def _save(directory: str | os.PathLike, state: Any, step: int | None = None, kee
 
 
 # -- pieces ------------------------------------------------------------------------------------
-def _write_rank_file(tmp: str, state: Any, rank: int) -> dict:
+def _write_rank_file(tmp: str, state: Any, rank: int, rng_state: dict[str, torch.Tensor] | None) -> dict:
+    """Write this rank's slices (and generator states) to `tmp/rank_{r}.safetensors`.
+
+    Tensors go to disk straight from their memory (`sfio`): a FlatShard piece's valid part
+    is a view, so nothing is copied on CPU; a DimShard piece split on an inner dim is made
+    contiguous one tensor at a time.
+    """
     mesh = current_mesh()
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: list[tuple[str, torch.Tensor]] = []
     slices: dict[str, dict] = {}
     leaves: dict[str, dict] = {}
     values: dict[str, Any] = {}
-    seen_storage: set[int] = set()
     for path, x in tree.leaves_with_path(state, is_leaf=is_placed):
         if isinstance(x, Placed):
             layout, piece = x.layout, x.data
@@ -159,33 +170,25 @@ def _write_rank_file(tmp: str, state: Any, rank: int) -> dict:
             continue
         if not isinstance(piece, torch.Tensor):
             raise CheckpointError(f"leaf {path!r} holds a {type(piece).__name__}, not a tensor")
+        if path.startswith(rng.PREFIX):
+            raise CheckpointError(f"leaf {path!r}: names starting with {rng.PREFIX!r} are reserved")
         region, axis = F.region_of(layout, mesh)
         leaves[path] = {"shape": list(F.logical_shape(layout, piece)), "dtype": F.dtype_name(piece.dtype),
                         "layout": F.layout_to_json(layout)}
         owner = all(c == 0 for a, c in mesh.coords.items() if a != axis)
         if not owner or region.empty or piece.numel() == 0:
             continue
-        t = F.local_valid_part(piece.detach(), region).to("cpu").contiguous()
-        st = t.untyped_storage()
-        if st.data_ptr() in seen_storage or st.nbytes() != t.numel() * t.element_size():
-            t = t.clone()          # safetensors refuses views and shared storage
-        seen_storage.add(t.untyped_storage().data_ptr())
-        tensors[path] = t
+        tensors.append((path, F.local_valid_part(piece.detach(), region)))
         slices[path] = region.to_json()
-    out = {"leaves": leaves, "values": values, "slices": slices, "file": None}
+    rng_keys = sorted(rng_state or {})
+    tensors += [(rng.PREFIX + k, rng_state[k]) for k in rng_keys]
+    out: dict[str, Any] = {"leaves": leaves, "values": values, "slices": slices, "file": None, "rng": rng_keys}
     if tensors:
-        from safetensors.torch import save_file
         name = F.rank_filename(rank)
-        fpath = os.path.join(tmp, name)
-        # one metadata key: safetensors writes a dict's keys in varying order, and the
-        # file (hence its checksum) should depend only on the tensors
-        save_file(tensors, fpath, metadata={"dsfn": json.dumps({"format": F.FORMAT_NAME, "rank": rank})})
-        fd = os.open(fpath, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        out.update(file=name, sha256=F.sha256_file(fpath), bytes=os.path.getsize(fpath))
+        # one metadata key: the file (hence its checksums) depends only on the tensors
+        record = sfio.write_file(os.path.join(tmp, name), tensors,
+                                 metadata={"dsfn": json.dumps({"format": F.FORMAT_NAME, "rank": rank})})
+        out.update(file=name, record=record)
     return out
 
 
@@ -195,19 +198,21 @@ def _build_manifest(step: int, world: int, reports: list[dict], user_data: Any, 
         leaves[path] = {**desc, "slices": []}
     for path, v in reports[0]["values"].items():
         leaves[path] = {"value": v}
-    files = {}
+    files, rngs = {}, {}
     for r in reports:
         if set(r["leaves"]) != set(reports[0]["leaves"]):
             raise CheckpointError(f"rank {r['rank']} saved different leaves from rank 0 "
                                   f"({sorted(set(r['leaves']) ^ set(reports[0]['leaves']))[:5]})")
         if r["file"] is None:
             continue
-        files[r["file"]] = {"sha256": r["sha256"], "bytes": r["bytes"], "rank": r["rank"]}
+        files[r["file"]] = {**r["record"], "rank": r["rank"]}
         for path, region in r["slices"].items():
             leaves[path]["slices"].append({"file": r["file"], **region})
+        if r["rng"]:
+            rngs[str(r["rank"])] = {"file": r["file"], "keys": r["rng"]}
     mesh = current_mesh()
     return {"format": F.FORMAT_NAME, "version": F.FORMAT_VERSION, "step": step, "world_size": world,
-            "mesh": dict(mesh.axes), "leaves": leaves, "files": files, "user_data": user_data,
+            "mesh": dict(mesh.axes), "leaves": leaves, "files": files, "rng": rngs, "user_data": user_data,
             "metadata": {"created": time.time(), "torch": torch.__version__,
                          "treespec": str(tree.structure(state, is_leaf=is_placed)),
                          "paths": [p for p, _ in tree.leaves_with_path(state, is_leaf=is_placed)]}}

@@ -1,0 +1,321 @@
+"""safetensors files written straight from tensor memory and read straight into target
+buffers, with per-block crc32 checksums (the I/O layer of dsfn checkpoints).
+
+The files are plain safetensors (an 8-byte little-endian header length, a JSON header
+padded with spaces to a multiple of 8, then the tensors' bytes), so any safetensors
+reader opens them. What this module adds:
+
+- **No staging copies.** `Writer.write` hands the tensor's own memory to `write(2)`
+  (a `memoryview` of its bytes; the GIL is released during the call); the reader
+  `readinto`s each requested element range directly into the destination buffer. Saving
+  allocates nothing per tensor on CPU; loading allocates only the result (plus at most two
+  checksum blocks of scratch).
+- **Block checksums.** The data region is checksummed in `BLOCK_SIZE` blocks (crc32, which
+  is incremental: a block is verified from a prefix read into scratch, the bytes read into
+  the destination, and a suffix), and the header separately. A partial read verifies just
+  the blocks it touches, each at most once per open file, so a rank that loads a quarter
+  of a file reads and checks about a quarter of it, and any flipped byte it reads is
+  caught.
+
+The checksum record of a file (stored in the checkpoint manifest):
+
+    {"bytes": total file size, "header_bytes": 8 + header length,
+     "header_crc32": crc32 of the first header_bytes bytes,
+     "block_size": B, "blocks": [crc32 of data bytes [k*B, (k+1)*B) for each k]}
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from dsfn.checkpoint.errors import CheckpointError
+
+BLOCK_SIZE = 1 << 20
+MAX_HEADER = 100 << 20
+
+ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _n, _c in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
+               ("uint32", "U32"), ("uint64", "U64")):
+    if isinstance(getattr(torch, _n, None), torch.dtype):
+        ST_DTYPES[getattr(torch, _n)] = _c
+DTYPES_ST = {c: d for d, c in ST_DTYPES.items()}
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (any dtype, 0-d included)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+class _BlockHasher:
+    """Running crc32 of a byte stream, cut into BLOCK_SIZE blocks."""
+
+    def __init__(self, block_size: int):
+        self.block_size, self.blocks, self.crc, self.fill = block_size, [], 0, 0
+
+    def update(self, mv: memoryview) -> None:
+        i, n = 0, len(mv)
+        while i < n:
+            take = min(self.block_size - self.fill, n - i)
+            self.crc = zlib.crc32(mv[i:i + take], self.crc)
+            self.fill += take
+            i += take
+            if self.fill == self.block_size:
+                self.blocks.append(self.crc)
+                self.crc, self.fill = 0, 0
+
+    def finish(self) -> list[int]:
+        if self.fill:
+            self.blocks.append(self.crc)
+            self.crc, self.fill = 0, 0
+        return self.blocks
+
+
+def _write_all(f, mv: memoryview) -> None:
+    while len(mv):
+        n = f.write(mv)
+        mv = mv[n:]
+
+
+class Writer:
+    """Writes one safetensors file tensor by tensor, in the order of `entries`.
+
+    `entries` is [(name, dtype, shape)]; the header is written first, so every tensor's
+    place is known up front and tensors can be produced one at a time (streaming export).
+    `close()` flushes, fsyncs and returns the file's checksum record. On an error the
+    caller removes the (temporary) file.
+    """
+
+    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None, block_size: int = BLOCK_SIZE):
+        header: dict[str, Any] = {}
+        off = 0
+        for name, dtype, shape in entries:
+            if dtype not in ST_DTYPES:
+                raise CheckpointError(f"tensor {name!r}: dtype {dtype} has no safetensors code")
+            n = 1
+            for d in shape:
+                n *= int(d)
+            nbytes = n * element_size(dtype)
+            header[name] = {"dtype": ST_DTYPES[dtype], "shape": [int(d) for d in shape],
+                            "data_offsets": [off, off + nbytes]}
+            off += nbytes
+        if metadata:
+            header["__metadata__"] = metadata
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        head = struct.pack("<Q", len(blob)) + blob
+        self.order = [(n, d, tuple(int(x) for x in s)) for n, d, s in entries]
+        self.i = 0
+        self.head_bytes, self.head_crc, self.data_bytes = len(head), zlib.crc32(head), off
+        self.hasher = _BlockHasher(block_size)
+        self.block_size = block_size
+        self.f = open(path, "wb", buffering=0)  # noqa: SIM115 (closed by close() / abort())
+        try:
+            _write_all(self.f, memoryview(head))
+        except BaseException:
+            self.f.close()
+            raise
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        want = self.order[self.i]
+        if (name, t.dtype, tuple(t.shape)) != want:
+            raise CheckpointError(f"internal: safetensors writer expected {want}, got {(name, t.dtype, tuple(t.shape))}")
+        self.i += 1
+        if t.numel():
+            t = t.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            mv = byte_view(t.contiguous())
+            self.hasher.update(mv)
+            _write_all(self.f, mv)
+
+    def close(self) -> dict:
+        if self.i != len(self.order):
+            self.f.close()
+            raise CheckpointError(f"internal: safetensors writer got {self.i} of {len(self.order)} tensors")
+        os.fsync(self.f.fileno())
+        self.f.close()
+        return {"bytes": self.head_bytes + self.data_bytes, "header_bytes": self.head_bytes,
+                "header_crc32": self.head_crc, "block_size": self.block_size, "blocks": self.hasher.finish()}
+
+    def abort(self) -> None:
+        self.f.close()
+
+
+def write_file(path: str, items: Iterable[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None) -> dict:
+    """Write `items` ([(name, tensor)], any devices) as one safetensors file; fsync; checksums.
+
+    Tensors are stored by decreasing element size, then name (so every tensor is aligned
+    for zero-copy readers); the file depends only on the tensors and `metadata`.
+    """
+    items = sorted(items, key=lambda kv: (-kv[1].element_size(), kv[0]))
+    w = Writer(path, [(n, t.dtype, tuple(t.shape)) for n, t in items], metadata)
+    try:
+        for n, t in items:
+            w.write(n, t)
+    except BaseException:
+        w.abort()
+        raise
+    return w.close()
+
+
+class File:
+    """A safetensors file opened for direct, verified partial reads.
+
+    `record` is the file's checksum record from the manifest; with `verify`, the header
+    and every data block a read touches are checked against it (each block once).
+    """
+
+    def __init__(self, path: str, record: dict | None = None, verify: bool = True):
+        self.path, self.record = path, record or {}
+        self.verify = verify
+        if verify and not all(k in self.record for k in ("header_crc32", "block_size", "blocks")):
+            raise CheckpointError(f"the manifest has no checksums for {path}; it was not written by this dsfn "
+                                  "(pass verify=False to read it unchecked)")
+        self.verified: set[int] = set()
+        try:
+            self.f = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by close())
+        except OSError as e:
+            raise CheckpointError(f"checkpoint file {path} cannot be opened: {e}") from e
+        try:
+            self._read_header()
+        except BaseException:
+            self.f.close()
+            raise
+
+    def _corrupt(self, what: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint file {self.path} is corrupt: {what}")
+
+    def _read_header(self) -> None:
+        size = os.fstat(self.f.fileno()).st_size
+        if "bytes" in self.record and size != int(self.record["bytes"]):
+            raise self._corrupt(f"its size is {size} bytes, the manifest says {self.record['bytes']} "
+                                "(truncated or overwritten)")
+        raw = self._pread(8, 0)
+        if len(raw) < 8:
+            raise self._corrupt("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > MAX_HEADER or 8 + n > size:
+            raise self._corrupt(f"header length {n} does not fit the file ({size} bytes)")
+        blob = self._pread(n, 8)
+        if self.verify and zlib.crc32(blob, zlib.crc32(raw)) != int(self.record["header_crc32"]):
+            raise self._corrupt("its header checksum does not match the manifest")
+        try:
+            header = json.loads(blob)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise self._corrupt(f"its header is not JSON ({e})") from None
+        self.data_start, self.data_len = 8 + n, size - 8 - n
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for name, e in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = DTYPES_ST[e["dtype"]]
+                shape = tuple(int(d) for d in e["shape"])
+                lo, hi = (int(x) for x in e["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise self._corrupt(f"bad header entry for {name!r}") from None
+            numel = 1
+            for d in shape:
+                numel *= d
+            if not 0 <= lo <= hi <= self.data_len or hi - lo != numel * element_size(dtype):
+                raise self._corrupt(f"header entry for {name!r} does not fit the data")
+            self.entries[name] = (dtype, shape, lo, hi)
+
+    def _pread(self, n: int, offset: int) -> bytes:
+        return os.pread(self.f.fileno(), n, offset)
+
+    def _readinto(self, mv: memoryview, offset: int) -> None:
+        fd = self.f.fileno()
+        while len(mv):
+            got = os.preadv(fd, [mv], offset)
+            if got <= 0:
+                raise self._corrupt("it ended before the bytes the header promises")
+            mv, offset = mv[got:], offset + got
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def info(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        if name not in self.entries:
+            raise CheckpointError(f"checkpoint file {self.path} lacks tensor {name!r} that the manifest places there")
+        dtype, shape, _, _ = self.entries[name]
+        return dtype, shape
+
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Read elements [start, start + out.numel()) of tensor `name` (row-major) into `out`
+        (a contiguous CPU tensor of the stored dtype), verifying the blocks it touches."""
+        dtype, _, lo, hi = self.entries[name]
+        if out.dtype != dtype:
+            raise CheckpointError(f"internal: reading {name!r} ({dtype}) into a {out.dtype} buffer")
+        es = element_size(dtype)
+        a = lo + start * es
+        b = a + out.numel() * es
+        if b > hi:
+            raise CheckpointError(f"internal: read past the end of {name!r} in {self.path}")
+        if a == b:
+            return
+        mv = byte_view(out)
+        self._readinto(mv, self.data_start + a)
+        if self.verify:
+            self._check(a, b, mv)
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor `name` (a fresh CPU tensor)."""
+        dtype, shape = self.info(name)
+        out = torch.empty(shape, dtype=dtype)
+        self.read_into(name, 0, out)
+        return out
+
+    def _check(self, a: int, b: int, mv: memoryview) -> None:
+        """Verify data bytes [a, b) (now in `mv`) block by block, reading the rest of the
+        first and last blocks into scratch."""
+        bs = int(self.record["block_size"])
+        blocks = self.record["blocks"]
+        for k in range(a // bs, (b - 1) // bs + 1):
+            if k in self.verified:
+                continue
+            s, e = k * bs, min((k + 1) * bs, self.data_len)
+            if k >= len(blocks):
+                raise self._corrupt(f"data block {k} has no checksum in the manifest")
+            crc = 0
+            if s < a:
+                crc = zlib.crc32(self._pread(a - s, self.data_start + s), crc)
+            crc = zlib.crc32(mv[max(s, a) - a:min(e, b) - a], crc)
+            if e > b:
+                tail = self._pread(e - b, self.data_start + b)
+                crc = zlib.crc32(tail, crc)
+            if crc != int(blocks[k]):
+                raise self._corrupt(f"data block {k} (bytes {self.data_start + s}..{self.data_start + e}) does "
+                                    "not match its checksum in the manifest")
+            self.verified.add(k)
+
+    def check_all(self) -> None:
+        """Verify the header and every data block (all bytes of the file)."""
+        bs = int(self.record["block_size"])
+        nblocks = -(-self.data_len // bs)
+        if len(self.record["blocks"]) != nblocks:
+            raise self._corrupt(f"{nblocks} data blocks but {len(self.record['blocks'])} checksums")
+        buf = bytearray(bs)
+        for k in range(nblocks):
+            s, e = k * bs, min((k + 1) * bs, self.data_len)
+            mv = memoryview(buf)[: e - s]
+            self._readinto(mv, self.data_start + s)
+            self._check(s, e, mv)
+
+    def close(self) -> None:
+        self.f.close()
