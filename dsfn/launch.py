@@ -389,6 +389,12 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
             raise ConfigError("spawn: CUDA is already initialised in this process and a forked "
                               "child cannot use it; pass start_method='spawn' or keep "
                               "DSFN_FORCE_CPU=1")
+        dist_mod = sys.modules.get("torch.distributed")
+        if dist_mod is not None and dist_mod.is_available() and dist_mod.is_initialized():
+            # the child would inherit the parent's process group (and hang in it)
+            raise ConfigError("spawn: this process has an initialised torch.distributed process group, "
+                              "which forked ranks would inherit; call spawn before init_process_group "
+                              "(or after destroy_process_group), or pass start_method='spawn'")
 
     ctx = mp.get_context(start_method)
     deadline = time.monotonic() + timeout

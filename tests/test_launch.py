@@ -240,3 +240,18 @@ def test_cli_failing_rank_gives_nonzero_exit(tmp_path):
     """, "--nproc", "2")
     assert proc.returncode == 3
     assert "rank 1" in proc.stderr
+
+
+def _nested_fork_spawn():
+    from dsfn.errors import ConfigError
+    try:
+        spawn(abs, 2, args=(-1,), timeout=30)
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_fork_from_a_process_with_a_process_group_is_refused():
+    """A forked rank would inherit the parent's process group and hang in it."""
+    (msg,) = spawn(_nested_fork_spawn, 1, timeout=60)
+    assert "initialised torch.distributed process group" in msg and "start_method='spawn'" in msg

@@ -27,6 +27,7 @@ last save and reports a failure on stderr, so nothing is lost silently.
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import time
@@ -39,9 +40,16 @@ __all__ = ["AsyncSaver"]
 
 
 class AsyncSaver:
-    """One background checkpoint writer per process (one save in flight)."""
+    """One background checkpoint writer per process (one save in flight).
 
-    def __init__(self) -> None:
+    `nice`: the writer thread lowers its own scheduling priority by this much (Linux
+    threads have their own nice value), so on a host whose cores the training loop keeps
+    busy the write takes the idle cycles instead of stealing the step's; the save then
+    takes longer, which only matters if the next one is due before it ends. 0 disables.
+    """
+
+    def __init__(self, nice: int = 10) -> None:
+        self.nice = int(nice)
         self._thread: threading.Thread | None = None
         self._error: CheckpointError | None = None
         self._lock = threading.Lock()
@@ -104,6 +112,7 @@ class AsyncSaver:
     # -- the background thread -----------------------------------------------------------------
     def _run(self, directory: Any, state: Any, kwargs: dict, step: int | None) -> None:
         from dsfn.checkpoint import writer
+        _lower_priority(self.nice)
         try:
             out = writer.save(directory, state, **kwargs)
         except BaseException as e:  # noqa: BLE001 (kept and re-raised on the training thread)
@@ -117,6 +126,17 @@ class AsyncSaver:
             return
         self.last_committed = out
         self.saves_committed += 1
+
+
+def _lower_priority(nice: int) -> None:
+    """Raise this thread's nice value by `nice` (best effort; never raises)."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        pass
 
 
 def _flush_at_exit(ref: weakref.ref[AsyncSaver]) -> None:

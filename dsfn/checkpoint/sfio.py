@@ -10,18 +10,19 @@ reader opens them. What this module adds:
   `readinto`s each requested element range directly into the destination buffer. Saving
   allocates nothing per tensor on CPU; loading allocates only the result (plus at most two
   checksum blocks of scratch).
-- **Block checksums.** The data region is checksummed in `BLOCK_SIZE` blocks (crc32, which
-  is incremental: a block is verified from a prefix read into scratch, the bytes read into
-  the destination, and a suffix), and the header separately. A partial read verifies just
-  the blocks it touches, each at most once per open file, so a rank that loads a quarter
-  of a file reads and checks about a quarter of it, and any flipped byte it reads is
-  caught.
+- **Block checksums.** Each tensor's bytes are checksummed in `BLOCK_SIZE` blocks that
+  start at the tensor (crc32), and the header separately. A read verifies just the blocks
+  it touches, each at most once per open file: reading a whole stored tensor (the usual
+  case, same layout or not) reads nothing extra; a partial read also reads the rest of
+  its first and last block into scratch (crc32 is incremental: prefix, the bytes read into
+  the destination, suffix). A rank that loads a quarter of a file reads and checks about
+  a quarter of it, and any flipped byte it reads is caught.
 
 The checksum record of a file (stored in the checkpoint manifest):
 
     {"bytes": total file size, "header_bytes": 8 + header length,
-     "header_crc32": crc32 of the first header_bytes bytes,
-     "block_size": B, "blocks": [crc32 of data bytes [k*B, (k+1)*B) for each k]}
+     "header_crc32": crc32 of the first header_bytes bytes, "block_size": B,
+     "blocks": [for each tensor in file order, crc32 of its bytes [k*B, (k+1)*B) for each k]}
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 
 class _BlockHasher:
-    """Running crc32 of a byte stream, cut into BLOCK_SIZE blocks."""
+    """Running crc32 of a byte stream, cut into BLOCK_SIZE blocks (and wherever `cut` is called)."""
 
     def __init__(self, block_size: int):
         self.block_size, self.blocks, self.crc, self.fill = block_size, [], 0, 0
@@ -77,11 +78,11 @@ class _BlockHasher:
                 self.blocks.append(self.crc)
                 self.crc, self.fill = 0, 0
 
-    def finish(self) -> list[int]:
+    def cut(self) -> None:
+        """End the current (partial) block: the next bytes start a new one."""
         if self.fill:
             self.blocks.append(self.crc)
             self.crc, self.fill = 0, 0
-        return self.blocks
 
 
 def _write_all(f, mv: memoryview) -> None:
@@ -141,6 +142,7 @@ class Writer:
                 t = t.cpu()
             mv = byte_view(t.contiguous())
             self.hasher.update(mv)
+            self.hasher.cut()                  # blocks start at each tensor
             _write_all(self.f, mv)
 
     def close(self) -> dict:
@@ -150,7 +152,7 @@ class Writer:
         os.fsync(self.f.fileno())
         self.f.close()
         return {"bytes": self.head_bytes + self.data_bytes, "header_bytes": self.head_bytes,
-                "header_crc32": self.head_crc, "block_size": self.block_size, "blocks": self.hasher.finish()}
+                "header_crc32": self.head_crc, "block_size": self.block_size, "blocks": self.hasher.blocks}
 
     def abort(self) -> None:
         self.f.close()
@@ -220,6 +222,7 @@ class File:
             raise self._corrupt(f"its header is not JSON ({e})") from None
         self.data_start, self.data_len = 8 + n, size - 8 - n
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        self.nblocks = 0
         for name, e in header.items():
             if name == "__metadata__":
                 continue
@@ -235,6 +238,21 @@ class File:
             if not 0 <= lo <= hi <= self.data_len or hi - lo != numel * element_size(dtype):
                 raise self._corrupt(f"header entry for {name!r} does not fit the data")
             self.entries[name] = (dtype, shape, lo, hi)
+        # the tensors tile the data region; each tensor's checksum blocks follow the previous one's
+        bs = int(self.record.get("block_size") or BLOCK_SIZE)
+        self.first_block: dict[str, int] = {}
+        end = 0
+        for name, (_, _, lo, hi) in sorted(self.entries.items(), key=lambda kv: kv[1][2]):
+            if lo != end:
+                raise self._corrupt(f"its tensors do not tile the data region (gap or overlap at {name!r})")
+            self.first_block[name] = self.nblocks
+            self.nblocks += -(-(hi - lo) // bs)
+            end = hi
+        if end != self.data_len:
+            raise self._corrupt(f"{self.data_len - end} bytes after the last tensor")
+        if self.verify and len(self.record["blocks"]) != self.nblocks:
+            raise self._corrupt(f"{self.nblocks} data blocks but {len(self.record['blocks'])} checksums in the "
+                                "manifest")
 
     def _pread(self, n: int, offset: int) -> bytes:
         return os.pread(self.f.fileno(), n, offset)
@@ -263,16 +281,16 @@ class File:
         if out.dtype != dtype:
             raise CheckpointError(f"internal: reading {name!r} ({dtype}) into a {out.dtype} buffer")
         es = element_size(dtype)
-        a = lo + start * es
+        a = start * es
         b = a + out.numel() * es
-        if b > hi:
+        if b > hi - lo:
             raise CheckpointError(f"internal: read past the end of {name!r} in {self.path}")
         if a == b:
             return
         mv = byte_view(out)
-        self._readinto(mv, self.data_start + a)
+        self._readinto(mv, self.data_start + lo + a)
         if self.verify:
-            self._check(a, b, mv)
+            self._check(name, a, b, mv)
 
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor `name` (a fresh CPU tensor)."""
@@ -281,41 +299,39 @@ class File:
         self.read_into(name, 0, out)
         return out
 
-    def _check(self, a: int, b: int, mv: memoryview) -> None:
-        """Verify data bytes [a, b) (now in `mv`) block by block, reading the rest of the
-        first and last blocks into scratch."""
+    def _check(self, name: str, a: int, b: int, mv: memoryview) -> None:
+        """Verify bytes [a, b) of tensor `name` (now in `mv`) block by block, reading the
+        rest of a partially read first or last block into scratch."""
         bs = int(self.record["block_size"])
         blocks = self.record["blocks"]
+        _, _, lo, hi = self.entries[name]
+        base = self.data_start + lo
+        first = self.first_block[name]
         for k in range(a // bs, (b - 1) // bs + 1):
-            if k in self.verified:
+            if first + k in self.verified:
                 continue
-            s, e = k * bs, min((k + 1) * bs, self.data_len)
-            if k >= len(blocks):
-                raise self._corrupt(f"data block {k} has no checksum in the manifest")
+            s, e = k * bs, min((k + 1) * bs, hi - lo)
             crc = 0
             if s < a:
-                crc = zlib.crc32(self._pread(a - s, self.data_start + s), crc)
+                crc = zlib.crc32(self._pread(a - s, base + s), crc)
             crc = zlib.crc32(mv[max(s, a) - a:min(e, b) - a], crc)
             if e > b:
-                tail = self._pread(e - b, self.data_start + b)
-                crc = zlib.crc32(tail, crc)
-            if crc != int(blocks[k]):
-                raise self._corrupt(f"data block {k} (bytes {self.data_start + s}..{self.data_start + e}) does "
-                                    "not match its checksum in the manifest")
-            self.verified.add(k)
+                crc = zlib.crc32(self._pread(e - b, base + b), crc)
+            if crc != int(blocks[first + k]):
+                raise self._corrupt(f"block {k} of tensor {name!r} (file bytes {base + s}..{base + e}) does not "
+                                    "match its checksum in the manifest")
+            self.verified.add(first + k)
 
     def check_all(self) -> None:
         """Verify the header and every data block (all bytes of the file)."""
         bs = int(self.record["block_size"])
-        nblocks = -(-self.data_len // bs)
-        if len(self.record["blocks"]) != nblocks:
-            raise self._corrupt(f"{nblocks} data blocks but {len(self.record['blocks'])} checksums")
         buf = bytearray(bs)
-        for k in range(nblocks):
-            s, e = k * bs, min((k + 1) * bs, self.data_len)
-            mv = memoryview(buf)[: e - s]
-            self._readinto(mv, self.data_start + s)
-            self._check(s, e, mv)
+        for name, (_, _, lo, hi) in self.entries.items():
+            for s in range(0, hi - lo, bs):
+                e = min(s + bs, hi - lo)
+                mv = memoryview(buf)[: e - s]
+                self._readinto(mv, self.data_start + lo + s)
+                self._check(name, s, e, mv)
 
     def close(self) -> None:
         self.f.close()

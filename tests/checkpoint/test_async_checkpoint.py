@@ -236,3 +236,22 @@ def test_sync_engine_inline_and_bad_config(tmp_path):
     for bad in ({"every": 0}, {"every": 2, "engine": "nope"}, {"every": 2, "keep": 0}):
         with pytest.raises(ConfigError):
             async_checkpoint(tmp_path, **bad)
+
+
+def test_writer_thread_yields_the_cpu_to_training(tmp_path, monkeypatch):
+    """The background writer lowers its own nice value (the training thread keeps its own)."""
+    import threading
+    seen = []
+    real = save_mod._write_rank_file
+
+    def spy(*a, **k):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real(*a, **k)
+    monkeypatch.setattr(save_mod, "_write_rank_file", spy)
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    saver = ck.AsyncSaver()
+    _, state = _make([])
+    saver.submit(tmp_path, state)
+    saver.wait()
+    assert seen == [min(19, base + 10)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base

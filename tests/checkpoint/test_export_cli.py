@@ -158,10 +158,13 @@ def test_cli_verify_detects_flipped_byte(tmp_path, sharded):
     r = _cli("ckpt", "verify", root, check=0)
     assert "verify: ok" in r.stdout
     f = os.path.join(ck.read_manifest(root).path, "rank_00001.safetensors")
-    with open(f, "r+b") as fh:
-        fh.seek(-5, os.SEEK_END)
+    with open(f, "r+b") as fh:                  # flip a bit inside a parameter's bytes
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+        lo, hi = next(v["data_offsets"] for k, v in header.items() if k.startswith("params."))
+        fh.seek(8 + n + (lo + hi) // 2)
         b = fh.read(1)
-        fh.seek(-5, os.SEEK_END)
+        fh.seek(8 + n + (lo + hi) // 2)
         fh.write(bytes([b[0] ^ 0x01]))
     r = _cli("ckpt", "verify", root, check=1)
     assert "rank_00001.safetensors" in r.stderr and "checksum" in r.stderr
