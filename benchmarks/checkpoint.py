@@ -91,17 +91,6 @@ def _nbytes(sd: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in sd.values())
 
 
-def _median_time(fn, repeats: int, after=None) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        if after is not None:
-            after()
-    return statistics.median(times)
-
-
 def _torch_save(sd, path):
     with open(path, "wb") as f:
         torch.save(sd, f)
@@ -123,8 +112,8 @@ def main() -> None:
     ap.add_argument("--model", default="50m")
     ap.add_argument("--quick", action="store_true", help="small GPT, fewer repeats: a smoke test")
     ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--phases", type=int, default=2, help="pairs of 10-step phases for the slowdown")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--phases", type=int, default=3, help="pairs of 10-step phases for the slowdown")
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     a = ap.parse_args()
@@ -162,25 +151,31 @@ def run(a, base: str) -> None:
     print(f"GPT {a.model}: {cfg.num_params() / 1e6:.1f}M params; state {size / MB:.1f} MiB in {len(sd)} tensors; "
           f"{torch.get_num_threads()} torch threads; checkpoints under {base}")
 
-    # -- blocking time per checkpoint --------------------------------------------------------
-    res: dict[str, float] = {}
-    res["memcpy"] = _median_time(lambda: [t.clone() for t in sd.values()], a.repeats)
-    res["torch.save"] = _median_time(lambda: _torch_save(sd, os.path.join(base, "torch.pt")), a.repeats)
+    # -- blocking time per checkpoint (methods take turns, so disk write-back noise hits all) --
+    saver = ck.AsyncSaver()
+    futs: list = []
+    methods = {
+        "memcpy": (lambda: [t.clone() for t in sd.values()], None),
+        "torch.save": (lambda: _torch_save(sd, os.path.join(base, "torch.pt")), None),
+        "dsfn sync": (lambda: ck.save(os.path.join(base, "sync"), state, keep=1), None),
+        "dsfn async": (lambda: saver.submit(os.path.join(base, "async"), state, keep=1), saver.wait),
+    }
     try:
         import torch.distributed.checkpoint as dcp
-        futs = []
-        res["dcp.async_save"] = _median_time(
-            lambda: futs.append(dcp.async_save(sd, checkpoint_id=os.path.join(base, f"dcp{len(futs)}"))),
-            a.repeats, after=lambda: futs[-1].result())
+        methods["dcp.async_save"] = (
+            lambda: futs.append(dcp.async_save(sd, checkpoint_id=os.path.join(base, f"dcp{len(futs) % 2}"))),
+            lambda: futs[-1].result())
     except (ImportError, AttributeError) as e:      # pragma: no cover - older torch
         print(f"dcp.async_save unavailable: {e}")
-    res["dsfn sync"] = _median_time(lambda: ck.save(os.path.join(base, "sync"), state, keep=1), a.repeats)
-    saver = ck.AsyncSaver()
-    blocked = []
+    samples: dict[str, list[float]] = {k: [] for k in methods}
     for _ in range(a.repeats):
-        blocked.append(saver.submit(os.path.join(base, "async"), state, keep=1))
-        saver.wait()
-    res["dsfn async"] = statistics.median(blocked)
+        for k, (fn, after) in methods.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[k].append(time.perf_counter() - t0)
+            if after is not None:
+                after()
+    res = {k: statistics.median(v) for k, v in samples.items()}
     t0 = time.perf_counter()
     saver.submit(os.path.join(base, "async"), state, keep=1)
     saver.wait()

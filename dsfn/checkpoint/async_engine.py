@@ -111,6 +111,7 @@ class AsyncSaver:
 
     # -- the background thread -----------------------------------------------------------------
     def _run(self, directory: Any, state: Any, kwargs: dict, step: int | None) -> None:
+        time.sleep(0)          # hand the GIL straight back to the training thread, blocked in start()
         from dsfn.checkpoint import writer
         _lower_priority(self.nice)
         try:
