@@ -9,7 +9,7 @@ state (the GPT's fp32 params + AdamW moments, built by `Step.init_state` and tra
 steps), everything measured in the same run, each figure the median of `--repeats`:
 
   memcpy          clone every tensor of the state: the physical floor of a snapshot copy
-  torch.save      torch.save(state_dict) to a file + fsync: the usual baseline (blocking)
+  torch.save      torch.save(state_dict) to a new file + fsync: the usual baseline (blocking)
   dcp.async_save  torch.distributed.checkpoint.async_save: time until it returns (staging)
   dsfn sync       dsfn.checkpoint.save: the whole atomic save (blocking)
   dsfn async      AsyncSaver.submit: the capture (the write runs behind)
@@ -91,11 +91,16 @@ def _nbytes(sd: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in sd.values())
 
 
-def _torch_save(sd, path):
+def _torch_save(sd, path, previous=None):
+    """torch.save + fsync to a new file, then delete the previous one (keep=1, as a training
+    loop saving checkpoint_N.pt does; overwriting one file in place would reuse its page
+    cache, which a checkpoint that must survive a crash mid-save cannot do)."""
     with open(path, "wb") as f:
         torch.save(sd, f)
         f.flush()
         os.fsync(f.fileno())
+    if previous is not None and os.path.exists(previous):
+        os.remove(previous)
 
 
 def _save_zero3(root: str, preset: str) -> None:
@@ -152,13 +157,17 @@ def run(a, base: str) -> None:
           f"{torch.get_num_threads()} torch threads; checkpoints under {base}")
 
     # -- blocking time per checkpoint (methods take turns, so disk write-back noise hits all) --
+    # dsfn saves a new step each time with keep=1, as training does (retention then deletes an
+    # older, written-back checkpoint rather than replacing the one just written)
     saver = ck.AsyncSaver()
     futs: list = []
+    n, nt = iter(range(1, 1 << 30)), iter(range(1, 1 << 30))
     methods = {
         "memcpy": (lambda: [t.clone() for t in sd.values()], None),
-        "torch.save": (lambda: _torch_save(sd, os.path.join(base, "torch.pt")), None),
-        "dsfn sync": (lambda: ck.save(os.path.join(base, "sync"), state, keep=1), None),
-        "dsfn async": (lambda: saver.submit(os.path.join(base, "async"), state, keep=1), saver.wait),
+        "torch.save": (lambda: _torch_save(sd, os.path.join(base, f"torch{(k := next(nt))}.pt"),
+                                           os.path.join(base, f"torch{k - 1}.pt")), None),
+        "dsfn sync": (lambda: ck.save(os.path.join(base, "sync"), state, step=next(n), keep=1), None),
+        "dsfn async": (lambda: saver.submit(os.path.join(base, "async"), state, step=next(n), keep=1), saver.wait),
     }
     try:
         import torch.distributed.checkpoint as dcp
@@ -177,7 +186,7 @@ def run(a, base: str) -> None:
                 after()
     res = {k: statistics.median(v) for k, v in samples.items()}
     t0 = time.perf_counter()
-    saver.submit(os.path.join(base, "async"), state, keep=1)
+    saver.submit(os.path.join(base, "async"), state, step=next(n), keep=1)
     saver.wait()
     write_s = time.perf_counter() - t0
     print(f"\nblocking time per checkpoint of {size / MB:.0f} MiB (median of {a.repeats}):")

@@ -4,6 +4,7 @@
     python examples/train_gpt.py --world-size 1       # one process
     python examples/train_gpt.py --model tiny --steps 50
     python -m dsfn.launch --nproc 2 examples/train_gpt.py   # or torchrun: ranks started outside
+    python examples/train_gpt.py --steps 400 --resume # continue from the last checkpoint
 
 The model sees bytes (vocab 256) of the stdlib's *.py files (see `corpus.py`); the last
 5% of the files are held out for validation. The training step is written once, for
@@ -11,8 +12,14 @@ one device, and `dsfn.compose(data_parallel())` runs it on every rank: each rank
 its rows of the global batch, gradients are averaged over ranks, metrics come back
 averaged.
 
+Checkpoints: `async_checkpoint` saves the whole training state (params, AdamW moments,
+step, every rank's RNG) to --out/ckpt every --ckpt-every steps in the background, keeping
+the newest 2. `--resume` loads the latest one (into any world size) and continues to
+--steps; the data stream is skipped ahead by the state's step, so a resumed run sees the
+batches the uninterrupted run would have (and at the same world size, its losses exactly).
+
 Outputs (in --out, default runs/train_gpt): metrics.jsonl (one JSON object per step),
-loss.png (the loss curve), summary.json (what the summary printed at the end says).
+loss.png (the loss curve), summary.json (what the summary printed at the end says), ckpt/.
 """
 from __future__ import annotations
 
@@ -37,7 +44,8 @@ import torch
 
 import dsfn
 from dsfn.models import GPT, GPTConfig, generate, gpt_loss
-from dsfn.transforms import data_parallel
+from dsfn import checkpoint
+from dsfn.transforms import async_checkpoint, data_parallel
 
 DEFAULTS: dict[str, Any] = dict(
     model="small",
@@ -54,6 +62,8 @@ DEFAULTS: dict[str, Any] = dict(
     prompt="def ",
     sample_tokens=160,
     temperature=0.8,      # 0 = greedy; a small model's greedy text soon loops on one phrase
+    ckpt_every=50,        # 0 = no checkpoints
+    resume=False,
 )
 
 
@@ -64,8 +74,8 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
          out: str | Path = DEFAULTS["out"], max_bytes: int = DEFAULTS["max_bytes"],
          eval_batches: int = DEFAULTS["eval_batches"], prompt: str = DEFAULTS["prompt"],
          sample_tokens: int = DEFAULTS["sample_tokens"],
-         temperature: float = DEFAULTS["temperature"], progress: bool = True,
-         verbose: bool = True) -> dict[str, Any]:
+         temperature: float = DEFAULTS["temperature"], ckpt_every: int = DEFAULTS["ckpt_every"],
+         resume: bool = DEFAULTS["resume"], progress: bool = True, verbose: bool = True) -> dict[str, Any]:
     """Train, write metrics.jsonl / loss.png / summary.json under `out`, return the summary.
 
     `batch_size` is the global batch (sequences per step, over all ranks); it must be a
@@ -76,6 +86,10 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if ckpt_every < 0:
+        raise ValueError(f"ckpt_every must be >= 0 (0 = no checkpoints), got {ckpt_every}")
+    if resume and checkpoint.latest_step(Path(out) / "ckpt") is None:
+        raise ValueError(f"--resume: no checkpoint under {Path(out) / 'ckpt'}; run without --resume first")
     launched = dsfn.runtime.init_distributed()          # False unless started by a launcher
     if launched:
         world_size = dsfn.runtime.world_size()
@@ -93,7 +107,7 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
     run = dict(cfg=cfg, model=model, steps=steps, world_size=world_size, batch_size=batch_size,
                lr=lr, warmup=warmup, weight_decay=weight_decay, seed=seed, out=str(out),
                eval_batches=eval_batches, prompt=prompt, sample_tokens=sample_tokens,
-               temperature=temperature,
+               temperature=temperature, ckpt_every=ckpt_every, resume=resume,
                progress=progress, corpus_bytes=len(data))
 
     if launched or world_size == 1:
@@ -158,16 +172,24 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
         loss, grads = dsfn.value_and_grad(loss_fn)(state.params, batch)
         return state.apply_gradients(grads), {"loss": loss}
 
-    step = dsfn.compose(data_parallel())(train_step)
+    ckpt_dir = Path(run["out"]) / "ckpt"
+    ckpt = async_checkpoint(ckpt_dir, every=run["ckpt_every"], keep=2) if run["ckpt_every"] else None
+    step = dsfn.compose(*([ckpt] if ckpt else []), data_parallel())(train_step)
     state = step.place(state)
+    first = 0
+    if run["resume"]:
+        state = checkpoint.load(ckpt_dir, like=state)    # this layout, whatever the saved one was
+        first = int(state.step)
 
     tokens_per_step = run["batch_size"] * cfg.seq_len
     data_iter = corpus.batches(train_data, run["batch_size"], cfg.seq_len, seed=run["seed"])
-    log = open(Path(run["out"]) / "metrics.jsonl", "w") if rank == 0 else None
-    bar = _progress_bar(run) if rank == 0 else None
+    for _ in range(first):                               # the batches the checkpointed steps used
+        next(data_iter)
+    log = _metrics_log(Path(run["out"]) / "metrics.jsonl", first if run["resume"] else None) if rank == 0 else None
+    bar = _progress_bar(run, first) if rank == 0 else None
     start = time.perf_counter()
     try:
-        for i in range(run["steps"]):
+        for i in range(first, run["steps"]):
             batch = next(data_iter)
             t = time.perf_counter()
             state, metrics = step(state, batch)
@@ -181,8 +203,10 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
             log.write(json.dumps(record) + "\n")
             if bar is not None:       # tokens/s averaged over the run so far: steadier than per step
                 bar.set_postfix(loss=f"{record['loss']:.3f}",
-                                tok_s=f"{tokens_per_step * (i + 1) / record['elapsed']:,.0f}", refresh=False)
+                                tok_s=f"{tokens_per_step * (i + 1 - first) / record['elapsed']:,.0f}", refresh=False)
                 bar.update(1)
+        if ckpt is not None:
+            ckpt.wait()                      # the last save is committed (or its error raised)
     finally:
         if bar is not None:
             bar.close()
@@ -213,12 +237,23 @@ def evaluate(logits_fn, data: torch.Tensor, seq_len: int, batch_size: int, n_bat
     return sum(losses) / len(losses)
 
 
-def _progress_bar(run: dict[str, Any]):
+def _progress_bar(run: dict[str, Any], first: int = 0):
     if not run["progress"]:
         return None
     from tqdm.auto import tqdm
-    return tqdm(total=run["steps"], desc=f"train {run['model']} x{run['world_size']}", unit="step",
-                dynamic_ncols=True)
+    return tqdm(total=run["steps"], initial=first, desc=f"train {run['model']} x{run['world_size']}",
+                unit="step", dynamic_ncols=True)
+
+
+def _metrics_log(path: Path, keep_through: int | None):
+    """metrics.jsonl opened for writing; on resume, the records after the checkpoint's step go
+    (a crashed run may have logged steps that the resumed run repeats)."""
+    if keep_through is None or not path.exists():
+        return open(path, "w")
+    kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= keep_through]
+    f = open(path, "w")
+    f.write("".join(line + "\n" for line in kept))
+    return f
 
 
 def _title(cfg: GPTConfig, model: str, world_size: int, batch_size: int) -> str:
@@ -321,6 +356,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", default=DEFAULTS["prompt"], help="prompt of the generated sample")
     p.add_argument("--temperature", type=float, default=DEFAULTS["temperature"],
                    help="sampling temperature of the sample text (0 = greedy)")
+    p.add_argument("--ckpt-every", type=int, default=DEFAULTS["ckpt_every"],
+                   help="save a checkpoint to OUT/ckpt every N steps, in the background (0 = never)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in OUT/ckpt up to --steps%(default).0s")
     # "%(default).0s" prints nothing; it stops the formatter adding a confusing "(default: True)".
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="hide the progress bar%(default).0s")

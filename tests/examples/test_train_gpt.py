@@ -113,3 +113,21 @@ def test_batches_are_next_byte_windows() -> None:
 def test_encode_decode_roundtrip() -> None:
     s = "def f(x):\n    return x  # é"
     assert corpus.decode(corpus.encode(s)) == s
+
+
+def test_resume_continues_exactly(tmp_path: Path) -> None:
+    """Checkpoint at step 3, "crash", resume to step 6: the losses of steps 4-6 are bitwise the
+    uninterrupted run's (params, AdamW moments, schedule step and data position all restored)."""
+    kw = dict(model="tiny", batch_size=8, lr=3e-3, warmup=1, max_bytes=200_000, eval_batches=1,
+              sample_tokens=4, world_size=2, ckpt_every=3, progress=False, verbose=False)
+    train_gpt.main(steps=6, out=tmp_path / "full", **kw)
+    train_gpt.main(steps=4, out=tmp_path / "resumed", **kw)       # checkpoints step 3, logs 4 steps
+    train_gpt.main(steps=6, out=tmp_path / "resumed", resume=True, **kw)
+
+    def losses(d):
+        return [(r["step"], r["loss"]) for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "full")
+    assert sorted(p.name for p in (tmp_path / "full" / "ckpt").iterdir()) == ["latest", "step_00000003",
+                                                                                "step_00000006"]
+    with pytest.raises(ValueError, match="no checkpoint"):
+        train_gpt.main(steps=6, out=tmp_path / "fresh", resume=True, **kw)
