@@ -1,0 +1,74 @@
+"""Which implementation of a kernel runs: Triton where it can run, plain torch elsewhere.
+
+Every op in `dsfn/ops/` has a torch reference (same signature, any device) and a Triton
+kernel. `use_triton(*tensors)` decides per call:
+
+- default "auto": Triton when it is importable and every tensor is on a CUDA device;
+  the references everywhere else.
+- `DSFN_KERNELS=torch` forces the references; `DSFN_KERNELS=triton` forces the kernels,
+  which on CPU needs `TRITON_INTERPRET=1` (Triton's interpreter: how the tests run the
+  real kernels on CPU); where they cannot run it is an error, not a silent fallback.
+
+No kernel is selected on a device where it cannot run (CPU without the interpreter, MPS,
+a CUDA build without Triton). Triton's cache follows its own settings (`TRITON_HOME`,
+`TRITON_CACHE_DIR`); dsfn never overrides them.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from dsfn.errors import ConfigError
+
+MODES = ("auto", "torch", "triton")
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def mode() -> str:
+    m = os.environ.get("DSFN_KERNELS", "auto").strip().lower()
+    if m not in MODES:
+        raise ConfigError(f"DSFN_KERNELS={m!r}: use one of {list(MODES)}")
+    return m
+
+
+def can_run_triton(*tensors: torch.Tensor) -> bool:
+    """Whether a Triton kernel can run on these tensors' devices."""
+    if not triton_available():
+        return False
+    devices = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
+    if devices <= {"cuda"}:
+        return True
+    return devices <= {"cpu"} and interpreting()
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Whether the op should run its Triton kernel on these tensors (see the module docstring)."""
+    m = mode()
+    if m == "torch":
+        return False
+    if m == "auto":
+        devices = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
+        return bool(devices) and devices <= {"cuda"} and triton_available()
+    ok = can_run_triton(*tensors)
+    if m == "triton" and not ok:
+        devices = sorted({t.device.type for t in tensors if isinstance(t, torch.Tensor)})
+        raise ConfigError(f"DSFN_KERNELS=triton but Triton kernels cannot run on {devices} "
+                          f"(triton importable: {triton_available()}, TRITON_INTERPRET: {interpreting()}); "
+                          "use a CUDA device, set TRITON_INTERPRET=1 on CPU, or DSFN_KERNELS=auto")
+    return ok
