@@ -124,3 +124,70 @@ def all_gather_full(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[int, 
         used += shards[i].numel()
     flush()
     return handle if async_op else handle.wait()
+
+
+def owners_by_size(numels: Sequence[int], n: int) -> list[int]:
+    """Assign tensors to n ranks, balanced by size: largest first, each to the least-loaded
+    rank (ties: the lower rank). Deterministic: depends only on the sizes."""
+    load = [0] * n
+    owner = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        o = min(range(n), key=lambda r: (load[r], r))
+        owner[i] = o
+        load[o] += numels[i]
+    return owner
+
+
+def map_whole(fn, shards: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]], axis: str) -> list[torch.Tensor]:
+    """Apply a non-elementwise `fn(i, full_i) -> new full_i` (same shape and dtype) to
+    tensors that exist only as `FlatShard` pieces over `axis`; return this rank's pieces of
+    the results.
+
+    Each whole tensor is computed once, on an owner rank (`owners_by_size`): every rank
+    sends its piece of tensor i to i's owner, the owner rebuilds it, applies `fn`, and
+    sends each rank its piece of the result. Two all-to-alls per dtype, each moving the
+    tensors' elements once ((n-1)/n of them off-rank; rows are padded to the largest
+    owner's share). `shards[i]` is this rank's piece [chunk_i] of a tensor of `shapes[i]`
+    (zero padding past its end, as `FlatShard` stores it; the result's padding is zero).
+    Collective over `axis`: every rank passes the same shapes and dtypes.
+    """
+    n = current_mesh().size(axis)
+    if n == 1:
+        return [fn(i, s.reshape(-1)[:math.prod(shape)].reshape(shape)).reshape(-1).clone()
+                if s.numel() else s.clone() for i, (s, shape) in enumerate(zip(shards, shapes))]
+    out: list[torch.Tensor | None] = [None] * len(shards)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, s in enumerate(shards):
+        by_dtype.setdefault(s.dtype, []).append(i)
+    me = current_mesh().local_rank(axis)
+    for dtype, idx in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+        chunks = [shards[i].numel() for i in idx]
+        owner = owners_by_size([math.prod(shapes[i]) for i in idx], n)
+        mine = [[k for k in range(len(idx)) if owner[k] == o] for o in range(n)]     # positions per owner
+        width = max(sum(chunks[k] for k in ks) for ks in mine) or 1
+        send = torch.zeros(n, width, dtype=dtype)
+        for o, ks in enumerate(mine):
+            at = 0
+            for k in ks:
+                send[o, at:at + chunks[k]] = shards[idx[k]].detach().reshape(-1)
+                at += chunks[k]
+        got = C.all_to_all(send.reshape(-1), axis).view(n, width)       # row r: rank r's pieces of my tensors
+        back = torch.zeros(n, width, dtype=dtype)
+        at = 0
+        for k in mine[me]:
+            c, shape = chunks[k], shapes[idx[k]]
+            numel = math.prod(shape)
+            full = got[:, at:at + c].reshape(-1)[:numel].reshape(shape)
+            new = fn(idx[k], full)
+            if tuple(new.shape) != tuple(shape) or new.dtype != dtype:
+                raise ValueError(f"map_whole: fn changed tensor {idx[k]} from {tuple(shape)} {dtype} to "
+                                 f"{tuple(new.shape)} {new.dtype}")
+            back[:, at:at + c] = padded_rows(new.detach(), n)
+            at += c
+        ret = C.all_to_all(back.reshape(-1), axis).view(n, width)       # row o: my pieces of o's tensors
+        for o, ks in enumerate(mine):
+            at = 0
+            for k in ks:
+                out[idx[k]] = ret[o, at:at + chunks[k]].clone()
+                at += chunks[k]
+    return out  # type: ignore[return-value]
