@@ -16,6 +16,8 @@ from dsfn.optim.alias import adam, adamw, sgd
 from dsfn.optim.base import EmptyState, GradientTransformation, apply_updates, chain, identity
 from dsfn.optim.clip import clip_by_global_norm, global_norm
 from dsfn.optim.masks import MaskedState, PartitionState, by_name, by_ndim, masked, partition
+from dsfn.optim.muon import (MuonState, MuonTransformation, gram_newton_schulz, muon, muon_matrix_update,
+                             muon_split, newton_schulz, orthogonalize)
 from dsfn.optim.schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, constant, linear
 from dsfn.optim.transform import (AdamState, LearningRate, ScaleByAdamState, ScaleByLearningRateState,
                                   TraceState, adam_step, add_decayed_weights, current_lr, scale, scale_by_adam,
@@ -28,4 +30,6 @@ __all__ = [
     "apply_updates", "by_name", "by_ndim", "chain", "clip_by_global_norm", "constant", "current_lr",
     "global_norm", "identity", "linear", "masked", "partition", "scale", "scale_by_adam",
     "scale_by_learning_rate", "schedules", "sgd", "trace",
+    "MuonState", "MuonTransformation", "gram_newton_schulz", "muon", "muon_matrix_update", "muon_split",
+    "newton_schulz", "orthogonalize",
 ]

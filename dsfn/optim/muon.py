@@ -1,0 +1,574 @@
+"""Muon with an auxiliary AdamW, as DeepSpeed's `{"optimizer": {"type": "Muon"}}` (`MuonWithAuxAdam`).
+
+    tx = dsfn.optim.muon(lr=0.02, adam_lr=3e-4)
+    tx.split(params)            # {"muon": [paths], "adam": [paths], "heads": {path: n}}
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)
+
+## Which parameters get Muon
+
+DeepSpeed's rule (`deepspeed/__init__.py::set_optimizer_flags`): a parameter uses Muon when
+`ndim >= 2` and its name contains neither `"embed"` nor `"lm_head"` (case-sensitive
+substrings of the dotted path, e.g. `model.layers.0.mlp.up_proj.weight`). Everything
+else (embeddings, the output head, norms, biases) is trained by an AdamW inside the same
+optimizer. `mask=` overrides the rule (a pytree of bools shaped like params, or
+`(path, tensor) -> bool`; True = Muon). The choice is made once, at `init`, and kept in
+the state as static structure. `muon_split(params, mask)` / `tx.split(params)` show it.
+
+## The Muon update (per matrix; `muon_matrix_update`)
+
+DeepSpeed's `runtime/zero/muon/original_muon.py::muon_update` (Keller Jordan's Muon):
+
+    m' = lerp(m, g, 1 - momentum)                 # = momentum * m + (1 - momentum) * g
+    u  = lerp(g, m', momentum) if nesterov else m'
+    O  = NS(u)                                    # Newton-Schulz, below, in `ns_dtype`
+    O *= sqrt(max(1, u.size(-2) / u.size(-1)))    # in `ns_dtype`, then cast to g's dtype
+    p' = p * (1 - lr * weight_decay) - lr * O
+
+NS: cast to `ns_dtype`; transpose a tall matrix so rows <= cols; divide by its Frobenius
+norm + 1e-7; `ns_steps` times `A = X Xᵀ; X = a X + (b A + c A²) X` with the quintic
+(a, b, c) = (3.4445, -4.7750, 2.0315); transpose back. Its output is not exactly
+orthogonal: the singular values end in about [0.68, 1.20] (the attracting band of the
+quintic), which Muon accepts by design.
+
+Shapes, as DeepSpeed: a 4-D (conv) tensor is viewed as 2-D `(out, in*kh*kw)` for NS,
+while the scale keeps DeepSpeed's expression on the original tensor, `size(-2)/size(-1)`
+(for a conv that is the kernel's kh/kw). A 3-D tensor (e.g. stacked experts `[E, out,
+in]`) is orthogonalised per leading index (NS is batched), scale from its last two dims.
+
+`ns_method="gram"` (DeepSpeed's default): the Gram Newton-Schulz of
+`zeropower_via_gram_newtonschulz`: for a non-square matrix it iterates on the small Gram
+matrix `R = X Xᵀ` and accumulates the polynomial `Q` (restart at iteration 2), then
+returns `Q X`; the same map as "standard" up to rounding. Square matrices use the
+standard iteration.
+
+`num_heads`: DeepSpeed's `per_head_muon`: an attention projection `[heads * head_dim,
+in]` is viewed as `[heads, head_dim, in]`, each head's block is orthogonalised
+separately (batched NS), scaled by `sqrt(max(1, head_dim / in))`.
+
+## The auxiliary AdamW
+
+`dsfn.optim.adam_step(adam_lr, *adam_betas, adam_eps, adam_weight_decay)` on the
+non-Muon leaves: torch.optim.AdamW's arithmetic (DeepSpeed's `adam_update` is the same
+formula: bias-corrected moments, `p * (1 - lr * wd) - lr * m_hat / (sqrt(v_hat) + eps)`).
+
+## State (`MuonState`, a pytree)
+
+- `count`: 0-dim int64 CPU tensor, updates made.
+- `momentum`: a tree with the structure of params; a Muon leaf holds its momentum
+  buffer (the parameter's shape and dtype, zeros at init), an Adam leaf is None (no
+  state). So a ZeRO layer sees `momentum.<param path>` mirroring each Muon parameter.
+- `adam`: `AdamState` of `adam_step` over the Adam leaves only: `count`, `mu.<path>`,
+  `nu.<path>` shaped like their parameters (None at Muon leaves), `nu_max` None, `lr`.
+- `lr`: the Muon lr of the last update (0-dim float64, or the tensor lr itself);
+  `current_lr` reports it. The Adam lr is `adam.lr`.
+- static (structure, not leaves): `use_muon` (per-leaf bool, params' flatten order) and
+  `heads` (per-leaf head count for per-head NS, 0 = whole matrix).
+
+## Deviations from DeepSpeed
+
+- Learning rates may be schedules `count -> lr` (or 1-element tensors), per group.
+- A configuration where no parameter qualifies for Muon raises ConfigError (DeepSpeed
+  silently trains everything with AdamW, issue #8441/PR #8438); `allow_no_muon=True`
+  accepts it.
+- `ns_dtype` is an argument; DeepSpeed picks bf16 (standard) / fp16 (gram) when the
+  accelerator supports it, else fp32. The default here is that GPU choice on every device.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from dsfn import tree
+from dsfn.errors import ConfigError, LeafTypeError
+from dsfn.optim._foreach import check_betas, check_int, check_real, mul_scalar
+from dsfn.optim.base import GradientTransformation, PyTree, tensor_leaves, zero_count
+from dsfn.optim.masks import Mask, _as_bool, _evaluate
+from dsfn.optim.transform import (
+    AdamState,
+    LearningRate,
+    _lr_record,
+    _lr_value,
+    adam_step,
+    check_learning_rate,
+)
+from dsfn.runtime.flat import map_whole
+from dsfn.state.layout import FlatShard, Placed, is_placed
+
+__all__ = ["MuonState", "MuonTransformation", "gram_newton_schulz", "muon", "muon_matrix_update", "muon_split",
+           "newton_schulz", "orthogonalize"]
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+NS_METHODS = ("standard", "gram")
+NS_EPS = 1e-7
+# DeepSpeed's defaults (MuonWithAuxAdam / engine): muon lr 0.02, momentum 0.95; adam lr 3e-4
+MUON_LR_DEFAULT = 0.02
+ADAM_LR_DEFAULT = 3e-4
+# DeepSpeed's compute dtypes on an accelerator that supports them
+_DEFAULT_NS_DTYPE = {"standard": torch.bfloat16, "gram": torch.float16}
+
+# Attention projection names for `num_heads=<int>` (DeepSpeed's leaf-module classification):
+# the per-head split is on dim 0, so only projections whose *output* is blocked by heads.
+_QUERY_LEAVES = ("q_proj", "query", "wq")
+_KV_LEAVES = ("k_proj", "key", "wk", "v_proj", "value", "wv")
+_NOT_HEAD_BLOCKED = ("qkv_proj", "query_key_value", "c_attn", "in_proj_qkv", "wqkv",
+                     "q_a_proj", "kv_a_proj", "q_b_proj", "kv_b_proj")
+
+HeadsFn = Callable[[str, torch.Tensor], int | None]
+
+
+# ---------------------------------------------------------------------------------------
+# Newton-Schulz
+
+
+def _ns_dtype(ns_dtype: torch.dtype | None, ns_method: str) -> torch.dtype:
+    return _DEFAULT_NS_DTYPE[ns_method] if ns_dtype is None else ns_dtype
+
+
+def newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """DeepSpeed's `zeropower_via_newtonschulz5`: the quintic NS of `G` (batched over leading
+    dims), computed and returned in `dtype`, same shape as `G`. `G` is not modified."""
+    a, b, c = NS_COEFFS
+    X = G.to(dtype)
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + NS_EPS)
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * A @ A
+        X = a * X + B @ X
+    return X.mT if tall else X
+
+
+def gram_newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """DeepSpeed's `zeropower_via_gram_newtonschulz`: the same map as `newton_schulz`, computed
+    on the Gram matrix `R = X Xᵀ` (n x n, n = the short side) for non-square matrices, with a
+    restart at iteration 2; square matrices use the standard iteration. Batched; in `dtype`."""
+    a, b, c = NS_COEFFS
+    X = G.to(dtype)
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.mT
+    n, m = X.size(-2), X.size(-1)
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + NS_EPS)
+    if m <= n:                                   # square: no saving, standard iteration
+        for _ in range(steps):
+            A = X @ X.mT
+            B = b * A + c * A @ A
+            X = a * X + B @ X
+        return X.mT if tall else X
+    R = X @ X.mT
+    Q = None
+    restart_at = 2
+    for i in range(steps):
+        if i == restart_at:
+            X = Q @ X                            # Q is set: iterations 0 and 1 ran
+            R = X @ X.mT
+            Q = None
+        Z = b * R + c * R @ R
+        if Q is None:
+            Q = Z.clone()
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)  # Q = a I + Z (ours: in place is pure)
+        else:
+            Q = a * Q + Z @ Q
+        if i < steps - 1 and (i + 1) != restart_at:
+            RZ = a * R + Z @ R
+            R = a * RZ + Z @ RZ
+    return (X.mT @ Q.mT) if tall else (Q @ X)
+
+
+def _ns(x: torch.Tensor, ns_steps: int, ns_method: str, dtype: torch.dtype) -> torch.Tensor:
+    fn = gram_newton_schulz if ns_method == "gram" else newton_schulz
+    return fn(x, ns_steps, dtype)
+
+
+def orthogonalize(update: torch.Tensor, *, ns_steps: int = 5, ns_method: str = "gram",
+                  ns_dtype: torch.dtype | None = None, num_heads: int | None = None) -> torch.Tensor:
+    """Muon's orthogonalised, shape-scaled update for one tensor (DeepSpeed's `muon_update`
+    after the momentum): NS in `ns_dtype`, times `sqrt(max(1, rows/cols))`, cast back to
+    `update`'s dtype, in `update`'s shape. See the module docstring for >2-D tensors and
+    `num_heads` (per-head blocks of dim 0, 2-D only)."""
+    _check_ns_args("orthogonalize", ns_steps, ns_method, ns_dtype)
+    if update.dim() < 2:
+        raise ConfigError(f"orthogonalize: Muon needs a matrix (ndim >= 2), got shape {tuple(update.shape)}; "
+                          "1-D parameters belong to the auxiliary AdamW")
+    dtype = _ns_dtype(ns_dtype, ns_method)
+    shape = update.shape
+    if num_heads is not None:
+        rows, cols = _check_heads(update, num_heads, "orthogonalize")
+        head_dim = rows // num_heads
+        out = _ns(update.reshape(num_heads, head_dim, cols), ns_steps, ns_method, dtype)
+        scale = max(1.0, head_dim / cols) ** 0.5
+    else:
+        x = update.reshape(shape[0], -1) if update.dim() == 4 else update     # conv filters, as DeepSpeed
+        out = _ns(x, ns_steps, ns_method, dtype)
+        scale = max(1.0, shape[-2] / shape[-1]) ** 0.5
+    if scale != 1.0:
+        out = out * scale
+    return out.reshape(shape).to(update.dtype)
+
+
+def muon_matrix_update(momentum_buf: torch.Tensor, grad: torch.Tensor, *, momentum: float = 0.95,
+                       nesterov: bool = True, ns_steps: int = 5, ns_method: str = "gram",
+                       ns_dtype: torch.dtype | None = None,
+                       num_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One full matrix's Muon step, pure: `(update, new_momentum)`.
+
+    `new_momentum = lerp(momentum_buf, grad, 1 - momentum)`; the update is
+    `orthogonalize(lerp(grad, new_momentum, momentum) if nesterov else new_momentum)`,
+    already scaled by `sqrt(max(1, rows/cols))`, in `grad`'s shape and dtype. The caller
+    applies `p' = p * (1 - lr * wd) - lr * update`. Inputs are not modified. Needs the
+    whole (reduced) gradient and momentum of the matrix: NS is not elementwise.
+    """
+    if momentum_buf.shape != grad.shape:
+        raise LeafTypeError(f"muon_matrix_update: momentum buffer of shape {tuple(momentum_buf.shape)} for a "
+                            f"gradient of shape {tuple(grad.shape)}; Muon needs the whole matrix (not a flat shard)")
+    u, new_m = _direction(momentum_buf, grad, momentum, nesterov)
+    return orthogonalize(u, ns_steps=ns_steps, ns_method=ns_method, ns_dtype=ns_dtype, num_heads=num_heads), new_m
+
+
+def _direction(momentum_buf: torch.Tensor, grad: torch.Tensor, momentum: float,
+               nesterov: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(direction u, new momentum): elementwise, so it runs on shards as on whole matrices."""
+    new_m = torch.lerp(momentum_buf, grad, 1.0 - momentum)
+    return (torch.lerp(grad, new_m, momentum) if nesterov else new_m), new_m
+
+
+def _orthogonalize_all(directions: dict[int, Any], heads: tuple, ns_kw: dict) -> dict[int, torch.Tensor]:
+    """Orthogonalised updates for leaf k's direction (a whole tensor, or a `Placed`
+    FlatShard piece: its matrix is rebuilt and orthogonalised once, on an owner rank
+    (`dsfn.runtime.flat.map_whole`), and this rank gets its piece of the result)."""
+    out: dict[int, torch.Tensor] = {}
+    sharded: dict[str, list[int]] = {}
+    for k, u in directions.items():
+        if not isinstance(u, Placed):
+            out[k] = orthogonalize(u, num_heads=heads[k] or None, **ns_kw)
+        elif isinstance(u.layout, FlatShard):
+            sharded.setdefault(u.layout.axis, []).append(k)
+        else:
+            raise ConfigError(f"muon: a parameter laid out as {u.layout!r}; Muon runs on whole matrices and on "
+                              "FlatShard pieces (ZeRO), not on this layout yet")
+    for axis, ks in sharded.items():
+        def orth(i: int, full: torch.Tensor, ks: list[int] = ks) -> torch.Tensor:
+            return orthogonalize(full, num_heads=heads[ks[i]] or None, **ns_kw)
+        pieces = map_whole(orth, [directions[k].data for k in ks], [directions[k].layout.shape for k in ks], axis)
+        out.update(zip(ks, pieces))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# which parameters get Muon
+
+
+def default_use_muon(path: str, x: torch.Tensor) -> bool:
+    """DeepSpeed's rule: `x.ndim >= 2` and no "embed" / "lm_head" in the name."""
+    return x.dim() >= 2 and "embed" not in path and "lm_head" not in path
+
+
+def _leaf_module(path: str) -> str:
+    parts = path.split(".")
+    return (parts[-2] if len(parts) >= 2 else parts[-1]).lower()
+
+
+def _name_heads(path: str, num_heads: int, num_kv_heads: int | None) -> int:
+    leaf = _leaf_module(path)
+    if any(leaf.startswith(k) for k in _NOT_HEAD_BLOCKED):
+        return 0
+    if any(leaf.startswith(k) for k in _KV_LEAVES):
+        return num_kv_heads if num_kv_heads is not None else num_heads
+    if any(leaf.startswith(k) for k in _QUERY_LEAVES):
+        return num_heads
+    return 0
+
+
+def _check_heads(x: torch.Tensor, h: int, where: str) -> tuple[int, int]:
+    if isinstance(h, bool) or not isinstance(h, int) or h < 1:
+        raise ConfigError(f"{where}: num_heads={h!r}; a head count is an int >= 1")
+    if x.dim() != 2:
+        raise ConfigError(f"{where}: per-head Muon needs a 2-D attention projection, got shape {tuple(x.shape)}")
+    rows, cols = x.shape
+    if rows % h:
+        raise ConfigError(f"{where}: the output dim {rows} does not split into {h} heads; per-head Muon views "
+                          f"the matrix as [heads, head_dim, in]. Pass the right num_heads / num_kv_heads")
+    return rows, cols
+
+
+def _logical(params: PyTree) -> PyTree:
+    """params with every sharded (`Placed`) leaf replaced by a meta tensor of its logical
+    shape: the Muon/AdamW choice is about matrices, not about the flat shards ZeRO gives
+    the optimizer."""
+    return tree.map(lambda x: torch.empty(x.layout.shape, dtype=x.data.dtype, device="meta")
+                    if isinstance(x, Placed) else x, params, is_leaf=is_placed)
+
+
+def _split(params: PyTree, mask: Mask | None, num_heads: Any, num_kv_heads: int | None) -> tuple[tuple, tuple]:
+    """(use_muon, heads) per leaf in params' flatten order; ConfigError on a bad choice."""
+    params = _logical(params)
+    leaves, _ = tensor_leaves(params, "params")
+    paths = [p for p, _ in tree.leaves_with_path(params)]
+    if mask is None:
+        use = tuple(default_use_muon(p, x) for p, x in zip(paths, leaves))
+    else:
+        use = _evaluate(mask, params, "mask", _as_bool)
+        for p, x, u in zip(paths, leaves, use):
+            if u and x.dim() < 2:
+                raise ConfigError(f"muon(mask=...) selects {p!r} of shape {tuple(x.shape)} for Muon; Muon "
+                                  "orthogonalises matrices (ndim >= 2). Leave 1-D/0-D params to the AdamW")
+    for p, x, u in zip(paths, leaves, use):
+        if u and not x.is_floating_point():
+            raise ConfigError(f"muon: parameter {p!r} has dtype {x.dtype}; Muon needs floating-point matrices")
+    heads = [0] * len(leaves)
+    if num_heads is not None:
+        examined = {}
+        for k, (p, x, u) in enumerate(zip(paths, leaves, use)):
+            if not u:
+                continue
+            if callable(num_heads):
+                h = num_heads(p, x)
+                h = 0 if h is None else h
+                if h != 0:
+                    _check_heads(x, h, f"muon(num_heads=...) for {p!r}")
+            else:
+                h = _name_heads(p, num_heads, num_kv_heads)
+                if h:
+                    rows, _ = _check_heads(x, h, f"muon(num_heads={num_heads}) for {p!r}")
+                    examined[p] = (h, rows // h)
+            heads[k] = h
+        if not callable(num_heads):
+            if not examined:
+                raise ConfigError(f"muon(num_heads={num_heads}): no Muon parameter is an attention projection "
+                                  f"named {_QUERY_LEAVES + _KV_LEAVES} (the module before '.weight'), so per-head "
+                                  "Muon would do nothing. Pass num_heads=callable(path, tensor) -> heads or None "
+                                  "for other names, or leave num_heads=None")
+            dims = {hd for _, hd in examined.values()}
+            if len(dims) > 1:
+                detail = ", ".join(f"{p}: {h} heads of {hd}" for p, (h, hd) in sorted(examined.items()))
+                raise ConfigError(f"muon(num_heads={num_heads}, num_kv_heads={num_kv_heads}): the projections do "
+                                  f"not share one head_dim ({detail}). With grouped-query attention pass "
+                                  "num_kv_heads=<key/value heads>; otherwise use num_heads=callable(path, tensor)")
+    return use, tuple(heads)
+
+
+def muon_split(params: PyTree, mask: Mask | None = None, num_heads: int | HeadsFn | None = None,
+               num_kv_heads: int | None = None) -> dict:
+    """Which leaves `muon(mask=mask, num_heads=...)` trains with Muon and which with AdamW.
+
+    Returns `{"muon": [paths], "adam": [paths], "heads": {path: heads}}` (paths dotted, in
+    params' flatten order; "heads" lists the per-head Muon matrices).
+    """
+    use, heads = _split(params, mask, num_heads, num_kv_heads)
+    paths = [p for p, _ in tree.leaves_with_path(params, is_leaf=is_placed)]
+    return {"muon": [p for p, u in zip(paths, use) if u], "adam": [p for p, u in zip(paths, use) if not u],
+            "heads": {p: h for p, h in zip(paths, heads) if h}}
+
+
+# ---------------------------------------------------------------------------------------
+# the transformation
+
+
+@tree.dataclass
+class MuonState:
+    """count: 0-dim int64 (updates made). momentum: params-shaped tree, Muon leaves = momentum
+    buffers (param's shape/dtype), Adam leaves None. adam: `AdamState` over the Adam leaves.
+    lr: Muon lr of the last update. use_muon, heads (static): per-leaf choices."""
+    count: torch.Tensor
+    momentum: Any
+    adam: AdamState
+    lr: torch.Tensor
+    use_muon: tuple = tree.static_field(default=())
+    heads: tuple = tree.static_field(default=())
+
+
+class MuonTransformation(GradientTransformation):
+    """A GradientTransformation with `split(params)` (see `muon_split`)."""
+
+    def split(self, params: PyTree) -> dict:
+        return self._split_fn(params)
+
+
+def _check_ns_args(who: str, ns_steps: Any, ns_method: Any, ns_dtype: Any) -> None:
+    check_int(f"{who}(ns_steps)", ns_steps, lo=1, hint="; Newton-Schulz needs at least one iteration (DeepSpeed: 5)")
+    if ns_method not in NS_METHODS:
+        raise ConfigError(f"{who}(ns_method={ns_method!r}): use 'gram' (DeepSpeed's default) or 'standard'")
+    if ns_dtype is not None and not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
+        raise ConfigError(f"{who}(ns_dtype={ns_dtype!r}): pass a floating torch dtype (torch.bfloat16, "
+                          "torch.float16, torch.float32) or None for DeepSpeed's choice")
+
+
+def _data(x: Any) -> torch.Tensor:
+    return x.data if isinstance(x, Placed) else x
+
+
+def _like(template: Any, t: torch.Tensor) -> Any:
+    """`t` in `template`'s layout (a Placed piece stays a Placed piece)."""
+    return Placed(t, template.layout) if isinstance(template, Placed) else t
+
+
+def _select(leaves: list, keep: Sequence[bool], spec: tree.TreeSpec) -> PyTree:
+    return tree.unflatten(spec, [x if k else None for x, k in zip(leaves, keep)])
+
+
+def _decay_and_step(p: torch.Tensor, upd: torch.Tensor, lr: float | torch.Tensor, wd: float) -> torch.Tensor:
+    """DeepSpeed's `p.mul_(1 - lr * wd); p.add_(update, alpha=-lr)`, out of place."""
+    if isinstance(lr, torch.Tensor):
+        lr_t = lr.reshape(())
+        base = mul_scalar([p], 1 - lr_t * wd, promote=True)[0] if wd != 0.0 else p
+        return torch.add(base, mul_scalar([upd], -lr_t, promote=False)[0])
+    base = torch.mul(p, 1.0 - lr * wd) if wd != 0.0 else p
+    return torch.add(base, upd, alpha=-lr)
+
+
+def muon(lr: LearningRate | None = None, momentum: float = 0.95, *, nesterov: bool = True, ns_steps: int = 5,
+         weight_decay: float = 0.0, ns_method: str = "gram", ns_dtype: torch.dtype | None = None,
+         muon_lr: LearningRate | None = None, adam_lr: LearningRate | None = None,
+         adam_betas: Sequence[float] = (0.9, 0.95), adam_eps: float = 1e-10,
+         adam_weight_decay: float | None = None, mask: Mask | None = None,
+         num_heads: int | HeadsFn | None = None, num_kv_heads: int | None = None,
+         allow_no_muon: bool = False) -> MuonTransformation:
+    """Muon for hidden matrices + AdamW for the rest (DeepSpeed's `MuonWithAuxAdam`).
+
+    Args:
+        lr: the ds_config optimizer `lr`: used by both groups unless `muon_lr` / `adam_lr`
+            override it. With no lr at all the groups use DeepSpeed's class defaults, 0.02
+            (Muon) and 3e-4 (AdamW). Any lr may be a float, a schedule `count -> lr`
+            (`dsfn.optim.schedules`) or a 1-element tensor.
+        momentum: Muon's momentum β in [0, 1) (DeepSpeed 0.95).
+        nesterov: use `lerp(g, m, β)` rather than `m` as the direction (DeepSpeed: True).
+        ns_steps: Newton-Schulz iterations, >= 1 (DeepSpeed 5).
+        weight_decay: decoupled decay `p *= 1 - lr * wd`, for both groups (DeepSpeed 0).
+        ns_method: "gram" (DeepSpeed's default) or "standard".
+        ns_dtype: NS compute dtype; None = DeepSpeed's (bf16 standard, fp16 gram). On CPU
+            fp16 matmuls are slow; pass torch.bfloat16 or torch.float32 there if it matters.
+        muon_lr: the Muon group's lr (overrides `lr`).
+        adam_lr: the AdamW group's lr (overrides `lr`).
+        adam_betas, adam_eps: the AdamW's (DeepSpeed (0.9, 0.95), 1e-10).
+        adam_weight_decay: the AdamW's decay; None = `weight_decay` (DeepSpeed shares it).
+        mask: which params get Muon (True) instead of the default rule; a pytree of bools
+            or `(path, tensor) -> bool`, evaluated once at init.
+        num_heads: per-head Muon (DeepSpeed's `per_head_muon`). An int applies to the
+            attention projections named q_proj/query/wq (num_heads) and
+            k_proj/key/wk/v_proj/value/wv (`num_kv_heads`, default num_heads) by the module
+            before the parameter name; fused QKV and MLA projections stay whole. A callable
+            `(path, tensor) -> heads | None` chooses freely.
+        num_kv_heads: key/value head count for grouped-query attention (with int num_heads).
+        allow_no_muon: accept params where nothing qualifies for Muon (all AdamW); by
+            default that is a ConfigError, since it is almost always a mistake.
+
+    State: `MuonState` (see the module docstring). `tx.split(params)` shows the choice.
+    """
+    mu_lr = muon_lr if muon_lr is not None else (lr if lr is not None else MUON_LR_DEFAULT)
+    ad_lr = adam_lr if adam_lr is not None else (lr if lr is not None else ADAM_LR_DEFAULT)
+    check_learning_rate(mu_lr, "muon(muon_lr)" if muon_lr is not None else "muon")
+    check_learning_rate(ad_lr, "muon(adam_lr)" if adam_lr is not None else "muon")
+    beta = check_real("muon(momentum)", momentum, lo=0.0, hi=1.0, hi_open=True,
+                      hint="; Muon's momentum lies in [0, 1), e.g. 0.95")
+    _check_ns_args("muon", ns_steps, ns_method, ns_dtype)
+    wd = check_real("muon(weight_decay)", weight_decay, lo=0.0, hint="; use 0 for no weight decay")
+    awd = wd if adam_weight_decay is None else check_real("muon(adam_weight_decay)", adam_weight_decay, lo=0.0,
+                                                          hint="; use 0 for no weight decay")
+    b1, b2 = check_betas(adam_betas, "muon(adam_betas)")
+    eps = check_real("muon(adam_eps)", adam_eps, lo=0.0, hint="; e.g. 1e-10")
+    if mask is not None and not callable(mask) and not isinstance(mask, (Mapping, list, tuple)):
+        raise ConfigError(f"muon(mask={mask!r}): pass a pytree of bools shaped like params or a callable "
+                          "(path, tensor) -> bool (True = Muon)")
+    if num_heads is not None and not callable(num_heads):
+        check_int("muon(num_heads)", num_heads, lo=1, hint="; or a callable (path, tensor) -> heads | None")
+    if num_kv_heads is not None:
+        if num_heads is None or callable(num_heads):
+            raise ConfigError("muon(num_kv_heads=...) goes with an int num_heads; with a callable num_heads return "
+                              "each projection's head count from it")
+        check_int("muon(num_kv_heads)", num_kv_heads, lo=1)
+    nesterov = bool(nesterov)
+    adam_tx = adam_step(ad_lr, b1, b2, eps, awd)
+    ns_orth = {"ns_steps": ns_steps, "ns_method": ns_method, "ns_dtype": ns_dtype}
+
+    def split_fn(params: PyTree) -> dict:
+        return muon_split(params, mask, num_heads, num_kv_heads)
+
+    def init(params: PyTree) -> MuonState:
+        tensor_leaves(params, "params")
+        leaves, spec = tree.flatten(params, is_leaf=is_placed)      # sharded leaves whole (Placed)
+        use, heads = _split(params, mask, num_heads, num_kv_heads)
+        if not any(use) and not allow_no_muon:
+            paths = [p for p, _ in tree.leaves_with_path(params, is_leaf=is_placed)]
+            shown = ", ".join(f"{p}{tuple(x.shape)}" for p, x in list(zip(paths, tree.leaves(_logical(params))))[:6])
+            raise ConfigError(
+                f"muon: no parameter qualifies for Muon (needs ndim >= 2 and a name without 'embed'/'lm_head'"
+                f"{', or mask=True' if mask is not None else ''}), so all {len(leaves)} params would be trained "
+                f"by the auxiliary AdamW: {shown}{' ...' if len(leaves) > 6 else ''}. Use dsfn.optim.adamw(...) "
+                "for that, choose Muon params with mask=..., or pass allow_no_muon=True.")
+        count = zero_count()
+        momentum_tree = _select([tree.map(torch.zeros_like, x) for x in leaves], use, spec)
+        adam_state = adam_tx.init(_select(leaves, [not u for u in use], spec))
+        return MuonState(count=count, momentum=momentum_tree, adam=adam_state,
+                         lr=_lr_record(_lr_value(mu_lr, count)), use_muon=use, heads=heads)
+
+    def step(grads: PyTree, state: MuonState, params: PyTree):
+        """(new param leaves, param leaves, spec, new state)."""
+        if not isinstance(state, MuonState):
+            raise LeafTypeError(f"muon: expected the MuonState from this optimizer's init/update, got "
+                                f"{type(state).__name__}")
+        tensor_leaves(grads, "grads")
+        g, spec = tree.flatten(grads, is_leaf=is_placed)             # Placed shards stay whole
+        use = state.use_muon
+        if len(g) != len(use):
+            raise LeafTypeError(f"muon: the state was made for {len(use)} params, the grads have {len(g)}; init the "
+                                "optimizer with the same params tree")
+        if params is None:
+            raise LeafTypeError("muon needs params: call update(grads, state, params)")
+        p, p_spec = tree.flatten(params, is_leaf=is_placed)
+        if p_spec != spec:
+            raise LeafTypeError(f"muon: params and grads differ in structure ({p_spec} vs {spec})")
+        paths = None
+        for k, (gi, pi) in enumerate(zip(g, p)):
+            gd, pd = _data(gi), _data(pi)
+            if gd.dtype != pd.dtype or gd.shape != pd.shape:
+                paths = paths or [q for q, _ in tree.leaves_with_path(params, is_leaf=is_placed)]
+                what = "dtype" if gd.dtype != pd.dtype else "shape"
+                raise LeafTypeError(
+                    f"muon: grad of {paths[k]!r} has {what} {gd.dtype if what == 'dtype' else tuple(gd.shape)} but "
+                    f"the param has {pd.dtype if what == 'dtype' else tuple(pd.shape)}; pass grads in the params' "
+                    f"{what} (e.g. grads = tree.map(lambda g, p: g.to(p.dtype), grads, params))")
+        m_leaves, m_spec = tree.flatten(state.momentum, is_leaf=is_placed)
+        if len(m_leaves) != sum(use):
+            raise LeafTypeError(f"muon: state.momentum holds {len(m_leaves)} buffers for {sum(use)} Muon params; "
+                                "pass the state this optimizer's init/update returned")
+        v = _lr_value(mu_lr, state.count)
+        new_p: list[Any] = [None] * len(p)
+        new_m: list[Any] = [None] * len(p)
+        directions: dict[int, Any] = {}
+        it = iter(m_leaves)
+        for k, u in enumerate(use):
+            if u:       # momentum and direction are elementwise: on shards as on matrices
+                d, m = _direction(_data(next(it)), _data(g[k]), beta, nesterov)
+                directions[k], new_m[k] = _like(g[k], d), _like(g[k], m)
+        updates = _orthogonalize_all(directions, state.heads, ns_orth)
+        for k, upd in updates.items():
+            new_p[k] = _like(p[k], _decay_and_step(_data(p[k]), _data(upd), v, wd))
+        not_use = [not u for u in use]
+        sub_p, adam_state = adam_tx.apply(_select(g, not_use, spec), state.adam, _select(p, not_use, spec))
+        it_a = iter(tree.leaves(sub_p, is_leaf=is_placed))
+        for k, u in enumerate(use):
+            if not u:
+                new_p[k] = next(it_a)
+        new = MuonState(count=state.count + 1, momentum=tree.unflatten(m_spec, [x for x in new_m if x is not None]),
+                        adam=adam_state, lr=_lr_record(v), use_muon=use, heads=state.heads)
+        return new_p, p, spec, new
+
+    def update(grads: PyTree, state: MuonState, params: PyTree = None) -> tuple[PyTree, MuonState]:
+        new_p, p, spec, new = step(grads, state, params)
+        if not new_p:
+            return grads, new
+        return tree.map(torch.sub, tree.unflatten(spec, new_p), tree.unflatten(spec, p)), new
+
+    def apply(grads: PyTree, state: MuonState, params: PyTree) -> tuple[PyTree, MuonState]:
+        new_p, _, spec, new = step(grads, state, params)
+        return (tree.unflatten(spec, new_p) if new_p else params), new
+
+    tx = MuonTransformation(init, update, apply)
+    tx._split_fn = split_fn
+    return tx
+
