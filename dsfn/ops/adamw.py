@@ -1,0 +1,354 @@
+"""Fused AdamW step: one pass over (param, grad, exp_avg, exp_avg_sq), out of place.
+
+The update is dsfn's `adamw` (= `torch.optim.AdamW`, decoupled weight decay) for one
+tensor. With t = `step` (the 1-based number of this update: torch's `state["step"]` after
+its increment, dsfn's `AdamState.count + 1`), w1 = 1 - beta1, w2 = 1 - beta2:
+
+    bc1 = 1 - beta1 ** t,  bc2 = 1 - beta2 ** t                     (float64)
+    m'  = lerp(m, g, w1)                                            (torch.lerp)
+    v'  = v * beta2 + (w2 * g) * g                                  (mul, addcmul; fma)
+    d   = sqrt(v') / sqrt(bc2) + eps
+    p'  = p * (1 - lr * weight_decay) + ((-lr / bc1) * m') / d      (mul, addcdiv)
+    lowp = p'.to(lowp_dtype)                                        (optional)
+
+The three step-dependent scalars (1 - lr*wd, -lr/bc1, sqrt(bc2)) are computed once per
+call in float64 and rounded to float32 (as torch rounds a Scalar for a float32 kernel);
+every per-element operation is float32, in torch's order. `lr` and `step` may be 0-dim
+device tensors, so a schedule changes them without a host sync or a recompilation.
+
+Three functions with one signature (`adamw_update_torch`, `adamw_update_triton`,
+`adamw_update`; the last picks one with `dsfn.ops.dispatch.use_triton`). Inputs:
+
+- param, exp_avg, exp_avg_sq: float32, one shape, one device (the fp32 master weights
+  and their moments); grad: that shape and device, float32, bfloat16 or float16 (read as
+  float32). Any layout; results are contiguous.
+- lr: a float >= 0 or a 1-element floating tensor (float64 keeps torch's rounding of a
+  Python float lr); step: an int >= 1 or a 1-element tensor (any numeric dtype). Tensors
+  on another device are copied to the params' device.
+- lowp_dtype: None, torch.bfloat16 or torch.float16: also return p' in that dtype,
+  written in the same pass (round to nearest even, like `Tensor.to`).
+- out: None (fresh results) or destinations (param, exp_avg, exp_avg_sq[, param_lowp]):
+  contiguous, of the right shape/dtype/device; they may be the inputs themselves (an
+  in-place update) but must not otherwise overlap them or each other.
+
+Returns `AdamWUpdate(param, exp_avg, exp_avg_sq, param_lowp)`; param_lowp is None when
+no low-precision copy was asked for. Bad input raises LeafTypeError (not a tensor, wrong
+dtype), ShapeError (shapes, layout of `out`) or ConfigError (devices, hyper-parameters).
+
+Numerics: the reference is torch.optim.AdamW bitwise (the same torch ops). The kernel
+does the same float32 operations in the same order with IEEE-rounded sqrt and division
+(`sqrt_rn`, `div_rn`), fused multiply-adds exactly where torch's vector kernels have them
+(lerp, addcmul) and no other contraction (`enable_fp_fusion=False`). It agrees with the
+reference to an ulp of the update: torch's CPU `sqrt` is not correctly rounded, so about
+one root in six differs by an ulp (see tests/ops/test_adamw_kernel.py).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from numbers import Integral
+from typing import Any, NamedTuple
+
+import torch
+
+from dsfn.errors import ConfigError, LeafTypeError, ShapeError
+from dsfn.ops import dispatch
+from dsfn.optim._foreach import check_real
+
+__all__ = ["DEFAULT_BLOCK", "AdamWUpdate", "adamw_coefficients", "adamw_update", "adamw_update_torch",
+           "adamw_update_triton"]
+
+DEFAULT_BLOCK = 1024
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LOWP_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class AdamWUpdate(NamedTuple):
+    """The new param (float32), exp_avg, exp_avg_sq, and the low-precision param copy (or None)."""
+    param: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    param_lowp: torch.Tensor | None
+
+
+# ---------------------------------------------------------------------------------------
+# validation and the per-call scalars
+
+
+class _Prepared(NamedTuple):
+    coef: torch.Tensor          # float32 [3] on the params' device: 1 - lr*wd, -lr/bc1, sqrt(bc2)
+    w1: float
+    beta2: float
+    w2: float
+    eps: float
+    lowp_dtype: torch.dtype | None
+    out: tuple | None
+
+
+def _check_scalar_tensor(name: str, t: torch.Tensor, floating: bool) -> None:
+    if t.dim() > 1 or t.numel() != 1:
+        raise ConfigError(f"adamw_update({name}=tensor of shape {tuple(t.shape)}): pass a tensor of shape () or (1,)")
+    if floating and not t.is_floating_point():
+        raise ConfigError(f"adamw_update({name}=tensor of dtype {t.dtype}): {name} must be floating point, "
+                          "e.g. torch.tensor(1e-3, dtype=torch.float64)")
+    if t.is_complex() or t.dtype == torch.bool:
+        raise ConfigError(f"adamw_update({name}=tensor of dtype {t.dtype}): expected a real number")
+
+
+def adamw_coefficients(lr: float | torch.Tensor, step: int | torch.Tensor, beta1: float, beta2: float,
+                       weight_decay: float, device: torch.device) -> torch.Tensor:
+    """float32 tensor [1 - lr*wd, -lr/(1 - beta1**step), sqrt(1 - beta2**step)] on `device`.
+
+    Computed in float64 (on the host for Python numbers, on `device` for tensors: no host
+    sync) and rounded once to float32.
+    """
+    if not isinstance(lr, torch.Tensor) and not isinstance(step, torch.Tensor):
+        t = float(step)
+        bc1, bc2_sqrt = 1.0 - beta1 ** t, math.sqrt(1.0 - beta2 ** t)
+        vals = [1.0 - lr * weight_decay, -(lr / bc1), bc2_sqrt]
+        return torch.tensor(vals, dtype=torch.float64).to(device=device, dtype=torch.float32)
+    f64: dict[str, Any] = {"device": device, "dtype": torch.float64}
+    lr_t = lr.reshape(()).to(**f64) if isinstance(lr, torch.Tensor) else torch.tensor(float(lr), **f64)
+    t = step.reshape(()).to(**f64) if isinstance(step, torch.Tensor) else torch.tensor(float(step), **f64)
+    bc1 = 1.0 - torch.pow(beta1, t)
+    bc2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, t))
+    return torch.stack([1.0 - lr_t * weight_decay, -(lr_t / bc1), bc2_sqrt]).to(torch.float32)
+
+
+def _prepare(param, grad, exp_avg, exp_avg_sq, lr, step, beta1, beta2, eps, weight_decay, lowp_dtype,
+             out) -> _Prepared:
+    named = (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise LeafTypeError(f"adamw_update: {name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in named:
+        if name == "grad":
+            if t.dtype not in _GRAD_DTYPES:
+                raise LeafTypeError(f"adamw_update: grad has dtype {t.dtype}; use float32, bfloat16 or float16")
+        elif t.dtype != torch.float32:
+            raise LeafTypeError(f"adamw_update: {name} has dtype {t.dtype}; param, exp_avg and exp_avg_sq must "
+                                "be float32 (the fp32 master weights and their moments)")
+    for name, t in named[1:]:
+        if t.shape != param.shape:
+            raise ShapeError(f"adamw_update: {name} has shape {tuple(t.shape)} but param has "
+                             f"{tuple(param.shape)}; pass the grad and moments of this param")
+    devices = {t.device for _, t in named}
+    if len(devices) != 1:
+        raise ConfigError(f"adamw_update: param, grad, exp_avg, exp_avg_sq are on different devices "
+                          f"{sorted(str(d) for d in devices)}; move them to one device")
+    b1 = check_real("adamw_update(beta1)", beta1, lo=0.0, hi=1.0, hi_open=True, hint="; e.g. 0.9")
+    b2 = check_real("adamw_update(beta2)", beta2, lo=0.0, hi=1.0, hi_open=True, hint="; e.g. 0.999")
+    eps = check_real("adamw_update(eps)", eps, lo=0.0, hint="; e.g. 1e-8")
+    wd = check_real("adamw_update(weight_decay)", weight_decay, lo=0.0, hint="; use 0 for no weight decay")
+    if isinstance(lr, torch.Tensor):
+        _check_scalar_tensor("lr", lr, floating=True)
+        if lr.device.type == "cpu" and not bool(lr.reshape(()) >= 0):      # no host sync for device lrs
+            raise ConfigError(f"adamw_update(lr={lr.item()!r}): the learning rate must be >= 0")
+    else:
+        lr = check_real("adamw_update(lr)", lr, lo=0.0, hint="; or pass a 1-element tensor")
+    if isinstance(step, torch.Tensor):
+        _check_scalar_tensor("step", step, floating=False)
+        if step.device.type == "cpu" and not bool(step.reshape(()) >= 1):
+            raise ConfigError(f"adamw_update(step={step.item()!r}): step counts updates from 1 (torch's "
+                              "state['step'] after its increment; dsfn's AdamState.count + 1)")
+    elif isinstance(step, bool) or not isinstance(step, Integral) or step < 1:
+        raise ConfigError(f"adamw_update(step={step!r}): pass an int >= 1 (the number of this update, from 1) "
+                          "or a 1-element tensor")
+    if out is not None:
+        out = tuple(out)
+        if len(out) not in (3, 4):
+            raise ConfigError(f"adamw_update(out=...): pass (param, exp_avg, exp_avg_sq[, param_lowp]), "
+                              f"got {len(out)} entries")
+        if len(out) == 4:
+            if not isinstance(out[3], torch.Tensor):
+                raise LeafTypeError(f"adamw_update: out[3] must be a torch.Tensor, got {type(out[3]).__name__}")
+            if lowp_dtype is not None and lowp_dtype != out[3].dtype:
+                raise ConfigError(f"adamw_update: lowp_dtype={lowp_dtype} but out[3] has dtype {out[3].dtype}")
+            lowp_dtype = out[3].dtype
+    if lowp_dtype is not None and lowp_dtype not in _LOWP_DTYPES:
+        raise ConfigError(f"adamw_update(lowp_dtype={lowp_dtype}): use torch.bfloat16, torch.float16 or None")
+    if out is not None:
+        names = ("param", "exp_avg", "exp_avg_sq", "param_lowp")
+        for i, t in enumerate(out):
+            if not isinstance(t, torch.Tensor):
+                raise LeafTypeError(f"adamw_update: out[{i}] ({names[i]}) must be a torch.Tensor, "
+                                    f"got {type(t).__name__}")
+            want = lowp_dtype if i == 3 else torch.float32
+            if t.dtype != want:
+                raise LeafTypeError(f"adamw_update: out[{i}] ({names[i]}) has dtype {t.dtype}, expected {want}")
+            if t.shape != param.shape:
+                raise ShapeError(f"adamw_update: out[{i}] ({names[i]}) has shape {tuple(t.shape)}, expected "
+                                 f"{tuple(param.shape)}")
+            if not t.is_contiguous():
+                raise ShapeError(f"adamw_update: out[{i}] ({names[i]}) must be contiguous")
+            if t.device != param.device:
+                raise ConfigError(f"adamw_update: out[{i}] ({names[i]}) is on {t.device}, the params on "
+                                  f"{param.device}")
+    coef = adamw_coefficients(lr, step, b1, b2, wd, param.device)
+    return _Prepared(coef, 1.0 - b1, b2, 1.0 - b2, eps, lowp_dtype, out)
+
+
+def _outputs(prep: _Prepared, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Destinations: `out` where given, else fresh contiguous tensors."""
+    out = prep.out or ()
+    fresh = lambda dtype: torch.empty(param.shape, dtype=dtype, device=param.device)
+    dst = [out[i] if i < len(out) else fresh(torch.float32) for i in range(3)]
+    if prep.lowp_dtype is not None:
+        dst.append(out[3] if len(out) == 4 else fresh(prep.lowp_dtype))
+    else:
+        dst.append(None)
+    return tuple(dst)
+
+
+# ---------------------------------------------------------------------------------------
+# torch reference
+
+
+def adamw_update_torch(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                       *, lr: float | torch.Tensor, step: int | torch.Tensor, beta1: float = 0.9,
+                       beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+                       lowp_dtype: torch.dtype | None = None, out: Sequence[torch.Tensor] | None = None
+                       ) -> AdamWUpdate:
+    """The reference: torch ops in torch.optim.AdamW's order (see the module docstring)."""
+    prep = _prepare(param, grad, exp_avg, exp_avg_sq, lr, step, beta1, beta2, eps, weight_decay, lowp_dtype, out)
+    decay, neg_step_size, bc2_sqrt = prep.coef.unbind(0)
+    with torch.no_grad():
+        g = grad.float()
+        m = torch.lerp(exp_avg, g, prep.w1)
+        v = exp_avg_sq * prep.beta2
+        v.addcmul_(g, g, value=prep.w2)
+        denom = v.sqrt()
+        denom.div_(bc2_sqrt)
+        denom.add_(prep.eps)
+        p = param * decay
+        q = m * neg_step_size
+        q.div_(denom)
+        p.add_(q)
+        lowp = p.to(prep.lowp_dtype) if prep.lowp_dtype is not None else None
+        if prep.out is None:
+            return AdamWUpdate(p.contiguous(), m.contiguous(), v.contiguous(), lowp)
+        dst = _outputs(prep, param)
+        for d, s in zip(dst, (p, m, v, lowp)):
+            if d is not None:
+                d.copy_(s)
+        return AdamWUpdate(*dst)
+
+
+# ---------------------------------------------------------------------------------------
+# Triton kernel
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # pragma: no cover - triton is a dependency on linux x86_64 only
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def block_offsets(pid, BLOCK: tl.constexpr):
+        """Element offsets `pid * BLOCK + [0, BLOCK)` of a flat 1-D kernel, in int64.
+
+        The product is taken after widening `pid`, so offsets past 2**31 elements (8 GiB of
+        fp32) do not wrap. dsfn's flat 1-D kernels compute their offsets here.
+        """
+        return pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+
+    @triton.jit
+    def to_bf16_rtne(x):
+        """float32 -> bfloat16, round to nearest even like `Tensor.to`; NaN -> 0x7FC0.
+
+        Written on the bits so that it is exact on every backend: the interpreter's own
+        fp32 -> bf16 cast truncates, and its "rtne" mode rounds ties up.
+        """
+        u = x.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        r = tl.where(x != x, 0x7FC0, r)                # noqa: PLR0124 (x != x: NaN)
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def cast_rne(x, dtype: tl.constexpr):
+        """float32 `x` as `dtype`, rounded to nearest even on every backend (see to_bf16_rtne)."""
+        if dtype == tl.bfloat16:
+            return to_bf16_rtne(x)
+        else:
+            return x.to(dtype)
+
+    @triton.jit
+    def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, coef_ptr, p_out, m_out, v_out, lowp_out, n,
+                      w1, beta2, w2, eps,
+                      BLOCK: tl.constexpr, LERP_SMALL: tl.constexpr, WRITE_LOWP: tl.constexpr):
+        offs = block_offsets(tl.program_id(0), BLOCK)
+        mask = offs < n
+        decay = tl.load(coef_ptr)
+        neg_step_size = tl.load(coef_ptr + 1)
+        bc2_sqrt = tl.load(coef_ptr + 2)
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        # torch.lerp: one rounding of w*(g - m) + m (its vector kernel is an fma), and for
+        # weights >= 0.5 the form anchored at g
+        if LERP_SMALL:
+            m = tl.fma(g - m, w1, m)
+        else:
+            m = tl.fma(g - m, w1 - 1.0, g)
+        v = tl.fma(w2 * g, g, v * beta2)           # addcmul: torch's vector kernels contract it too
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = p * decay + tl.div_rn(neg_step_size * m, denom)
+        tl.store(p_out + offs, p, mask=mask)
+        tl.store(m_out + offs, m, mask=mask)
+        tl.store(v_out + offs, v, mask=mask)
+        if WRITE_LOWP:
+            tl.store(lowp_out + offs, cast_rne(p, lowp_out.dtype.element_ty), mask=mask)
+
+
+def adamw_update_triton(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                        *, lr: float | torch.Tensor, step: int | torch.Tensor, beta1: float = 0.9,
+                        beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+                        lowp_dtype: torch.dtype | None = None, out: Sequence[torch.Tensor] | None = None,
+                        block: int = DEFAULT_BLOCK) -> AdamWUpdate:
+    """The Triton kernel; arguments and result as `adamw_update_torch`.
+
+    `block` (a power of two) is the elements per program. Raises ConfigError where Triton
+    cannot run on these tensors (no triton, or CPU without TRITON_INTERPRET=1).
+    """
+    prep = _prepare(param, grad, exp_avg, exp_avg_sq, lr, step, beta1, beta2, eps, weight_decay, lowp_dtype, out)
+    if triton is None or not dispatch.can_run_triton(param):
+        raise ConfigError(f"adamw_update_triton: Triton kernels cannot run on {param.device.type} (triton "
+                          f"importable: {triton is not None}, TRITON_INTERPRET: {dispatch.interpreting()}); "
+                          "use adamw_update")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block & (block - 1):
+        raise ConfigError(f"adamw_update_triton(block={block!r}): use a power of two, e.g. {DEFAULT_BLOCK}")
+    dst = _outputs(prep, param)
+    n = param.numel()
+    if n == 0:
+        return AdamWUpdate(*dst)
+    args, kwargs = _kernel_args(param, grad, exp_avg, exp_avg_sq, prep, dst, block)
+    _adamw_kernel[(triton.cdiv(n, block),)](*args, **kwargs)
+    return AdamWUpdate(*dst)
+
+
+def _kernel_args(param, grad, exp_avg, exp_avg_sq, prep: _Prepared, dst: tuple, block: int) -> tuple[tuple, dict]:
+    """`_adamw_kernel`'s arguments (the launch grid is cdiv(numel, block) programs)."""
+    p_out, m_out, v_out, lowp_out = dst
+    args = (param.contiguous(), grad.contiguous(), exp_avg.contiguous(), exp_avg_sq.contiguous(), prep.coef,
+            p_out, m_out, v_out, p_out if lowp_out is None else lowp_out, param.numel(),
+            prep.w1, prep.beta2, prep.w2, prep.eps)
+    kwargs = {"BLOCK": block, "LERP_SMALL": abs(prep.w1) < 0.5, "WRITE_LOWP": lowp_out is not None,
+              "num_warps": 4, "enable_fp_fusion": False}
+    return args, kwargs
+
+
+def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 *, lr: float | torch.Tensor, step: int | torch.Tensor, beta1: float = 0.9, beta2: float = 0.999,
+                 eps: float = 1e-8, weight_decay: float = 0.0, lowp_dtype: torch.dtype | None = None,
+                 out: Sequence[torch.Tensor] | None = None) -> AdamWUpdate:
+    """One fused AdamW step (module docstring): Triton where `dispatch.use_triton` says so
+    (CUDA tensors by default), the torch reference elsewhere."""
+    kw: dict[str, Any] = {"lr": lr, "step": step, "beta1": beta1, "beta2": beta2, "eps": eps,
+                          "weight_decay": weight_decay, "lowp_dtype": lowp_dtype, "out": out}
+    tensors = [t for t in (param, grad, exp_avg, exp_avg_sq) if isinstance(t, torch.Tensor)]
+    if tensors and dispatch.use_triton(*tensors):
+        return adamw_update_triton(param, grad, exp_avg, exp_avg_sq, **kw)
+    return adamw_update_torch(param, grad, exp_avg, exp_avg_sq, **kw)
+
