@@ -257,6 +257,8 @@ def adam_step(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float =
             raise LeafTypeError("adam_step needs params: call update(grads, state, params)")
         p = _flatten_like(params, spec, "params")
         t = int(count)
+        if not amsgrad and _fused_adamw_applies(p, state, spec):
+            return _fused_adamw_step(g, p, state, spec, v, t, count, b1, b2, eps, wd)
         bc1, bc2_sqrt = 1.0 - b1 ** t, (1.0 - b2 ** t) ** 0.5
         mu, nu, nu_max = _adam_moments(g, state, spec, b1, b2, amsgrad)
         denom = torch._foreach_sqrt(nu_max if amsgrad else nu)
@@ -286,6 +288,28 @@ def adam_step(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float =
         return new_p, p, spec, new
 
     return GradientTransformation(init, update, apply)
+
+
+def _fused_adamw_applies(p: list[torch.Tensor], state: AdamState, spec: tree.TreeSpec) -> bool:
+    """The Triton AdamW kernel runs where dispatch picks Triton (CUDA by default) for fp32
+    params and moments; everything else keeps the foreach path."""
+    from dsfn.ops import dispatch
+    if not p or any(x.dtype != torch.float32 for x in p) or not dispatch.use_triton(*p):
+        return False
+    return all(x.dtype == torch.float32 for x in tree.leaves(state.mu) + tree.leaves(state.nu))
+
+
+def _fused_adamw_step(g, p, state: AdamState, spec, v, t: int, count, b1, b2, eps, wd):
+    """One pass per leaf over (param, grad, m, v) in the Triton kernel (`dsfn.ops.adamw`)."""
+    from dsfn.ops.adamw import adamw_update
+    mu = _flatten_like(state.mu, spec, "Adam state.mu")
+    nu = _flatten_like(state.nu, spec, "Adam state.nu")
+    step_t = torch.tensor(t, dtype=torch.int64)
+    outs = [adamw_update(pi, gi, mi, vi, lr=v, step=step_t, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+            for pi, gi, mi, vi in zip(p, g, mu, nu)]
+    new = AdamState(count, tree.unflatten(spec, [o.exp_avg for o in outs]),
+                    tree.unflatten(spec, [o.exp_avg_sq for o in outs]), None, lr=_lr_record(v))
+    return [o.param for o in outs], p, spec, new
 
 
 # ---------------------------------------------------------------------------------------
