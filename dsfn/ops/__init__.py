@@ -1,0 +1,25 @@
+"""Fused kernels, each with a plain-torch reference of the same signature; `dispatch`
+picks the Triton kernel on CUDA and the reference elsewhere (see `dsfn.ops.dispatch`).
+
+- `adamw_update`: one pass over (param, grad, exp_avg, exp_avg_sq), lr/step as tensors,
+  optional low-precision copy of the new param (`dsfn.optim.adamw` uses it on CUDA).
+- `linear_cross_entropy`: cross-entropy fused with the LM head over vocabulary tiles;
+  never materialises [tokens, vocab] logits, forward or backward.
+- `rms_norm`: RMSNorm forward and backward.
+"""
+from dsfn.ops.adamw import (
+           AdamWUpdate,
+           adamw_update,
+           adamw_update_torch,
+           adamw_update_triton,
+)
+from dsfn.ops.cross_entropy import (
+           linear_cross_entropy,
+           linear_cross_entropy_torch,
+           linear_cross_entropy_triton,
+)
+from dsfn.ops.rmsnorm import rms_norm, rms_norm_torch, rms_norm_triton
+
+__all__ = ["AdamWUpdate", "adamw_update", "adamw_update_torch", "adamw_update_triton", "linear_cross_entropy",
+           "linear_cross_entropy_torch", "linear_cross_entropy_triton", "rms_norm", "rms_norm_torch",
+           "rms_norm_triton"]
