@@ -1,0 +1,160 @@
+"""CPU offload: the host side of an offloaded step, against the torch and DeepSpeed baselines.
+
+    python benchmarks/offload.py                 # 50M-parameter GPT tensor list (~1 min on 2 cores)
+    python benchmarks/offload.py --quick         # 2M parameters (seconds; smoke test)
+    python benchmarks/offload.py --params 20e6 --repeats 9 --threads 1
+
+Sections (one function each; `main()` runs them in order):
+
+  host_adamw   host AdamW throughput (params/s and GB/s of the 28 bytes/param a fp32 AdamW
+               step moves: read p, g, m, v; write p, m, v) on one list of fp32 tensors shaped
+               like a GPT's (embedding, per-layer qkv/proj/mlp/norms), the same tensors for
+               every implementation, median of --repeats steps after one warm-up step, timed
+               round-robin:
+               dsfn `cpu_adamw_multi_` (C++ kernel), its torch foreach fallback,
+               torch.optim.AdamW(foreach=True), torch.optim.AdamW(fused=True) where torch's
+               CPU build has it, and DeepSpeedCPUAdam where `import deepspeed` works.
+               Target (issue 6): dsfn C++ >= 1.5x torch foreach.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch
+
+from dsfn.ops.cpu_adam import cpu_adam_backend, cpu_adam_threads, cpu_adamw_multi_
+
+GB = 1e9
+BYTES_PER_PARAM = 28      # fp32 AdamW: read p, g, m, v (16 B), write p, m, v (12 B)
+
+
+def gpt_shapes(n_params: float) -> list[tuple[int, ...]]:
+    """Tensor shapes of a GPT (vocab 50257, 8 layers) whose width is chosen to total ~n_params."""
+    vocab, layers = 50257, 8
+
+    def shapes(d: int) -> list[tuple[int, ...]]:
+        out: list[tuple[int, ...]] = [(vocab, d), (1024, d)]
+        for _ in range(layers):
+            out += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d),
+                    (d,)]
+        return out + [(d,), (d,)]
+    d = 16
+    while sum(_numel(s) for s in shapes(d + 16)) <= n_params:
+        d += 16
+    return shapes(d)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _interleaved_medians(fns: dict[str, object], repeats: int) -> dict[str, float]:
+    """Median seconds per call of each fn, timed round-robin (one call of each per round) so
+    that a change in machine load (a shared 2-core box) hits every implementation alike."""
+    for fn in fns.values():
+        fn()                               # warm-up (first-use build, allocations, state)
+    ts: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            ts[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in ts.items()}
+
+
+def host_adamw(n_params: float, repeats: int) -> dict[str, float]:
+    """Section 1: host AdamW step throughput. Returns {implementation: seconds per step}."""
+    shapes = gpt_shapes(n_params)
+    n = sum(_numel(s) for s in shapes)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for s in shapes]
+    grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+    exp_avgs = [torch.zeros(s) for s in shapes]
+    exp_avg_sqs = [torch.zeros(s) for s in shapes]
+    for p, g in zip(params, grads):
+        p.grad = g
+    data = [p.data for p in params]
+    moved = BYTES_PER_PARAM * n
+    print(f"\n== host AdamW: {len(shapes)} fp32 tensors, {n / 1e6:.1f}M params ({moved / GB:.2f} GB moved per "
+          f"step), {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, median of {repeats} steps ==")
+    fns: dict[str, object] = {}
+    counter = {"step": 0}
+
+    def dsfn_step(backend: str):
+        def run():
+            counter["step"] += 1
+            cpu_adamw_multi_(data, grads, exp_avgs, exp_avg_sqs, lr=1e-4, step=counter["step"], weight_decay=0.1,
+                             backend=backend)
+        return run
+
+    backend = cpu_adam_backend()
+    if backend == "cpp":
+        fns[f"dsfn cpu_adamw_multi_ (C++, {cpu_adam_threads()} threads)"] = dsfn_step("cpp")
+    else:
+        print(f"  dsfn C++ host AdamW unavailable (backend {backend!r}); see the warning above")
+    fns["dsfn cpu_adamw_multi_ (foreach fallback)"] = dsfn_step("foreach")
+
+    def torch_opt(**kw):
+        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **kw)
+        for p, m, v in zip(params, exp_avgs, exp_avg_sqs):       # share the state tensors: same memory
+            opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": m, "exp_avg_sq": v}
+        return opt.step
+
+    fns["torch.optim.AdamW(foreach=True)"] = torch_opt(foreach=True)
+    try:
+        step = torch_opt(fused=True)
+        step()
+    except (RuntimeError, ValueError) as e:
+        print(f"  torch.optim.AdamW(fused=True) unavailable on CPU here: {e}")
+    else:
+        fns["torch.optim.AdamW(fused=True)"] = step
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except (ImportError, RuntimeError, OSError) as e:             # not installed, or its op cannot build
+        print(f"  DeepSpeedCPUAdam unavailable: {type(e).__name__}: {e}")
+    else:
+        ds = DeepSpeedCPUAdam(params, lr=1e-4, weight_decay=0.1, adamw_mode=True)
+        fns["DeepSpeedCPUAdam"] = ds.step
+
+    rows = _interleaved_medians(fns, repeats)
+    base = rows["torch.optim.AdamW(foreach=True)"]
+    print(f"  {'implementation':44s} {'ms/step':>9s} {'Mparams/s':>10s} {'GB/s':>7s} {'vs foreach':>10s}")
+    for k, t in rows.items():
+        print(f"  {k:44s} {t * 1e3:9.1f} {n / t / 1e6:10.0f} {moved / t / GB:7.2f} {base / t:9.2f}x")
+    cpp = [t for k, t in rows.items() if "(C++" in k]
+    if cpp:
+        r = base / cpp[0]
+        print(f"  dsfn C++ / torch foreach speed: {r:.2f}x (target >= 1.5x): {'PASS' if r >= 1.5 else 'FAIL'}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=50e6, help="parameters in the GPT tensor list (default 50e6)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed steps per implementation (median)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads(N) first (dsfn uses torch's thread count by default)")
+    ap.add_argument("--quick", action="store_true", help="2M parameters, 3 steps")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.params, args.repeats = 2e6, 3
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}")
+    host_adamw(args.params, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
