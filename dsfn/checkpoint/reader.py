@@ -98,6 +98,9 @@ def load(path: str | os.PathLike, like: Any, strict: bool = True, verify: bool =
             piece = x.data if isinstance(x, Placed) else x
             buf = _assemble(leaf, saved[leaf], region, shape, piece.dtype, reader)
             buf = buf.to(piece.device)
+            adopt = getattr(x.layout, "adopt", None) if isinstance(x, Placed) else None
+            if adopt is not None:      # e.g. offload("nvme"): the piece goes into the layout's own file
+                buf = adopt(buf)
             out.append(Placed(buf, x.layout) if isinstance(x, Placed) else buf)
         snapshot = None
         if restore_rng and manifest.raw.get("rng"):

@@ -54,6 +54,10 @@ class Step:
         with activate(self.stack):
             for t in reversed(self.stack):
                 state = t.place(state)
+            for t in reversed(self.stack):   # layouts that wrap the finished ones (offload)
+                after = getattr(t, "place_after", None)
+                if after is not None:
+                    state = after(state)
         return state
 
     def init_state(self, params: Any, tx: Any, seed: int = 0, extra: dict | None = None) -> Any:

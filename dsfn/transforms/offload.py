@@ -1,0 +1,305 @@
+"""`offload(device)`: optimizer state and fp32 master weights live on host memory or in
+files on a fast local disk (NVMe); the optimizer update runs where they live.
+
+Place it inside the parallel transform and outside mixed precision:
+
+    compose(shard_zero(s), offload("cpu"), mixed_precision(...), loss_scale(), clip_grad_norm(c))
+
+Where state lives. Every optimizer-state leaf that mirrors a parameter (Adam's moments,
+mixed precision's `master` weights; the same rule as ZeRO's sharding) becomes
+`Placed(data, Offloaded(inner, device, home))`, `inner` being the layout it had (a ZeRO
+`FlatShard`, or `Replicated`); scalars (step counts, lr) stay where they are.
+- `device="cpu"`: `data` is a host tensor (pinned when CUDA is available and
+  `pin_memory`). On a CPU-only machine this is a placement no-op that still runs the
+  offload code path.
+- `device="nvme"`: the layout is `NvmeOffloaded` (a subclass of `Offloaded`, so checkpoints
+  treat it like any offloaded leaf) and `data` is a file-backed tensor (an mmap of a
+  pre-allocated, already-unlinked file under `path`, see `dsfn.runtime.nvme`); its pages
+  are released from resident memory after every write, sub-group by sub-group.
+
+How the update runs ("apply_gradients", after ZeRO reduced the gradients to shards):
+gradients (and, without mixed precision, the parameter shards) are copied to the host,
+the inner transforms and the optimizer run there on the host view of the state (the
+`inner` layouts), and the new parameters go back to the device they came from, where
+ZeRO all-gathers them. The new optimizer state is stored again: a host tensor for "cpu";
+for "nvme" a *new* file, pre-allocated before the update runs, so a full disk raises
+`NvmeSpaceError` before anything is computed and the input state stays valid.
+
+Functional contract: no leaf of an input state is ever written. With "nvme" each step's
+state has its own file; the previous state remains valid while referenced and its disk
+space returns when it is freed (two states' worth of disk at the step boundary).
+
+`params=True` (ZeRO-3 parameters offloaded too) is validated (it needs `shard_zero(3)`)
+but not implemented yet.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dsfn import tree
+from dsfn.errors import ConfigError, StackError
+from dsfn.runtime import nvme
+from dsfn.state.layout import (
+    DimShard,
+    FlatShard,
+    Layout,
+    Offloaded,
+    Placed,
+    Replicated,
+    is_placed,
+)
+from dsfn.transforms.core import Transform, make_transform
+
+_STORES: weakref.WeakValueDictionary[str, nvme.FileStore] = weakref.WeakValueDictionary()
+
+
+@dataclass(frozen=True)
+class NvmeOffloaded(Offloaded):
+    """`inner`'s piece kept in a file under `path` (the user's directory: two transforms on the
+    same path give equal layouts; `adopt` uses the latest live store there)."""
+    path: str = ""
+
+    def shard(self, full, mesh=None):
+        return self.adopt(self.inner.shard(full, mesh))
+
+    def unshard(self, local, mesh=None):
+        return self.inner.unshard(local.to(self.home), mesh)
+
+    def adopt(self, local: torch.Tensor) -> torch.Tensor:
+        """`local` (this rank's piece) copied into a fresh file of the store."""
+        store = _STORES.get(self.path)
+        if store is None or store.closed:
+            raise ConfigError(f"the NVMe offload store {self.path} is closed or belongs to another process; "
+                              "place the state with a live offload('nvme', path=...) transform")
+        return store.store([local.to("cpu")])[0]
+
+
+class Offload(Transform):
+    name = "offload"
+
+    def __init__(self, device: str = "cpu", params: bool = False, path: str | os.PathLike | None = None,
+                 pin_memory: bool = True, subgroup_bytes: int = 64 << 20):
+        if device not in ("cpu", "nvme"):
+            raise ConfigError(f"offload(device={device!r}): use 'cpu' (host memory) or 'nvme' (files under path=)")
+        if not isinstance(params, bool):
+            raise ConfigError(f"offload(params={params!r}): use True or False")
+        if not isinstance(subgroup_bytes, int) or subgroup_bytes < 1:
+            raise ConfigError(f"offload(subgroup_bytes={subgroup_bytes!r}): a positive number of bytes")
+        if device == "cpu" and path is not None:
+            raise ConfigError("offload(device='cpu') keeps state in host memory and takes no path; "
+                              "use offload('nvme', path=...) for files")
+        self.device = device
+        self.params = params
+        self.path = None if path is None else os.fspath(path)
+        self.pin_memory = bool(pin_memory)
+        self.subgroup_bytes = subgroup_bytes
+        self._store: nvme.FileStore | None = None
+        if device == "nvme":
+            self._store = nvme.FileStore(path)     # ConfigError when path is missing or not writable
+            _STORES[self._store.root] = self._store   # the latest live store for this path
+
+    # -- stack rules -------------------------------------------------------------------------
+    def check_stack(self, stack, index):
+        from dsfn.transforms.data_parallel import DataParallel
+        from dsfn.transforms.precision import MixedPrecision
+        from dsfn.transforms.zero import ShardZero
+        for t in stack[index + 1:]:
+            if isinstance(t, DataParallel):
+                raise StackError(f"offload must sit inside {t.name}: write compose({t.name}(...), offload(...)) "
+                                 "so the optimizer runs on this rank's reduced shard where it lives")
+        for t in stack[:index]:
+            if isinstance(t, MixedPrecision):
+                raise StackError("offload must sit outside mixed_precision: write compose(offload(...), "
+                                 "mixed_precision(...)) so the fp32 master weights are offloaded too")
+        if self.params:
+            if not any(isinstance(t, ShardZero) and t.stage == 3 for t in stack):
+                raise StackError("offload(params=True) offloads ZeRO-3's parameter shards; it needs "
+                                 "shard_zero(3) outside it in the stack (or use params=False)")
+            raise ConfigError("offload(params=True) is not implemented yet; use offload(params=False) "
+                              "(optimizer state and master weights only)")
+
+    def explain_note(self) -> str:
+        where = "host memory" if self.device == "cpu" else f"files under {self.path}"
+        return f"offload({self.device!r}): optimizer state and master weights in {where}; update on the host"
+
+    # -- layout ------------------------------------------------------------------------------
+    def _layout(self, inner: Layout, home: str) -> Offloaded:
+        if self.device == "nvme":
+            return NvmeOffloaded(inner, "nvme", home, self._store.root)
+        return Offloaded(inner, "cpu", home)
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu":
+            return t
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin_memory and torch.cuda.is_available())
+        return out.copy_(t)
+
+    def _offload_tree(self, opt_state: Any, params: Any) -> Any:
+        """Wrap the leaves of `opt_state` that mirror a parameter (see the module docstring)."""
+        shapes = {p: _logical_shape(x) for p, x in tree.leaves_with_path(params, is_leaf=is_placed)}
+        leaves, spec = tree.flatten(opt_state, is_leaf=is_placed)
+        paths = [p for p, _ in tree.leaves_with_path(opt_state, is_leaf=is_placed)]
+        picks = [k for k, (p, x) in enumerate(zip(paths, leaves))
+                 if _mirrors(p, x, shapes) and not isinstance(_layout(x), Offloaded)]
+        pieces = [_data(leaves[k]) for k in picks]
+        homes = [str(t.device) for t in pieces]
+        if self.device == "nvme":
+            stored = self._store.store(pieces, self.subgroup_bytes) if pieces else []
+        else:
+            stored = [self._to_host(t) for t in pieces]
+        out = list(leaves)
+        for k, t, home in zip(picks, stored, homes):
+            out[k] = Placed(t, self._layout(_layout(leaves[k]), home))
+        return tree.unflatten(spec, out)
+
+    def place(self, state: Any) -> Any:
+        return state
+
+    def place_after(self, state: Any) -> Any:
+        """Runs after every transform's `place` (ZeRO sharded the leaves first)."""
+        if getattr(state, "opt_state", None) is None:
+            return state
+        return state.replace(opt_state=self._offload_tree(state.opt_state, state.params))
+
+    def handle_init_optimizer(self, call_next, state):
+        """The optimizer is initialised on the host view (e.g. of offloaded master weights);
+        what it makes is offloaded, what it passed through keeps its offloaded leaf."""
+        kept: dict[int, Placed] = {}
+        if state.opt_state is not None:
+            leaves, spec = tree.flatten(state.opt_state, is_leaf=is_placed)
+            view = []
+            for x in leaves:
+                if isinstance(x, Placed) and isinstance(x.layout, Offloaded):
+                    v = x.data.to("cpu")
+                    kept[id(v)] = x
+                    view.append(_wrap(v, x.layout.inner))
+                else:
+                    view.append(x)
+            state = state.replace(opt_state=tree.unflatten(spec, view))
+        new, spec = tree.flatten(call_next(state), is_leaf=is_placed)
+        new = [kept.get(id(_data(x)), x) for x in new]
+        return self._offload_tree(tree.unflatten(spec, new), state.params)
+
+    # -- update ------------------------------------------------------------------------------
+    def handle_apply_gradients(self, call_next, state, grads):
+        from dsfn.transforms.precision import MasterState
+        old, spec = tree.flatten(state.opt_state, is_leaf=is_placed)
+        offl = [k for k, x in enumerate(old) if isinstance(x, Placed) and isinstance(x.layout, Offloaded)]
+        # pre-allocate the new state's file first: a full disk fails before anything is computed
+        dst = None
+        if self.device == "nvme" and offl:
+            dst = self._store.alloc([(tuple(old[k].data.shape), old[k].data.dtype) for k in offl])
+        host_view = list(old)
+        for k in offl:
+            x = old[k]
+            host_view[k] = _wrap(x.data.to("cpu"), x.layout.inner)
+        host_opt = tree.unflatten(spec, host_view)
+        to_host = lambda t: self._to_host(t) if isinstance(t, torch.Tensor) else t
+        host_grads = tree.map(to_host, grads)
+        p_leaves, p_spec = tree.flatten(state.params, is_leaf=is_placed)
+        homes = [_data(x).device for x in p_leaves]
+        params = state.params
+        if not isinstance(state.opt_state, MasterState):    # the optimizer reads the parameters
+            params = tree.map(to_host, state.params)
+        new = call_next(state.replace(params=params, opt_state=host_opt), host_grads)
+        # parameters back where they came from
+        if new.params is params:
+            new_params = state.params
+        else:
+            n_leaves = tree.flatten(new.params, is_leaf=is_placed)[0]
+            new_params = tree.unflatten(p_spec, [_move(x, d) for x, d in zip(n_leaves, homes)])
+        # optimizer state back into its offloaded layout
+        n_opt, n_spec = tree.flatten(new.opt_state, is_leaf=is_placed)
+        if n_spec != spec:
+            raise StackError("offload: the optimizer returned a state of another structure than it was given")
+        out = list(n_opt)
+        changed = [k for k in offl if _data(n_opt[k]) is not _data(host_view[k])]
+        if self.device == "nvme":
+            dsts = dict(zip(offl, dst))
+            group, size = [], 0
+            for k in changed:
+                d = dsts[k]
+                d.copy_(_data(n_opt[k]))
+                group.append(d)
+                size += d.numel() * d.element_size()
+                if size >= self.subgroup_bytes:
+                    nvme.release(group)
+                    group, size = [], 0
+            nvme.release(group)
+            nvme.release([old[k].data for k in offl])      # the input state stays valid (in its file)
+        for k in offl:
+            if k in changed:
+                t = dsts[k] if self.device == "nvme" else self._to_host(_data(n_opt[k]))
+                out[k] = Placed(t, old[k].layout)
+            else:
+                out[k] = old[k]          # unchanged (e.g. an fp16 overflow skipped the update)
+        return new.replace(params=new_params, opt_state=tree.unflatten(spec, out))
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove the NVMe store's directory (idempotent; also done at process exit).
+        States already made stay readable; new ones cannot be made."""
+        if self._store is not None:
+            self._store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def offload(*args: Any, **kwargs: Any) -> Offload:
+    """`offload(device="cpu"|"nvme", params=False, path=None, pin_memory=True, subgroup_bytes=64 MiB)`;
+    see the module docstring. `path` (nvme only) is a writable directory on a fast local
+    disk; call `.close()` (or use it as a context manager) to remove its files early."""
+    return make_transform(Offload, "offload", args, kwargs)
+
+
+def _data(x: Any) -> Any:
+    return x.data if isinstance(x, Placed) else x
+
+
+def _layout(x: Any) -> Layout:
+    return x.layout if isinstance(x, Placed) else Replicated(tuple(x.shape))
+
+
+def _wrap(t: torch.Tensor, layout: Layout) -> Any:
+    return t if isinstance(layout, Replicated) else Placed(t, layout)
+
+
+def _move(x: Any, device: torch.device) -> Any:
+    if isinstance(x, Placed):
+        return Placed(x.data.to(device, non_blocking=True), x.layout)
+    return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
+
+
+def _logical_shape(x: Any) -> tuple[int, ...] | None:
+    if isinstance(x, Placed):
+        base = x.layout
+        while isinstance(base, Offloaded):
+            base = base.inner
+        if isinstance(base, (FlatShard, DimShard, Replicated)):
+            return tuple(base.shape)
+        return None
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else None
+
+
+def _mirrors(path: str, x: Any, shapes: dict[str, Any]) -> bool:
+    """Whether the optimizer-state leaf at `path` mirrors a parameter: the longest dotted
+    suffix of its path names a parameter of the same logical shape (ZeRO's rule)."""
+    shape = _logical_shape(x)
+    if shape is None or not _data(x).is_floating_point():
+        return False
+    parts = path.split(".")
+    for k in range(len(parts)):
+        s = shapes.get(".".join(parts[k:]))
+        if s is not None and s == shape:
+            return True
+    return False
