@@ -15,8 +15,10 @@ a CUDA build without Triton). Triton's cache follows its own settings (`TRITON_H
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 
 import torch
 
@@ -72,3 +74,23 @@ def use_triton(*tensors: torch.Tensor) -> bool:
                           f"(triton importable: {triton_available()}, TRITON_INTERPRET: {interpreting()}); "
                           "use a CUDA device, set TRITON_INTERPRET=1 on CPU, or DSFN_KERNELS=auto")
     return ok
+
+
+_host = threading.local()
+
+
+@contextlib.contextmanager
+def host_update(enabled: bool = True):
+    """Within this block, optimizer updates of CPU tensors use the fused host kernel
+    (`dsfn.ops.cpu_adam`): `offload` runs its host update here. Outside it, CPU updates
+    keep torch's foreach arithmetic (bitwise torch.optim)."""
+    prev = getattr(_host, "on", False)
+    _host.on = bool(enabled)
+    try:
+        yield
+    finally:
+        _host.on = prev
+
+
+def host_update_active() -> bool:
+    return getattr(_host, "on", False)

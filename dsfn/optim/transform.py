@@ -259,6 +259,8 @@ def adam_step(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float =
         t = int(count)
         if not amsgrad and _fused_adamw_applies(p, state, spec):
             return _fused_adamw_step(g, p, state, spec, v, t, count, b1, b2, eps, wd)
+        if not amsgrad and _host_adamw_applies(p, g, state):
+            return _host_adamw_step(g, p, state, spec, v, t, count, b1, b2, eps, wd)
         bc1, bc2_sqrt = 1.0 - b1 ** t, (1.0 - b2 ** t) ** 0.5
         mu, nu, nu_max = _adam_moments(g, state, spec, b1, b2, amsgrad)
         denom = torch._foreach_sqrt(nu_max if amsgrad else nu)
@@ -297,6 +299,31 @@ def _fused_adamw_applies(p: list[torch.Tensor], state: AdamState, spec: tree.Tre
     if not p or any(x.dtype != torch.float32 for x in p) or not dispatch.use_triton(*p):
         return False
     return all(x.dtype == torch.float32 for x in tree.leaves(state.mu) + tree.leaves(state.nu))
+
+
+def _host_adamw_applies(p: list[torch.Tensor], g: list[torch.Tensor], state: AdamState) -> bool:
+    """The C++ host kernel runs inside `dispatch.host_update()` (what `offload` does) for
+    fp32 CPU params and moments."""
+    from dsfn.ops import dispatch
+    if not p or not dispatch.host_update_active():
+        return False
+    mn = tree.leaves(state.mu) + tree.leaves(state.nu)
+    return all(x.dtype == torch.float32 and x.device.type == "cpu" for x in p + mn) and \
+        all(x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) for x in g)
+
+
+def _host_adamw_step(g, p, state: AdamState, spec, v, t: int, count, b1, b2, eps, wd):
+    """New params and moments from the fused C++ host kernel (`dsfn.ops.cpu_adam`): one
+    multi-threaded pass over copies of (param, m, v) (inputs are never written). Moments are
+    torch's bitwise; params within an ulp (the kernel's sqrt is correctly rounded)."""
+    from dsfn.ops.cpu_adam import cpu_adamw_multi_
+    mu = [x.clone(memory_format=torch.contiguous_format) for x in _flatten_like(state.mu, spec, "Adam state.mu")]
+    nu = [x.clone(memory_format=torch.contiguous_format) for x in _flatten_like(state.nu, spec, "Adam state.nu")]
+    new_p = [x.clone(memory_format=torch.contiguous_format) for x in p]
+    cpu_adamw_multi_(new_p, [x.contiguous() for x in g], mu, nu, lr=v, step=t, beta1=b1, beta2=b2, eps=eps,
+                     weight_decay=wd)
+    new = AdamState(count, tree.unflatten(spec, mu), tree.unflatten(spec, nu), None, lr=_lr_record(v))
+    return new_p, p, spec, new
 
 
 def _fused_adamw_step(g, p, state: AdamState, spec, v, t: int, count, b1, b2, eps, wd):

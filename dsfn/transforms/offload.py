@@ -29,6 +29,11 @@ Functional contract: no leaf of an input state is ever written. With "nvme" each
 state has its own file; the previous state remains valid while referenced and its disk
 space returns when it is freed (two states' worth of disk at the step boundary).
 
+The host update runs AdamW in the fused, multi-threaded C++ kernel (`dsfn.ops.cpu_adam`,
+`host_kernel=True`, the default; DeepSpeed's CPU Adam): moments bitwise torch's, params
+within an ulp (correctly rounded sqrt). `host_kernel=False` keeps torch's foreach
+arithmetic (bitwise the run without offload).
+
 `params=True` (ZeRO-3 parameters offloaded too) is validated (it needs `shard_zero(3)`)
 but not implemented yet.
 """
@@ -43,6 +48,7 @@ import torch
 
 from dsfn import tree
 from dsfn.errors import ConfigError, StackError
+from dsfn.ops import dispatch
 from dsfn.runtime import nvme
 from dsfn.state.layout import (
     DimShard,
@@ -83,7 +89,7 @@ class Offload(Transform):
     name = "offload"
 
     def __init__(self, device: str = "cpu", params: bool = False, path: str | os.PathLike | None = None,
-                 pin_memory: bool = True, subgroup_bytes: int = 64 << 20):
+                 pin_memory: bool = True, subgroup_bytes: int = 64 << 20, host_kernel: bool = True):
         if device not in ("cpu", "nvme"):
             raise ConfigError(f"offload(device={device!r}): use 'cpu' (host memory) or 'nvme' (files under path=)")
         if not isinstance(params, bool):
@@ -98,6 +104,7 @@ class Offload(Transform):
         self.path = None if path is None else os.fspath(path)
         self.pin_memory = bool(pin_memory)
         self.subgroup_bytes = subgroup_bytes
+        self.host_kernel = bool(host_kernel)
         self._store: nvme.FileStore | None = None
         if device == "nvme":
             self._store = nvme.FileStore(path)     # ConfigError when path is missing or not writable
@@ -206,7 +213,8 @@ class Offload(Transform):
         params = state.params
         if not isinstance(state.opt_state, MasterState):    # the optimizer reads the parameters
             params = tree.map(to_host, state.params)
-        new = call_next(state.replace(params=params, opt_state=host_opt), host_grads)
+        with dispatch.host_update(self.host_kernel):      # AdamW on the host: the fused C++ kernel
+            new = call_next(state.replace(params=params, opt_state=host_opt), host_grads)
         # parameters back where they came from
         if new.params is params:
             new_params = state.params
@@ -256,7 +264,8 @@ class Offload(Transform):
 
 
 def offload(*args: Any, **kwargs: Any) -> Offload:
-    """`offload(device="cpu"|"nvme", params=False, path=None, pin_memory=True, subgroup_bytes=64 MiB)`;
+    """`offload(device="cpu"|"nvme", params=False, path=None, pin_memory=True, subgroup_bytes=64 MiB,
+    host_kernel=True)`;
     see the module docstring. `path` (nvme only) is a writable directory on a fast local
     disk; call `.close()` (or use it as a context manager) to remove its files early."""
     return make_transform(Offload, "offload", args, kwargs)

@@ -22,7 +22,7 @@ from dsfn.state.layout import (
     gather_tree,
     is_placed,
 )
-from dsfn.testing import assert_trees_equal, run_on_ranks
+from dsfn.testing import assert_trees_close, assert_trees_equal, run_on_ranks
 from dsfn.testing.models import make_mlp, regression_batches
 from dsfn.testing.reference import (
     assert_matches_reference,
@@ -37,8 +37,9 @@ from dsfn.transforms.offload import NvmeOffloaded
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 
 
-def _offl(device, path):
-    return offload(device, path=path) if device == "nvme" else offload(device)
+def _offl(device, path, host_kernel=True):
+    return offload(device, path=path, host_kernel=host_kernel) if device == "nvme" else \
+        offload(device, host_kernel=host_kernel)
 
 
 def _leaves(state):
@@ -70,14 +71,24 @@ def test_offload_with_zero_equals_reference(tmp_path_factory, stage, device, hid
     assert _files_under(path) == []       # files are unlinked once mapped: nothing left behind
 
 
-def _mp_rank(stage, device, path, seed, mp):
-    """(offloaded run, same stack without offload): params, opt state, losses, logically."""
+def _mp_rank(stage, device, path, seed, mp, host_kernel=False):
+    """(offloaded run, same stack without offload): params, opt state, losses, logically.
+    With `host_kernel` the offloaded update runs in the fused C++ kernel (its calls counted)."""
     init_mesh()
+    from dsfn.ops import cpu_adam
+    calls = []
+    real = cpu_adam.cpu_adamw_multi_
+
+    def spy(*a, **k):
+        calls.append(len(a[0]))
+        return real(*a, **k)
+    cpu_adam.cpu_adamw_multi_ = spy
     out = []
     for with_offload in (True, False):
         torch.manual_seed(seed)
         apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 4], seed))
-        t = [shard_zero(stage)] + ([_offl(device, path)] if with_offload else []) + ([mixed_precision(torch.bfloat16)] if mp else [])
+        t = [shard_zero(stage)] + ([_offl(device, path, host_kernel)] if with_offload else []) + \
+            ([mixed_precision(torch.bfloat16)] if mp else [])
         step = compose(*t)(train_step_for(apply_fn, mse_loss_fp32))
         state = step.init_state(params, dsfn.optim.adamw(lr=1e-2))
         if with_offload:
@@ -94,7 +105,8 @@ def _mp_rank(stage, device, path, seed, mp):
         out.append((g.params, g.opt_state, losses))
         if with_offload:
             t[1].close()
-    return out
+    cpu_adam.cpu_adamw_multi_ = real
+    return out + [calls]
 
 
 @pytest.mark.parametrize("stage,device,mp", [(1, "nvme", False), (3, "cpu", False), (1, "nvme", True),
@@ -102,11 +114,23 @@ def _mp_rank(stage, device, path, seed, mp):
 def test_offload_equals_stack_without_it_bitwise(tmp_path, stage, device, mp):
     """fp32, or bf16 compute with the fp32 master weights offloaded: at 2 ranks, bitwise the
     same losses and logical state as the same stack without offload."""
-    for (p, o, losses), (rp, ro, rlosses) in run_on_ranks(_mp_rank, 2, stage, device, str(tmp_path), 3, mp,
-                                                          timeout=120):
-        assert losses == rlosses
+    for (p, o, losses), (rp, ro, rlosses), calls in run_on_ranks(_mp_rank, 2, stage, device, str(tmp_path), 3, mp,
+                                                                 timeout=120):
+        assert losses == rlosses and calls == []          # host_kernel=False: torch's arithmetic
         assert_trees_equal(p, rp)
         assert_trees_equal(o, ro)
+
+
+@pytest.mark.parametrize("stage,device,mp", [(2, "nvme", False), (3, "cpu", True)])
+def test_offload_host_kernel_runs_and_matches_within_an_ulp(tmp_path, stage, device, mp):
+    """The default host update is the fused C++ AdamW (one call per step over every
+    offloaded leaf): moments bitwise, params within an ulp of the run without offload."""
+    for (p, o, losses), (rp, ro, rlosses), calls in run_on_ranks(_mp_rank, 2, stage, device, str(tmp_path), 3, mp,
+                                                                 True, timeout=120):
+        assert calls == [4, 4, 4]                          # 3 steps x the 4 parameters' shards
+        assert torch.allclose(torch.tensor(losses), torch.tensor(rlosses), rtol=1e-6, atol=0)
+        assert_trees_close(p, rp, rtol=1e-6, atol=1e-8)
+        assert_trees_close(o, ro, rtol=1e-6, atol=1e-8)
 
 
 # ----------------------------------------------------------------------------------------------
