@@ -311,7 +311,8 @@ def _summary(result: dict[str, Any], metrics: list[dict[str, Any]], run: dict[st
         "tokens": tokens, "tokens_per_s": tokens / result["train_s"],
         "train_s": result["train_s"], "wall_s": result["wall_s"],
         "prompt": run["prompt"], "temperature": run["temperature"], "sample": result["sample"],
-        "files": {name: str(out / name) for name in ("metrics.jsonl", "loss.png", "summary.json")},
+        "files": {name: str(out / name) for name in ("metrics.jsonl", "loss.png", "summary.json")}
+        | ({"ckpt": str(out / "ckpt")} if run["ckpt_every"] else {}),
     }
 
 
@@ -330,7 +331,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  val loss    {s['val_loss']:.3f}  (held-out stdlib files)",
         f"  throughput  {s['tokens_per_s']:,.0f} tokens/s over all ranks",
         f"  time        {s['wall_s']:.1f} s wall ({s['train_s']:.1f} s in the training loop)",
-        f"  files       {Path(s['files']['metrics.jsonl']).parent}/{{metrics.jsonl, loss.png, summary.json}}",
+        f"  files       {Path(s['files']['metrics.jsonl']).parent}/{{metrics.jsonl, loss.png, summary.json}}"
+        + (f"; checkpoints in {s['files']['ckpt']} (--resume continues)" if "ckpt" in s["files"] else ""),
         f"  sample      {how} continuation of {s['prompt']!r}:",
         *("    | " + line for line in sample.splitlines()),
         "",
