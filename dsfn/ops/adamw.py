@@ -115,23 +115,36 @@ def adamw_coefficients(lr: float | torch.Tensor, step: int | torch.Tensor, beta1
     return torch.stack([1.0 - lr_t * weight_decay, -(lr_t / bc1), bc2_sqrt]).to(torch.float32)
 
 
-def _prepare(param, grad, exp_avg, exp_avg_sq, lr, step, beta1, beta2, eps, weight_decay, lowp_dtype,
-             out) -> _Prepared:
+def check_adam_operands(who: str, param, grad, exp_avg, exp_avg_sq,
+                        extra: tuple = ()) -> tuple[tuple[str, torch.Tensor], ...]:
+    """Types, dtypes and shapes of an AdamW step's operands (fp32 param and moments, a
+    float32/bfloat16/float16 grad, all of param's shape); `extra` (name, tensor, dtypes,
+    hint) pairs are checked for type and dtype too. Returns the (name, tensor) pairs."""
     named = (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))
-    for name, t in named:
+    for name, t in named + tuple((n, t) for n, t, _, _ in extra):
         if not isinstance(t, torch.Tensor):
-            raise LeafTypeError(f"adamw_update: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise LeafTypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
     for name, t in named:
         if name == "grad":
             if t.dtype not in _GRAD_DTYPES:
-                raise LeafTypeError(f"adamw_update: grad has dtype {t.dtype}; use float32, bfloat16 or float16")
+                raise LeafTypeError(f"{who}: grad has dtype {t.dtype}; use float32, bfloat16 or float16")
         elif t.dtype != torch.float32:
-            raise LeafTypeError(f"adamw_update: {name} has dtype {t.dtype}; param, exp_avg and exp_avg_sq must "
+            raise LeafTypeError(f"{who}: {name} has dtype {t.dtype}; param, exp_avg and exp_avg_sq must "
                                 "be float32 (the fp32 master weights and their moments)")
+    for name, t, dtypes, hint in extra:
+        if t.dtype not in dtypes:
+            raise LeafTypeError(f"{who}: {name} has dtype {t.dtype}; {hint}")
+    named += tuple((n, t) for n, t, _, _ in extra)
     for name, t in named[1:]:
         if t.shape != param.shape:
-            raise ShapeError(f"adamw_update: {name} has shape {tuple(t.shape)} but param has "
+            raise ShapeError(f"{who}: {name} has shape {tuple(t.shape)} but param has "
                              f"{tuple(param.shape)}; pass the grad and moments of this param")
+    return named
+
+
+def _prepare(param, grad, exp_avg, exp_avg_sq, lr, step, beta1, beta2, eps, weight_decay, lowp_dtype,
+             out) -> _Prepared:
+    named = check_adam_operands("adamw_update", param, grad, exp_avg, exp_avg_sq)
     devices = {t.device for _, t in named}
     if len(devices) != 1:
         raise ConfigError(f"adamw_update: param, grad, exp_avg, exp_avg_sq are on different devices "

@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 
 from dsfn.errors import ConfigError, LeafTypeError, ShapeError
+from dsfn.ops.adamw import check_adam_operands
 from dsfn.optim._foreach import check_real
 
 __all__ = ["BACKENDS", "cpu_adam_backend", "cpu_adam_threads", "cpu_adamw_", "cpu_adamw_multi_"]
@@ -163,31 +164,13 @@ def cpu_adam_threads(cores: float | None = None) -> int:
 
 
 def _check_tensors(who: str, param, grad, exp_avg, exp_avg_sq, lowp_out) -> None:
-    named = (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))
-    if lowp_out is not None:
-        named += (("lowp_out", lowp_out),)
-    for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            raise LeafTypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    for name, t in named:
-        if name == "grad":
-            if t.dtype not in _GRAD_CODES:
-                raise LeafTypeError(f"{who}: grad has dtype {t.dtype}; use float32, bfloat16 or float16")
-        elif name == "lowp_out":
-            if t.dtype not in _LOWP_CODES:
-                raise LeafTypeError(f"{who}: lowp_out has dtype {t.dtype}; use bfloat16 or float16 (or "
-                                    "lowp_out=None)")
-        elif t.dtype != torch.float32:
-            raise LeafTypeError(f"{who}: {name} has dtype {t.dtype}; param, exp_avg and exp_avg_sq must be "
-                                "float32 (the fp32 master weights and their moments)")
+    extra = () if lowp_out is None else (("lowp_out", lowp_out, tuple(_LOWP_CODES),
+                                          "use bfloat16 or float16 (or lowp_out=None)"),)
+    named = check_adam_operands(who, param, grad, exp_avg, exp_avg_sq, extra)
     for name, t in named:
         if t.device.type != "cpu":
             raise ConfigError(f"{who}: {name} is on {t.device}; the host AdamW updates CPU tensors (move the "
                               "state to the CPU, or use dsfn.ops.adamw_update on the device)")
-    for name, t in named[1:]:
-        if t.shape != param.shape:
-            raise ShapeError(f"{who}: {name} has shape {tuple(t.shape)} but param has {tuple(param.shape)}; "
-                             "pass the grad and moments of this param")
     for name, t in named:
         if not t.is_contiguous():
             raise ShapeError(f"{who}: {name} is not contiguous (strides {t.stride()}); the host AdamW works "
