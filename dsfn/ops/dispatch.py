@@ -30,7 +30,7 @@ MODES = ("auto", "torch", "triton")
 @functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
     try:
-        import triton  # noqa: F401
+        import triton
         import triton.language  # noqa: F401
     except ImportError:
         return False
