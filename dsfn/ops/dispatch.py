@@ -19,6 +19,7 @@ import contextlib
 import functools
 import os
 import threading
+from typing import Any
 
 import torch
 
@@ -80,16 +81,22 @@ _host = threading.local()
 
 
 @contextlib.contextmanager
-def host_update(enabled: bool = True):
+def host_update(enabled: bool = True, session: Any = None):
     """Within this block, optimizer updates of CPU tensors use the fused host kernel
     (`dsfn.ops.cpu_adam`): `offload` runs its host update here. Outside it, CPU updates
-    keep torch's foreach arithmetic (bitwise torch.optim)."""
-    prev = getattr(_host, "on", False)
-    _host.on = bool(enabled)
+    keep torch's foreach arithmetic (bitwise torch.optim). `session` (offload's overlap
+    bookkeeping) offers precomputed leaf updates (`lookup`) and takes the step's recipe
+    (`record`); see `dsfn.transforms.offload`."""
+    prev = getattr(_host, "on", False), getattr(_host, "session", None)
+    _host.on, _host.session = bool(enabled), session
     try:
         yield
     finally:
-        _host.on = prev
+        _host.on, _host.session = prev
+
+
+def host_session() -> Any:
+    return getattr(_host, "session", None)
 
 
 def host_update_active() -> bool:

@@ -21,16 +21,23 @@ between steps takes effect) and is the very object stored in the state.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Union
+from collections.abc import Callable
+from typing import Any, NamedTuple, Union
 
 import torch
 
 from dsfn import tree
 from dsfn.errors import ConfigError, LeafTypeError
 from dsfn.optim._foreach import check_real, mul_scalar
-from dsfn.optim.base import EmptyState, GradientTransformation, PyTree, tensor_leaves, zero_count
+from dsfn.optim.base import (
+    EmptyState,
+    GradientTransformation,
+    PyTree,
+    tensor_leaves,
+    zero_count,
+)
 
-Schedule = Callable[[torch.Tensor], Union[float, torch.Tensor]]
+Schedule = Callable[[torch.Tensor], float | torch.Tensor]
 LearningRate = Union[float, torch.Tensor, Schedule]
 
 
@@ -149,7 +156,7 @@ class AdamState(NamedTuple):
 
 def _adam_init(params: PyTree, amsgrad: bool) -> tuple[PyTree, PyTree, PyTree]:
     leaves, spec = tensor_leaves(params, "params")
-    zeros = lambda: tree.unflatten(spec, [torch.zeros_like(x) for x in leaves])  # noqa: E731
+    zeros = lambda: tree.unflatten(spec, [torch.zeros_like(x) for x in leaves])
     return zeros(), zeros(), (zeros() if amsgrad else None)
 
 
@@ -260,7 +267,7 @@ def adam_step(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float =
         if not amsgrad and _fused_adamw_applies(p, state, spec):
             return _fused_adamw_step(g, p, state, spec, v, t, count, b1, b2, eps, wd)
         if not amsgrad and _host_adamw_applies(p, g, state):
-            return _host_adamw_step(g, p, state, spec, v, t, count, b1, b2, eps, wd)
+            return _host_adamw_step(g, p, state, spec, v, t, count, b1, b2, eps, wd, lr)
         bc1, bc2_sqrt = 1.0 - b1 ** t, (1.0 - b2 ** t) ** 0.5
         mu, nu, nu_max = _adam_moments(g, state, spec, b1, b2, amsgrad)
         denom = torch._foreach_sqrt(nu_max if amsgrad else nu)
@@ -312,16 +319,40 @@ def _host_adamw_applies(p: list[torch.Tensor], g: list[torch.Tensor], state: Ada
         all(x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) for x in g)
 
 
-def _host_adamw_step(g, p, state: AdamState, spec, v, t: int, count, b1, b2, eps, wd):
+def _host_adamw_step(g, p, state: AdamState, spec, v, t: int, count, b1, b2, eps, wd, lr):
     """New params and moments from the fused C++ host kernel (`dsfn.ops.cpu_adam`): one
     multi-threaded pass over copies of (param, m, v) (inputs are never written). Moments are
-    torch's bitwise; params within an ulp (the kernel's sqrt is correctly rounded)."""
+    torch's bitwise; params within an ulp (the kernel's sqrt is correctly rounded).
+
+    An offload session (`dispatch.host_session()`) may hold leaves already updated during
+    backward from these very inputs (`lookup` checks them); those are taken as they are.
+    The step's recipe (inputs of the next step per leaf path, scalars) is recorded for it."""
+    from dsfn.ops import dispatch
     from dsfn.ops.cpu_adam import cpu_adamw_multi_
-    mu = [x.clone(memory_format=torch.contiguous_format) for x in _flatten_like(state.mu, spec, "Adam state.mu")]
-    nu = [x.clone(memory_format=torch.contiguous_format) for x in _flatten_like(state.nu, spec, "Adam state.nu")]
-    new_p = [x.clone(memory_format=torch.contiguous_format) for x in p]
-    cpu_adamw_multi_(new_p, [x.contiguous() for x in g], mu, nu, lr=v, step=t, beta1=b1, beta2=b2, eps=eps,
-                     weight_decay=wd)
+    mu_in = _flatten_like(state.mu, spec, "Adam state.mu")
+    nu_in = _flatten_like(state.nu, spec, "Adam state.nu")
+    session = dispatch.host_session()
+    from dsfn.state.layout import is_placed
+    # parameter paths (a sharded leaf is one Placed node: its path, not its child's)
+    paths = [q for q, _ in tree.leaves_with_path(tree.unflatten(spec, list(range(len(g)))), is_leaf=is_placed)]
+    lr_f = float(v)
+    hyper = (b1, b2, eps, wd)
+    new_p, mu, nu = [None] * len(g), [None] * len(g), [None] * len(g)
+    todo = []
+    for k in range(len(g)):
+        hit = session.lookup(paths[k], g[k], p[k], mu_in[k], nu_in[k], lr_f, t, hyper) if session else None
+        if hit is None:
+            todo.append(k)
+        else:
+            new_p[k], mu[k], nu[k] = hit
+    if todo:
+        outs = [[x.clone(memory_format=torch.contiguous_format) for x in (p[k], mu_in[k], nu_in[k])] for k in todo]
+        cpu_adamw_multi_([o[0] for o in outs], [g[k].contiguous() for k in todo], [o[1] for o in outs],
+                         [o[2] for o in outs], lr=lr_f, step=t, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+        for k, (a, b, c) in zip(todo, outs):
+            new_p[k], mu[k], nu[k] = a, b, c
+    if session is not None:
+        session.record(paths, new_p, mu, nu, hyper, lambda c: float(_lr_value(lr, c)), int(count))
     new = AdamState(count, tree.unflatten(spec, mu), tree.unflatten(spec, nu), None, lr=_lr_record(v))
     return new_p, p, spec, new
 

@@ -84,6 +84,10 @@ class Pending:
     def __init__(self, work, result: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self._work, self._result, self._finish = work, result, finish
 
+    def done(self) -> bool:
+        """Whether it finished (never blocks)."""
+        return self._work is None or self._work.is_completed()
+
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()

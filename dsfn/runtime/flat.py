@@ -8,8 +8,10 @@ rank's row holds its shards back to back.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -24,6 +26,21 @@ def padded_rows(full: torch.Tensor, n: int) -> torch.Tensor:
     if flat.numel() < n * c:
         flat = torch.cat([flat, flat.new_zeros(n * c - flat.numel())])
     return flat.view(n, c)
+
+
+_shard_listeners: list[Callable[[Any, torch.Tensor], None]] = []
+
+
+@contextlib.contextmanager
+def grad_shard_listener(fn: Callable[[Any, torch.Tensor], None]):
+    """Within this block, `fn(key, shard)` is called as each reduced gradient shard of a
+    `ShardReducer` is complete (while backward still runs, for all but the last buckets).
+    `offload(overlap=True)` uses it to start host updates early."""
+    _shard_listeners.append(fn)
+    try:
+        yield
+    finally:
+        _shard_listeners.remove(fn)
 
 
 class ShardReducer:
@@ -63,15 +80,26 @@ class ShardReducer:
             pending = C.reduce_scatter(bucket.reshape(-1), self.axis, self.op, async_op=True)
             self._inflight.append(([(i, rows.shape[1]) for i, rows in items], pending))
         self._queue, self._queued = [], 0
+        if _shard_listeners:
+            self._drain(block=False)
 
-    def finish(self) -> dict[int, torch.Tensor]:
-        self._launch()
-        for items, pending in self._inflight:
+    def _drain(self, block: bool) -> None:
+        """Collect finished buckets, oldest first (all of them with `block`)."""
+        while self._inflight:
+            items, pending = self._inflight[0]
+            if not block and not pending.done():
+                return
+            self._inflight.pop(0)
             row = pending.wait()
             for (i, c), piece in zip(items, row.split([c for _, c in items])):
                 # views of the bucket's row (a fresh tensor of exactly the shards' size)
                 self.shards[i] = piece if i not in self.shards else self.shards[i] + piece
-        self._inflight = []
+                for fn in _shard_listeners:
+                    fn(i, self.shards[i])
+
+    def finish(self) -> dict[int, torch.Tensor]:
+        self._launch()
+        self._drain(block=True)
         return self.shards
 
 

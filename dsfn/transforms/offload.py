@@ -34,6 +34,16 @@ The host update runs AdamW in the fused, multi-threaded C++ kernel (`dsfn.ops.cp
 within an ulp (correctly rounded sqrt). `host_kernel=False` keeps torch's foreach
 arithmetic (bitwise the run without offload).
 
+`overlap=True` (SuperOffload-style): each parameter's host update starts on a worker
+thread as soon as ZeRO has reduced its gradient shard, while backward continues; the
+speculative results are used only when their inputs prove identical to the real update's,
+so results are bitwise those without overlap (`_OverlapSession`). Hits need the
+parameter's fp32 copy to persist between steps (ZeRO-3 shards, or mixed precision's master
+weights) and gradients that reach the optimizer unchanged (no loss scaling or clipping:
+with `clip_grad_norm` or an fp16 scale the update waits for the global norm / the overflow
+check, i.e. every speculation is a miss and is discarded). Buckets reduced after backward
+(the last ones, all of ZeRO-1's) are speculated after backward.
+
 `params=True` (ZeRO-3 parameters offloaded too) is validated (it needs `shard_zero(3)`)
 but not implemented yet.
 """
@@ -49,7 +59,7 @@ import torch
 from dsfn import tree
 from dsfn.errors import ConfigError, StackError
 from dsfn.ops import dispatch
-from dsfn.runtime import nvme
+from dsfn.runtime import flat, nvme
 from dsfn.state.layout import (
     DimShard,
     FlatShard,
@@ -89,7 +99,8 @@ class Offload(Transform):
     name = "offload"
 
     def __init__(self, device: str = "cpu", params: bool = False, path: str | os.PathLike | None = None,
-                 pin_memory: bool = True, subgroup_bytes: int = 64 << 20, host_kernel: bool = True):
+                 pin_memory: bool = True, subgroup_bytes: int = 64 << 20, host_kernel: bool = True,
+                 overlap: bool = False):
         if device not in ("cpu", "nvme"):
             raise ConfigError(f"offload(device={device!r}): use 'cpu' (host memory) or 'nvme' (files under path=)")
         if not isinstance(params, bool):
@@ -105,6 +116,10 @@ class Offload(Transform):
         self.pin_memory = bool(pin_memory)
         self.subgroup_bytes = subgroup_bytes
         self.host_kernel = bool(host_kernel)
+        if overlap and not self.host_kernel:
+            raise ConfigError("offload(overlap=True) runs the host AdamW kernel early: it needs host_kernel=True")
+        self.overlap = bool(overlap)
+        self._session = _OverlapSession() if self.overlap else None
         self._store: nvme.FileStore | None = None
         if device == "nvme":
             self._store = nvme.FileStore(path)     # ConfigError when path is missing or not writable
@@ -213,7 +228,10 @@ class Offload(Transform):
         params = state.params
         if not isinstance(state.opt_state, MasterState):    # the optimizer reads the parameters
             params = tree.map(to_host, state.params)
-        with dispatch.host_update(self.host_kernel):      # AdamW on the host: the fused C++ kernel
+        session = self._session
+        if session is not None:
+            session.drain()                               # the updates started during backward
+        with dispatch.host_update(self.host_kernel, session):   # AdamW on the host: the fused C++ kernel
             new = call_next(state.replace(params=params, opt_state=host_opt), host_grads)
         # parameters back where they came from
         if new.params is params:
@@ -240,13 +258,30 @@ class Offload(Transform):
                     group, size = [], 0
             nvme.release(group)
             nvme.release([old[k].data for k in offl])      # the input state stays valid (in its file)
+        stored: dict[int, torch.Tensor] = {}
         for k in offl:
             if k in changed:
                 t = dsts[k] if self.device == "nvme" else self._to_host(_data(n_opt[k]))
+                stored[id(_data(n_opt[k]))] = t
                 out[k] = Placed(t, old[k].layout)
             else:
                 out[k] = old[k]          # unchanged (e.g. an fp16 overflow skipped the update)
+        if session is not None:
+            session.commit(stored)     # next step's inputs are the stored tensors
         return new.replace(params=new_params, opt_state=tree.unflatten(spec, out))
+
+    def wrap_step(self, fn):
+        if self._session is None:
+            return fn
+        session = self._session
+
+        def step(state, batch):
+            with flat.grad_shard_listener(session.on_shard):
+                try:
+                    return fn(state, batch)
+                finally:
+                    session.drain()     # nothing keeps running past the step
+        return step
 
     # -- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -263,9 +298,80 @@ class Offload(Transform):
         return False
 
 
+class _OverlapSession:
+    """SuperOffload-style speculation, memoised: as ZeRO finishes reducing a gradient
+    shard during backward (`flat.grad_shard_listener`), the host AdamW of that parameter
+    starts at once on a worker thread (the C++ kernel releases the GIL), from the inputs
+    the previous step left for it (its `recipe`: the stored param/master and moments, the
+    next count's lr). When the real update runs, `lookup` takes a speculative result only
+    if its inputs are exactly the ones the optimizer now sees (the same tensor objects for
+    param and moments, equal gradient values, equal lr/step/hyper-parameters); anything
+    else (an fp16 loss-scale overflow that skips the step, a clipped or unscaled gradient,
+    a state the user swapped) is a miss and is computed normally. So results are bitwise
+    those of `overlap=False`: a wrong speculation is discarded, never applied."""
+
+    def __init__(self) -> None:
+        import concurrent.futures
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsfn-offload")
+        self._futures: list = []
+        self.recipe: dict[str, tuple] = {}
+        self.scalars: tuple | None = None      # (hyper, lr_at, count)
+        self.memo: dict[str, tuple] = {}
+        self.hits = self.misses = self.started = 0
+        self._pending: tuple | None = None
+
+    # -- during backward --------------------------------------------------------------------
+    def on_shard(self, path: Any, shard: torch.Tensor) -> None:
+        entry = self.recipe.get(path)
+        if entry is None or self.scalars is None or shard.device.type != "cpu" or shard.shape != entry[0].shape:
+            return
+        self.started += 1
+        self._futures.append(self._pool.submit(self._speculate, path, shard, entry, self.scalars))
+
+    def _speculate(self, path, shard, entry, scalars) -> None:
+        from dsfn.ops.cpu_adam import cpu_adamw_
+        (b1, b2, eps, wd), lr_at, count = scalars
+        lr, t = lr_at(count), count + 1
+        p, m, v = (x.clone(memory_format=torch.contiguous_format) for x in entry)
+        cpu_adamw_(p, shard.contiguous(), m, v, lr=lr, step=t, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+        self.memo[path] = (entry, shard, lr, t, (b1, b2, eps, wd), (p, m, v))
+
+    def drain(self) -> None:
+        futures, self._futures = self._futures, []
+        for f in futures:
+            f.result()
+
+    # -- the real update (called by the optimizer's host path) ---------------------------------
+    def lookup(self, path, g, p, m, v, lr, t, hyper):
+        hit = self.memo.pop(path, None)
+        if hit is not None:
+            (p0, m0, v0), g0, lr0, t0, hyper0, out = hit
+            if p is p0 and m is m0 and v is v0 and (lr0, t0, hyper0) == (lr, t, hyper) and \
+                    g.shape == g0.shape and torch.equal(g if g.dtype == g0.dtype else g.float(),
+                                                        g0 if g.dtype == g0.dtype else g0.float()):
+                self.hits += 1
+                return out
+        self.misses += 1
+        return None
+
+    def record(self, paths, new_p, mu, nu, hyper, lr_at, count) -> None:
+        self._pending = (paths, new_p, mu, nu, hyper, lr_at, count)
+
+    def commit(self, stored: dict[int, torch.Tensor]) -> None:
+        """The step's state is stored: the next step's inputs per path (stored copies for nvme)."""
+        self.memo.clear()
+        if self._pending is None:
+            return
+        paths, new_p, mu, nu, hyper, lr_at, count = self._pending
+        self._pending = None
+        pick = lambda x: stored.get(id(x), x)
+        self.recipe = {q: (pick(a), pick(b), pick(c)) for q, a, b, c in zip(paths, new_p, mu, nu)}
+        self.scalars = (hyper, lr_at, count)
+
+
 def offload(*args: Any, **kwargs: Any) -> Offload:
     """`offload(device="cpu"|"nvme", params=False, path=None, pin_memory=True, subgroup_bytes=64 MiB,
-    host_kernel=True)`;
+    host_kernel=True, overlap=False)`;
     see the module docstring. `path` (nvme only) is a writable directory on a fast local
     disk; call `.close()` (or use it as a context manager) to remove its files early."""
     return make_transform(Offload, "offload", args, kwargs)

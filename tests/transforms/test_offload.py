@@ -322,3 +322,50 @@ def test_disk_full_errors_before_any_state_changes(tmp_path, monkeypatch):
     monkeypatch.undo()
     s1, _ = step(s0, batch)               # the state is still good
     assert int(s1.step) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# overlap (SuperOffload-style speculation)
+# ----------------------------------------------------------------------------------------------
+
+def _overlap_rank(stage, device, path, mp, fp16_overflow):
+    init_mesh()
+    out = []
+    for overlap in (True, False):
+        apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 7, 4], 0))
+        o = offload(device, path=path, overlap=overlap) if device == "nvme" else offload(device, overlap=overlap)
+        t = [shard_zero(stage, reduce_bucket_size=16), o]
+        if mp:
+            t.append(mixed_precision(torch.float16 if fp16_overflow else torch.bfloat16))
+        if fp16_overflow:
+            t.append(loss_scale(init_scale=2.0 ** 17, hysteresis=1))     # overflows first, then trains
+        step = compose(*t)(train_step_for(apply_fn, mse_loss_fp32))
+        state = step.init_state(params, dsfn.optim.adamw(lr=1e-2, weight_decay=0.1))
+        losses = []
+        for b in regression_batches(6, 4, 6, 4, seed=1):
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+        g = step.gather(state)
+        s = o._session
+        out.append((g.params, g.opt_state, losses, (s.started, s.hits, s.misses, int(state.step)) if s else None))
+        o.close()
+    return out
+
+
+@pytest.mark.parametrize("stage,device,mp,fp16", [(3, "cpu", False, False), (2, "nvme", True, False),
+                                                  (3, "nvme", True, False), (2, "cpu", True, True)])
+def test_overlap_is_bitwise_the_plain_offloaded_run(tmp_path, stage, device, mp, fp16):
+    """Speculative host updates (started as gradient shards are reduced) are used only when
+    their inputs are exactly the real ones: results equal overlap=False bitwise, including
+    an fp16 overflow that skips the step (every speculation of that step is discarded)."""
+    for (p, o, losses, (started, hits, misses, n_updates)), (rp, ro, rlosses, _) in run_on_ranks(
+            _overlap_rank, 2, stage, device, str(tmp_path), mp, fp16, timeout=120):
+        assert losses == rlosses
+        assert_trees_equal(p, rp)
+        assert_trees_equal(o, ro)
+        assert started > 0
+        if fp16:
+            assert 0 < n_updates < 6     # the scripted overflow skipped steps, later ones trained
+            assert hits == 0             # scaled gradients never reach the optimizer unchanged
+        else:
+            assert hits > 0, (started, hits, misses)
