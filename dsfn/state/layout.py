@@ -205,3 +205,19 @@ def gather_tree(physical: Any, mesh: Mesh | None = None) -> Any:
 def data(x: Any) -> Any:
     """The local tensor of a leaf, placed or not."""
     return x.data if isinstance(x, Placed) else x
+
+
+def mirrored_param(path: str, shape: tuple[int, ...] | None, param_shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """The parameter an optimizer-state leaf mirrors: the longest dotted suffix of its
+    `path` that names a parameter of the same (logical) `shape` (Adam's `mu.<name>`,
+    mixed precision's `master.<name>` -> `<name>`). The one rule by which ZeRO shards,
+    offload moves and zenflow masks optimizer state along with its parameter."""
+    if shape is None:
+        return None
+    parts = path.split(".")
+    for k in range(len(parts)):
+        name = ".".join(parts[k:])
+        s = param_shapes.get(name)
+        if s is not None and tuple(s) == tuple(shape):
+            return name
+    return None

@@ -68,6 +68,7 @@ from dsfn.state.layout import (
     Placed,
     Replicated,
     is_placed,
+    mirrored_param,
 )
 from dsfn.transforms.core import Transform, make_transform
 
@@ -410,11 +411,4 @@ def _mirrors(path: str, x: Any, shapes: dict[str, Any]) -> bool:
     """Whether the optimizer-state leaf at `path` mirrors a parameter: the longest dotted
     suffix of its path names a parameter of the same logical shape (ZeRO's rule)."""
     shape = _logical_shape(x)
-    if shape is None or not _data(x).is_floating_point():
-        return False
-    parts = path.split(".")
-    for k in range(len(parts)):
-        s = shapes.get(".".join(parts[k:]))
-        if s is not None and s == shape:
-            return True
-    return False
+    return shape is not None and _data(x).is_floating_point() and mirrored_param(path, shape, shapes) is not None

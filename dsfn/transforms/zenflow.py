@@ -253,8 +253,9 @@ def _keep_columns(new: Any, old: Any, masks: dict, partial: set, others: Any = N
 
 
 def _owner(path: str, x: Any, mats: dict[str, torch.Tensor]) -> str | None:
-    from dsfn.transforms.zero import _mirrored_param
-    return _mirrored_param(path, x, mats)
+    from dsfn.state.layout import mirrored_param
+    shape = tuple(x.shape) if isinstance(x, torch.Tensor) else None
+    return mirrored_param(path, shape, {name: tuple(m.shape) for name, m in mats.items()})
 
 
 def _keep_mirrored_columns(new: Any, old: Any, masks: dict, partial: set, params: Any) -> Any:

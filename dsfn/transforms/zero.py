@@ -37,7 +37,8 @@ choice: only shards are ever held).
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,9 +48,14 @@ from dsfn.errors import ConfigError, StackError
 from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import ShardReducer, all_gather_full
 from dsfn.runtime.mesh import current_mesh
-from dsfn.state.layout import FlatShard, Placed, is_placed, place
+from dsfn.state.layout import FlatShard, Placed, is_placed, mirrored_param, place
 from dsfn.transforms.core import make_transform
-from dsfn.transforms.data_parallel import DataParallel, all_reduce_buckets, stand_in_grad, tap_gradients
+from dsfn.transforms.data_parallel import (
+    DataParallel,
+    all_reduce_buckets,
+    stand_in_grad,
+    tap_gradients,
+)
 
 
 class ShardZero(DataParallel):
@@ -101,12 +107,13 @@ class ShardZero(DataParallel):
         if self.stage == 0:
             return state
         params = dict(tree.leaves_with_path(state.params))
+        shapes = {name: tuple(p.shape) for name, p in params.items()}
         if self.stage == 3:
             state = state.replace(params=tree.map(
                 lambda x: place(x, FlatShard(self.axis, tuple(x.shape))) if self._sharded(x) else x, state.params))
 
         def shard_mirror(path: str, x: torch.Tensor) -> Any:
-            owner = _mirrored_param(path, x, params)
+            owner = mirrored_param(path, tuple(x.shape) if isinstance(x, torch.Tensor) else None, shapes)
             if owner is None or (self.stage == 3 and not self._sharded(params[owner])):
                 return x
             return place(x, FlatShard(self.axis, tuple(x.shape)))
@@ -199,20 +206,6 @@ def shard_zero(*args: Any, **kwargs: Any) -> ShardZero:
 
 def _data(x: Any) -> torch.Tensor:
     return x.data if isinstance(x, Placed) else x
-
-
-def _mirrored_param(path: str, x: Any, params: dict[str, torch.Tensor]) -> str | None:
-    """The parameter path this optimizer-state leaf mirrors: the longest dotted suffix of
-    `path` that names a parameter of the same shape (Adam's `1.mu.<name>` -> `<name>`)."""
-    if not isinstance(x, torch.Tensor):
-        return None
-    parts = path.split(".")
-    for k in range(len(parts)):
-        name = ".".join(parts[k:])
-        p = params.get(name)
-        if p is not None and tuple(p.shape) == tuple(x.shape):
-            return name
-    return None
 
 
 # ---------------------------------------------------------------------------------------------

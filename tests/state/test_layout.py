@@ -66,3 +66,13 @@ def test_place_tree_and_wrong_shape_error():
     assert isinstance(placed["a"], Placed) and placed["b"] is full["b"]
     with pytest.raises(ShapeError, match=r"shape \(4,\)"):
         place(torch.ones(3), FlatShard("dp", (4,)))
+
+
+def test_mirrored_param_is_the_longest_matching_suffix_of_the_same_shape():
+    from dsfn.state.layout import mirrored_param
+    shapes = {"w": (3, 4), "layer.w": (2, 2), "b": (4,)}
+    assert mirrored_param("opt.mu.layer.w", (2, 2), shapes) == "layer.w"     # longest suffix wins
+    assert mirrored_param("opt.mu.w", (3, 4), shapes) == "w"
+    assert mirrored_param("opt.mu.w", (4, 3), shapes) is None               # same name, other shape
+    assert mirrored_param("opt.count", (), shapes) is None
+    assert mirrored_param("opt.mu.b", None, shapes) is None                  # not a tensor
