@@ -5,10 +5,10 @@ selective updates — important columns every step, the rest accumulated and app
 DeepSpeed's ZenFlow (an extension of ZeRO-Offload) updates the top-`topk_ratio` columns
 of every matrix by gradient norm on the GPU every step and accumulates the other
 gradients for a CPU optimizer that runs every `update_interval` steps, overlapped with
-the next steps. This transform reproduces the *numerics* of that schedule. In this first
-version both paths run synchronously in the step, on the device the state lives on
-(put `offload("cpu")` outside it to run both on the host); nothing is overlapped, and
-the update costs about two optimizer passes (one per path) on a flush step.
+the next steps. This transform reproduces the *numerics* of that schedule. Both paths run
+on the device the state lives on (put `offload("cpu")` outside it to run both on the
+host); by default synchronously (a flush step costs about two optimizer passes), with
+`overlap=True` the host update runs behind, one step late (see below).
 
 Place it innermost among the transforms that handle the update, inside the parallel
 transform:
@@ -67,8 +67,19 @@ see the gradient with the other path's columns zeroed. Exact limits: `k == n_in`
 every matrix (e.g. topk_ratio=0.99 and at most 50 columns) is the reference bitwise;
 `update_interval=1` with a stateless elementwise `tx` (SGD without momentum) is too.
 
+`overlap=True` (ZenFlow's bounded asynchrony): the host update of a flush is started on a
+worker thread and applied at the start of the *next* update, before any re-selection; the
+forward/backward of that next step therefore sees the unselected columns one flush
+behind (exactly one step of staleness). The device path never touches unselected
+columns, so the host result computed from the flush's parameters is the same as if
+computed at application time; the state carries the pending mean gradients
+(`pending`), so a checkpoint taken in between resumes exactly (the update is recomputed
+from them, a pure function). The worker's result is used only if its inputs are this
+state's (the same tensor objects), else recomputed.
+
 State (`extra["zenflow"]`, all tensors, checkpointable): `step` (int64), `selected`
-{matrix path: bool [n_in], True = selected}, `buffer` {matrix path: tensor}, `host_opt` (a `tx` state).
+{matrix path: bool [n_in], True = selected}, `buffer` {matrix path: tensor}, `host_opt` (a `tx` state);
+with `overlap`, `pending` {"grads": {matrix path: mean gradient}, "active": bool}.
 """
 from __future__ import annotations
 
@@ -105,7 +116,7 @@ class ZenFlow(Transform):
     name = "zenflow"
 
     def __init__(self, topk_ratio: float = 0.1, update_interval: int = 4, select_interval: int | None = None,
-                 full_warm_up_rounds: int = 0):
+                 full_warm_up_rounds: int = 0, overlap: bool = False):
         if isinstance(topk_ratio, bool) or not isinstance(topk_ratio, (int, float)) or not 0 < topk_ratio < 1:
             raise ConfigError(f"zenflow(topk_ratio={topk_ratio!r}): the fraction of columns updated every step "
                               "is a number in (0, 1), e.g. 0.1")
@@ -128,6 +139,12 @@ class ZenFlow(Transform):
         self.update_interval = update_interval
         self.select_interval = select_interval
         self.full_warm_up_rounds = full_warm_up_rounds
+        if not isinstance(overlap, bool):
+            raise ConfigError(f"zenflow(overlap={overlap!r}): use True (host update one step behind, overlapped) "
+                              "or False")
+        self.overlap = overlap
+        self._pool = None
+        self._job: tuple | None = None      # (inputs, future) of the host update running behind
 
     # -- stack rules -------------------------------------------------------------------------
     def check_stack(self, stack, index):
@@ -145,7 +162,7 @@ class ZenFlow(Transform):
     def explain_note(self) -> str:
         return (f"zenflow(topk_ratio={self.topk_ratio}, update_interval={self.update_interval}, "
                 f"select_interval={self.select_interval}): top columns updated every step, the rest "
-                "accumulated and applied every update_interval steps (synchronously)")
+                "accumulated and applied every update_interval steps " + ("(one step behind, overlapped)" if self.overlap else "(synchronously)"))
 
     # -- layout ------------------------------------------------------------------------------
     def place(self, state: Any) -> Any:
@@ -160,6 +177,9 @@ class ZenFlow(Transform):
             "buffer": {n: torch.zeros(p.shape, dtype=_acc_dtype(p), device=p.device) for n, p in mats.items()},
             "host_opt": state.tx.init(state.params),
         }
+        if self.overlap:    # the host update computed at a flush, applied at the next update
+            zs["pending"] = {"grads": {n: b.clone() for n, b in zs["buffer"].items()},
+                             "active": torch.zeros((), dtype=torch.bool)}
         return state.replace(extra={**state.extra, KEY: zs})
 
     # -- update ------------------------------------------------------------------------------
@@ -170,6 +190,11 @@ class ZenFlow(Transform):
         if tree.structure(grads) != tree.structure(state.params):
             raise LeafTypeError("apply_gradients: grads do not have the structure of params")
         zs = state.extra[KEY]
+        if self.overlap != ("pending" in zs):
+            raise ConfigError(f"zenflow(overlap={self.overlap}): the state was placed with overlap={not self.overlap}; "
+                              "place it with the step that holds this zenflow")
+        if self.overlap and bool(zs["pending"]["active"]):
+            state, zs = self._apply_pending(state, zs, grads)
         t = int(zs["step"])
         rel = t - self.full_warm_up_rounds
         mats = _matrices(state.params)
@@ -202,28 +227,83 @@ class ZenFlow(Transform):
             g = g_by[n]
             buffer[n] = buffer[n] + torch.where(masks[n], torch.zeros((), dtype=g.dtype, device=g.device),
                                                 g).to(buffer[n].dtype)
+        pending = zs.get("pending")
         if rel >= 0 and (rel + 1) % self.update_interval == 0 and partial:
-            from dsfn.optim.base import step as optim_step
-            host_grads = tree.map_with_path(
-                lambda path, g: (buffer[path] / self.update_interval).to(g.dtype) if path in buffer
-                else torch.zeros_like(g), grads)
-            h_params, h_opt = optim_step(state.tx, host_grads, host_opt, new_params)
-            unsel = {n: ~m for n, m in masks.items()}
-            new_params = _keep_columns(h_params, new_params, unsel, partial, others=new_params)
-            host_opt = _keep_mirrored_columns(h_opt, host_opt, unsel, partial, state.params)
+            means = {n: buffer[n] / self.update_interval for n in buffer}
+            if self.overlap:
+                # start the host update now, apply it at the next update (one step behind)
+                pending = {"grads": means, "active": torch.ones((), dtype=torch.bool)}
+                self._start(state.tx, grads, means, host_opt, new_params)
+            else:
+                h_params, h_opt = _host_update(state.tx, grads, means, host_opt, new_params)
+                unsel = {n: ~m for n, m in masks.items()}
+                new_params = _keep_columns(h_params, new_params, unsel, partial, others=new_params)
+                host_opt = _keep_mirrored_columns(h_opt, host_opt, unsel, partial, state.params)
             buffer = {n: torch.zeros_like(b) for n, b in buffer.items()}
 
         new_zs = {"step": zs["step"] + 1, "selected": selected, "buffer": buffer, "host_opt": host_opt}
+        if self.overlap:
+            new_zs["pending"] = pending
         return new.replace(params=new_params, opt_state=new_dev_opt, extra={**new.extra, KEY: new_zs})
+
+    # -- overlap: the host update one step behind ---------------------------------------------------
+    def _start(self, tx, grads, means, host_opt, params) -> None:
+        import concurrent.futures
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsfn-zenflow")
+        self._job = ((means, host_opt, params),
+                     self._pool.submit(_host_update, tx, grads, means, host_opt, params))
+
+    def _apply_pending(self, state, zs, grads):
+        """Apply the host update started at the last flush (the worker's result when its
+        inputs are this state's, else recomputed here, e.g. after loading a checkpoint: the
+        same pure function of the same inputs, so the same result)."""
+        pend, host_opt = zs["pending"], zs["host_opt"]
+        job, self._job = self._job, None
+        result = None
+        if job is not None:
+            (means, h_opt0, params0), fut = job
+            res = fut.result()
+            if h_opt0 is host_opt and _same(means, pend["grads"]) and _same(params0, state.params):
+                result = res
+        if result is None:
+            result = _host_update(state.tx, grads, pend["grads"], host_opt, state.params)
+        h_params, h_opt = result
+        mats = _matrices(state.params)
+        unsel = {n: ~zs["selected"][n][None, :] for n in mats}
+        partial = {n for n in mats if not bool(zs["selected"][n].all())}
+        params = _keep_columns(h_params, state.params, unsel, partial, others=state.params)
+        host_opt = _keep_mirrored_columns(h_opt, host_opt, unsel, partial, state.params)
+        zs = {**zs, "host_opt": host_opt,
+              "pending": {"grads": {n: torch.zeros_like(b) for n, b in pend["grads"].items()},
+                          "active": torch.zeros((), dtype=torch.bool)}}
+        return state.replace(params=params), zs
 
 
 def zenflow(*args: Any, **kwargs: Any) -> ZenFlow:
-    """`zenflow(topk_ratio=0.1, update_interval=4, select_interval=None, full_warm_up_rounds=0)`;
+    """`zenflow(topk_ratio=0.1, update_interval=4, select_interval=None, full_warm_up_rounds=0,
+    overlap=False)`;
     see the module docstring (`select_interval=None` means `update_interval`)."""
     return make_transform(ZenFlow, "zenflow", args, kwargs)
 
 
 # -- helpers -----------------------------------------------------------------------------------
+def _host_update(tx, grads: Any, means: dict, host_opt: Any, params: Any) -> tuple[Any, Any]:
+    """The host path's optimizer step: the interval's mean gradient on the matrices, zero
+    elsewhere, on the host optimizer state (a pure function of its inputs)."""
+    from dsfn.optim.base import step as optim_step
+    host_grads = tree.map_with_path(
+        lambda path, g: means[path].to(g.dtype) if path in means else torch.zeros_like(g), grads)
+    return optim_step(tx, host_grads, host_opt, params)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same tensor objects, leaf by leaf."""
+    la, lb = tree.leaves(a), tree.leaves(b)
+    return len(la) == len(lb) and all(x is y for x, y in zip(la, lb))
+
+
+
 def _matrices(params: Any) -> dict[str, torch.Tensor]:
     return {n: p for n, p in tree.leaves_with_path(params)
             if isinstance(p, torch.Tensor) and p.is_floating_point() and p.dim() == 2}
