@@ -143,6 +143,11 @@ class Offloaded(Layout):
     device: str = "cpu"
     home: str = "cpu"
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape (of the layout it wraps)."""
+        return self.inner.shape
+
     def local_shape(self, mesh=None):
         return self.inner.local_shape(mesh)
 

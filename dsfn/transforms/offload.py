@@ -44,8 +44,10 @@ with `clip_grad_norm` or an fp16 scale the update waits for the global norm / th
 check, i.e. every speculation is a miss and is discarded). Buckets reduced after backward
 (the last ones, all of ZeRO-1's) are speculated after backward.
 
-`params=True` (ZeRO-3 parameters offloaded too) is validated (it needs `shard_zero(3)`)
-but not implemented yet.
+`params=True` (with `device="cpu"` and `shard_zero(3)`): ZeRO-3's parameter shards live in
+host memory too (`Offloaded(FlatShard)`); ZeRO's unit gatherer all-gathers them to the
+compute device just in time (the collectives stage host tensors for NCCL), the update runs
+on them in place on the host, and they stay there.
 """
 from __future__ import annotations
 
@@ -143,8 +145,9 @@ class Offload(Transform):
             if not any(isinstance(t, ShardZero) and t.stage == 3 for t in stack):
                 raise StackError("offload(params=True) offloads ZeRO-3's parameter shards; it needs "
                                  "shard_zero(3) outside it in the stack (or use params=False)")
-            raise ConfigError("offload(params=True) is not implemented yet; use offload(params=False) "
-                              "(optimizer state and master weights only)")
+            if self.device != "cpu":
+                raise ConfigError("offload('nvme', params=True) is not implemented yet: parameter shards go to "
+                                  "host memory only; use offload('cpu', params=True), or params=False")
 
     def explain_note(self) -> str:
         where = "host memory" if self.device == "cpu" else f"files under {self.path}"
@@ -185,9 +188,17 @@ class Offload(Transform):
 
     def place_after(self, state: Any) -> Any:
         """Runs after every transform's `place` (ZeRO sharded the leaves first)."""
+        if self.params:
+            state = state.replace(params=tree.map(self._offload_param, state.params, is_leaf=is_placed))
         if getattr(state, "opt_state", None) is None:
             return state
         return state.replace(opt_state=self._offload_tree(state.opt_state, state.params))
+
+    def _offload_param(self, x: Any) -> Any:
+        """A ZeRO-3 parameter shard moves to host memory (gathered to its device just in time)."""
+        if isinstance(x, Placed) and isinstance(x.layout, FlatShard):
+            return Placed(self._to_host(x.data), self._layout(x.layout, str(x.data.device)))
+        return x
 
     def handle_init_optimizer(self, call_next, state):
         """The optimizer is initialised on the host view (e.g. of offloaded master weights);
@@ -227,8 +238,12 @@ class Offload(Transform):
         p_leaves, p_spec = tree.flatten(state.params, is_leaf=is_placed)
         homes = [_data(x).device for x in p_leaves]
         params = state.params
+        if self.params:      # offloaded parameter shards: the inner stack sees their host view
+            params = tree.map(lambda x: _wrap(_data(x).to("cpu"), x.layout.inner)
+                              if isinstance(x, Placed) and isinstance(x.layout, Offloaded) else x,
+                              params, is_leaf=is_placed)
         if not isinstance(state.opt_state, MasterState):    # the optimizer reads the parameters
-            params = tree.map(to_host, state.params)
+            params = tree.map(to_host, params)
         session = self._session
         if session is not None:
             session.drain()                               # the updates started during backward
@@ -239,7 +254,10 @@ class Offload(Transform):
             new_params = state.params
         else:
             n_leaves = tree.flatten(new.params, is_leaf=is_placed)[0]
-            new_params = tree.unflatten(p_spec, [_move(x, d) for x, d in zip(n_leaves, homes)])
+            back = [Placed(self._to_host(_data(x)), o.layout)       # offloaded params stay on the host
+                    if isinstance(o, Placed) and isinstance(o.layout, Offloaded) else _move(x, d)
+                    for x, o, d in zip(n_leaves, p_leaves, homes)]
+            new_params = tree.unflatten(p_spec, back)
         # optimizer state back into its offloaded layout
         n_opt, n_spec = tree.flatten(new.opt_state, is_leaf=is_placed)
         if n_spec != spec:

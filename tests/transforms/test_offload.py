@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import tempfile
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -296,7 +298,7 @@ def test_bad_stacks():
     with pytest.raises(StackError, match="shard_zero\\(3\\)"):
         compose(offload("cpu", params=True))
     with pytest.raises(ConfigError, match="not implemented"):
-        compose(shard_zero(3), offload("cpu", params=True))
+        compose(shard_zero(3), offload("nvme", path=tempfile.mkdtemp(), params=True))
     with pytest.raises(StackError, match="inside shard_zero"):
         compose(offload("cpu"), shard_zero(1))
     with pytest.raises(StackError, match="outside mixed_precision"):
@@ -369,3 +371,64 @@ def test_overlap_is_bitwise_the_plain_offloaded_run(tmp_path, stage, device, mp,
             assert hits == 0             # scaled gradients never reach the optimizer unchanged
         else:
             assert hits > 0, (started, hits, misses)
+
+
+# ----------------------------------------------------------------------------------------------
+# params=True: ZeRO-3 parameter shards in host memory too
+# ----------------------------------------------------------------------------------------------
+
+def _params_rank(mp):
+    init_mesh()
+    out = []
+    for params_too in (True, False):
+        apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 7, 4], 0))
+        o = offload("cpu", params=params_too, host_kernel=False)
+        t = [shard_zero(3), o] + ([mixed_precision(torch.bfloat16)] if mp else [])
+        step = compose(*t)(train_step_for(apply_fn, mse_loss_fp32))
+        state = step.init_state(params, dsfn.optim.adamw(lr=1e-2, weight_decay=0.1))
+        kinds = sorted({type(x.layout).__name__ for x in tree.leaves(state.params, is_leaf=is_placed)
+                        if isinstance(x, Placed)})
+        losses = []
+        for b in regression_batches(3, 4, 6, 4, seed=3):
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+        kinds_after = sorted({type(x.layout).__name__ for x in tree.leaves(state.params, is_leaf=is_placed)
+                              if isinstance(x, Placed)})
+        g = step.gather(state)
+        out.append((g.params, g.opt_state, losses, kinds, kinds_after))
+    return out
+
+
+@pytest.mark.parametrize("mp", [False, True])
+def test_offload_params_equals_zero3_and_keeps_params_offloaded(mp):
+    for (p, o, losses, kinds, after), (rp, ro, rlosses, rkinds, _) in run_on_ranks(_params_rank, 2, mp,
+                                                                                timeout=120):
+        assert kinds == after == ["Offloaded"] and rkinds == ["FlatShard"]
+        assert losses == rlosses
+        assert_trees_equal(p, rp)
+        assert_trees_equal(o, ro)
+
+
+def _params_ckpt(root):
+    init_mesh()
+    apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 7, 4], 0))
+    step = compose(shard_zero(3), offload("cpu", params=True))(train_step_for(apply_fn, mse_loss_fp32))
+    tx = dsfn.optim.adamw(lr=1e-2)
+    state = step.init_state(params, tx)
+    batches = regression_batches(4, 4, 6, 4, seed=5)
+    for b in batches[:2]:
+        state, _ = step(state, b)
+    dsfn.checkpoint.save(root, state)
+    loaded = dsfn.checkpoint.load(root, like=step.init_state(params, tx))
+    kinds = sorted({type(x.layout).__name__ for x in tree.leaves(loaded.params, is_leaf=is_placed)
+                    if isinstance(x, Placed)})
+    for b in batches[2:]:
+        state, _ = step(state, b)
+        loaded, _ = step(loaded, b)
+    return kinds, step.gather(state).replace(tx=None), step.gather(loaded).replace(tx=None)
+
+
+def test_offload_params_checkpoint_round_trip(tmp_path):
+    for kinds, a, b in run_on_ranks(_params_ckpt, 2, str(tmp_path), timeout=120):
+        assert kinds == ["Offloaded"]
+        assert_trees_equal(a, b)
