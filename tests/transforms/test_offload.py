@@ -3,7 +3,6 @@ the update runs there, and every stack with it equals the same stack without it.
 import os
 import subprocess
 import sys
-
 import tempfile
 
 import pytest
