@@ -81,18 +81,24 @@ _host = threading.local()
 
 
 @contextlib.contextmanager
-def host_update(enabled: bool = True, session: Any = None):
+def host_update(enabled: bool = True, session: Any = None, plan: Any = None):
     """Within this block, optimizer updates of CPU tensors use the fused host kernel
     (`dsfn.ops.cpu_adam`): `offload` runs its host update here. Outside it, CPU updates
     keep torch's foreach arithmetic (bitwise torch.optim). `session` (offload's overlap
     bookkeeping) offers precomputed leaf updates (`lookup`) and takes the step's recipe
-    (`record`); see `dsfn.transforms.offload`."""
-    prev = getattr(_host, "on", False), getattr(_host, "session", None)
-    _host.on, _host.session = bool(enabled), session
+    (`record`); `plan` (offload's NVMe streaming) gives file-backed destinations for the
+    new state (`out_for`), sub-group size (`group_bytes`), `prefetch` and `release`; see
+    `dsfn.transforms.offload`."""
+    prev = getattr(_host, "on", False), getattr(_host, "session", None), getattr(_host, "plan", None)
+    _host.on, _host.session, _host.plan = bool(enabled), session, plan
     try:
         yield
     finally:
-        _host.on, _host.session = prev
+        _host.on, _host.session, _host.plan = prev
+
+
+def host_plan() -> Any:
+    return getattr(_host, "plan", None)
 
 
 def host_session() -> Any:

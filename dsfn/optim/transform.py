@@ -328,7 +328,6 @@ def _host_adamw_step(g, p, state: AdamState, spec, v, t: int, count, b1, b2, eps
     backward from these very inputs (`lookup` checks them); those are taken as they are.
     The step's recipe (inputs of the next step per leaf path, scalars) is recorded for it."""
     from dsfn.ops import dispatch
-    from dsfn.ops.cpu_adam import cpu_adamw_multi_
     mu_in = _flatten_like(state.mu, spec, "Adam state.mu")
     nu_in = _flatten_like(state.nu, spec, "Adam state.nu")
     session = dispatch.host_session()
@@ -346,15 +345,48 @@ def _host_adamw_step(g, p, state: AdamState, spec, v, t: int, count, b1, b2, eps
         else:
             new_p[k], mu[k], nu[k] = hit
     if todo:
-        outs = [[x.clone(memory_format=torch.contiguous_format) for x in (p[k], mu_in[k], nu_in[k])] for k in todo]
-        cpu_adamw_multi_([o[0] for o in outs], [g[k].contiguous() for k in todo], [o[1] for o in outs],
-                         [o[2] for o in outs], lr=lr_f, step=t, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
-        for k, (a, b, c) in zip(todo, outs):
-            new_p[k], mu[k], nu[k] = a, b, c
+        _host_adamw_groups(todo, g, p, mu_in, nu_in, new_p, mu, nu, dispatch.host_plan(),
+                           dict(lr=lr_f, step=t, beta1=b1, beta2=b2, eps=eps, weight_decay=wd))
     if session is not None:
         session.record(paths, new_p, mu, nu, hyper, lambda c: float(_lr_value(lr, c)), int(count))
     new = AdamState(count, tree.unflatten(spec, mu), tree.unflatten(spec, nu), None, lr=_lr_record(v))
     return new_p, p, spec, new
+
+
+def _host_adamw_groups(todo, g, p, mu_in, nu_in, new_p, mu, nu, plan, kw) -> None:
+    """Run the host kernel over leaves `todo`, writing new (param, m, v) into `new_p`, `mu`,
+    `nu`. Without a plan: one call over fresh copies. With offload's NVMe plan: in
+    sub-groups of about `plan.group_bytes`, each leaf's result goes straight into its
+    pre-allocated file-backed destination; the next sub-group's inputs are read ahead
+    (`plan.prefetch`) while this one computes, and a finished sub-group's pages (inputs and
+    outputs) are released, so resident memory stays about one sub-group."""
+    from dsfn.ops.cpu_adam import cpu_adamw_multi_
+
+    def dest(x: torch.Tensor) -> torch.Tensor:
+        d = plan.out_for(x) if plan is not None else None
+        if d is None:
+            return x.clone(memory_format=torch.contiguous_format)
+        return d.copy_(x)
+    groups, cur, size = [], [], 0
+    limit = plan.group_bytes if plan is not None else float("inf")
+    for k in todo:
+        cur.append(k)
+        size += 3 * p[k].numel() * p[k].element_size()
+        if size >= limit:
+            groups.append(cur)
+            cur, size = [], 0
+    if cur:
+        groups.append(cur)
+    for i, grp in enumerate(groups):
+        if plan is not None and i + 1 < len(groups):
+            plan.prefetch([x[k] for k in groups[i + 1] for x in (p, mu_in, nu_in)])
+        outs = [[dest(x[k]) for x in (p, mu_in, nu_in)] for k in grp]
+        cpu_adamw_multi_([o[0] for o in outs], [g[k].contiguous() for k in grp], [o[1] for o in outs],
+                         [o[2] for o in outs], **kw)
+        for k, (a, b, c) in zip(grp, outs):
+            new_p[k], mu[k], nu[k] = a, b, c
+        if plan is not None:
+            plan.release([x[k] for k in grp for x in (p, mu_in, nu_in)] + [x for o in outs for x in o])
 
 
 def _fused_adamw_step(g, p, state: AdamState, spec, v, t: int, count, b1, b2, eps, wd):

@@ -32,6 +32,7 @@ import torch
 from dsfn.errors import ConfigError, DsfnError
 
 PAGE = mmap.PAGESIZE
+MADV_WILLNEED = 3
 MADV_DONTNEED = 4
 _counter = itertools.count()
 _lock = threading.Lock()
@@ -141,6 +142,17 @@ class FileStore:
         """Remove the directory (mapped tensors stay valid: their files are already unlinked)."""
         self.closed = True
         self._finalizer()
+
+
+def prefetch(tensors: Sequence[torch.Tensor]) -> None:
+    """Ask the kernel to read the pages of file-backed tensors ahead, asynchronously
+    (madvise(MADV_WILLNEED)); the disk reads overlap whatever runs next."""
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if n == 0:
+            continue
+        start = t.data_ptr() // PAGE * PAGE
+        _madvise(start, _round_up(t.data_ptr() + n - start, PAGE), MADV_WILLNEED)
 
 
 def release(tensors: Sequence[torch.Tensor]) -> None:

@@ -247,7 +247,10 @@ class Offload(Transform):
         session = self._session
         if session is not None:
             session.drain()                               # the updates started during backward
-        with dispatch.host_update(self.host_kernel, session):   # AdamW on the host: the fused C++ kernel
+        plan = None
+        if self.device == "nvme" and offl:     # stream the update into the new file, sub-group by sub-group
+            plan = _NvmePlan({id(_data(host_view[k])): d for k, d in zip(offl, dst)}, self.subgroup_bytes)
+        with dispatch.host_update(self.host_kernel, session, plan):   # AdamW on the host: the C++ kernel
             new = call_next(state.replace(params=params, opt_state=host_opt), host_grads)
         # parameters back where they came from
         if new.params is params:
@@ -269,6 +272,8 @@ class Offload(Transform):
             group, size = [], 0
             for k in changed:
                 d = dsts[k]
+                if _data(n_opt[k]) is d:      # streamed straight into its file by the host kernel
+                    continue
                 d.copy_(_data(n_opt[k]))
                 group.append(d)
                 size += d.numel() * d.element_size()
@@ -315,6 +320,29 @@ class Offload(Transform):
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+class _NvmePlan:
+    """Where the host AdamW writes the new offloaded state (`dispatch.host_update(plan=)`):
+    each input leaf's pre-allocated file-backed destination, sub-groups of `group_bytes`,
+    read-ahead of the next sub-group and release of finished ones (`dsfn.runtime.nvme`)."""
+
+    def __init__(self, dest: dict[int, torch.Tensor], group_bytes: int):
+        self.dest, self.group_bytes = dest, group_bytes
+        self._ours = set(dest) | {id(d) for d in dest.values()}     # inputs and destinations
+        self.streamed = 0
+
+    def out_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        d = self.dest.get(id(x))
+        if d is not None:
+            self.streamed += 1
+        return d
+
+    def prefetch(self, tensors) -> None:
+        nvme.prefetch([t for t in tensors if id(t) in self.dest])
+
+    def release(self, tensors) -> None:
+        nvme.release([t for t in tensors if id(t) in self._ours])
 
 
 class _OverlapSession:
