@@ -44,10 +44,10 @@ with `clip_grad_norm` or an fp16 scale the update waits for the global norm / th
 check, i.e. every speculation is a miss and is discarded). Buckets reduced after backward
 (the last ones, all of ZeRO-1's) are speculated after backward.
 
-`params=True` (with `device="cpu"` and `shard_zero(3)`): ZeRO-3's parameter shards live in
-host memory too (`Offloaded(FlatShard)`); ZeRO's unit gatherer all-gathers them to the
-compute device just in time (the collectives stage host tensors for NCCL), the update runs
-on them in place on the host, and they stay there.
+`params=True` (with `shard_zero(3)`, `device="cpu"`; NVMe parameter files are not built yet):
+ZeRO-3's parameter shards live in host memory too (`Offloaded(FlatShard)`); ZeRO's unit
+gatherer all-gathers them to the compute device just in time (the collectives stage host
+tensors for NCCL), the update runs on the host, and the new shards stay there.
 """
 from __future__ import annotations
 
@@ -189,16 +189,28 @@ class Offload(Transform):
     def place_after(self, state: Any) -> Any:
         """Runs after every transform's `place` (ZeRO sharded the leaves first)."""
         if self.params:
-            state = state.replace(params=tree.map(self._offload_param, state.params, is_leaf=is_placed))
+            state = state.replace(params=self._offload_params(state.params))
         if getattr(state, "opt_state", None) is None:
             return state
         return state.replace(opt_state=self._offload_tree(state.opt_state, state.params))
 
-    def _offload_param(self, x: Any) -> Any:
-        """A ZeRO-3 parameter shard moves to host memory (gathered to its device just in time)."""
-        if isinstance(x, Placed) and isinstance(x.layout, FlatShard):
-            return Placed(self._to_host(x.data), self._layout(x.layout, str(x.data.device)))
-        return x
+    def _offload_params(self, params: Any, layouts: list | None = None) -> Any:
+        """ZeRO-3 parameter shards (FlatShard pieces, or pieces of the given offloaded
+        `layouts`) into host memory or a new file (gathered to their device just in time)."""
+        leaves, spec = tree.flatten(params, is_leaf=is_placed)
+        if layouts is None:
+            layouts = [self._layout(x.layout, str(x.data.device))
+                       if isinstance(x, Placed) and isinstance(x.layout, FlatShard) else None for x in leaves]
+        picks = [k for k, lay in enumerate(layouts) if lay is not None]
+        pieces = [_data(leaves[k]) for k in picks]
+        if self.device == "nvme":
+            stored = self._store.store(pieces, self.subgroup_bytes) if pieces else []
+        else:
+            stored = [self._to_host(t) for t in pieces]
+        out = list(leaves)
+        for k, t in zip(picks, stored):
+            out[k] = Placed(t, layouts[k])
+        return tree.unflatten(spec, out)
 
     def handle_init_optimizer(self, call_next, state):
         """The optimizer is initialised on the host view (e.g. of offloaded master weights);
@@ -257,10 +269,11 @@ class Offload(Transform):
             new_params = state.params
         else:
             n_leaves = tree.flatten(new.params, is_leaf=is_placed)[0]
-            back = [Placed(self._to_host(_data(x)), o.layout)       # offloaded params stay on the host
-                    if isinstance(o, Placed) and isinstance(o.layout, Offloaded) else _move(x, d)
-                    for x, o, d in zip(n_leaves, p_leaves, homes)]
-            new_params = tree.unflatten(p_spec, back)
+            offl_p = [o.layout if isinstance(o, Placed) and isinstance(o.layout, Offloaded) else None
+                      for o in p_leaves]
+            back = [x if lay is not None else _move(x, d) for x, lay, d in zip(n_leaves, offl_p, homes)]
+            # offloaded parameter shards stay where they live (host memory, or a new file)
+            new_params = self._offload_params(tree.unflatten(p_spec, back), offl_p)
         # optimizer state back into its offloaded layout
         n_opt, n_spec = tree.flatten(new.opt_state, is_leaf=is_placed)
         if n_spec != spec:
@@ -272,9 +285,8 @@ class Offload(Transform):
             group, size = [], 0
             for k in changed:
                 d = dsts[k]
-                if _data(n_opt[k]) is d:      # streamed straight into its file by the host kernel
-                    continue
-                d.copy_(_data(n_opt[k]))
+                if _data(n_opt[k]) is not d:  # (else streamed into its file by the host kernel; its
+                    d.copy_(_data(n_opt[k]))  # pages may be resident again: the inner stack read it)
                 group.append(d)
                 size += d.numel() * d.element_size()
                 if size >= self.subgroup_bytes:

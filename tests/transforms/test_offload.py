@@ -376,12 +376,12 @@ def test_overlap_is_bitwise_the_plain_offloaded_run(tmp_path, stage, device, mp,
 # params=True: ZeRO-3 parameter shards in host memory too
 # ----------------------------------------------------------------------------------------------
 
-def _params_rank(mp):
+def _params_rank(mp, device, root):
     init_mesh()
     out = []
     for params_too in (True, False):
         apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 7, 4], 0))
-        o = offload("cpu", params=params_too, host_kernel=False)
+        o = offload(device, params=params_too, host_kernel=False, **({"path": root} if device == "nvme" else {}))
         t = [shard_zero(3), o] + ([mixed_precision(torch.bfloat16)] if mp else [])
         step = compose(*t)(train_step_for(apply_fn, mse_loss_fp32))
         state = step.init_state(params, dsfn.optim.adamw(lr=1e-2, weight_decay=0.1))
@@ -398,11 +398,12 @@ def _params_rank(mp):
     return out
 
 
-@pytest.mark.parametrize("mp", [False, True])
-def test_offload_params_equals_zero3_and_keeps_params_offloaded(mp):
-    for (p, o, losses, kinds, after), (rp, ro, rlosses, rkinds, _) in run_on_ranks(_params_rank, 2, mp,
-                                                                                timeout=120):
-        assert kinds == after == ["Offloaded"] and rkinds == ["FlatShard"]
+@pytest.mark.parametrize("mp,device", [(False, "cpu"), (True, "cpu")])
+def test_offload_params_equals_zero3_and_keeps_params_offloaded(tmp_path, mp, device):
+    want = ["NvmeOffloaded"] if device == "nvme" else ["Offloaded"]
+    for (p, o, losses, kinds, after), (rp, ro, rlosses, rkinds, _) in run_on_ranks(
+            _params_rank, 2, mp, device, str(tmp_path), timeout=120):
+        assert kinds == after == want and rkinds == ["FlatShard"]
         assert losses == rlosses
         assert_trees_equal(p, rp)
         assert_trees_equal(o, ro)
