@@ -110,7 +110,9 @@ def test_rank_that_raises_fails_fast_while_peers_block():
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as info:
         spawn(fn, 4, timeout=60)
-    assert time.monotonic() - t0 < 3
+    # far below the 60 s timeout and the peers' 1000 s sleep; the margin covers starting 4
+    # ranks from a large test process on a loaded 2-core machine (seen: 5.4 s)
+    assert time.monotonic() - t0 < 15
     err = info.value
     assert err.rank == 2 and err.reason == "exception"
     assert "rank 2" in str(err) and "ValueError: boom on purpose" in str(err)
@@ -138,7 +140,7 @@ def test_hanging_rank_times_out_and_is_named():
     with pytest.raises(RankFailure) as info:
         spawn(fn, 2, timeout=3)
     elapsed = time.monotonic() - t0
-    assert 3 <= elapsed < 7
+    assert 3 <= elapsed < 15     # the timeout, plus stack dumps and clean-up on a loaded machine
     err = info.value
     assert err.reason == "timeout" and err.rank == 1 and err.ranks == [1]
     assert "[1]" in str(err) and "3 s" in str(err)
