@@ -44,10 +44,11 @@ with `clip_grad_norm` or an fp16 scale the update waits for the global norm / th
 check, i.e. every speculation is a miss and is discarded). Buckets reduced after backward
 (the last ones, all of ZeRO-1's) are speculated after backward.
 
-`params=True` (with `shard_zero(3)`, `device="cpu"`; NVMe parameter files are not built yet):
-ZeRO-3's parameter shards live in host memory too (`Offloaded(FlatShard)`); ZeRO's unit
-gatherer all-gathers them to the compute device just in time (the collectives stage host
-tensors for NCCL), the update runs on the host, and the new shards stay there.
+`params=True` (with `shard_zero(3)`): ZeRO-3's parameter shards live in host memory or files
+too (`Offloaded(FlatShard)` / `NvmeOffloaded`); ZeRO's unit gatherer all-gathers them to
+the compute device just in time (the collectives stage host tensors for NCCL), the update
+runs on the host, and the new shards are stored the same way (a new file for "nvme"). The
+optimizer state is made from the parameters' host view, then offloaded like the rest.
 """
 from __future__ import annotations
 
@@ -141,13 +142,9 @@ class Offload(Transform):
             if isinstance(t, MixedPrecision):
                 raise StackError("offload must sit outside mixed_precision: write compose(offload(...), "
                                  "mixed_precision(...)) so the fp32 master weights are offloaded too")
-        if self.params:
-            if not any(isinstance(t, ShardZero) and t.stage == 3 for t in stack):
-                raise StackError("offload(params=True) offloads ZeRO-3's parameter shards; it needs "
-                                 "shard_zero(3) outside it in the stack (or use params=False)")
-            if self.device != "cpu":
-                raise ConfigError("offload('nvme', params=True) is not implemented yet: parameter shards go to "
-                                  "host memory only; use offload('cpu', params=True), or params=False")
+        if self.params and not any(isinstance(t, ShardZero) and t.stage == 3 for t in stack):
+            raise StackError("offload(params=True) offloads ZeRO-3's parameter shards; it needs "
+                             "shard_zero(3) outside it in the stack (or use params=False)")
 
     def explain_note(self) -> str:
         where = "host memory" if self.device == "cpu" else f"files under {self.path}"
@@ -212,6 +209,12 @@ class Offload(Transform):
             out[k] = Placed(t, layouts[k])
         return tree.unflatten(spec, out)
 
+    def _params_view(self, params: Any) -> Any:
+        """Offloaded parameter shards as host tensors in their inner (ZeRO) layouts."""
+        return tree.map(lambda x: _wrap(_data(x).to("cpu"), x.layout.inner)
+                        if isinstance(x, Placed) and isinstance(x.layout, Offloaded) else x,
+                        params, is_leaf=is_placed)
+
     def handle_init_optimizer(self, call_next, state):
         """The optimizer is initialised on the host view (e.g. of offloaded master weights);
         what it makes is offloaded, what it passed through keeps its offloaded leaf."""
@@ -227,6 +230,8 @@ class Offload(Transform):
                 else:
                     view.append(x)
             state = state.replace(opt_state=tree.unflatten(spec, view))
+        if self.params:      # the optimizer makes its state from the parameters' host view (inner
+            state = state.replace(params=self._params_view(state.params))   # layouts), then it is offloaded
         new, spec = tree.flatten(call_next(state), is_leaf=is_placed)
         new = [kept.get(id(_data(x)), x) for x in new]
         return self._offload_tree(tree.unflatten(spec, new), state.params)
@@ -251,9 +256,7 @@ class Offload(Transform):
         homes = [_data(x).device for x in p_leaves]
         params = state.params
         if self.params:      # offloaded parameter shards: the inner stack sees their host view
-            params = tree.map(lambda x: _wrap(_data(x).to("cpu"), x.layout.inner)
-                              if isinstance(x, Placed) and isinstance(x.layout, Offloaded) else x,
-                              params, is_leaf=is_placed)
+            params = self._params_view(params)
         if not isinstance(state.opt_state, MasterState):    # the optimizer reads the parameters
             params = tree.map(to_host, params)
         session = self._session

@@ -3,7 +3,6 @@ the update runs there, and every stack with it equals the same stack without it.
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -296,8 +295,6 @@ def test_bad_stacks():
         compose(shard_zero(2), offload("cpu", params=True))
     with pytest.raises(StackError, match="shard_zero\\(3\\)"):
         compose(offload("cpu", params=True))
-    with pytest.raises(ConfigError, match="not implemented"):
-        compose(shard_zero(3), offload("nvme", path=tempfile.mkdtemp(), params=True))
     with pytest.raises(StackError, match="inside shard_zero"):
         compose(offload("cpu"), shard_zero(1))
     with pytest.raises(StackError, match="outside mixed_precision"):
@@ -387,6 +384,10 @@ def _params_rank(mp, device, root):
         state = step.init_state(params, dsfn.optim.adamw(lr=1e-2, weight_decay=0.1))
         kinds = sorted({type(x.layout).__name__ for x in tree.leaves(state.params, is_leaf=is_placed)
                         if isinstance(x, Placed)})
+        if device == "nvme" and params_too:     # every nvme leaf (params and optimizer state) is in a file
+            nv = [x for x in tree.leaves(state, is_leaf=is_placed)
+                  if isinstance(x, Placed) and type(x.layout).__name__ == "NvmeOffloaded"]
+            assert len(nv) == (6 + 12 + (6 if mp else 0)) and all(nvme.is_file_backed(x.data, root) for x in nv)
         losses = []
         for b in regression_batches(3, 4, 6, 4, seed=3):
             state, m = step(state, b)
@@ -398,7 +399,7 @@ def _params_rank(mp, device, root):
     return out
 
 
-@pytest.mark.parametrize("mp,device", [(False, "cpu"), (True, "cpu")])
+@pytest.mark.parametrize("mp,device", [(False, "cpu"), (True, "cpu"), (False, "nvme"), (True, "nvme")])
 def test_offload_params_equals_zero3_and_keeps_params_offloaded(tmp_path, mp, device):
     want = ["NvmeOffloaded"] if device == "nvme" else ["Offloaded"]
     for (p, o, losses, kinds, after), (rp, ro, rlosses, rkinds, _) in run_on_ranks(
@@ -438,9 +439,8 @@ def _stream_peak(root, stream):
     """Peak resident growth during one offload('nvme') step: 8 matrices of 1 MiB, 16 MiB of
     Adam moments in files."""
     import ctypes
-    import re
-
     import importlib
+    import re
     O = importlib.import_module("dsfn.transforms.offload")   # the package re-exports the function
     init_mesh()
     libc = ctypes.CDLL("libc.so.6")
