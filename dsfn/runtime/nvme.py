@@ -36,6 +36,9 @@ MADV_WILLNEED = 3
 MADV_DONTNEED = 4
 _counter = itertools.count()
 _lock = threading.Lock()
+# address ranges [start, end) of the file mappings this module made: madvise is only ever
+# applied inside them (DONTNEED on anonymous memory would zero live heap data)
+_mapped: dict[int, int] = {}
 _libc = None
 
 
@@ -113,6 +116,7 @@ class FileStore:
                                          "path. The state was not changed.") from None
                 raise
             buf = torch.from_file(name, shared=True, size=total, dtype=torch.uint8)
+            _register(buf.data_ptr(), buf.data_ptr() + total)
         finally:
             os.close(fd)
             os.unlink(name)      # the mapping keeps the data; the space returns with the last reference
@@ -144,6 +148,25 @@ class FileStore:
         self._finalizer()
 
 
+def _register(start: int, end: int) -> None:
+    """Remember a new mapping; ranges it overlaps belonged to mappings already gone (the
+    kernel reuses their addresses), so they are dropped. Stale entries can only make the
+    check below more lenient, never fail a valid call."""
+    with _lock:
+        for s in [s for s, e in _mapped.items() if s < end and start < e]:
+            del _mapped[s]
+        _mapped[start] = end
+
+
+def _check_mapped(t: torch.Tensor, what: str) -> None:
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    with _lock:
+        ok = any(s <= lo and hi <= e for s, e in _mapped.items())
+    if not ok:
+        raise RuntimeError(f"dsfn internal error: nvme.{what} of a tensor that is not in an NVMe state file "
+                           f"(address {lo:#x}); refusing to madvise anonymous memory")
+
+
 def prefetch(tensors: Sequence[torch.Tensor]) -> None:
     """Ask the kernel to read the pages of file-backed tensors ahead, asynchronously
     (madvise(MADV_WILLNEED)); the disk reads overlap whatever runs next."""
@@ -151,6 +174,7 @@ def prefetch(tensors: Sequence[torch.Tensor]) -> None:
         n = t.numel() * t.element_size()
         if n == 0:
             continue
+        _check_mapped(t, "prefetch")
         start = t.data_ptr() // PAGE * PAGE
         _madvise(start, _round_up(t.data_ptr() + n - start, PAGE), MADV_WILLNEED)
 
@@ -161,6 +185,7 @@ def release(tensors: Sequence[torch.Tensor]) -> None:
         n = t.numel() * t.element_size()
         if n == 0:
             continue
+        _check_mapped(t, "release")
         start = t.data_ptr() // PAGE * PAGE
         _madvise(start, _round_up(t.data_ptr() + n - start, PAGE), MADV_DONTNEED)
 

@@ -486,3 +486,18 @@ def test_nvme_update_streams_through_subgroups(tmp_path):
     (peak_n, _), = run_on_ranks(_stream_peak, 1, str(tmp_path / "n"), False, timeout=120)
     assert streamed == [16]                        # mu and nu of the 8 matrices went to their files
     assert peak_s + (8 << 20) <= peak_n, (peak_s, peak_n)
+
+
+def test_nvme_never_madvises_memory_outside_its_files(tmp_path):
+    """release/prefetch refuse anonymous memory (DONTNEED there would zero live heap data)."""
+    heap = torch.ones(1 << 16)
+    for fn in (nvme.release, nvme.prefetch):
+        with pytest.raises(RuntimeError, match="not in an NVMe state file"):
+            fn([heap])
+    assert bool((heap == 1).all())
+    store = nvme.FileStore(tmp_path)
+    (t,) = store.store([torch.arange(5000, dtype=torch.float32)])
+    nvme.prefetch([t])
+    nvme.release([t])                       # inside a state file: fine, and the data stays
+    assert torch.equal(t, torch.arange(5000, dtype=torch.float32))
+    store.close()
