@@ -501,3 +501,35 @@ def test_nvme_never_madvises_memory_outside_its_files(tmp_path):
     nvme.release([t])                       # inside a state file: fine, and the data stays
     assert torch.equal(t, torch.arange(5000, dtype=torch.float32))
     store.close()
+
+
+def _full_stack_rank(device, path):
+    from dsfn.transforms import accumulate, clip_grad_norm
+    init_mesh()
+    out = []
+    for with_offload in (True, False):
+        apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 4], 0))
+        off = [_offl(device, path, host_kernel=False)] if with_offload else []
+        step = compose(shard_zero(2), accumulate(2), *off, mixed_precision(torch.bfloat16),
+                       clip_grad_norm(0.5))(train_step_for(apply_fn, mse_loss_fp32))
+        state = step.init_state(params, dsfn.optim.adamw(lr=1e-2))
+        losses = []
+        for b in regression_batches(3, 8, 6, 4, seed=7):
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+        g = step.gather(state)
+        out.append((g.params, g.opt_state, losses))
+        for t in off:
+            t.close()
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_offload_composes_with_accumulate_and_clipping(tmp_path, device):
+    """shard_zero(2), accumulate(2), offload, mixed_precision, clip_grad_norm: bitwise the same
+    stack without offload (the update runs on the host after accumulation and clipping)."""
+    for (p, o, losses), (rp, ro, rlosses) in run_on_ranks(_full_stack_rank, 2, device, str(tmp_path),
+                                                          timeout=120):
+        assert losses == rlosses
+        assert_trees_equal(p, rp)
+        assert_trees_equal(o, ro)
