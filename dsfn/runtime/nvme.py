@@ -167,27 +167,26 @@ def _check_mapped(t: torch.Tensor, what: str) -> None:
                            f"(address {lo:#x}); refusing to madvise anonymous memory")
 
 
-def prefetch(tensors: Sequence[torch.Tensor]) -> None:
-    """Ask the kernel to read the pages of file-backed tensors ahead, asynchronously
-    (madvise(MADV_WILLNEED)); the disk reads overlap whatever runs next."""
+def _advise(tensors: Sequence[torch.Tensor], advice: int, what: str) -> None:
+    """madvise every page of each (file-backed, this module's) tensor."""
     for t in tensors:
         n = t.numel() * t.element_size()
         if n == 0:
             continue
-        _check_mapped(t, "prefetch")
+        _check_mapped(t, what)
         start = t.data_ptr() // PAGE * PAGE
-        _madvise(start, _round_up(t.data_ptr() + n - start, PAGE), MADV_WILLNEED)
+        _madvise(start, _round_up(t.data_ptr() + n - start, PAGE), advice)
+
+
+def prefetch(tensors: Sequence[torch.Tensor]) -> None:
+    """Ask the kernel to read the pages of file-backed tensors ahead, asynchronously
+    (madvise(MADV_WILLNEED)); the disk reads overlap whatever runs next."""
+    _advise(tensors, MADV_WILLNEED, "prefetch")
 
 
 def release(tensors: Sequence[torch.Tensor]) -> None:
     """Drop the pages of file-backed tensors from resident memory (the data stays in the file)."""
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        if n == 0:
-            continue
-        _check_mapped(t, "release")
-        start = t.data_ptr() // PAGE * PAGE
-        _madvise(start, _round_up(t.data_ptr() + n - start, PAGE), MADV_DONTNEED)
+    _advise(tensors, MADV_DONTNEED, "release")
 
 
 def mapped_files(root: str) -> dict[str, dict[str, int]]:

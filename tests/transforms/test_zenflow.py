@@ -16,7 +16,12 @@ import dsfn
 from dsfn import tree
 from dsfn.errors import ConfigError, StackError
 from dsfn.testing.models import make_mlp, regression_batches
-from dsfn.testing.reference import assert_matches_reference, mse_loss, run_training
+from dsfn.testing.reference import (
+    assert_matches_reference,
+    mse_loss,
+    run_training,
+    train_step_for,
+)
 from dsfn.transforms import (
     clip_grad_norm,
     compose,
@@ -154,9 +159,7 @@ def test_adam_state_per_path_and_migration():
     torch.manual_seed(0)
     apply_fn, params = dsfn.functionalize(make_mlp(SIZES, 0))
 
-    def train_step(state, batch):
-        loss, grads = dsfn.value_and_grad(lambda p, b: mse_loss(apply_fn, p, b))(state.params, batch)
-        return state.apply_gradients(grads), {"loss": loss}
+    train_step = train_step_for(apply_fn, mse_loss)
     step = compose(zenflow(topk_ratio=0.4, update_interval=2))(train_step)
     s0 = step.init_state(params, dsfn.optim.adamw(lr=1e-2))
     name = "layers.0.weight"
@@ -185,9 +188,7 @@ def test_checkpoint_round_trip_mid_interval_is_bitwise(tmp_path):
     torch.manual_seed(0)
     apply_fn, params = dsfn.functionalize(make_mlp(SIZES, 0))
 
-    def train_step(state, batch):
-        loss, grads = dsfn.value_and_grad(lambda p, b: mse_loss(apply_fn, p, b))(state.params, batch)
-        return state.apply_gradients(grads), {"loss": loss}
+    train_step = train_step_for(apply_fn, mse_loss)
     step = compose(zenflow(topk_ratio=0.3, update_interval=2, select_interval=4))(train_step)
     tx = dsfn.optim.adamw(lr=1e-2)
     full = step.init_state(params, tx)
@@ -354,9 +355,7 @@ def _overlap_run(batches, tmp_path=None, resume_at=None):
         torch.manual_seed(0)
         apply_fn, params = dsfn.functionalize(make_mlp(SIZES, 0))
 
-        def train_step(state, batch):
-            loss, grads = dsfn.value_and_grad(lambda p, b: mse_loss(apply_fn, p, b))(state.params, batch)
-            return state.apply_gradients(grads), {"loss": loss}
+        train_step = train_step_for(apply_fn, mse_loss)
 
         def fresh():
             return compose(zenflow(topk_ratio=0.3, update_interval=2, overlap=True))(train_step)
@@ -385,9 +384,7 @@ def test_overlap_worker_result_is_used_and_a_resume_recomputes_it_exactly(tmp_pa
     torch.manual_seed(0)
     apply_fn, params = dsfn.functionalize(make_mlp(SIZES, 0))
 
-    def train_step(state, batch):
-        loss, grads = dsfn.value_and_grad(lambda p, b: mse_loss(apply_fn, p, b))(state.params, batch)
-        return state.apply_gradients(grads), {"loss": loss}
+    train_step = train_step_for(apply_fn, mse_loss)
     step = compose(zenflow(topk_ratio=0.3, update_interval=2))(train_step)
     sync = step.init_state(params, dsfn.optim.adamw(lr=1e-2))
     for b in batches:
