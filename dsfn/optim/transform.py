@@ -331,22 +331,22 @@ def _host_adamw_step(g, p, state: AdamState, spec, v, t: int, count, b1, b2, eps
     mu_in = _flatten_like(state.mu, spec, "Adam state.mu")
     nu_in = _flatten_like(state.nu, spec, "Adam state.nu")
     session = dispatch.host_session()
-    from dsfn.state.layout import is_placed
-    # parameter paths (a sharded leaf is one Placed node: its path, not its child's)
-    paths = [q for q, _ in tree.leaves_with_path(tree.unflatten(spec, list(range(len(g)))), is_leaf=is_placed)]
     lr_f = float(v)
     hyper = (b1, b2, eps, wd)
     new_p, mu, nu = [None] * len(g), [None] * len(g), [None] * len(g)
-    todo = []
-    for k in range(len(g)):
-        hit = session.lookup(paths[k], g[k], p[k], mu_in[k], nu_in[k], lr_f, t, hyper) if session else None
-        if hit is None:
-            todo.append(k)
-        else:
-            new_p[k], mu[k], nu[k] = hit
+    todo = list(range(len(g)))
+    if session is not None:
+        from dsfn.state.layout import is_placed
+        # parameter paths (a sharded leaf is one Placed node: its path, not its child's)
+        paths = [q for q, _ in tree.leaves_with_path(tree.unflatten(spec, todo), is_leaf=is_placed)]
+        hits = {k: session.lookup(paths[k], g[k], p[k], mu_in[k], nu_in[k], lr_f, t, hyper) for k in todo}
+        for k, hit in hits.items():
+            if hit is not None:
+                new_p[k], mu[k], nu[k] = hit
+        todo = [k for k, hit in hits.items() if hit is None]
     if todo:
         _host_adamw_groups(todo, g, p, mu_in, nu_in, new_p, mu, nu, dispatch.host_plan(),
-                           dict(lr=lr_f, step=t, beta1=b1, beta2=b2, eps=eps, weight_decay=wd))
+                           {"lr": lr_f, "step": t, "beta1": b1, "beta2": b2, "eps": eps, "weight_decay": wd})
     if session is not None:
         session.record(paths, new_p, mu, nu, hyper, lambda c: float(_lr_value(lr, c)), int(count))
     new = AdamState(count, tree.unflatten(spec, mu), tree.unflatten(spec, nu), None, lr=_lr_record(v))
