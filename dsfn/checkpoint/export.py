@@ -2,12 +2,12 @@
 committed checkpoint (the `zero_to_fp32` job, without ever holding the whole state).
 
 Streaming: tensors are rebuilt one at a time from the slices stored in the per-rank files
-(`reader._assemble` with a `full` region reads one stored slice at a time and copies it
-into the output buffer), written, and dropped before the next is rebuilt. The safetensors
-output is written by a streaming writer (the header is computed up front from the
+(`reader._assemble` with a `full` region reads each stored slice straight into the output
+buffer), written, and dropped before the next is rebuilt. The safetensors output is
+written by a streaming writer (`sfio.Writer`: the header is computed up front from the
 manifest's shapes and dtypes), so the host memory peak of `export(format="hf")` and of
-`convert` is **the largest logical tensor + one stored slice** (plus, with `dtype=`, the
-cast copy of that one tensor). Stored slices are read straight into the output buffer.
+`convert` is **the largest logical tensor** (plus, with `dtype=`, the cast copy of that
+one tensor; measured in tests/checkpoint/test_checkpoint_memory.py).
 """
 from __future__ import annotations
 
