@@ -357,8 +357,11 @@ def _overlap_run(batches, tmp_path=None, resume_at=None):
 
         train_step = train_step_for(apply_fn, mse_loss)
 
+        made = []
+
         def fresh():
-            return compose(zenflow(topk_ratio=0.3, update_interval=2, overlap=True))(train_step)
+            made.append(zenflow(topk_ratio=0.3, update_interval=2, overlap=True))
+            return compose(made[-1])(train_step)
         step = fresh()
         tx = dsfn.optim.adamw(lr=1e-2)
         state = step.init_state(params, tx)
@@ -368,6 +371,9 @@ def _overlap_run(batches, tmp_path=None, resume_at=None):
                 step = fresh()
                 state = dsfn.checkpoint.load(tmp_path, like=step.init_state(params, tx))
             state, _ = step(state, b)
+        for t in made:      # a discarded transform's worker may still be running its job: count it
+            if t._pool is not None:
+                t._pool.shutdown(wait=True)
         return state, len(calls)
     finally:
         Z._host_update = real
