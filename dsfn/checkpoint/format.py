@@ -27,7 +27,17 @@
 
 Slices: `full` (the whole logical tensor), `flat` ([start, stop) of the row-major
 flattened logical tensor, padding excluded; stored 1-D), `dim` ([start, stop) along
-`dim`, every other dim whole). The stored tensor of a slice is named by the leaf path.
+`dim`, every other dim whole), and `layout` for every other layout (tensor parallel's
+`PackedDimShard`, ZeRO over tensor parallel's `Nested`, ...):
+
+    {"file": "rank_00003.safetensors", "kind": "layout", "coords": {"dp": 1, "sp": 0, "tp": 1}}
+
+`coords` are the saving rank's mesh coordinates; with the manifest's `mesh` and the leaf's
+`layout` (`layout_from_json`) they give that rank's `runs` (contiguous runs of the
+flattened logical tensor, see `dsfn.state.layout`), and the stored tensor is 1-D: the
+concatenation of those runs in order (no padding on disk). Replicated, FlatShard and
+DimShard leaves (possibly offloaded) are always stored as `full`, `flat` and `dim`.
+The stored tensor of a slice is named by the leaf path.
 """
 from __future__ import annotations
 
@@ -41,7 +51,15 @@ from typing import Any
 import torch
 
 from dsfn.checkpoint.errors import CheckpointError
-from dsfn.state.layout import DimShard, FlatShard, Layout, Offloaded, Replicated
+from dsfn.errors import DsfnError
+from dsfn.state.layout import (
+    DimShard,
+    FlatShard,
+    Layout,
+    Nested,
+    PackedDimShard,
+    Replicated,
+)
 
 FORMAT_NAME = "dsfn-checkpoint"
 FORMAT_VERSION = 1
@@ -86,47 +104,131 @@ def layout_to_json(layout: Layout) -> dict:
     return out
 
 
+def _shape_of(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                    for d in v):
+        raise ValueError(f"{v!r} is not a shape (a list of non-negative ints)")
+    return tuple(v)
+
+
+def _axis_of(v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"{v!r} is not a mesh axis name")
+    return v
+
+
+def layout_from_json(d: Any) -> Layout:
+    """The layout a manifest describes (inverse of `layout_to_json` for Replicated, FlatShard,
+    DimShard, PackedDimShard and Nested). A layout that only moves a piece (one with an
+    `inner` layout that is not `Nested`: `Offloaded`, offload's `NvmeOffloaded`) loads as its
+    inner layout: which elements a rank held is all a checkpoint needs.
+
+    Raises:
+        CheckpointError: not a layout description, or one of a layout dsfn does not know.
+    """
+    if not isinstance(d, dict):
+        raise CheckpointError(f"layout description {d!r} is not a JSON object; the checkpoint manifest is corrupt")
+    kind = d.get("type")
+    try:
+        if kind == "Replicated":
+            return Replicated(_shape_of(d.get("shape", [])))
+        if kind == "FlatShard":
+            return FlatShard(_axis_of(d["axis"]), _shape_of(d["shape"]))
+        if kind == "DimShard":
+            shape = _shape_of(d["shape"])
+            dim = d["dim"]
+            if not isinstance(dim, int) or not 0 <= dim < len(shape):
+                raise ValueError(f"dim {dim!r} is not a dimension of shape {shape}")
+            return DimShard(_axis_of(d["axis"]), dim, shape)
+        if kind == "PackedDimShard":
+            shape = _shape_of(d["shape"])
+            dim = d["dim"]
+            if not isinstance(dim, int) or not 0 <= dim < len(shape):
+                raise ValueError(f"dim {dim!r} is not a dimension of shape {shape}")
+            return PackedDimShard(_axis_of(d["axis"]), dim, shape, _shape_of(d["parts"]))
+        if kind == "Nested":
+            return Nested(layout_from_json(d["inner"]), layout_from_json(d["outer"]))
+        if isinstance(d.get("inner"), dict):          # Offloaded and its kin: the same elements as inner
+            return layout_from_json(d["inner"])
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, DsfnError) as e:
+        raise CheckpointError(f"layout description {d!r} is invalid ({type(e).__name__}: {e}); the checkpoint "
+                              "manifest is corrupt") from None
+    raise CheckpointError(f"unknown layout type {kind!r} in the checkpoint manifest; this dsfn knows Replicated, "
+                          "FlatShard, DimShard, PackedDimShard, Nested and offloaded layouts")
+
+
+def _moves_only(layout: Layout) -> bool:
+    """A layout that keeps its `inner` layout's elements and only moves them (Offloaded, ...)."""
+    return not isinstance(layout, Nested) and isinstance(getattr(layout, "inner", None), Layout)
+
+
 def base_layout(layout: Layout) -> Layout:
     """The layout that decides which elements a rank holds (Offloaded only moves them)."""
-    while isinstance(layout, Offloaded):
+    while _moves_only(layout):
         layout = layout.inner
     return layout
 
 
 def logical_shape(layout: Layout, data: torch.Tensor) -> tuple[int, ...]:
+    """The logical shape of a leaf: its layout's `shape` (a replicated leaf's own shape)."""
     base = base_layout(layout)
-    if isinstance(base, (FlatShard, DimShard)):
-        return tuple(base.shape)
-    return tuple(data.shape)
+    shape = getattr(base, "shape", None)
+    if isinstance(base, Replicated) or shape is None:
+        return tuple(data.shape)
+    return tuple(shape)
 
 
 # -- regions: which logical elements a rank holds ----------------------------------------------
 @dataclass(frozen=True)
 class Region:
-    """`kind` "full", "flat" (start, stop over the flattened tensor) or "dim" (dim, start, stop).
+    """`kind` "full", "flat" (start, stop over the flattened tensor), "dim" (dim, start, stop)
+    or "layout" (any other layout: `runs`, see below).
 
     `padded` is the size of the local piece along the split (chunk): the piece is the region
-    followed by zero padding up to it.
+    followed by zero padding up to it. For "layout", `padded` is the local piece's numel and
+    `local_shape` its shape, `runs` are (logical start, length, offset) of the valid elements,
+    ascending (offsets into the flattened local piece for a rank's own region; into the
+    compact stored 1-D tensor for a stored slice), and `coords` the rank's mesh coordinates.
     """
     kind: str
     start: int = 0
     stop: int = 0
     dim: int = 0
     padded: int = 0
+    runs: tuple[tuple[int, int, int], ...] = ()
+    coords: tuple[tuple[str, int], ...] = ()
+    local_shape: tuple[int, ...] = ()
 
     @property
     def empty(self) -> bool:
+        if self.kind == "layout":
+            return not self.runs
         return self.kind != "full" and self.stop <= self.start
+
+    @property
+    def numel(self) -> int:
+        """How many valid elements the region holds (a `full` region: unknown here, -1)."""
+        if self.kind == "layout":
+            return sum(n for _, n, _ in self.runs)
+        if self.kind == "full":
+            return -1
+        return max(self.stop - self.start, 0)
 
     def to_json(self) -> dict:
         if self.kind == "full":
             return {"kind": "full"}
         if self.kind == "flat":
             return {"kind": "flat", "start": self.start, "stop": self.stop}
+        if self.kind == "layout":
+            return {"kind": "layout", "coords": dict(self.coords)}
         return {"kind": "dim", "dim": self.dim, "start": self.start, "stop": self.stop}
 
     @staticmethod
     def from_json(d: dict) -> Region:
+        """A stored slice's region. A "layout" slice comes back with its `coords` only: its
+        runs depend on the leaf's layout and the saved mesh (the reader computes them)."""
         kind = d.get("kind")
         if kind == "full":
             return Region("full")
@@ -134,33 +236,72 @@ class Region:
             return Region("flat", int(d["start"]), int(d["stop"]))
         if kind == "dim":
             return Region("dim", int(d["start"]), int(d["stop"]), dim=int(d["dim"]))
+        if kind == "layout":
+            coords = d.get("coords")
+            if not isinstance(coords, dict) or not all(
+                    isinstance(a, str) and isinstance(c, int) and not isinstance(c, bool) for a, c in coords.items()):
+                raise CheckpointError(f"slice {d!r} of kind 'layout' has no valid 'coords' (the saving rank's mesh "
+                                      "coordinates, {axis: index}); the checkpoint manifest is corrupt")
+            return Region("layout", coords=tuple(coords.items()))
         raise CheckpointError(f"unknown slice kind {kind!r} in the checkpoint manifest")
 
 
-def region_of(layout: Layout, mesh) -> tuple[Region, str | None]:
-    """(the logical region this rank's piece covers, the mesh axis it is split over)."""
+def region_of(layout: Layout, mesh) -> tuple[Region, tuple[str, ...]]:
+    """(the logical region this rank's piece covers, the mesh axes the layout splits over).
+
+    Replicated, FlatShard and DimShard (possibly offloaded) give the `full`, `flat` and `dim`
+    regions; any other layout that lists its `runs` gives a `layout` region.
+    """
     base = base_layout(layout)
     if isinstance(base, FlatShard):
         c = base.chunk(mesh)
         start = min(mesh.local_rank(base.axis) * c, base.numel)
-        return Region("flat", start, min(start + c, base.numel), padded=c), base.axis
+        return Region("flat", start, min(start + c, base.numel), padded=c), (base.axis,)
     if isinstance(base, DimShard):
         c = base.chunk(mesh)
         n = base.shape[base.dim]
         start = min(mesh.local_rank(base.axis) * c, n)
-        return Region("dim", start, min(start + c, n), dim=base.dim, padded=c), base.axis
+        return Region("dim", start, min(start + c, n), dim=base.dim, padded=c), (base.axis,)
     if isinstance(base, Replicated):
-        return Region("full"), None
-    raise CheckpointError(f"checkpoints do not know the layout {base!r} yet; describe which elements a rank "
-                          "holds in dsfn.checkpoint.format.region_of")
+        return Region("full"), ()
+    try:
+        runs = tuple(tuple(int(v) for v in r) for r in base.runs(mesh))
+    except NotImplementedError:
+        raise CheckpointError(f"checkpoints do not know the layout {base!r}: it does not list the elements a "
+                              "rank holds (`Layout.runs`)") from None
+    local = tuple(int(d) for d in base.local_shape(mesh))
+    padded = 1
+    for d in local:
+        padded *= d
+    region = Region("layout", padded=padded, runs=runs, coords=tuple((str(a), int(c)) for a, c in
+                                                                     dict(mesh.coords).items()),
+                    local_shape=local)
+    return region, tuple(base.axes())
 
 
 def local_valid_part(piece: torch.Tensor, region: Region) -> torch.Tensor:
-    """The part of this rank's local piece that is real data (padding cut off)."""
+    """The part of this rank's local piece that is real data (padding cut off).
+
+    A "layout" region's part is 1-D, its runs in order: a view when the runs are contiguous
+    in the piece, else a compact copy (of this one tensor).
+    """
     if region.kind == "flat":
         return piece.reshape(-1)[: region.stop - region.start]
     if region.kind == "dim":
         return piece.narrow(region.dim, 0, region.stop - region.start)
+    if region.kind == "layout":
+        flat = piece.reshape(-1)
+        spans: list[list[int]] = []           # (offset, length) merged where contiguous in the piece
+        for _, n, off in region.runs:
+            if spans and spans[-1][0] + spans[-1][1] == off:
+                spans[-1][1] += n
+            else:
+                spans.append([off, n])
+        if not spans:
+            return flat[:0]
+        if len(spans) == 1:
+            return flat[spans[0][0]:spans[0][0] + spans[0][1]]
+        return torch.cat([flat[o:o + n] for o, n in spans])
     return piece
 
 

@@ -10,6 +10,7 @@ each raise `CheckpointError` naming the leaf or file. Loading never runs code fr
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from dsfn.checkpoint import rng, sfio
 from dsfn.checkpoint.errors import CheckpointError
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
-from dsfn.state.layout import Placed, Replicated, is_placed
+from dsfn.state.layout import Layout, MeshCoords, Placed, Replicated, is_placed
 
 
 def load(path: str | os.PathLike, like: Any, strict: bool = True, verify: bool = True,
@@ -86,6 +87,7 @@ def load(path: str | os.PathLike, like: Any, strict: bool = True, verify: bool =
         for s in desc["slices"]:
             if s["file"] not in manifest.files:
                 raise CheckpointError(f"leaf {leaf!r} names file {s['file']!r}, which the manifest does not list")
+        _check_layout_slices(leaf, desc, manifest.raw.get("mesh"))
         plans.append((leaf, x, region, shape))
 
     reader = _Reader(manifest, verify)
@@ -181,7 +183,12 @@ def _runs(region: F.Region, shape: tuple[int, ...], extent: int | None = None) -
 
     The buffer of a `dim` region is the box with `extent` rows along the split dim
     (`region.padded` for a padded target piece; the region's size for a stored slice).
+    A `layout` region carries its runs (offsets into the local piece for a target, into the
+    compact stored tensor for a stored slice: see `_stored_region`).
     """
+    if region.kind == "layout":
+        yield from region.runs
+        return
     numel = _prod(shape)
     if region.kind == "full":
         if numel:
@@ -224,7 +231,72 @@ def _stored_shape(src: F.Region, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (src.stop - src.start,)
     if src.kind == "dim":
         return tuple(src.stop - src.start if i == src.dim else n for i, n in enumerate(shape))
+    if src.kind == "layout":
+        return (src.numel,)
     return tuple(shape)
+
+
+# -- "layout" slices: the saving rank's runs, from the leaf's layout and the saved mesh -------------
+def _saved_layout(path: str, desc: dict) -> Layout:
+    """The layout leaf `path` was saved in (only needed for its "layout" slices)."""
+    try:
+        layout = F.layout_from_json(desc.get("layout"))
+    except CheckpointError as e:
+        raise CheckpointError(f"leaf {path!r}: {e}") from None
+    shape = tuple(desc["shape"])
+    lshape = getattr(layout, "shape", None)
+    if lshape is None or tuple(lshape) != shape:
+        raise CheckpointError(f"leaf {path!r}: its saved layout {layout!r} describes a tensor of shape "
+                              f"{None if lshape is None else tuple(lshape)}, but the leaf has shape {shape}; "
+                              "the checkpoint manifest is corrupt")
+    return layout
+
+
+def _saved_coords(path: str, s: dict, layout: Layout, mesh: Any) -> MeshCoords:
+    """The saving rank of "layout" slice `s` as a mesh stand-in, validated against the saved mesh."""
+    where = f"leaf {path!r}: its 'layout' slice in {s.get('file')!r}"
+    if not isinstance(mesh, dict) or not all(isinstance(a, str) and isinstance(n, int) and n >= 1
+                                             for a, n in mesh.items()):
+        raise CheckpointError(f"{where} needs the saved mesh, but the manifest's 'mesh' is {mesh!r}; the "
+                              "checkpoint manifest is corrupt")
+    try:
+        coords = dict(F.Region.from_json(s).coords)
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    for axis in layout.axes():
+        if axis not in mesh:
+            raise CheckpointError(f"{where}: the layout splits over mesh axis {axis!r}, which the saved mesh "
+                                  f"{mesh} lacks; the checkpoint manifest is corrupt")
+    for axis, size in mesh.items():
+        c = coords.get(axis)
+        if c is None or not 0 <= c < size:
+            raise CheckpointError(f"{where} has coords {coords}: "
+                                  + (f"no coordinate for mesh axis {axis!r}" if c is None else
+                                     f"coordinate {c} is outside mesh axis {axis!r} of size {size}")
+                                  + "; the checkpoint manifest is corrupt")
+    return MeshCoords.of(mesh, coords)
+
+
+def _check_layout_slices(path: str, desc: dict, mesh: Any) -> None:
+    """Validate leaf `path`'s "layout" slices (their layout and coordinates) before reading."""
+    layout = None
+    for s in desc["slices"]:
+        if s.get("kind") == "layout":
+            layout = layout or _saved_layout(path, desc)
+            _saved_coords(path, s, layout, mesh)
+
+
+def _stored_region(path: str, desc: dict, s: dict, mesh: Any, layout: Layout | None) -> F.Region:
+    """The region of stored slice `s`; a "layout" slice's runs re-based to the compact stored
+    tensor (its runs concatenated in order)."""
+    src = F.Region.from_json(s)
+    if src.kind != "layout":
+        return src
+    runs, off = [], 0
+    for start, n, _ in layout.runs(_saved_coords(path, s, layout, mesh)):
+        runs.append((start, n, off))
+        off += n
+    return dataclasses.replace(src, runs=tuple(runs))
 
 
 def _target_buffer(region: F.Region, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -240,6 +312,15 @@ def _target_buffer(region: F.Region, shape: tuple[int, ...], dtype: torch.dtype)
         valid = max(region.stop - region.start, 0)
         buf.narrow(region.dim, valid, region.padded - valid).zero_()
         return buf
+    if region.kind == "layout":
+        buf = torch.empty(region.padded, dtype=dtype)
+        pos = 0
+        for _, n, off in region.runs:      # zero the gaps between the runs (padding)
+            if off > pos:
+                buf[pos:off].zero_()
+            pos = max(pos, off + n)
+        buf[pos:].zero_()
+        return buf.view(region.local_shape)
     return torch.empty(shape, dtype=dtype)
 
 
@@ -252,8 +333,12 @@ def _assemble(path: str, desc: dict, region: F.Region, shape: tuple[int, ...], d
     extent = region.padded if region.kind == "dim" else None
     need = sum(n for _, n, _ in _runs(region, shape, extent))
     got = 0
+    mesh = reader.manifest.raw.get("mesh")
+    layout = None
     for s in desc["slices"]:
-        src = F.Region.from_json(s)
+        if s.get("kind") == "layout" and layout is None:
+            layout = _saved_layout(path, desc)
+        src = _stored_region(path, desc, s, mesh, layout)
         fh = reader.get(s["file"])
         sdtype, sshape = fh.info(path)
         if sdtype != dtype or tuple(sshape) != _stored_shape(src, shape):

@@ -26,6 +26,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -152,10 +153,11 @@ def _write_rank_file(tmp: str, state: Any, rank: int, rng_state: dict[str, torch
 
     Tensors go to disk straight from their memory (`sfio`): a FlatShard piece's valid part
     is a view, so nothing is copied on CPU; a DimShard piece split on an inner dim is made
-    contiguous one tensor at a time.
+    contiguous, and the runs of another layout's piece (a "layout" slice) are gathered into
+    one compact tensor, one tensor at a time, just before it is written.
     """
     mesh = current_mesh()
-    tensors: list[tuple[str, torch.Tensor]] = []
+    entries: list[tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]] = []
     slices: dict[str, dict] = {}
     leaves: dict[str, dict] = {}
     values: dict[str, Any] = {}
@@ -172,24 +174,53 @@ def _write_rank_file(tmp: str, state: Any, rank: int, rng_state: dict[str, torch
             raise CheckpointError(f"leaf {path!r} holds a {type(piece).__name__}, not a tensor")
         if path.startswith(rng.PREFIX):
             raise CheckpointError(f"leaf {path!r}: names starting with {rng.PREFIX!r} are reserved")
-        region, axis = F.region_of(layout, mesh)
+        region, axes = F.region_of(layout, mesh)
         leaves[path] = {"shape": list(F.logical_shape(layout, piece)), "dtype": F.dtype_name(piece.dtype),
                         "layout": F.layout_to_json(layout)}
-        owner = all(c == 0 for a, c in mesh.coords.items() if a != axis)
+        # a sharded leaf is written by the ranks at coordinate 0 of every axis it is not split over
+        owner = all(c == 0 for a, c in mesh.coords.items() if a not in axes)
         if not owner or region.empty or piece.numel() == 0:
             continue
-        tensors.append((path, F.local_valid_part(piece.detach(), region)))
+        if region.kind == "layout":
+            if piece.numel() != region.padded:
+                raise CheckpointError(f"leaf {path!r}: the local piece has {piece.numel()} elements but its layout "
+                                      f"{layout!r} gives this rank a piece of shape {region.local_shape}")
+            n = region.numel
+            entries.append((path, piece.dtype, (n,),
+                            lambda piece=piece, region=region: F.local_valid_part(piece.detach(), region)))
+        else:
+            part = F.local_valid_part(piece.detach(), region)
+            entries.append((path, part.dtype, tuple(part.shape), lambda part=part: part))
         slices[path] = region.to_json()
     rng_keys = sorted(rng_state or {})
-    tensors += [(rng.PREFIX + k, rng_state[k]) for k in rng_keys]
+    entries += [(rng.PREFIX + k, rng_state[k].dtype, tuple(rng_state[k].shape), lambda t=rng_state[k]: t)
+                for k in rng_keys]
     out: dict[str, Any] = {"leaves": leaves, "values": values, "slices": slices, "file": None, "rng": rng_keys}
-    if tensors:
+    if entries:
         name = F.rank_filename(rank)
         # one metadata key: the file (hence its checksums) depends only on the tensors
-        record = sfio.write_file(os.path.join(tmp, name), tensors,
-                                 metadata={"dsfn": json.dumps({"format": F.FORMAT_NAME, "rank": rank})})
+        record = _write_entries(os.path.join(tmp, name), entries,
+                                metadata={"dsfn": json.dumps({"format": F.FORMAT_NAME, "rank": rank})})
         out.update(file=name, record=record)
     return out
+
+
+def _write_entries(path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]],
+                   metadata: dict[str, str]) -> dict:
+    """`sfio.write_file` with tensors produced one at a time (a "layout" slice's compact copy
+    exists only while it is written): the same order (by decreasing element size, then
+    name), header and bytes."""
+    entries = sorted(entries, key=lambda e: (-sfio.element_size(e[1]), e[0]))
+    w = sfio.Writer(path, [(n, d, s) for n, d, s, _ in entries], metadata)
+    try:
+        for n, _, _, make in entries:
+            t = make()
+            w.write(n, t)
+            del t
+    except BaseException:
+        w.abort()
+        raise
+    return w.close()
 
 
 def _build_manifest(step: int, world: int, reports: list[dict], user_data: Any, state: Any) -> dict:

@@ -17,8 +17,18 @@ Layouts the foundation knows:
   rank i holds elements [i*c, (i+1)*c) with c = ceil(numel / size). ZeRO's layout.
 - `DimShard(axis, dim, shape)`: split along `dim` into `size` chunks of ceil(n / size),
   the last chunks zero-padded so every rank's piece has the same shape. TP's layout.
+- `PackedDimShard(axis, dim, shape, parts)`: a fused tensor (qkv, gate_up) whose `dim`
+  concatenates `parts`; every part is split like DimShard and a rank's piece is its chunk
+  of each part, in part order (rank r of a fused qkv holds [q_r; k_r; v_r]).
+- `Nested(inner, outer)`: `outer`'s piece of `inner`'s piece: how ZeRO shards a
+  tensor-parallel shard over dp (`Nested(DimShard("tp", ...), FlatShard("dp", piece shape))`).
 - `Offloaded(inner, device)`: `inner`'s piece, kept on another device (host memory).
 Padding never leaves a layout: `unshard` trims it.
+
+Every layout also lists its piece as `runs(mesh)`: contiguous runs of the row-major
+flattened logical tensor, `(logical start, length, offset in the flattened piece)`,
+ascending — how checkpoints describe and reshard any layout. `MeshCoords` stands in for
+a mesh when the runs of another rank are needed.
 """
 from __future__ import annotations
 
@@ -50,6 +60,14 @@ class Layout(abc.ABC):
     def local_shape(self, mesh: Mesh | None = None) -> tuple[int, ...]:
         """Shape of this rank's piece."""
 
+    def runs(self, mesh: Any = None) -> list[tuple[int, int, int]]:
+        """This rank's piece as runs of the flattened logical tensor (see the module docstring)."""
+        raise NotImplementedError(f"{type(self).__name__} does not list its runs")
+
+    def axes(self) -> tuple[str, ...]:
+        """The mesh axes this layout splits the tensor over (its pieces are disjoint along them)."""
+        return ()
+
 
 @dataclass(frozen=True)
 class Replicated(Layout):
@@ -63,6 +81,10 @@ class Replicated(Layout):
 
     def local_shape(self, mesh=None):
         return self.shape
+
+    def runs(self, mesh=None):
+        n = math.prod(self.shape)
+        return [(0, n, 0)] if n else []
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -100,6 +122,16 @@ class FlatShard(Layout):
         flat = C.all_gather(local.reshape(-1), self.axis, mesh=m)
         return flat[: self.numel].reshape(self.shape)
 
+    def runs(self, mesh=None):
+        m = mesh or current_mesh()
+        c = self.chunk(m)
+        start = min(m.local_rank(self.axis) * c, self.numel)
+        stop = min(start + c, self.numel)
+        return [(start, stop - start, 0)] if stop > start else []
+
+    def axes(self):
+        return (self.axis,)
+
 
 @dataclass(frozen=True)
 class DimShard(Layout):
@@ -135,6 +167,145 @@ class DimShard(Layout):
         full = C.all_gather(moved, self.axis, mesh=m)
         return full[: self.shape[self.dim]].movedim(0, self.dim).contiguous()
 
+    def runs(self, mesh=None):
+        m = mesh or current_mesh()
+        c = self.chunk(m)
+        n = self.shape[self.dim]
+        start = min(m.local_rank(self.axis) * c, n)
+        return _dim_runs(self.shape, self.dim, [(start, min(c, n - start), 0)], c)
+
+    def axes(self):
+        return (self.axis,)
+
+
+def _dim_runs(shape: tuple[int, ...], dim: int, blocks: list[tuple[int, int, int]],
+              local_extent: int) -> list[tuple[int, int, int]]:
+    """Runs of a piece made of `blocks` (logical start along `dim`, length, local start along
+    `dim`) of a tensor of `shape`, the piece having `local_extent` rows along `dim`."""
+    inner, outer, n = math.prod(shape[dim + 1:]), math.prod(shape[:dim]), shape[dim]
+    out = []
+    for o in range(outer):
+        for a, k, la in blocks:
+            if k > 0 and inner:
+                out.append((o * n * inner + a * inner, k * inner, (o * local_extent + la) * inner))
+    merged: list[tuple[int, int, int]] = []
+    for r in out:      # adjacent in both spaces -> one run (a whole-tensor piece is one run)
+        if merged and merged[-1][0] + merged[-1][1] == r[0] and merged[-1][2] + merged[-1][1] == r[2]:
+            merged[-1] = (merged[-1][0], merged[-1][1] + r[1], merged[-1][2])
+        else:
+            merged.append(r)
+    return merged
+
+
+@dataclass(frozen=True)
+class PackedDimShard(Layout):
+    """A fused tensor split part by part over `axis`: `dim` is the concatenation of
+    `parts` (sizes summing to shape[dim]); part p is split like DimShard (chunk
+    ceil(p / size), the last chunks zero-padded) and this rank's piece concatenates its
+    chunk of every part in order. Local size along `dim`: sum of the chunks."""
+    axis: str
+    dim: int
+    shape: tuple[int, ...]
+    parts: tuple[int, ...]
+
+    def __post_init__(self):
+        if sum(self.parts) != self.shape[self.dim] or any(p < 1 for p in self.parts):
+            raise ShapeError(f"PackedDimShard: parts {self.parts} must be positive and sum to dim {self.dim} of "
+                             f"shape {self.shape} ({self.shape[self.dim]})")
+
+    def chunks(self, mesh: Mesh | None = None) -> tuple[int, ...]:
+        n = (mesh or current_mesh()).size(self.axis)
+        return tuple(_ceil_div(p, n) for p in self.parts)
+
+    def local_shape(self, mesh=None):
+        s = list(self.shape)
+        s[self.dim] = sum(self.chunks(mesh))
+        return tuple(s)
+
+    def _blocks(self, mesh) -> list[tuple[int, int, int]]:
+        """(logical start along dim, valid length, local start) of each part's chunk."""
+        r = mesh.local_rank(self.axis)
+        out, off, loc = [], 0, 0
+        for p, c in zip(self.parts, self.chunks(mesh)):
+            a = min(r * c, p)
+            out.append((off + a, min(c, p - a), loc))
+            off, loc = off + p, loc + c
+        return out
+
+    def shard(self, full, mesh=None):
+        m = mesh or current_mesh()
+        _check_shape(full, self.shape, self)
+        pieces = []
+        for (a, k, _), c in zip(self._blocks(m), self.chunks(m)):
+            piece = full.narrow(self.dim, a, k)
+            if k < c:
+                pad = list(piece.shape)
+                pad[self.dim] = c - k
+                piece = torch.cat([piece, piece.new_zeros(pad)], dim=self.dim)
+            pieces.append(piece)
+        return torch.cat(pieces, dim=self.dim).contiguous()
+
+    def unshard(self, local, mesh=None):
+        m = mesh or current_mesh()
+        n = m.size(self.axis)
+        moved = local.movedim(self.dim, 0).contiguous()
+        full = C.all_gather(moved, self.axis, mesh=m)            # [n * sum(chunks), ...]
+        full = full.reshape(n, moved.shape[0], *moved.shape[1:])
+        parts, loc = [], 0
+        for p, c in zip(self.parts, self.chunks(m)):
+            parts.append(full[:, loc:loc + c].reshape(n * c, *moved.shape[1:])[:p])
+            loc += c
+        return torch.cat(parts).movedim(0, self.dim).contiguous()
+
+    def runs(self, mesh=None):
+        m = mesh or current_mesh()
+        return _dim_runs(self.shape, self.dim, self._blocks(m), sum(self.chunks(m)))
+
+    def axes(self):
+        return (self.axis,)
+
+
+@dataclass(frozen=True)
+class Nested(Layout):
+    """`outer`'s piece of `inner`'s piece: the logical tensor is split by `inner` (e.g.
+    tensor parallel's DimShard over tp), then this rank's inner piece is split by `outer`,
+    whose `shape` is inner's local shape (e.g. ZeRO's FlatShard over dp)."""
+    inner: Layout
+    outer: Layout
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.inner.shape
+
+    def local_shape(self, mesh=None):
+        return self.outer.local_shape(mesh)
+
+    def shard(self, full, mesh=None):
+        return self.outer.shard(self.inner.shard(full, mesh), mesh)
+
+    def unshard(self, local, mesh=None):
+        return self.inner.unshard(self.outer.unshard(local, mesh), mesh)
+
+    def runs(self, mesh=None):
+        m = mesh or current_mesh()
+        inner = self.inner.runs(m)           # (logical, length, offset in the inner piece)
+        out: list[tuple[int, int, int]] = []
+        k = 0
+        for a, n, loc in self.outer.runs(m):  # (offset in the inner piece, length, offset in ours)
+            while k < len(inner) and inner[k][2] + inner[k][1] <= a:
+                k += 1
+            j = k
+            while j < len(inner) and inner[j][2] < a + n:
+                s, length, off = inner[j]
+                lo, hi = max(a, off), min(a + n, off + length)
+                if lo < hi:
+                    out.append((s + lo - off, hi - lo, loc + lo - a))
+                j += 1
+        return out
+
+    def axes(self):
+        return self.inner.axes() + tuple(a for a in self.outer.axes() if a not in self.inner.axes())
+
 
 @dataclass(frozen=True)
 class Offloaded(Layout):
@@ -156,6 +327,30 @@ class Offloaded(Layout):
 
     def unshard(self, local, mesh=None):
         return self.inner.unshard(local.to(self.home), mesh)
+
+    def runs(self, mesh=None):
+        return self.inner.runs(mesh)
+
+    def axes(self):
+        return self.inner.axes()
+
+
+@dataclass(frozen=True)
+class MeshCoords:
+    """A mesh stand-in with given axis sizes and this rank's coordinates, for computing
+    another rank's `runs` (e.g. a saved rank's, when loading a checkpoint)."""
+    sizes: tuple[tuple[str, int], ...]
+    coords: tuple[tuple[str, int], ...]
+
+    @staticmethod
+    def of(sizes: dict[str, int], coords: dict[str, int]) -> "MeshCoords":
+        return MeshCoords(tuple(sorted(sizes.items())), tuple(sorted(coords.items())))
+
+    def size(self, axis: str) -> int:
+        return dict(self.sizes).get(axis, 1)
+
+    def local_rank(self, axis: str) -> int:
+        return dict(self.coords).get(axis, 0)
 
 
 def _check_shape(full: torch.Tensor, shape: tuple[int, ...], layout: Layout) -> None:
@@ -205,6 +400,31 @@ def place_tree(logical: Any, layouts: Any, mesh: Mesh | None = None) -> Any:
 def gather_tree(physical: Any, mesh: Mesh | None = None) -> Any:
     """Every Placed leaf back to its logical tensor; plain leaves pass through."""
     return tree.map(lambda x: unplace(x, mesh), physical, is_leaf=is_placed)
+
+
+def outer_layout(x: Any) -> Layout:
+    """The layout the outermost sharding transform put on a leaf: Nested's `outer`, else the
+    leaf's layout (Replicated for a plain tensor)."""
+    layout = layout_of(x)
+    return layout.outer if isinstance(layout, Nested) else layout
+
+
+def shard_further(x: Any, make: Any) -> Placed:
+    """Put the layout `make(shape)` on top of whatever layout leaf `x` has: `shape` is the
+    shape of x's local piece; a placed leaf becomes `Nested(its layout, make(shape))`."""
+    if isinstance(x, Placed):
+        outer = make(tuple(x.data.shape))
+        return Placed(outer.shard(x.data), Nested(x.layout, outer))
+    layout = make(tuple(x.shape))
+    return Placed(layout.shard(x), layout)
+
+
+def inner_view(x: Any, piece: torch.Tensor) -> Any:
+    """`piece` (x's outer layer undone, e.g. gathered over dp) as the transforms inside see it:
+    a Placed with the inner layout for a Nested leaf, else the plain tensor."""
+    if isinstance(x, Placed) and isinstance(x.layout, Nested):
+        return Placed(piece, x.layout.inner)
+    return piece
 
 
 def data(x: Any) -> Any:

@@ -25,7 +25,9 @@ def mse_loss(apply_fn: Callable, params: Any, batch: dict) -> torch.Tensor:
 
 
 def lm_loss(apply_fn: Callable, params: Any, batch: dict) -> torch.Tensor:
+    """Next-token cross-entropy; the model returns logits or a Hugging Face output (`.logits`)."""
     logits = apply_fn(params, batch["input_ids"])
+    logits = getattr(logits, "logits", logits)
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
 
 

@@ -23,6 +23,7 @@ from dsfn.errors import ConfigError, ShapeError
 from dsfn.runtime import buckets as B
 from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
+from dsfn.state.layout import Placed, is_placed
 from dsfn.transforms.core import Transform, make_transform
 
 
@@ -79,8 +80,11 @@ class DataParallel(Transform):
         sink = reducer.add if dtype is None else (lambda key, g: reducer.add(key, g.to(dtype)))
         value, grads = call_next(tap_gradients(fn, sink), params, args, kwargs, has_aux)
         reduced = reducer.finish()
-        return value, tree.map_with_path(
-            lambda path, g: reduced[path] if path in reduced else C.all_reduce_(g.clone(), self.axis, "avg"), grads)
+        def take(path: str, g: Any) -> Any:
+            t = g.data if isinstance(g, Placed) else g
+            t = reduced[path] if path in reduced else C.all_reduce_(t.clone(), self.axis, "avg")
+            return Placed(t, g.layout) if isinstance(g, Placed) else t
+        return value, tree.map_with_path(take, grads, is_leaf=is_placed)
 
     def handle_reduce_metrics(self, call_next, metrics):
         return call_next(average_metrics(metrics, self.axis))
@@ -133,8 +137,13 @@ def stand_in_grad(grad: torch.Tensor, shape) -> torch.Tensor:
 
 def tap_gradients(fn, sink):
     """`fn` whose parameter leaves report their gradients to `sink(path, grad)` during backward."""
+    def tap(path: str, x: Any) -> Any:      # keys are leaf paths with placed pieces as leaves
+        if isinstance(x, Placed):
+            return Placed(_Tap.apply(x.data, sink, path), x.layout)
+        return _Tap.apply(x, sink, path)
+
     def tapped(params, *args, **kwargs):
-        return fn(tree.map_with_path(lambda path, x: _Tap.apply(x, sink, path), params), *args, **kwargs)
+        return fn(tree.map_with_path(tap, params, is_leaf=is_placed), *args, **kwargs)
     return tapped
 
 

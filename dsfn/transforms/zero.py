@@ -48,7 +48,17 @@ from dsfn.errors import ConfigError, StackError
 from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import ShardReducer, all_gather_full
 from dsfn.runtime.mesh import current_mesh
-from dsfn.state.layout import FlatShard, Placed, is_placed, mirrored_param, place
+from dsfn.state.layout import (
+    FlatShard,
+    Layout,
+    Nested,
+    Offloaded,
+    Placed,
+    inner_view,
+    is_placed,
+    mirrored_param,
+    shard_further,
+)
 from dsfn.transforms.core import make_transform
 from dsfn.transforms.data_parallel import (
     DataParallel,
@@ -98,26 +108,34 @@ class ShardZero(DataParallel):
         return f"shard_zero({self.stage}) over {self.axis!r} (size {current_mesh().size(self.axis)})"
 
     # -- layout ----------------------------------------------------------------------------
-    def _sharded(self, x: torch.Tensor) -> bool:
+    # A leaf ZeRO sees is a tensor, a piece placed by a transform inside (tensor parallel's
+    # DimShard), or ZeRO's own shard of either: FlatShard, or Nested(inner layout, FlatShard)
+    # (possibly Offloaded). ZeRO's "full tensor" is the piece the transforms inside hold.
+    def _sharded(self, x: Any) -> bool:
         """Stage-3 rule: parameters above the persistence threshold are stored sharded."""
-        return x.numel() > self.param_persistence_threshold
+        return _data(x).numel() > self.param_persistence_threshold
+
+    def _mine(self, x: Any) -> bool:
+        """Whether leaf `x` is ZeRO's shard (rather than a tensor or an inner transform's piece)."""
+        return isinstance(x, Placed) and _zero_layout(x.layout) is not None
 
     def place(self, state: Any) -> Any:
         state = super().place(state)            # replicas start equal (broadcast from dp rank 0)
         if self.stage == 0:
             return state
-        params = dict(tree.leaves_with_path(state.params))
-        shapes = {name: tuple(p.shape) for name, p in params.items()}
+        params = dict(tree.leaves_with_path(state.params, is_leaf=is_placed))
+        shapes = {name: _logical_shape(p) for name, p in params.items()}
         if self.stage == 3:
             state = state.replace(params=tree.map(
-                lambda x: place(x, FlatShard(self.axis, tuple(x.shape))) if self._sharded(x) else x, state.params))
+                lambda x: self._as_shard(x) if self._sharded(x) else x, state.params, is_leaf=is_placed))
 
-        def shard_mirror(path: str, x: torch.Tensor) -> Any:
-            owner = mirrored_param(path, tuple(x.shape) if isinstance(x, torch.Tensor) else None, shapes)
+        def shard_mirror(path: str, x: Any) -> Any:
+            is_tensor = isinstance(x, (torch.Tensor, Placed))
+            owner = mirrored_param(path, _logical_shape(x) if is_tensor else None, shapes)
             if owner is None or (self.stage == 3 and not self._sharded(params[owner])):
                 return x
-            return place(x, FlatShard(self.axis, tuple(x.shape)))
-        return state.replace(opt_state=tree.map_with_path(shard_mirror, state.opt_state))
+            return self._as_shard(x)
+        return state.replace(opt_state=tree.map_with_path(shard_mirror, state.opt_state, is_leaf=is_placed))
 
     # -- gradients -------------------------------------------------------------------------
     def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
@@ -137,18 +155,19 @@ class ShardZero(DataParallel):
         g_paths = tree.leaves_with_path(grads, is_leaf=is_placed)
         if self.stage == 1:
             for path, g in g_paths:
-                reducer.add(path, g)
+                reducer.add(path, _data(g))
         shards = reducer.finish()
         leaves = tree.leaves_with_path(params, is_leaf=is_placed)
-        replicated = [k for k, (_, x) in enumerate(leaves) if self.stage == 3 and not isinstance(x, Placed)]
-        reduced = dict(zip(replicated, all_reduce_buckets([g_paths[k][1] for k in replicated], self.axis,
+        replicated = [k for k, (_, x) in enumerate(leaves) if self.stage == 3 and not self._mine(x)]
+        reduced = dict(zip(replicated, all_reduce_buckets([_data(g_paths[k][1]) for k in replicated], self.axis,
                                                           self.reduce_bucket_size * 4, "avg")))
         out = []
         for k, (path, x) in enumerate(leaves):
             if k in reduced:
-                out.append(reduced[k])
+                g = g_paths[k][1]
+                out.append(Placed(reduced[k], g.layout) if isinstance(g, Placed) else reduced[k])
                 continue
-            layout = FlatShard(self.axis, tuple(x.layout.shape if isinstance(x, Placed) else x.shape))
+            layout = self._shard_layout(x)
             shard = shards.get(path)
             if shard is None:   # the parameter took no part in the loss: a zero gradient
                 shard = torch.zeros(layout.local_shape(), dtype=self._reduce_dtype or _data(x).dtype)
@@ -160,16 +179,16 @@ class ShardZero(DataParallel):
         if self.stage == 0:
             return call_next(state, grads)
         if self.stage == 3:   # grads follow their parameter's layout (persistent ones stay replicated)
-            grads = tree.map(lambda g, p: self._as_shard(g) if isinstance(p, Placed) else g, grads, state.params,
+            grads = tree.map(lambda g, p: self._as_shard(g) if self._mine(p) else g, grads, state.params,
                              is_leaf=is_placed)
             return call_next(state, grads)
         grads = tree.map(self._as_shard, grads, is_leaf=is_placed)
         shards = tree.map(self._as_shard, state.params, is_leaf=is_placed)
         new = call_next(state.replace(params=shards), grads)
         leaves, spec = tree.flatten(new.params, is_leaf=is_placed)
-        full = all_gather_full([x.data for x in leaves], [x.layout.shape for x in leaves], self.axis,
+        full = all_gather_full([x.data for x in leaves], [_zero_layout(x.layout).shape for x in leaves], self.axis,
                                self.allgather_bucket_size)
-        return new.replace(params=tree.unflatten(spec, full))
+        return new.replace(params=tree.unflatten(spec, [inner_view(x, f) for x, f in zip(leaves, full)]))
 
     def handle_init_optimizer(self, call_next, state):
         """The optimizer state is made for what the update will see: shards (stage >= 1)."""
@@ -178,12 +197,20 @@ class ShardZero(DataParallel):
         return call_next(state)
 
     def _as_shard(self, x: Any) -> Any:
-        """A full (logical, already reduced) tensor -> this rank's Placed shard."""
-        return x if isinstance(x, Placed) else place(x, FlatShard(self.axis, tuple(x.shape)))
+        """A full (already reduced) tensor or inner piece -> this rank's Placed shard."""
+        return x if self._mine(x) else shard_further(x, lambda shape: FlatShard(self.axis, shape))
+
+    def _shard_layout(self, x: Any) -> Layout:
+        """The layout of `x`'s shard: its own if it is one, else what `_as_shard` would give it."""
+        if self._mine(x):
+            return x.layout
+        if isinstance(x, Placed):
+            return Nested(x.layout, FlatShard(self.axis, tuple(x.data.shape)))
+        return FlatShard(self.axis, tuple(x.shape))
 
     # -- stage 3: gather units just in time -----------------------------------------------------
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
-        if self.stage != 3 or not any(isinstance(v, Placed) for v in params.values()):
+        if self.stage != 3 or not any(self._mine(v) for v in params.values()):
             return call_next(apply_fn, params, args, kwargs)
         gatherer = UnitGatherer(apply_fn.module, params, self)
         with gatherer:
@@ -206,6 +233,19 @@ def shard_zero(*args: Any, **kwargs: Any) -> ShardZero:
 
 def _data(x: Any) -> torch.Tensor:
     return x.data if isinstance(x, Placed) else x
+
+
+def _zero_layout(layout: Layout) -> FlatShard | None:
+    """ZeRO's FlatShard in a leaf's layout (under Offloaded, as Nested's outer), or None."""
+    while isinstance(layout, Offloaded):
+        layout = layout.inner
+    if isinstance(layout, Nested):
+        layout = layout.outer
+    return layout if isinstance(layout, FlatShard) else None
+
+
+def _logical_shape(x: Any) -> tuple[int, ...]:
+    return tuple(x.layout.shape) if isinstance(x, Placed) else tuple(x.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,10 +300,10 @@ class UnitGatherer:
 
     def __init__(self, module: nn.Module, params: dict[str, Any], zero: ShardZero):
         self.zero, self.module = zero, module
-        self.names = [n for n, v in params.items() if isinstance(v, Placed)]
+        self.names = [n for n, v in params.items() if zero._mine(v)]
         self.index = {n: i for i, n in enumerate(self.names)}
         self.shards = [params[n].data for n in self.names]
-        self.layouts = [params[n].layout for n in self.names]
+        self.layouts = [_zero_layout(params[n].layout) for n in self.names]
         self.call_params = {n: (v.data if isinstance(v, Placed) else v) for n, v in params.items()}
         # every (owner module, attribute) slot through which a parameter is reached (tied ones too)
         by_obj: dict[int, list[str]] = {}

@@ -1,0 +1,590 @@
+"""`tensor_parallel(plan)`: Megatron-style tensor parallelism over the mesh's tp axis.
+
+A *plan* maps module-name patterns (dotted names; `*` matches one name segment, e.g.
+`"model.layers.*.mlp.up_proj"`) to styles. What a style does to the module's
+parameters (their layouts in the state) and to its forward (the collectives the
+transform puts around it; autograd-correct backward):
+
+| style                         | module       | parameters (n = tp size)                  | forward                                   |
+|-------------------------------|--------------|-------------------------------------------|-------------------------------------------|
+| `colwise`                     | Linear       | weight, bias: DimShard dim 0 (out)        | input copied (bwd: all-reduce grad); output stays sharded on the last dim |
+| `colwise_rep`, `colwise_gather_output` | Linear | as colwise                         | as colwise, then output all-gathered (bwd: this rank's slice) |
+| `rowwise`                     | Linear       | weight: DimShard dim 1 (in); bias whole   | input sharded on the last dim; output all-reduced (bwd: identity); bias added once |
+| `rowwise_rep`, `rowwise_split_input` | Linear | as rowwise                           | input whole: this rank's slice taken first (bwd: all-gather) |
+| `packed_colwise` / `packed("colwise", parts)` | Linear | weight, bias: PackedDimShard dim 0 | as colwise; a fused qkv / gate_up is split *per part*, so the local output is [q_r, k_r, v_r] |
+| `embedding_rowwise`           | Embedding    | weight: DimShard dim 0 (vocab)            | ids outside this rank's rows give 0; all-reduce |
+| `embedding_colwise`           | Embedding    | weight: DimShard dim 1 (hidden)           | output all-gathered on the last dim |
+| `replicated`                  | any          | whole on every tp rank                    | the module runs on tp-local activations (e.g. per-head norms): its parameter gradients are summed over tp |
+| `replicate`                   | any          | whole                                     | unchanged (the default for modules not in the plan) |
+
+Modules not in the plan keep whole parameters and see replicated activations, so their
+gradients are already equal on every tp rank (the copy's backward all-reduce made them
+so): no communication. Per transformer block this is Megatron's 2 all-reduces of the
+activation in forward (after o_proj and down_proj) and 2 in backward (the colwise
+inputs' gradients).
+
+`plan="auto"` reads a Hugging Face model's `_tp_plan` (its `base_model_tp_plan` plus
+the head's and the embedding's entries; Llama, Qwen2, Gemma2, ...); a user `plan`
+(dict) given with `model` overrides entries of the HF one (`plan={"lm_head":
+"replicate"}`), or replaces it with `plan=...` and `auto=False`.
+
+Attention heads per rank follow from the sharded projections (the model's `view(...,
+-1, head_dim)` sees local heads); tp must divide the query and key/value head counts
+(GQA with fewer kv heads than tp is an error naming the degrees that work).
+
+Uneven splits are padded (DimShard zero-pads the last chunks): a padded output
+feature of a colwise layer is exactly 0 (zero weight rows and bias), meets zero
+columns of the following rowwise weight, and gets exactly zero gradient; a gathered
+output (`colwise_rep`, the LM head over a vocabulary not divisible by tp) is trimmed
+before anyone sees it. Layouts trim padding in `gather` and checkpoints.
+
+The first step checks that every rank of a tp group got the same batch (a fingerprint
+of every batch tensor's bytes, all-gathered over tp) and raises DistributedError on
+every rank if not.
+
+Composition: inside `shard_zero` / `data_parallel` (ZeRO shards the tp shards over dp:
+`Nested(DimShard("tp"), FlatShard("dp"))`), with `mixed_precision`, `accumulate`,
+`loss_scale`, `clip_grad_norm` (the norm sums each piece once over every axis it is
+split on) and checkpoints (tp layouts are described in the manifest; any tp/dp/ZeRO
+layout loads any checkpoint).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsfn import tree
+from dsfn.errors import ConfigError, DistributedError, MeshError, StackError
+from dsfn.runtime import collectives as C
+from dsfn.runtime.mesh import current_mesh
+from dsfn.state.layout import DimShard, Layout, PackedDimShard, Placed, Replicated, mirrored_param, place
+from dsfn.transforms.core import Transform, make_transform
+
+
+# ---------------------------------------------------------------------------------------------
+# styles
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Packed:
+    """A fused Linear split per part: `packed("colwise", 3)` (3 equal parts, e.g. qkv) or
+    `packed("colwise", (q_out, kv_out, kv_out))` (part sizes along the output features)."""
+    style: str
+    parts: int | tuple[int, ...]
+
+    def part_sizes(self, n_out: int) -> tuple[int, ...]:
+        if isinstance(self.parts, int):
+            if n_out % self.parts:
+                raise ConfigError(f"packed({self.style!r}, {self.parts}): {n_out} output features do not split "
+                                  f"into {self.parts} equal parts; give the part sizes instead")
+            return (n_out // self.parts,) * self.parts
+        if sum(self.parts) != n_out:
+            raise ConfigError(f"packed({self.style!r}, {self.parts}): parts sum to {sum(self.parts)}, but the "
+                              f"Linear has {n_out} output features")
+        return tuple(self.parts)
+
+
+def packed(style: str = "colwise", parts: int | tuple[int, ...] = 2) -> Packed:
+    """A plan value for a fused Linear (see `Packed`). Only colwise styles can be packed."""
+    if style not in ("colwise", "colwise_rep", "colwise_gather_output"):
+        raise ConfigError(f"packed({style!r}, ...): only colwise styles split a fused output per part")
+    if isinstance(parts, int):
+        ok = parts >= 1
+    else:
+        parts = tuple(parts)
+        ok = bool(parts) and all(isinstance(p, int) and p >= 1 for p in parts)
+    if not ok:
+        raise ConfigError(f"packed(..., parts={parts!r}): a number of equal parts >= 1 or a tuple of sizes >= 1")
+    return Packed(style, parts)
+
+
+_ALIASES = {"colwise_gather_output": "colwise_rep", "rowwise_split_input": "rowwise_rep",
+            "replicated_with_grad_allreduce": "replicated"}
+STYLES = ("colwise", "colwise_rep", "colwise_gather_output", "rowwise", "rowwise_rep", "rowwise_split_input",
+          "packed_colwise", "embedding_rowwise", "embedding_colwise", "replicated",
+          "replicated_with_grad_allreduce", "replicate")
+_LINEAR = {"colwise", "colwise_rep", "rowwise", "rowwise_rep"}
+_EMBEDDING = {"embedding_rowwise", "embedding_colwise"}
+
+
+def _canonical(value: Any, where: str) -> str | Packed:
+    if isinstance(value, Packed):
+        return Packed(_ALIASES.get(value.style, value.style), value.parts)
+    if value == "packed_colwise":        # Hugging Face's fused gate_up: 2 equal parts
+        return Packed("colwise", 2)
+    if not isinstance(value, str) or value not in STYLES:
+        raise ConfigError(f"tensor_parallel: {where} has style {value!r}, which dsfn does not support; supported "
+                          f"styles: {list(STYLES)} and packed(style, parts)")
+    return _ALIASES.get(value, value)
+
+
+def _matches(pattern: str, name: str) -> bool:
+    p, n = pattern.split("."), name.split(".")
+    return len(p) == len(n) and all(a == "*" or a == b for a, b in zip(p, n))
+
+
+# ---------------------------------------------------------------------------------------------
+# autograd pieces (the collectives of the forward and their adjoints)
+# ---------------------------------------------------------------------------------------------
+
+class _CopyToTP(torch.autograd.Function):
+    """Forward identity; backward all-reduces (sums) the gradient over tp."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return C.all_reduce(g.contiguous(), ctx.axis, "sum"), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Forward all-reduce (sum of partial results); backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        return C.all_reduce(x.contiguous(), axis, "sum")
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """Forward: every rank's [..., c] -> [..., n_valid] (all-gather, padding trimmed);
+    backward: this rank's zero-padded [..., c] slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, axis, n_valid):
+        ctx.axis, ctx.c, ctx.n_valid = axis, x.shape[-1], n_valid
+        full = C.all_gather(x.movedim(-1, 0).contiguous(), axis)
+        return full[:n_valid].movedim(0, -1).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _local_slice(g, ctx.axis, ctx.c), None, None
+
+
+class _SplitLastDim(torch.autograd.Function):
+    """Forward: this rank's zero-padded [..., c] slice of a whole [..., n] input;
+    backward: the gradient all-gathered (and trimmed) back to [..., n]."""
+
+    @staticmethod
+    def forward(ctx, x, axis, c):
+        ctx.axis, ctx.n = axis, x.shape[-1]
+        return _local_slice(x, axis, c)
+
+    @staticmethod
+    def backward(ctx, g):
+        full = C.all_gather(g.movedim(-1, 0).contiguous(), ctx.axis)
+        return full[:ctx.n].movedim(0, -1).contiguous(), None, None
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """A parameter used on tp-local activations: forward identity; backward sums its
+    (partial) gradient over tp."""
+
+    @staticmethod
+    def forward(ctx, w, axis):
+        ctx.axis = axis
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return C.all_reduce(g.contiguous(), ctx.axis, "sum"), None
+
+
+def _local_slice(x: torch.Tensor, axis: str, c: int) -> torch.Tensor:
+    """This rank's chunk [r*c, (r+1)*c) of the last dim, zero-padded past the end."""
+    r, n = current_mesh().local_rank(axis), x.shape[-1]
+    a = min(r * c, n)
+    piece = x.narrow(-1, a, min(c, n - a))
+    if piece.shape[-1] < c:
+        piece = torch.cat([piece, piece.new_zeros(*piece.shape[:-1], c - piece.shape[-1])], dim=-1)
+    return piece.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# tp forwards of planned modules (installed for the duration of one apply_module call)
+# ---------------------------------------------------------------------------------------------
+
+def _colwise(mod: nn.Linear, axis: str, gather_to: int | None, x: torch.Tensor) -> torch.Tensor:
+    y = F.linear(_CopyToTP.apply(x, axis), mod.weight, mod.bias)
+    return y if gather_to is None else _GatherLastDim.apply(y, axis, gather_to)
+
+
+def _rowwise(mod: nn.Linear, axis: str, split: int | None, x: torch.Tensor) -> torch.Tensor:
+    if split is not None:
+        x = _SplitLastDim.apply(x, axis, split)
+    y = _ReduceFromTP.apply(F.linear(x, mod.weight), axis)
+    return y if mod.bias is None else y + mod.bias
+
+
+def _embedding_rows(mod: nn.Embedding, axis: str, n_rows: int, ids: torch.Tensor) -> torch.Tensor:
+    c = mod.weight.shape[0]
+    start = current_mesh().local_rank(axis) * c
+    local = ids - start
+    outside = (local < 0) | (local >= min(c, max(n_rows - start, 0)))
+    pad = mod.padding_idx
+    pad = pad - start if pad is not None and 0 <= pad - start < c else None
+    out = F.embedding(local.masked_fill(outside, 0), mod.weight, pad, None, 2.0, mod.scale_grad_by_freq, mod.sparse)
+    return _ReduceFromTP.apply(out.masked_fill(outside.unsqueeze(-1), 0), axis)
+
+
+def _embedding_cols(mod: nn.Embedding, axis: str, n_cols: int, ids: torch.Tensor) -> torch.Tensor:
+    out = F.embedding(ids, mod.weight, mod.padding_idx, None, 2.0, mod.scale_grad_by_freq, mod.sparse)
+    return _GatherLastDim.apply(out, axis, n_cols)
+
+
+def _replicated(mod: nn.Module, axis: str, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    own = {k: v for k, v in mod._parameters.items() if v is not None}
+    try:
+        for k, v in own.items():
+            mod._parameters[k] = _SumGradOverTP.apply(v, axis)
+        return forward(*args, **kwargs)
+    finally:
+        for k, v in own.items():
+            mod._parameters[k] = v
+
+
+# ---------------------------------------------------------------------------------------------
+# the transform
+# ---------------------------------------------------------------------------------------------
+
+class TensorParallel(Transform):
+    name = "tensor_parallel"
+
+    def __init__(self, plan: Mapping[str, Any] | str = "auto", model: Any = None, axis: str = "tp",
+                 auto: bool | None = None, check_batches: bool = True):
+        if isinstance(model, nn.Module) or model is None:
+            module = model
+        elif isinstance(getattr(model, "module", None), nn.Module):     # an apply_fn from functionalize
+            module = model.module
+        else:
+            raise ConfigError(f"tensor_parallel(model={type(model).__name__}): pass the nn.Module (or the apply_fn "
+                              "dsfn.functionalize returned for it)")
+        if plan == "auto":
+            auto, plan = True, {}
+        elif not isinstance(plan, Mapping):
+            raise ConfigError(f"tensor_parallel(plan={plan!r}): a dict {{module pattern: style}} or 'auto'")
+        elif auto is None:
+            auto = False
+        if auto and module is None:
+            raise ConfigError("tensor_parallel('auto') reads the model's Hugging Face tp plan: pass model=<the "
+                              "nn.Module you functionalized> (or its apply_fn)")
+        if not isinstance(axis, str):
+            raise ConfigError(f"tensor_parallel(axis={axis!r}): the name of a mesh axis, e.g. 'tp'")
+        user = {}
+        for k, v in dict(plan).items():
+            if not isinstance(k, str) or not k:
+                raise ConfigError(f"tensor_parallel: plan keys are module-name patterns, got {k!r}")
+            user[k] = _canonical(v, f"plan entry {k!r}")
+        self.plan = user
+        self.auto = bool(auto)
+        self.axis = axis
+        self.check_batches = bool(check_batches)
+        self._module = module
+        self._resolved: dict[str, str | Packed] | None = None
+        self._checked = False
+
+    # -- plan -----------------------------------------------------------------------------------
+    def full_plan(self) -> dict[str, str | Packed]:
+        """The plan in force: the model's HF plan (with `auto`) updated by the user's entries."""
+        out: dict[str, str | Packed] = {}
+        if self.auto:
+            hf = hf_tp_plan(self._module)
+            if not hf:
+                raise ConfigError(f"tensor_parallel('auto'): {type(self._module).__name__} declares no tp plan "
+                                  "(no _tp_plan / config.base_model_tp_plan); pass a plan dict {module pattern: "
+                                  "style}")
+            out.update({k: _canonical(v, f"the model's tp plan entry {k!r}") for k, v in hf.items()})
+        out.update(self.plan)
+        return out
+
+    def module_styles(self, module: nn.Module | None = None) -> dict[str, str | Packed]:
+        """{module name: style} for every planned module (validated against the model)."""
+        module = module or self._module
+        plan = self.full_plan()
+        if module is None:
+            raise ConfigError("tensor_parallel: the model is not known yet; pass model=...")
+        named = dict(module.named_modules())
+        out: dict[str, str | Packed] = {}
+        for pattern, style in plan.items():
+            hits = [n for n in named if n and _matches(pattern, n)]
+            if not hits:
+                examples = [n for n in named if n][:6]
+                raise ConfigError(f"tensor_parallel: plan pattern {pattern!r} matches no module of "
+                                  f"{type(module).__name__}; module names look like {examples} ('*' matches one "
+                                  "name segment)")
+            for n in hits:
+                out[n] = style          # later (user) entries override the HF ones
+        for n, style in out.items():
+            _check_module(n, named[n], style)
+        _check_heads(module, out, current_mesh().size(self.axis))
+        return out
+
+    def param_layouts(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, Layout]:
+        """{parameter name: tp layout} for the sharded parameters (the rest stay whole)."""
+        module = self._module
+        styles = self.module_styles(module)
+        aliases: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        out: dict[str, Layout] = {}
+        for names in aliases.values():
+            canonical = next((n for n in names if n in shapes), None)
+            if canonical is None:
+                continue
+            choices = {}
+            for alias in names:
+                owner, _, attr = alias.rpartition(".")
+                if owner in styles:
+                    choices[alias] = _param_layout(styles[owner], attr, shapes[canonical], self.axis)
+            distinct = set(choices.values())
+            if len(distinct) > 1:
+                raise ConfigError(f"tensor_parallel: parameter {canonical!r} is shared by {sorted(choices)} whose "
+                                  f"styles give it different layouts {sorted(map(str, distinct))}; give tied modules "
+                                  "styles that split it the same way (e.g. embedding_rowwise + colwise_rep)")
+            layout = distinct.pop() if distinct else None
+            if layout is not None and not isinstance(layout, Replicated):
+                out[canonical] = layout
+        return out
+
+    # -- stack ----------------------------------------------------------------------------------
+    def check_stack(self, stack, index):
+        from dsfn.transforms.data_parallel import DataParallel
+        names = {type(t).__name__ for t in stack}
+        for t in stack[index + 1:]:
+            if isinstance(t, DataParallel):
+                raise StackError(f"{t.name} must be outside tensor_parallel (it shards the tp shards over dp): "
+                                 f"write compose({t.name}(...), tensor_parallel(...), ...)")
+        for bad in ("Offload", "ZenFlow"):
+            if bad in names:
+                raise StackError(f"tensor_parallel does not compose with {bad.lower()} yet; remove one of them")
+
+    def explain_note(self) -> str:
+        n = current_mesh().size(self.axis)
+        styles = self.module_styles() if self._module is not None else self.full_plan()
+        counts: dict[str, int] = {}
+        for s in styles.values():
+            key = f"packed {s.style}" if isinstance(s, Packed) else s
+            counts[key] = counts.get(key, 0) + 1
+        return f"tensor_parallel over {self.axis!r} (size {n}): " + ", ".join(f"{v} {k}" for k, v in counts.items())
+
+    # -- layout ---------------------------------------------------------------------------------
+    def place(self, state: Any) -> Any:
+        if self._module is None:
+            raise ConfigError("tensor_parallel(plan) needs the model to place the state: pass model=<the "
+                              "nn.Module you functionalized>")
+        if current_mesh().size(self.axis) == 1:
+            self.module_styles()          # still validate the plan
+            return state
+        shapes = {path: tuple(x.shape) for path, x in tree.leaves_with_path(state.params)
+                  if isinstance(x, torch.Tensor)}
+        layouts = self.param_layouts(shapes)
+        params = tree.map_with_path(lambda path, x: place(x, layouts[path]) if path in layouts else x, state.params)
+
+        def mirror(path: str, x: Any) -> Any:
+            owner = mirrored_param(path, tuple(x.shape) if isinstance(x, torch.Tensor) else None, shapes)
+            return place(x, layouts[owner]) if owner in layouts else x
+        opt_state = state.opt_state if state.opt_state is None else tree.map_with_path(mirror, state.opt_state)
+        return state.replace(params=params, opt_state=opt_state)
+
+    # -- forward --------------------------------------------------------------------------------
+    def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
+        module = apply_fn.module
+        if self._module is None:
+            self._module = module
+        elif module is not self._module:
+            raise ConfigError("tensor_parallel: the step runs a different model from the one given as model=")
+        params = {k: (v.data if isinstance(v, Placed) else v) for k, v in params.items()}
+        n = current_mesh().size(self.axis)
+        if n == 1:
+            return call_next(apply_fn, params, args, kwargs)
+        if self._resolved is None:
+            self._resolved = self.module_styles(module)
+        with _TPForwards(module, self._resolved, self.axis, n):
+            return call_next(apply_fn, params, args, kwargs)
+
+    # -- batches --------------------------------------------------------------------------------
+    def wrap_step(self, fn):
+        def step(state, batch):
+            if self.check_batches and not self._checked:
+                check_same_batch(batch, self.axis)
+                self._checked = True
+            return fn(state, batch)
+        return step
+
+
+def tensor_parallel(*args: Any, **kwargs: Any) -> TensorParallel:
+    """`tensor_parallel(plan="auto", model=None, axis="tp", auto=None, check_batches=True)`;
+    see the module docstring. `plan` is "auto" or {pattern: style}; with a dict, `auto=True`
+    applies it on top of the model's HF plan."""
+    return make_transform(TensorParallel, "tensor_parallel", args, kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+def hf_tp_plan(module: nn.Module) -> dict[str, str]:
+    """A Hugging Face model's full tp plan ({module pattern: HF style}), or {}."""
+    plan = getattr(module, "_tp_plan", None) or {}
+    if not plan:
+        cfg = getattr(module, "config", None)
+        plan = dict(getattr(cfg, "base_model_tp_plan", None) or {})
+        prefix = getattr(module, "base_model_prefix", "")
+        base = getattr(module, prefix, None) if prefix else None
+        if plan and isinstance(base, nn.Module) and base is not module:
+            plan = {f"{prefix}.{k}": v for k, v in plan.items()}
+    return dict(plan)
+
+
+def _check_module(name: str, mod: nn.Module, style: str | Packed) -> None:
+    kind = style.style if isinstance(style, Packed) else style
+    if (kind in _LINEAR or isinstance(style, Packed)) and not isinstance(mod, nn.Linear):
+        raise ConfigError(f"tensor_parallel: {name!r} is a {type(mod).__name__}; style {kind!r} applies to nn.Linear")
+    if kind in _EMBEDDING:
+        if not isinstance(mod, nn.Embedding):
+            raise ConfigError(f"tensor_parallel: {name!r} is a {type(mod).__name__}; style {kind!r} applies to "
+                              "nn.Embedding")
+        if mod.max_norm is not None:
+            raise ConfigError(f"tensor_parallel: {name!r} uses Embedding(max_norm=...), which renormalises whole "
+                              "rows in place; not supported under tensor parallel")
+
+
+def _param_layout(style: str | Packed, attr: str, shape: tuple[int, ...], axis: str) -> Layout:
+    if isinstance(style, Packed):
+        return PackedDimShard(axis, 0, shape, style.part_sizes(shape[0]))
+    if style in ("colwise", "colwise_rep", "embedding_rowwise"):
+        return DimShard(axis, 0, shape)
+    if style in ("rowwise", "rowwise_rep") and attr == "weight":
+        return DimShard(axis, 1, shape)
+    if style == "embedding_colwise":
+        return DimShard(axis, 1, shape)
+    return Replicated(shape)
+
+
+_HEAD_ATTRS = ("num_attention_heads", "num_heads", "n_head")
+_KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_head")
+_ATTENTION_PROJ = {"q_proj", "k_proj", "v_proj", "qkv", "qkv_proj", "query_key_value", "c_attn", "query", "key",
+                   "value", "Wqkv"}
+
+
+def _check_heads(module: nn.Module, styles: dict[str, Any], n: int) -> None:
+    """tp must divide the attention head counts of every attention whose projections are
+    split colwise (heads are whole per rank)."""
+    if n == 1:
+        return
+    named = dict(module.named_modules())
+    parents: dict[str, bool] = {}        # parent module -> has an attention-named projection
+    for name, s in styles.items():
+        if (s.style if isinstance(s, Packed) else s) == "colwise":
+            parent, _, leaf = name.rpartition(".")
+            parents[parent] = parents.get(parent, False) or leaf in _ATTENTION_PROJ
+    cfg = getattr(module, "config", None)
+    for parent, attention in sorted(parents.items()):
+        mod = named.get(parent)
+        # the model's config speaks for attentions only (an MLP's colwise layers have no heads)
+        sources = [mod, getattr(mod, "config", None)] + ([cfg] if attention else [])
+        heads = next((getattr(s, a) for s in sources for a in _HEAD_ATTRS
+                      if s is not None and isinstance(getattr(s, a, None), int)), None)
+        if heads is None:
+            continue
+        kv = next((getattr(s, a) for s in sources for a in _KV_ATTRS
+                   if s is not None and isinstance(getattr(s, a, None), int)), heads)
+        if heads % n or kv % n:
+            valid = [d for d in range(1, heads + 1) if heads % d == 0 and kv % d == 0]
+            raise MeshError(f"tensor_parallel: tp={n} does not divide the attention heads of {parent!r} "
+                            f"({heads} query heads, {kv} key/value heads); heads are whole on each rank, so "
+                            f"tp must divide both: valid tp degrees are {valid}")
+
+
+class _TPForwards:
+    """Installs the tp forward of every planned module (instance `forward`), restores on exit."""
+
+    def __init__(self, module: nn.Module, styles: dict[str, Any], axis: str, n: int):
+        self.items = []
+        named = dict(module.named_modules())
+        for name, style in styles.items():
+            mod = named[name]
+            self.items.append((mod, _tp_forward(mod, style, axis, n)))
+        self.saved: list[tuple[nn.Module, Any]] = []
+
+    def __enter__(self):
+        for mod, fwd in self.items:
+            if fwd is not None:
+                self.saved.append((mod, mod.__dict__.get("forward")))
+                mod.forward = fwd
+        return self
+
+    def __exit__(self, *exc):
+        for mod, prev in reversed(self.saved):
+            if prev is None:
+                del mod.forward
+            else:
+                mod.forward = prev
+        self.saved.clear()
+        return False
+
+
+def _tp_forward(mod: nn.Module, style: Any, axis: str, n: int) -> Any:
+    if isinstance(style, Packed):
+        gather = mod.out_features if style.style == "colwise_rep" else None
+        if gather is not None:        # the gathered output must be in logical order: not for packed parts
+            raise ConfigError("tensor_parallel: packed(colwise_rep) would gather [q_0, k_0, v_0, q_1, ...]; use "
+                              "packed('colwise', parts) and keep the output sharded")
+        return functools.partial(_colwise, mod, axis, None)
+    if style == "colwise":
+        return functools.partial(_colwise, mod, axis, None)
+    if style == "colwise_rep":
+        return functools.partial(_colwise, mod, axis, mod.out_features)
+    if style == "rowwise":
+        return functools.partial(_rowwise, mod, axis, None)
+    if style == "rowwise_rep":
+        return functools.partial(_rowwise, mod, axis, -(-mod.in_features // n))
+    if style == "embedding_rowwise":
+        return functools.partial(_embedding_rows, mod, axis, mod.num_embeddings)
+    if style == "embedding_colwise":
+        return functools.partial(_embedding_cols, mod, axis, mod.embedding_dim)
+    if style == "replicated":
+        return functools.partial(_replicated, mod, axis, type(mod).forward.__get__(mod))
+    return None      # "replicate": unchanged
+
+
+def check_same_batch(batch: Any, axis: str) -> None:
+    """Raise DistributedError (on every rank) unless all ranks along `axis` hold identical batches."""
+    mesh = current_mesh()
+    n = mesh.size(axis)
+    if n == 1:
+        return
+    leaves = tree.leaves_with_path(batch)
+    rows = []
+    for _, t in leaves:
+        b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+        w = torch.arange(b.numel(), dtype=torch.int64) % 65521 + 1
+        rows.append(torch.tensor([t.numel(), *t.shape[:4], *([0] * (4 - min(t.dim(), 4))),
+                                  int(b.sum()), int((b * w).sum())], dtype=torch.int64))
+    mine = torch.stack(rows) if rows else torch.zeros(0, 7, dtype=torch.int64)
+    counts = C.all_gather(torch.tensor([mine.shape[0]]), axis)
+    if bool((counts != counts[0]).any()):
+        raise DistributedError(f"tensor_parallel: the ranks of a tp group got batches with different numbers of "
+                               f"tensors ({counts.tolist()}); every rank of a tp group must get the same batch")
+    everyone = C.all_gather(mine.reshape(1, *mine.shape), axis)
+    for j, (path, _) in enumerate(leaves):
+        differ = [i for i in range(n) if not torch.equal(everyone[i, j], everyone[0, j])]
+        if differ:
+            ranks = mesh.ranks(axis)
+            raise DistributedError(
+                f"tensor_parallel: batch tensor {path or '<root>'!r} differs between the ranks of a tp group "
+                f"(global ranks {[ranks[i] for i in differ]} vs {ranks[0]}). Every rank of a tp group must get the "
+                "same batch: shard the data over dp only (index the loader by mesh.local_rank('dp'), not the "
+                "global rank)")
