@@ -10,7 +10,6 @@ each raise `CheckpointError` naming the leaf or file. Loading never runs code fr
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 from collections.abc import Iterator
@@ -289,14 +288,14 @@ def _check_layout_slices(path: str, desc: dict, mesh: Any) -> None:
 def _stored_region(path: str, desc: dict, s: dict, mesh: Any, layout: Layout | None) -> F.Region:
     """The region of stored slice `s`; a "layout" slice's runs re-based to the compact stored
     tensor (its runs concatenated in order)."""
-    src = F.Region.from_json(s)
-    if src.kind != "layout":
-        return src
+    if s.get("kind") != "layout":
+        return F.Region.from_json(s)
+    saver = _saved_coords(path, s, layout, mesh)
     runs, off = [], 0
-    for start, n, _ in layout.runs(_saved_coords(path, s, layout, mesh)):
+    for start, n, _ in layout.runs(saver):
         runs.append((start, n, off))
         off += n
-    return dataclasses.replace(src, runs=tuple(runs))
+    return F.Region("layout", runs=tuple(runs), coords=saver.coords)
 
 
 def _target_buffer(region: F.Region, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

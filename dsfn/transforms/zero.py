@@ -202,8 +202,11 @@ class ShardZero(DataParallel):
 
     def _shard_layout(self, x: Any) -> Layout:
         """The layout of `x`'s shard: its own if it is one, else what `_as_shard` would give it."""
-        if self._mine(x):
-            return x.layout
+        if self._mine(x):         # a gradient shard lives where compute does (not Offloaded)
+            layout = x.layout
+            while isinstance(layout, Offloaded):
+                layout = layout.inner
+            return layout
         if isinstance(x, Placed):
             return Nested(x.layout, FlatShard(self.axis, tuple(x.data.shape)))
         return FlatShard(self.axis, tuple(x.shape))
