@@ -28,6 +28,7 @@ __all__ = [
     "generate",
     "gpt_loss",
     "greedy_generate",
+    "tp_plan",
 ]
 
 
@@ -96,12 +97,27 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
+def tp_plan() -> dict:
+    """`GPT`'s tensor-parallel plan (for `dsfn.transforms.tensor_parallel(plan, model=...)`):
+    Megatron's split. The fused qkv Linear is split per part (rank r holds [q_r; k_r; v_r]:
+    its heads of each), attn.proj and mlp.proj are rowwise, mlp.fc colwise, the token
+    embedding vocab-parallel and the (tied) LM head colwise with its output gathered."""
+    from dsfn.transforms.tensor_parallel import packed
+    return {"tok_emb": "embedding_rowwise",
+            "blocks.*.attn.qkv": packed("colwise", 3),
+            "blocks.*.attn.proj": "rowwise",
+            "blocks.*.mlp.fc": "colwise",
+            "blocks.*.mlp.proj": "rowwise",
+            "lm_head": "colwise_rep"}
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with a fused qkv projection (GPT-2's `c_attn`)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)   # [D] -> [q | k | v], each [D]
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
@@ -109,13 +125,14 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D]."""
-        B, T, D = x.shape
-        q, k, v = self.qkv(x).split(D, dim=-1)                 # 3 x [B, T, D]
+        B, T, _ = x.shape
+        # chunk/-1 rather than D/H: under tensor parallel this rank holds H/tp heads ([q_r|k_r|v_r])
+        q, k, v = self.qkv(x).chunk(3, dim=-1)                 # 3 x [B, T, D]
         # [B, T, D] -> [B, H, T, D/H]
-        q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(B, T, D)
+        y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.proj(y))
 
 
