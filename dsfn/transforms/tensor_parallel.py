@@ -216,32 +216,44 @@ def _local_slice(x: torch.Tensor, axis: str, c: int) -> torch.Tensor:
 # tp forwards of planned modules (installed for the duration of one apply_module call)
 # ---------------------------------------------------------------------------------------------
 
-def _colwise(mod: nn.Linear, axis: str, gather_to: int | None, x: torch.Tensor) -> torch.Tensor:
-    y = F.linear(_CopyToTP.apply(x, axis), mod.weight, mod.bias)
+# Each wraps the module's own forward (`forward`, bound), so subclasses that add to it (a
+# scaled embedding, a Linear with a hook) keep their behaviour: the collectives go around it.
+
+def _colwise(mod: nn.Linear, axis: str, gather_to: int | None, forward: Any, x: torch.Tensor) -> torch.Tensor:
+    y = forward(_CopyToTP.apply(x, axis))
     return y if gather_to is None else _GatherLastDim.apply(y, axis, gather_to)
 
 
-def _rowwise(mod: nn.Linear, axis: str, split: int | None, x: torch.Tensor) -> torch.Tensor:
+def _rowwise(mod: nn.Linear, axis: str, split: int | None, forward: Any, x: torch.Tensor) -> torch.Tensor:
     if split is not None:
         x = _SplitLastDim.apply(x, axis, split)
-    y = _ReduceFromTP.apply(F.linear(x, mod.weight), axis)
-    return y if mod.bias is None else y + mod.bias
+    bias = mod._parameters.get("bias")
+    if bias is None:
+        return _ReduceFromTP.apply(forward(x), axis)
+    mod._parameters["bias"] = None       # the partial sums are added up first; the bias once, after
+    try:
+        y = forward(x)
+    finally:
+        mod._parameters["bias"] = bias
+    return _ReduceFromTP.apply(y, axis) + bias
 
 
-def _embedding_rows(mod: nn.Embedding, axis: str, n_rows: int, ids: torch.Tensor) -> torch.Tensor:
+def _embedding_rows(mod: nn.Embedding, axis: str, n_rows: int, forward: Any, ids: torch.Tensor) -> torch.Tensor:
     c = mod.weight.shape[0]
     start = current_mesh().local_rank(axis) * c
     local = ids - start
     outside = (local < 0) | (local >= min(c, max(n_rows - start, 0)))
     pad = mod.padding_idx
-    pad = pad - start if pad is not None and 0 <= pad - start < c else None
-    out = F.embedding(local.masked_fill(outside, 0), mod.weight, pad, None, 2.0, mod.scale_grad_by_freq, mod.sparse)
+    mod.padding_idx = pad - start if pad is not None and 0 <= pad - start < c else None   # local row numbers
+    try:
+        out = forward(local.masked_fill(outside, 0))
+    finally:
+        mod.padding_idx = pad
     return _ReduceFromTP.apply(out.masked_fill(outside.unsqueeze(-1), 0), axis)
 
 
-def _embedding_cols(mod: nn.Embedding, axis: str, n_cols: int, ids: torch.Tensor) -> torch.Tensor:
-    out = F.embedding(ids, mod.weight, mod.padding_idx, None, 2.0, mod.scale_grad_by_freq, mod.sparse)
-    return _GatherLastDim.apply(out, axis, n_cols)
+def _embedding_cols(mod: nn.Embedding, axis: str, n_cols: int, forward: Any, ids: torch.Tensor) -> torch.Tensor:
+    return _GatherLastDim.apply(forward(ids), axis, n_cols)
 
 
 def _replicated(mod: nn.Module, axis: str, forward: Any, *args: Any, **kwargs: Any) -> Any:
@@ -537,26 +549,26 @@ class _TPForwards:
 
 
 def _tp_forward(mod: nn.Module, style: Any, axis: str, n: int) -> Any:
+    own = mod.__dict__.get("forward") or type(mod).forward.__get__(mod)
     if isinstance(style, Packed):
-        gather = mod.out_features if style.style == "colwise_rep" else None
-        if gather is not None:        # the gathered output must be in logical order: not for packed parts
-            raise ConfigError("tensor_parallel: packed(colwise_rep) would gather [q_0, k_0, v_0, q_1, ...]; use "
+        if style.style == "colwise_rep":   # a gathered output would be [q_0, k_0, v_0, q_1, ...]
+            raise ConfigError("tensor_parallel: packed(colwise_rep) would gather the parts interleaved by rank; use "
                               "packed('colwise', parts) and keep the output sharded")
-        return functools.partial(_colwise, mod, axis, None)
+        return functools.partial(_colwise, mod, axis, None, own)
     if style == "colwise":
-        return functools.partial(_colwise, mod, axis, None)
+        return functools.partial(_colwise, mod, axis, None, own)
     if style == "colwise_rep":
-        return functools.partial(_colwise, mod, axis, mod.out_features)
+        return functools.partial(_colwise, mod, axis, mod.out_features, own)
     if style == "rowwise":
-        return functools.partial(_rowwise, mod, axis, None)
+        return functools.partial(_rowwise, mod, axis, None, own)
     if style == "rowwise_rep":
-        return functools.partial(_rowwise, mod, axis, -(-mod.in_features // n))
+        return functools.partial(_rowwise, mod, axis, -(-mod.in_features // n), own)
     if style == "embedding_rowwise":
-        return functools.partial(_embedding_rows, mod, axis, mod.num_embeddings)
+        return functools.partial(_embedding_rows, mod, axis, mod.num_embeddings, own)
     if style == "embedding_colwise":
-        return functools.partial(_embedding_cols, mod, axis, mod.embedding_dim)
+        return functools.partial(_embedding_cols, mod, axis, mod.embedding_dim, own)
     if style == "replicated":
-        return functools.partial(_replicated, mod, axis, type(mod).forward.__get__(mod))
+        return functools.partial(_replicated, mod, axis, own)
     return None      # "replicate": unchanged
 
 

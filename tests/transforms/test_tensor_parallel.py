@@ -1,0 +1,288 @@
+"""tensor_parallel: every stack equals the single-process reference.
+
+Tolerances: fp32 rtol 1e-5 on losses and the final logical state. The optimizer here is
+SGD with momentum (state in opt_state): a rowwise layer's all-reduce adds partial
+matmul sums in another order than one matmul, so gradients differ from the reference in
+the last bits (~1e-6 relative, measured); Adam divides each gradient element by its own
+magnitude, which turns those last-bit differences in elements whose gradient is near
+`eps` into visible update differences — a property of Adam, not of the split, so Adam
+runs are compared on losses only. bf16 compute: rtol 2e-2 on losses (bf16's 8-bit
+mantissa); the fp32 masters and momentum within rtol 5e-2 / atol 1e-2 (bf16 gradients
+summed in another order differ by a few bf16 ulps, ~1e-2 relative, measured; they feed
+three momentum steps).
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import dsfn
+from dsfn.errors import ConfigError, DistributedError, MeshError, RankFailure, StackError
+from dsfn.models.gpt import GPT, GPTConfig, tp_plan
+from dsfn.runtime import init_mesh
+from dsfn.state.layout import DimShard, Nested, PackedDimShard, Placed, is_placed
+from dsfn.testing import run_on_ranks
+from dsfn.testing.asserts import assert_trees_close
+from dsfn.testing.models import token_batches
+from dsfn.testing.reference import lm_loss, train_step_for
+from dsfn.transforms import (
+    accumulate,
+    clip_grad_norm,
+    compose,
+    mixed_precision,
+    packed,
+    shard_zero,
+    tensor_parallel,
+)
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 101          # odd: the vocab-parallel embedding and the gathered LM head pad at every tp
+
+
+def make_hf(family: str, seed: int = 0, **over):
+    """Small random-weight HF causal LMs (no download); 8 query / 4 kv heads: tp 2 and 4."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=90, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
+    common.update(over)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if family == "llama":
+            return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=True))
+        if family == "qwen2":       # q/k/v biases: colwise biases are split too
+            return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=False))
+        if family == "gemma2":      # tied, soft-capped logits, explicit head_dim
+            return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, head_dim=16,
+                                                                            attn_implementation="eager"))
+    raise ValueError(family)
+
+
+def make_gpt():
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=16, n_layer=2, n_head=4, d_model=32))
+
+
+BATCHES = token_batches(3, 4, 12, VOCAB, seed=1)
+
+
+def _sgd():
+    return dsfn.optim.sgd(lr=0.5, momentum=0.9)
+
+
+def train(make_model, make_transforms, batches=BATCHES, make_tx=_sgd, mesh=None, inspect=None):
+    """Train on this rank (mesh axes `mesh`); (losses, grad norms, logical state)."""
+    if mesh:
+        init_mesh(**mesh)
+    model = make_model()
+    apply_fn, params = dsfn.functionalize(model)
+    step = compose(*make_transforms(model))(train_step_for(apply_fn, lm_loss))
+    state = step.place(dsfn.TrainState.create(params, make_tx(), seed=0))
+    losses, norms = [], []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+        norms.append(float(m.get("grad_norm", float("nan"))))
+    extra = inspect(state) if inspect else None
+    logical = step.gather(state)
+    out = {"params": logical.params, "opt_state": logical.opt_state}
+    return losses, norms, out, extra
+
+
+def check_against_reference(make_model, make_transforms, mesh, make_ref_transforms=lambda m: (),
+                            make_tx=_sgd, rtol=1e-5, atol=1e-6, state_rtol=None, inspect=None):
+    ref_losses, ref_norms, ref_state, _ = train(make_model, make_ref_transforms, make_tx=make_tx)
+    world = 1
+    for v in mesh.values():
+        world *= v
+    results = run_on_ranks(train, world, make_model, make_transforms, BATCHES, make_tx, mesh, inspect, timeout=180)
+    for rank, (losses, norms, state, _) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"rank {rank} losses: {m}")
+        if any(n == n for n in ref_norms):
+            torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=rtol, atol=atol)
+        if state_rtol is not False:
+            assert_trees_close(state, ref_state, rtol=state_rtol or rtol, atol=atol, msg=f"rank {rank} state")
+    return results
+
+
+# -- the HF auto plan -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_hf_auto_plan_equals_reference(family, tp):
+    check_against_reference(lambda: make_hf(family), lambda m: (tensor_parallel("auto", model=m),), {"tp": tp})
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_over_tp_on_a_2x2_mesh_equals_reference(family, stage):
+    def inspect(state):     # ZeRO shards the tp shards: Nested(tp layout, FlatShard over dp)
+        return {p: type(x.layout.inner).__name__ for p, x in tree_placed(state.opt_state)
+                if isinstance(x.layout, Nested)}
+    results = check_against_reference(lambda: make_hf(family),
+                                      lambda m: (shard_zero(stage), tensor_parallel("auto", model=m)),
+                                      {"dp": 2, "tp": 2}, inspect=inspect)
+    nested = results[0][3]
+    assert any(v == "DimShard" for v in nested.values()), nested
+
+
+def tree_placed(tree_):
+    return [(p, x) for p, x in dsfn.tree.leaves_with_path(tree_, is_leaf=is_placed) if isinstance(x, Placed)]
+
+
+def test_adam_losses_equal_reference_on_2x2_zero3():
+    check_against_reference(lambda: make_hf("llama"), lambda m: (shard_zero(3), tensor_parallel("auto", model=m)),
+                            {"dp": 2, "tp": 2}, make_tx=lambda: dsfn.optim.adamw(lr=1e-2), state_rtol=False)
+
+
+def test_with_accumulate_and_clip_norm_counted_once_over_both_axes():
+    # the clip threshold is below the gradient norm: the reported norm and the clipped update
+    # both need the norm over dp x tp with every piece counted once
+    check_against_reference(
+        lambda: make_hf("llama"),
+        lambda m: (shard_zero(2), tensor_parallel("auto", model=m), accumulate(2), clip_grad_norm(0.5)),
+        {"dp": 2, "tp": 2}, make_ref_transforms=lambda m: (clip_grad_norm(0.5),))
+
+
+def test_bf16_mixed_precision_within_stated_tolerance():
+    # the gathered (logical) params are mixed precision's fp32 masters
+    results = check_against_reference(
+        lambda: make_hf("qwen2"),
+        lambda m: (shard_zero(1), tensor_parallel("auto", model=m), mixed_precision(torch.bfloat16)),
+        {"dp": 2, "tp": 2}, make_ref_transforms=lambda m: (mixed_precision(torch.bfloat16),), rtol=2e-2, atol=1e-2,
+        state_rtol=5e-2)
+    assert results[0][2]["params"]["model.layers.0.mlp.up_proj.weight"].dtype == torch.float32
+
+
+# -- a hand-built GPT with a fused qkv and a user plan ---------------------------------------------------
+
+def test_gpt_fused_qkv_user_plan_equals_reference():
+    def inspect(state):
+        return {p: x.layout for p, x in tree_placed(state.params)}
+    results = check_against_reference(make_gpt, lambda m: (tensor_parallel(tp_plan(), model=m),), {"tp": 2},
+                                      inspect=inspect)
+    layouts = results[0][3]
+    qkv = layouts["blocks.0.attn.qkv.weight"]
+    assert isinstance(qkv, PackedDimShard) and qkv.parts == (32, 32, 32)
+    assert layouts["blocks.0.attn.proj.weight"] == DimShard("tp", 1, (32, 32))
+    assert "blocks.0.attn.proj.bias" not in layouts         # rowwise bias: whole, added once
+
+
+def test_gpt_fused_qkv_rank_holds_its_heads_of_each_part():
+    def fn():
+        init_mesh(tp=2)
+        model = make_gpt()
+        full = model.blocks[0].attn.qkv.weight.detach().clone()
+        apply_fn, params = dsfn.functionalize(model)
+        step = compose(tensor_parallel(tp_plan(), model=model))(train_step_for(apply_fn, lm_loss))
+        state = step.place(dsfn.TrainState.create(params, _sgd()))
+        return full, state.params["blocks.0.attn.qkv.weight"].data
+    for r, (full, piece) in enumerate(run_on_ranks(fn, 2)):
+        want = torch.cat([full[p * 32 + r * 16: p * 32 + (r + 1) * 16] for p in range(3)])
+        assert torch.equal(piece, want)
+
+
+# -- uneven splits: padding never reaches the loss, norms or the state --------------------------------
+
+def test_uneven_vocab_and_mlp_padding_stays_zero_and_out_of_loss_and_norm():
+    def inspect(state):
+        pads = []
+        for p, x in tree_placed(state.params):
+            lay = x.layout
+            if isinstance(lay, DimShard) and x.data.shape[lay.dim] * 4 != lay.shape[lay.dim]:
+                pads.append((p, tuple(x.data.shape), lay.shape))
+        # rank 3 holds the padded tail: its pad rows / cols must still be exactly zero
+        emb = state.params["model.embed_tokens.weight"]
+        r = dsfn.runtime.current_mesh().local_rank("tp")
+        valid = max(0, min(emb.data.shape[0], VOCAB - r * emb.data.shape[0]))
+        return pads, bool((emb.data[valid:] == 0).all())
+    results = check_against_reference(
+        lambda: make_hf("llama"), lambda m: (tensor_parallel("auto", model=m), clip_grad_norm(1e9)), {"tp": 4},
+        make_ref_transforms=lambda m: (clip_grad_norm(1e9),), inspect=inspect)
+    for _, _, state, (pads, emb_pad_zero) in results:
+        assert pads, "the test model must need padding (vocab 101, intermediate 90 at tp=4)"
+        assert emb_pad_zero
+        assert state["params"]["model.embed_tokens.weight"].shape == (VOCAB, 64)
+
+
+# -- consistency guard ----------------------------------------------------------------------------
+
+def test_guard_fires_when_a_tp_group_gets_different_batches():
+    def fn():
+        init_mesh(tp=2)
+        model = make_gpt()
+        apply_fn, params = dsfn.functionalize(model)
+        step = compose(tensor_parallel(tp_plan(), model=model))(train_step_for(apply_fn, lm_loss))
+        state = step.place(dsfn.TrainState.create(params, _sgd()))
+        batch = dict(BATCHES[0])
+        if dsfn.runtime.current_mesh().local_rank("tp") == 1:
+            batch["labels"] = batch["labels"].clone()
+            batch["labels"][0, 0] = (batch["labels"][0, 0] + 1) % VOCAB
+        step(state, batch)
+    with pytest.raises(RankFailure, match=r"batch tensor 'labels' differs between the ranks of a tp group"):
+        run_on_ranks(fn, 2)
+
+
+def test_guard_passes_identical_batches_over_dp_splits():
+    # 2 x 2: each dp rank gets other rows, but the two tp ranks of each group the same ones
+    check_against_reference(make_gpt, lambda m: (shard_zero(0), tensor_parallel(tp_plan(), model=m)),
+                            {"dp": 2, "tp": 2})
+
+
+# -- bad plans fail early with a clear error ------------------------------------------------------------
+
+def test_unknown_style_and_bad_arguments_fail_at_construction():
+    with pytest.raises(ConfigError, match="'diagonal', which dsfn does not support"):
+        tensor_parallel({"lm_head": "diagonal"}, model=make_gpt())
+    with pytest.raises(ConfigError, match="pass model="):
+        tensor_parallel("auto")
+    with pytest.raises(ConfigError, match="only colwise styles"):
+        packed("rowwise", 3)
+    with pytest.raises(StackError, match="must be outside tensor_parallel"):
+        compose(tensor_parallel(tp_plan(), model=make_gpt()), shard_zero(1))
+
+
+def test_bad_plans_fail_at_place():
+    def fn(kind):
+        init_mesh(tp=4 if kind == "heads" else 2)
+        model = make_hf("llama", num_key_value_heads=2) if kind == "heads" else make_gpt()
+        plan = {"heads": "auto", "nothing": {"blocks.*.attn.nope": "colwise"},
+                "type": {"blocks.*.ln1": "colwise"}, "parts": {"blocks.*.attn.qkv": packed("colwise", (10, 10, 10))},
+                "noplan": "auto"}[kind]
+        apply_fn, params = dsfn.functionalize(model)
+        step = compose(tensor_parallel(plan, model=model))(train_step_for(apply_fn, lm_loss))
+        step.place(dsfn.TrainState.create(params, _sgd()))
+    cases = {"heads": (MeshError, r"tp=4 does not divide the attention heads .*\(8 query heads, 2 key/value heads\).*"
+                                  r"valid tp degrees are \[1, 2\]"),
+             "nothing": (ConfigError, "plan pattern 'blocks.\\*.attn.nope' matches no module"),
+             "type": (ConfigError, "'blocks.0.ln1' is a LayerNorm; style 'colwise' applies to nn.Linear"),
+             "parts": (ConfigError, r"parts sum to 30, but the Linear has 96 output features"),
+             "noplan": (ConfigError, "GPT declares no tp plan")}
+    for kind, (err, pattern) in cases.items():
+        with pytest.raises(RankFailure, match=pattern) as info:
+            run_on_ranks(fn, 4 if kind == "heads" else 2, kind)
+        assert err.__name__ in str(info.value)
+
+
+def test_tied_weights_with_conflicting_styles_are_rejected():
+    def fn():
+        init_mesh(tp=2)
+        model = make_gpt()
+        plan = {**tp_plan(), "tok_emb": "embedding_colwise"}      # dim 1, but lm_head splits dim 0
+        apply_fn, params = dsfn.functionalize(model)
+        compose(tensor_parallel(plan, model=model))(train_step_for(apply_fn, lm_loss)).place(
+            dsfn.TrainState.create(params, _sgd()))
+    with pytest.raises(RankFailure, match="is shared by .* different layouts"):
+        run_on_ranks(fn, 2)
+
+
+def test_user_entries_override_the_hf_plan():
+    def fn():
+        init_mesh(tp=2)
+        model = make_hf("llama")
+        t = tensor_parallel({"lm_head": "replicate", "model.embed_tokens": "replicate"}, model=model, auto=True)
+        styles = t.module_styles()
+        return styles["lm_head"], styles["model.layers.0.mlp.down_proj"]
+    assert run_on_ranks(fn, 2)[0] == ("replicate", "rowwise")
