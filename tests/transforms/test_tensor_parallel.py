@@ -13,8 +13,6 @@ three momentum steps).
 """
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
@@ -25,7 +23,7 @@ from dsfn.runtime import init_mesh
 from dsfn.state.layout import DimShard, Nested, PackedDimShard, Placed, is_placed
 from dsfn.testing import run_on_ranks
 from dsfn.testing.asserts import assert_trees_close
-from dsfn.testing.models import token_batches
+from dsfn.testing.models import make_tiny_causal_lm, token_batches
 from dsfn.testing.reference import lm_loss, train_step_for
 from dsfn.transforms import (
     accumulate,
@@ -37,27 +35,14 @@ from dsfn.transforms import (
     tensor_parallel,
 )
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 VOCAB = 101          # odd: the vocab-parallel embedding and the gathered LM head pad at every tp
 
 
 def make_hf(family: str, seed: int = 0, **over):
     """Small random-weight HF causal LMs (no download); 8 query / 4 kv heads: tp 2 and 4."""
-    torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=90, num_hidden_layers=2,
-                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
-    common.update(over)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if family == "llama":
-            return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=True))
-        if family == "qwen2":       # q/k/v biases: colwise biases are split too
-            return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=False))
-        if family == "gemma2":      # tied, soft-capped logits, explicit head_dim
-            return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, head_dim=16,
-                                                                            attn_implementation="eager"))
-    raise ValueError(family)
+    return make_tiny_causal_lm(family, seed, vocab_size=VOCAB, **over)
 
 
 def make_gpt():
