@@ -219,8 +219,9 @@ def _local_slice(x: torch.Tensor, axis: str, c: int) -> torch.Tensor:
 # Each wraps the module's own forward (`forward`, bound), so subclasses that add to it (a
 # scaled embedding, a Linear with a hook) keep their behaviour: the collectives go around it.
 
-def _colwise(mod: nn.Linear, axis: str, gather_to: int | None, forward: Any, x: torch.Tensor) -> torch.Tensor:
-    y = forward(_CopyToTP.apply(x, axis))
+def _colwise(mod: nn.Linear, copy: Any, gather_to: int | None, forward: Any, x: torch.Tensor) -> torch.Tensor:
+    axis = copy.axis
+    y = forward(copy(x))
     return y if gather_to is None else _GatherLastDim.apply(y, axis, gather_to)
 
 
@@ -520,15 +521,32 @@ def _check_heads(module: nn.Module, styles: dict[str, Any], n: int) -> None:
                             f"tp must divide both: valid tp degrees are {valid}")
 
 
+class _SharedCopy:
+    """`_CopyToTP` once per input tensor: q, k and v (or gate and up) read the same input, so
+    their input gradients are summed by autograd first and all-reduced once (Megatron's `f`),
+    not once per projection. Lives for one forward."""
+
+    def __init__(self, axis: str):
+        self.axis = axis
+        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        hit = self.copies.get(id(x))
+        if hit is None or hit[0] is not x:      # keep x alive with its copy: ids are not reused meanwhile
+            hit = self.copies[id(x)] = (x, _CopyToTP.apply(x, self.axis))
+        return hit[1]
+
+
 class _TPForwards:
     """Installs the tp forward of every planned module (instance `forward`), restores on exit."""
 
     def __init__(self, module: nn.Module, styles: dict[str, Any], axis: str, n: int):
         self.items = []
+        self.copy = _SharedCopy(axis)
         named = dict(module.named_modules())
         for name, style in styles.items():
             mod = named[name]
-            self.items.append((mod, _tp_forward(mod, style, axis, n)))
+            self.items.append((mod, _tp_forward(mod, style, self.copy, n)))
         self.saved: list[tuple[nn.Module, Any]] = []
 
     def __enter__(self):
@@ -545,20 +563,22 @@ class _TPForwards:
             else:
                 mod.forward = prev
         self.saved.clear()
+        self.copy.copies.clear()
         return False
 
 
-def _tp_forward(mod: nn.Module, style: Any, axis: str, n: int) -> Any:
+def _tp_forward(mod: nn.Module, style: Any, copy: _SharedCopy, n: int) -> Any:
     own = mod.__dict__.get("forward") or type(mod).forward.__get__(mod)
+    axis = copy.axis
     if isinstance(style, Packed):
         if style.style == "colwise_rep":   # a gathered output would be [q_0, k_0, v_0, q_1, ...]
             raise ConfigError("tensor_parallel: packed(colwise_rep) would gather the parts interleaved by rank; use "
                               "packed('colwise', parts) and keep the output sharded")
-        return functools.partial(_colwise, mod, axis, None, own)
+        return functools.partial(_colwise, mod, copy, None, own)
     if style == "colwise":
-        return functools.partial(_colwise, mod, axis, None, own)
+        return functools.partial(_colwise, mod, copy, None, own)
     if style == "colwise_rep":
-        return functools.partial(_colwise, mod, axis, mod.out_features, own)
+        return functools.partial(_colwise, mod, copy, mod.out_features, own)
     if style == "rowwise":
         return functools.partial(_rowwise, mod, axis, None, own)
     if style == "rowwise_rep":

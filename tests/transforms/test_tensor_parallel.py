@@ -271,3 +271,28 @@ def test_user_entries_override_the_hf_plan():
         styles = t.module_styles()
         return styles["lm_head"], styles["model.layers.0.mlp.down_proj"]
     assert run_on_ranks(fn, 2)[0] == ("replicate", "rowwise")
+
+
+# -- communication: Megatron's count ----------------------------------------------------------------
+
+def test_tp_collectives_per_step_match_megatron_count():
+    """Per block: 2 all-reduces of the activation in forward (o_proj, down_proj) and 2 in
+    backward (the attention and MLP inputs' gradients: q/k/v and gate/up share one); plus
+    the vocab-parallel embedding's forward all-reduce, the LM head input's backward
+    all-reduce, and the logits' all-gather."""
+    layers, batch = 3, BATCHES[0]
+
+    def fn():
+        init_mesh(tp=2)
+        model = make_hf("llama", num_hidden_layers=layers)
+        apply_fn, params = dsfn.functionalize(model)
+        step = compose(tensor_parallel("auto", model=model))(train_step_for(apply_fn, lm_loss))
+        state = step.init_state(params, _sgd())
+        state, _ = step(state, batch)             # the first step also runs the batch guard
+        return step.explain(state, batch).collectives
+    comm = run_on_ranks(fn, 2)[0]
+    b, t = batch["input_ids"].shape
+    activation = b * t * 64 * 4
+    assert comm[("tp", "all_reduce")] == (4 * layers + 2, (4 * layers + 2) * activation)
+    assert comm[("tp", "all_gather")] == (1, b * t * 2 * 51 * 4)      # vocab 101 -> 2 x 51 (padded) logits
+    assert set(comm) == {("tp", "all_reduce"), ("tp", "all_gather")}
