@@ -374,14 +374,15 @@ class TensorParallel(Transform):
     # -- stack ----------------------------------------------------------------------------------
     def check_stack(self, stack, index):
         from dsfn.transforms.data_parallel import DataParallel
-        names = {type(t).__name__ for t in stack}
+        from dsfn.transforms.offload import Offload
+        from dsfn.transforms.zenflow import ZenFlow
         for t in stack[index + 1:]:
             if isinstance(t, DataParallel):
                 raise StackError(f"{t.name} must be outside tensor_parallel (it shards the tp shards over dp): "
                                  f"write compose({t.name}(...), tensor_parallel(...), ...)")
-        for bad in ("Offload", "ZenFlow"):
-            if bad in names:
-                raise StackError(f"tensor_parallel does not compose with {bad.lower()} yet; remove one of them")
+        for t in stack:
+            if isinstance(t, (Offload, ZenFlow)):
+                raise StackError(f"tensor_parallel does not compose with {t.name} yet; remove one of them")
 
     def explain_note(self) -> str:
         n = current_mesh().size(self.axis)

@@ -296,3 +296,52 @@ def test_tp_collectives_per_step_match_megatron_count():
     assert comm[("tp", "all_reduce")] == (4 * layers + 2, (4 * layers + 2) * activation)
     assert comm[("tp", "all_gather")] == (1, b * t * 2 * 51 * 4)      # vocab 101 -> 2 x 51 (padded) logits
     assert set(comm) == {("tp", "all_reduce"), ("tp", "all_gather")}
+
+
+# -- property: any sizes, any tp, padding included --------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from dsfn.testing.models import make_mlp, regression_batches  # noqa: E402
+from dsfn.testing.reference import mse_loss  # noqa: E402
+
+MLP_PLAN = {"layers.0": "colwise", "layers.1": "rowwise", "layers.2": "colwise_rep"}
+
+
+def _mlp_run(sizes, seed, tp, batches):
+    if tp > 1:
+        init_mesh(tp=tp)
+    model = make_mlp(sizes, seed)
+    apply_fn, params = dsfn.functionalize(model)
+    ts = (tensor_parallel(MLP_PLAN, model=model), clip_grad_norm(1e9)) if tp > 1 else (clip_grad_norm(1e9),)
+    step = compose(*ts)(train_step_for(apply_fn, mse_loss))
+    state = step.place(dsfn.TrainState.create(params, _sgd()))
+    losses, norms = [], []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+    return losses, norms, dict(step.gather(state).params)
+
+
+@settings(max_examples=8, deadline=None)
+@given(hidden=st.integers(1, 9), out=st.integers(1, 5), tp=st.sampled_from([2, 3, 4]), seed=st.integers(0, 99))
+def test_property_mlp_any_sizes_and_tp_equal_reference(hidden, out, tp, seed):
+    """Sizes not divisible by tp (even smaller than tp: whole ranks of padding) train like
+    the single process: losses, the global grad norm and the final parameters."""
+    sizes = [4, hidden, hidden + 2, out]
+    batches = regression_batches(2, 6, 4, out, seed=seed)
+    ref = _mlp_run(sizes, seed, 1, batches)
+    for losses, norms, params in run_on_ranks(_mlp_run, tp, sizes, seed, tp, batches):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[0]), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref[1]), rtol=1e-5, atol=1e-6)
+        assert_trees_close(params, ref[2], rtol=1e-5, atol=1e-6)
+
+
+def test_offload_and_zenflow_do_not_compose_yet():
+    from dsfn.transforms import offload, zenflow
+    with pytest.raises(StackError, match="does not compose with offload"):
+        compose(shard_zero(1), tensor_parallel(tp_plan(), model=make_gpt()), offload("cpu"))
+    with pytest.raises(StackError, match="does not compose with zenflow"):
+        compose(tensor_parallel(tp_plan(), model=make_gpt()), zenflow())
