@@ -1,0 +1,360 @@
+"""Train a small Hugging Face Llama on the stdlib's source bytes, on CPU ranks, with
+tensor parallelism, data parallelism and ZeRO from dsfn, then export it as a HF model.
+
+    python examples/train_llama.py                          # tp 2 x dp 1, ZeRO 0: 2 ranks, ~1 min
+    python examples/train_llama.py --tp 2 --dp 2 --zero 1   # 4 ranks: ZeRO-1 over dp, Megatron tp
+    python examples/train_llama.py --tp 1 --dp 2 --zero 3   # 2 ranks, ZeRO-3 only
+    python examples/train_llama.py --model tiny --steps 50
+    python -m dsfn.launch --nproc 4 examples/train_llama.py --tp 2 --dp 2   # ranks started outside
+
+The model is `transformers.LlamaForCausalLM` built from a `LlamaConfig` with random weights
+(nothing is downloaded): byte-level, vocab 256, on the same corpus as `train_gpt.py` (see
+`corpus.py`; the last 5% of the files are held out for validation). The training step is
+written once, for one device; `compose(shard_zero(zero), tensor_parallel("auto", model=model),
+clip_grad_norm(1.0))` runs it on tp x dp ranks: `tensor_parallel("auto")` reads the model's own
+Hugging Face tp plan (q/k/v/gate/up colwise, o/down rowwise, vocab-parallel embedding and LM
+head), `shard_zero` splits the global batch and (stage >= 1) the optimizer state, (>= 2) the
+gradients and (3) the parameters over dp. Every rank draws the same global batch, so the ranks
+of a tp group see the same rows.
+
+At the end the training state is saved with `dsfn.checkpoint.save` (sharded, one file per
+rank) and exported with `dsfn.checkpoint.export(..., format="hf", config=model.config)` to a
+Hugging Face directory that `transformers.LlamaForCausalLM.from_pretrained` loads.
+
+Outputs (in --out, default runs/train_llama): metrics.jsonl (one JSON object per step),
+loss.png (the loss curve), summary.json (what the summary printed at the end says), ckpt/
+(the last training state) and hf/ (config.json + model.safetensors).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+# Running as `python examples/train_llama.py` from a checkout without `pip install -e .`:
+# make the repository's dsfn importable (and `corpus` / `train_gpt` when imported as a module).
+if importlib.util.find_spec("dsfn") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import corpus
+import torch
+from train_gpt import _metrics_log, _progress_bar, evaluate, plot_loss
+
+import dsfn
+from dsfn import checkpoint
+from dsfn.models import generate, gpt_loss
+from dsfn.runtime import init_mesh
+from dsfn.transforms import clip_grad_norm, compose, shard_zero, tensor_parallel
+
+# LlamaConfig fields of the presets. 8 query / 4 key-value heads: tp 1, 2 and 4 divide both.
+# intermediate_size 344 does not divide by 4 (nor 172 by 8): tensor_parallel pads the split.
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=4, seq_len=64),
+    "small": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, seq_len=128),
+}
+
+DEFAULTS: dict[str, Any] = dict(
+    model="small",
+    steps=150,
+    tp=2,
+    dp=1,
+    zero=0,
+    batch_size=16,        # global: split over dp (every rank of a tp group gets the same rows)
+    lr=3e-3,
+    warmup=10,
+    weight_decay=0.1,
+    seed=0,
+    out="runs/train_llama",
+    max_bytes=8_000_000,
+    eval_batches=8,
+    prompt="def ",
+    sample_tokens=120,
+    temperature=0.8,
+)
+
+
+def llama_config(model: str = DEFAULTS["model"]):
+    """The `transformers.LlamaConfig` of a preset: byte-level (vocab 256), untied LM head."""
+    import transformers
+    if model not in PRESETS:
+        raise ValueError(f"unknown model preset {model!r}; choose one of {sorted(PRESETS)}")
+    p = dict(PRESETS[model])
+    seq_len = p.pop("seq_len")
+    cfg = transformers.LlamaConfig(vocab_size=256, max_position_embeddings=seq_len, use_cache=False,
+                                   tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                                   pad_token_id=None, **p)
+    cfg.architectures = ["LlamaForCausalLM"]          # so AutoModelForCausalLM also loads the export
+    return cfg
+
+
+def build_model(cfg, seed: int):
+    """The same random init on every rank (same seed)."""
+    import transformers
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.LlamaForCausalLM(cfg)
+
+
+def check_batch(max_bytes: int, seq_len: int, seed: int = DEFAULTS["seed"], batch_size: int = 4
+                ) -> dict[str, torch.Tensor]:
+    """A fixed batch of held-out windows: main reports the trained model's loss on it
+    (`summary["check_loss"]`), so the exported HF model can be checked against it."""
+    _, val = corpus.train_val_split(corpus.load_corpus(max_bytes), val_fraction=0.05)
+    return _check_batch(val, seq_len, seed, batch_size)
+
+
+def _check_batch(val_data: torch.Tensor, seq_len: int, seed: int, batch_size: int = 4) -> dict[str, torch.Tensor]:
+    return next(corpus.batches(val_data, batch_size, seq_len, seed=seed + 2))
+
+
+def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"], tp: int = DEFAULTS["tp"],
+         dp: int = DEFAULTS["dp"], zero: int = DEFAULTS["zero"], batch_size: int = DEFAULTS["batch_size"],
+         lr: float = DEFAULTS["lr"], warmup: int = DEFAULTS["warmup"],
+         weight_decay: float = DEFAULTS["weight_decay"], seed: int = DEFAULTS["seed"],
+         out: str | Path = DEFAULTS["out"], max_bytes: int = DEFAULTS["max_bytes"],
+         eval_batches: int = DEFAULTS["eval_batches"], prompt: str = DEFAULTS["prompt"],
+         sample_tokens: int = DEFAULTS["sample_tokens"], temperature: float = DEFAULTS["temperature"],
+         progress: bool = True, verbose: bool = True) -> dict[str, Any]:
+    """Train on tp*dp ranks, write metrics.jsonl / loss.png / summary.json / ckpt / hf under
+    `out`, return the summary.
+
+    `batch_size` is the global batch (sequences per step); it must be a multiple of `dp`.
+    tp*dp == 1 trains in this process; more ranks run as local gloo processes
+    (`dsfn.launch.spawn`). When this process is already one rank of a launched job (torchrun
+    or `python -m dsfn.launch`), it trains as that rank and the job's world size must be
+    tp*dp; ranks other than 0 return {}.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if tp < 1 or dp < 1:
+        raise ValueError(f"tp and dp must be >= 1, got tp={tp}, dp={dp}")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero}")
+    if batch_size % dp:
+        raise ValueError(f"batch_size={batch_size} must be a multiple of dp={dp}")
+    cfg = llama_config(model)
+    if cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp:
+        raise ValueError(f"tp={tp} must divide the {cfg.num_attention_heads} query and "
+                         f"{cfg.num_key_value_heads} key/value heads of model {model!r}")
+    world_size = tp * dp
+    launched = dsfn.runtime.init_distributed()          # False unless started by a launcher
+    if launched and dsfn.runtime.world_size() != world_size:
+        raise ValueError(f"the launcher started {dsfn.runtime.world_size()} ranks but tp*dp = {tp}*{dp} = "
+                         f"{world_size}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.perf_counter()
+    data = corpus.load_corpus(max_bytes)
+    train_data, val_data = corpus.train_val_split(data, val_fraction=0.05)
+    run = dict(cfg=cfg, model=f"llama-{model} tp{tp} dp{dp} zero{zero}", preset=model, steps=steps,
+               world_size=world_size, tp=tp, dp=dp, zero=zero, batch_size=batch_size, lr=lr, warmup=warmup,
+               weight_decay=weight_decay, seed=seed, out=str(out), eval_batches=eval_batches, prompt=prompt,
+               sample_tokens=sample_tokens, temperature=temperature, progress=progress,
+               corpus_bytes=len(data))
+
+    if launched or world_size == 1:
+        try:
+            result = _train(train_data, val_data, run)      # this process is the (or a) rank
+        finally:
+            if launched:      # leave the group we joined (see train_gpt.main)
+                dsfn.runtime.collectives.barrier()
+                dsfn.runtime.env.shutdown()
+        if not result:                                      # ranks other than 0
+            return {}
+    else:
+        results = dsfn.launch.spawn(_train, world_size, args=(train_data, val_data, run),
+                                    timeout=max(600.0, 10.0 * steps))
+        result = results[0]
+    result["wall_s"] = time.perf_counter() - t0
+
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    plot_loss(metrics, out / "loss.png", title=_title(run, result["num_params"]), val_loss=result["val_loss"])
+    summary = _summary(result, metrics, run, out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if verbose:
+        print(format_summary(summary))
+    return summary
+
+
+def make_optimizer(lr: float, warmup: int, steps: int, weight_decay: float) -> Any:
+    """AdamW (betas 0.9/0.95) with train_gpt's schedule (DeepSpeed's WarmupCosineLR: linear
+    warmup to `lr`, cosine to lr/10). Unlike train_gpt's, no clipping in the optimizer: the
+    `clip_grad_norm` transform clips by the norm over all tp / ZeRO shards."""
+    schedule = dsfn.optim.WarmupCosineLR(base_lr=lr, total_num_steps=steps, warmup_num_steps=warmup,
+                                         warmup_type="linear", cos_min_ratio=0.1)
+    return dsfn.optim.adamw(lr=schedule, betas=(0.9, 0.95), weight_decay=weight_decay)
+
+
+def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]) -> dict[str, Any]:
+    """One rank's training run (also the whole run when tp*dp == 1).
+
+    Every rank draws the same global batches; shard_zero gives each its dp rows, the ranks
+    of a tp group share them. Rank 0 logs, evaluates and exports; its return value is the
+    run's result.
+    """
+    cfg = run["cfg"]
+    init_mesh(dp=run["dp"], tp=run["tp"])                 # every rank builds the same mesh
+    rank = dsfn.runtime.rank()
+    model = build_model(cfg, run["seed"])
+    apply_fn, params = dsfn.functionalize(model)
+    num_params = sum(p.numel() for p in params.values())
+    tx = make_optimizer(run["lr"], run["warmup"], run["steps"], run["weight_decay"])
+
+    def loss_fn(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = apply_fn(params, batch["input_ids"]).logits     # HF output object; [B/dp, T, V]
+        return gpt_loss(logits, batch["labels"])
+
+    def train_step(state: dsfn.TrainState, batch: dict[str, torch.Tensor]):
+        loss, grads = dsfn.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    step = compose(shard_zero(run["zero"]), tensor_parallel("auto", model=model), clip_grad_norm(1.0))(train_step)
+    state = step.init_state(params, tx, seed=run["seed"])   # this rank's shards only
+    del params
+
+    seq_len = cfg.max_position_embeddings
+    tokens_per_step = run["batch_size"] * seq_len
+    data_iter = corpus.batches(train_data, run["batch_size"], seq_len, seed=run["seed"])
+    log = _metrics_log(Path(run["out"]) / "metrics.jsonl", None) if rank == 0 else None
+    bar = _progress_bar(run) if rank == 0 else None
+    start = time.perf_counter()
+    try:
+        for i in range(run["steps"]):
+            batch = next(data_iter)
+            t = time.perf_counter()
+            state, metrics = step(state, batch)
+            dt = time.perf_counter() - t
+            if rank != 0:
+                continue
+            record = {"step": i + 1, "loss": float(metrics["loss"]),
+                      "lr": float(metrics["lr"]) if "lr" in metrics else None,
+                      "grad_norm": float(metrics["grad_norm"]) if "grad_norm" in metrics else None,
+                      "tokens_per_s": tokens_per_step / dt,
+                      "elapsed": time.perf_counter() - start}
+            log.write(json.dumps(record) + "\n")
+            if bar is not None:
+                bar.set_postfix(loss=f"{record['loss']:.3f}",
+                                tok_s=f"{tokens_per_step * (i + 1) / record['elapsed']:,.0f}", refresh=False)
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+        if log is not None:
+            log.close()
+    train_s = time.perf_counter() - start
+
+    # Save the sharded state (collective: every rank writes its own slices), then take the
+    # logical state (also collective) for evaluation.
+    ckpt_dir = Path(run["out"]) / "ckpt"
+    checkpoint.save(ckpt_dir, state, keep=1)
+    final = step.gather(state)
+    if rank != 0:
+        return {}
+    hf_dir = Path(run["out"]) / "hf"
+    checkpoint.export(ckpt_dir, hf_dir, format="hf", config=model.config)
+
+    model.eval()
+    with torch.no_grad():
+        logits_fn = lambda ids: apply_fn(final.params, ids).logits
+        val_loss = evaluate(logits_fn, val_data, seq_len, run["batch_size"], run["eval_batches"],
+                            seed=run["seed"] + 1)
+        check_loss = float(loss_fn(final.params, _check_batch(val_data, seq_len, run["seed"])))
+        prompt = corpus.encode(run["prompt"])[None]
+        sample = generate(logits_fn, prompt, run["sample_tokens"], seq_len, temperature=run["temperature"],
+                          generator=torch.Generator().manual_seed(run["seed"]))
+    return {"train_s": train_s, "val_loss": val_loss, "check_loss": check_loss, "hf_dir": str(hf_dir),
+            "ckpt_dir": str(ckpt_dir), "sample": corpus.decode(sample[0]), "num_params": num_params}
+
+
+def _title(run: dict[str, Any], num_params: int) -> str:
+    cfg = run["cfg"]
+    return (f"Llama '{run['preset']}' ({num_params / 1e6:.2f}M params) on stdlib bytes, tp {run['tp']} x dp "
+            f"{run['dp']}, ZeRO-{run['zero']}, batch {run['batch_size']}x{cfg.max_position_embeddings}")
+
+
+def _summary(result: dict[str, Any], metrics: list[dict[str, Any]], run: dict[str, Any],
+             out: Path) -> dict[str, Any]:
+    losses = [m["loss"] for m in metrics]
+    tail = losses[-max(1, len(losses) // 10):]          # smooth the last value over ~10% of steps
+    seq_len = run["cfg"].max_position_embeddings
+    tokens = run["steps"] * run["batch_size"] * seq_len
+    return {
+        "model": run["preset"], "num_params": result["num_params"], "tp": run["tp"], "dp": run["dp"],
+        "zero": run["zero"], "world_size": run["world_size"], "steps": run["steps"],
+        "global_batch": run["batch_size"], "seq_len": seq_len, "seed": run["seed"],
+        "corpus_bytes": run["corpus_bytes"],
+        "initial_loss": losses[0], "final_loss": sum(tail) / len(tail), "last_loss": losses[-1],
+        "val_loss": result["val_loss"], "check_loss": result["check_loss"],
+        "tokens": tokens, "tokens_per_s": tokens / result["train_s"],
+        "train_s": result["train_s"], "wall_s": result["wall_s"],
+        "prompt": run["prompt"], "temperature": run["temperature"], "sample": result["sample"],
+        "hf_dir": result["hf_dir"],
+        "files": {name: str(out / name) for name in ("metrics.jsonl", "loss.png", "summary.json")}
+        | {"ckpt": result["ckpt_dir"], "hf": result["hf_dir"]},
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The end-of-run report printed by `main`."""
+    sample = s["sample"].replace("\t", "    ")
+    how = "greedy" if s["temperature"] == 0 else f"sampled (T={s['temperature']})"
+    return "\n".join([
+        "",
+        (f"== train_llama: '{s['model']}' Llama, {s['num_params'] / 1e6:.2f}M params, tp {s['tp']} x dp "
+         f"{s['dp']} = {s['world_size']} rank(s), ZeRO-{s['zero']}, {s['steps']} steps of "
+         f"{s['global_batch']}x{s['seq_len']} tokens"),
+        (f"  train loss  {s['initial_loss']:.3f} -> {s['final_loss']:.3f}  "
+         f"(first step -> mean of the last 10%; ln 256 = {math.log(256):.3f})"),
+        f"  val loss    {s['val_loss']:.3f}  (held-out stdlib files)",
+        f"  throughput  {s['tokens_per_s']:,.0f} tokens/s over all ranks",
+        f"  time        {s['wall_s']:.1f} s wall ({s['train_s']:.1f} s in the training loop)",
+        (f"  files       {Path(s['files']['metrics.jsonl']).parent}/{{metrics.jsonl, loss.png, summary.json}}; "
+         f"checkpoint in {s['files']['ckpt']}"),
+        f"  HF model    {s['hf_dir']}  (transformers.LlamaForCausalLM.from_pretrained(...))",
+        f"  sample      {how} continuation of {s['prompt']!r}:",
+        *("    | " + line for line in sample.splitlines()),
+        "",
+    ])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=DEFAULTS["model"], choices=sorted(PRESETS), help="Llama size preset")
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
+    p.add_argument("--tp", type=int, default=DEFAULTS["tp"], help="tensor-parallel degree")
+    p.add_argument("--dp", type=int, default=DEFAULTS["dp"], help="data-parallel degree (ranks = tp * dp)")
+    p.add_argument("--zero", type=int, default=DEFAULTS["zero"], choices=(0, 1, 2, 3), help="ZeRO stage over dp")
+    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
+                   help="global batch in sequences (split over dp)")
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="linear warmup steps")
+    p.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"], help="AdamW weight decay")
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="model init, data order and sample")
+    p.add_argument("--out", default=DEFAULTS["out"], help="output directory")
+    p.add_argument("--max-bytes", type=int, default=DEFAULTS["max_bytes"], help="corpus size cap")
+    p.add_argument("--eval-batches", type=int, default=DEFAULTS["eval_batches"],
+                   help="validation batches at the end")
+    p.add_argument("--prompt", default=DEFAULTS["prompt"], help="prompt of the generated sample")
+    p.add_argument("--sample-tokens", type=int, default=DEFAULTS["sample_tokens"], help="bytes to generate")
+    p.add_argument("--temperature", type=float, default=DEFAULTS["temperature"],
+                   help="sampling temperature of the sample text (0 = greedy)")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="hide the progress bar%(default).0s")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main(**vars(parse_args()))

@@ -1,0 +1,97 @@
+"""The Llama example trains a Hugging Face LlamaForCausalLM under tp x dp x ZeRO on local CPU
+ranks in seconds, the loss falls, and the exported HF directory loads with from_pretrained and
+gives the trained model's loss."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import train_llama
+
+MAX_BYTES = 1_000_000
+
+
+def _run(tmp_path: Path, steps: int, **kw) -> dict:
+    t = time.perf_counter()
+    summary = train_llama.main(model="tiny", steps=steps, batch_size=16, lr=3e-3, warmup=2, out=tmp_path,
+                               max_bytes=MAX_BYTES, eval_batches=2, sample_tokens=16, progress=False,
+                               verbose=False, **kw)
+    assert time.perf_counter() - t < 45
+    return summary
+
+
+def _check_outputs(tmp_path: Path, summary: dict, steps: int) -> None:
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for r in records:
+        assert set(r) >= {"step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed"}
+        assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["tokens_per_s"] > 0
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == steps
+
+    # Byte-level loss starts near ln 256 = 5.55 and must fall by a clear margin.
+    assert abs(summary["initial_loss"] - math.log(256)) < 0.3
+    assert summary["final_loss"] < summary["initial_loss"] - 1.0
+    assert summary["val_loss"] < summary["initial_loss"] - 1.0
+    assert summary["sample"].startswith("def ")
+
+
+def _check_hf_export(summary: dict) -> None:
+    """The exported directory is a HF model whose loss on the fixed check batch is the one main
+    computed with the trained logical params."""
+    import transformers
+    hf = Path(summary["hf_dir"])
+    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.LlamaForCausalLM.from_pretrained(hf)
+    model.eval()
+    assert model.config.vocab_size == 256 and model.config.max_position_embeddings == summary["seq_len"]
+    assert sum(p.numel() for p in model.parameters()) == summary["num_params"]
+    batch = train_llama.check_batch(MAX_BYTES, summary["seq_len"], summary["seed"])
+    with torch.no_grad():
+        logits = model(batch["input_ids"]).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
+    assert float(loss) == pytest.approx(summary["check_loss"], abs=1e-4)
+    assert float(loss) < math.log(256) - 1.0        # the trained weights, not the random init
+
+
+def test_main_tp2(tmp_path: Path) -> None:
+    summary = _run(tmp_path, steps=20, tp=2, dp=1, zero=0)
+    assert (summary["tp"], summary["dp"], summary["zero"], summary["world_size"]) == (2, 1, 0, 2)
+    _check_outputs(tmp_path, summary, 20)
+    _check_hf_export(summary)
+
+
+def test_main_tp2_dp2_zero3(tmp_path: Path) -> None:
+    summary = _run(tmp_path, steps=15, tp=2, dp=2, zero=3)
+    assert (summary["tp"], summary["dp"], summary["zero"], summary["world_size"]) == (2, 2, 3, 4)
+    _check_outputs(tmp_path, summary, 15)
+    _check_hf_export(summary)
+
+
+def test_bad_degrees_fail_early(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="multiple of dp"):
+        train_llama.main(model="tiny", steps=1, dp=2, batch_size=3, out=tmp_path, verbose=False)
+    with pytest.raises(ValueError, match="must divide"):
+        train_llama.main(model="tiny", steps=1, tp=3, out=tmp_path, verbose=False)
+
+
+def test_parse_args_defaults() -> None:
+    args = train_llama.parse_args([])
+    assert (args.tp, args.dp, args.zero, args.model, args.out) == (2, 1, 0, "small", "runs/train_llama")
+    args = train_llama.parse_args(["--tp", "2", "--dp", "2", "--zero", "1", "--steps", "5", "--no-progress"])
+    assert (args.tp, args.dp, args.zero, args.steps, args.progress) == (2, 2, 1, 5, False)
+    assert set(vars(args)) <= set(train_llama.main.__code__.co_varnames)
