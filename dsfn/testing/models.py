@@ -61,8 +61,9 @@ def make_tiny_llama(seed: int = 0, **config):
 def make_tiny_causal_lm(family: str = "llama", seed: int = 0, **config):
     """A small random-weight Hugging Face causal LM (no download; needs the `hf` extra).
 
-    `family`: "llama" (tied embeddings), "qwen2" (q/k/v biases, untied) or "gemma2" (tied,
-    soft-capped logits, explicit head_dim 16). Defaults: vocab 101 (odd, so vocabulary
+    `family`: "llama" (tied embeddings), "qwen2" (q/k/v biases, untied), "qwen3" (per-head
+    q/k RMSNorms, which its tp plan marks `replicated_with_grad_allreduce`) or "gemma2"
+    (tied, soft-capped logits, explicit head_dim 16). Defaults: vocab 101 (odd, so vocabulary
     splits pad), hidden 64, intermediate 90, 2 layers, 8 query / 4 key-value heads (tp 2
     and 4 divide them); `config` overrides any field.
     """
@@ -73,9 +74,10 @@ def make_tiny_causal_lm(family: str = "llama", seed: int = 0, **config):
     fields = dict(vocab_size=101, hidden_size=64, intermediate_size=90, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=4, max_position_embeddings=64)
     extra = {"llama": dict(tie_word_embeddings=True), "qwen2": dict(tie_word_embeddings=False),
+             "qwen3": dict(head_dim=8, tie_word_embeddings=False),
              "gemma2": dict(head_dim=16, attn_implementation="eager")}
     classes = {"llama": ("LlamaForCausalLM", "LlamaConfig"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
-               "gemma2": ("Gemma2ForCausalLM", "Gemma2Config")}
+               "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"), "gemma2": ("Gemma2ForCausalLM", "Gemma2Config")}
     if family not in classes:
         raise ValueError(f"make_tiny_causal_lm: family {family!r}; choose one of {sorted(classes)}")
     model_cls, cfg_cls = (getattr(transformers, n) for n in classes[family])

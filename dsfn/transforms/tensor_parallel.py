@@ -134,7 +134,9 @@ def _matches(pattern: str, name: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 class _CopyToTP(torch.autograd.Function):
-    """Forward identity; backward all-reduces (sums) the gradient over tp."""
+    """Forward identity; backward all-reduces (sums) the gradient over tp. Megatron's `f`:
+    before a colwise layer (its input's gradient is a sum of the ranks' parts), and on the
+    parameters of a `replicated` module (their gradients are partial)."""
 
     @staticmethod
     def forward(ctx, x, axis):
@@ -186,20 +188,6 @@ class _SplitLastDim(torch.autograd.Function):
     def backward(ctx, g):
         full = C.all_gather(g.movedim(-1, 0).contiguous(), ctx.axis)
         return full[:ctx.n].movedim(0, -1).contiguous(), None, None
-
-
-class _SumGradOverTP(torch.autograd.Function):
-    """A parameter used on tp-local activations: forward identity; backward sums its
-    (partial) gradient over tp."""
-
-    @staticmethod
-    def forward(ctx, w, axis):
-        ctx.axis = axis
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, g):
-        return C.all_reduce(g.contiguous(), ctx.axis, "sum"), None
 
 
 def _local_slice(x: torch.Tensor, axis: str, c: int) -> torch.Tensor:
@@ -261,7 +249,7 @@ def _replicated(mod: nn.Module, axis: str, forward: Any, *args: Any, **kwargs: A
     own = {k: v for k, v in mod._parameters.items() if v is not None}
     try:
         for k, v in own.items():
-            mod._parameters[k] = _SumGradOverTP.apply(v, axis)
+            mod._parameters[k] = _CopyToTP.apply(v, axis)
         return forward(*args, **kwargs)
     finally:
         for k, v in own.items():

@@ -94,7 +94,7 @@ def check_against_reference(make_model, make_transforms, mesh, make_ref_transfor
 
 # -- the HF auto plan -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_hf_auto_plan_equals_reference(family, tp):
     check_against_reference(lambda: make_hf(family), lambda m: (tensor_parallel("auto", model=m),), {"tp": tp})
@@ -345,3 +345,13 @@ def test_offload_and_zenflow_do_not_compose_yet():
         compose(shard_zero(1), tensor_parallel(tp_plan(), model=make_gpt()), offload("cpu"))
     with pytest.raises(StackError, match="does not compose with zenflow"):
         compose(tensor_parallel(tp_plan(), model=make_gpt()), zenflow())
+
+
+def test_replicated_style_sums_partial_gradients_of_per_head_norms():
+    """Qwen3's q_norm / k_norm see only this rank's heads: their gradients are partial, and
+    the `replicated` style (HF's replicated_with_grad_allreduce) sums them over tp. Planned
+    as `replicate` instead (no sum), training leaves the reference — the sum is needed."""
+    override = {"model.layers.*.self_attn.q_norm": "replicate", "model.layers.*.self_attn.k_norm": "replicate"}
+    with pytest.raises(AssertionError, match="losses|state"):
+        check_against_reference(lambda: make_hf("qwen3"),
+                                lambda m: (tensor_parallel(override, model=m, auto=True),), {"tp": 2})
