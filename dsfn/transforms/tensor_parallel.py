@@ -343,6 +343,12 @@ class TensorParallel(Transform):
         for names in aliases.values():
             canonical = next((n for n in names if n in shapes), None)
             if canonical is None:
+                planned = [n for n in names if n.rpartition(".")[0] in styles]
+                if planned:   # its forward would be rewritten while the state holds no piece of it
+                    raise ConfigError(f"tensor_parallel: planned parameter {planned[0]!r} is not in the state's params "
+                                      f"(they look like {list(shapes)[:3]}); pass model= the module that "
+                                      "dsfn.functionalize split into these params (frozen parameters cannot be "
+                                      "split yet: plan their modules 'replicate')")
                 continue
             choices = {}
             for alias in names:
