@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -40,6 +38,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:     # `corpus` when imp
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import corpus
+import runner
 import torch
 
 import dsfn
@@ -110,33 +109,12 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
                temperature=temperature, ckpt_every=ckpt_every, resume=resume,
                progress=progress, corpus_bytes=len(data))
 
-    if launched or world_size == 1:
-        try:
-            result = _train(train_data, val_data, run)      # this process is the (or a) rank
-        finally:
-            if launched:
-                # We joined the group, so we leave it: a process that exits with a live gloo
-                # group can abort in its destructors ("terminate called ..."). The barrier
-                # keeps a fast rank from closing its sockets while a peer still reads them.
-                dsfn.runtime.collectives.barrier()
-                dsfn.runtime.env.shutdown()
-        if not result:                                      # ranks other than 0
-            return {}
-    else:
-        # Forked ranks share the corpus tensor copy-on-write; one torch thread each.
-        results = dsfn.launch.spawn(_train, world_size, args=(train_data, val_data, run),
-                                    timeout=max(600.0, 10.0 * steps))
-        result = results[0]
+    result = runner.launch(_train, train_data, val_data, run, launched)
+    if not result:                                      # ranks other than 0
+        return {}
     result["wall_s"] = time.perf_counter() - t0
-
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    plot_loss(metrics, out / "loss.png", title=_title(cfg, model, world_size, batch_size),
-              val_loss=result["val_loss"])
-    summary = _summary(result, metrics, run, out)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if verbose:
-        print(format_summary(summary))
-    return summary
+    return runner.finish(out, result, run, _title(cfg, model, world_size, batch_size),
+                         summarize=_summary, report=format_summary, verbose=verbose)
 
 
 def make_optimizer(lr: float, warmup: int, steps: int, weight_decay: float) -> Any:
@@ -185,42 +163,18 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
     data_iter = corpus.batches(train_data, run["batch_size"], cfg.seq_len, seed=run["seed"])
     for _ in range(first):                               # the batches the checkpointed steps used
         next(data_iter)
-    log = _metrics_log(Path(run["out"]) / "metrics.jsonl", first if run["resume"] else None) if rank == 0 else None
-    bar = _progress_bar(run, first) if rank == 0 else None
-    start = time.perf_counter()
-    try:
-        for i in range(first, run["steps"]):
-            batch = next(data_iter)
-            t = time.perf_counter()
-            state, metrics = step(state, batch)
-            dt = time.perf_counter() - t
-            if rank != 0:
-                continue
-            record = {"step": i + 1, "loss": float(metrics["loss"]),
-                      "lr": float(metrics["lr"]) if "lr" in metrics else None,
-                      "tokens_per_s": tokens_per_step / dt,
-                      "elapsed": time.perf_counter() - start}
-            log.write(json.dumps(record) + "\n")
-            if bar is not None:       # tokens/s averaged over the run so far: steadier than per step
-                bar.set_postfix(loss=f"{record['loss']:.3f}",
-                                tok_s=f"{tokens_per_step * (i + 1 - first) / record['elapsed']:,.0f}", refresh=False)
-                bar.update(1)
-        if ckpt is not None:
-            ckpt.wait()                      # the last save is committed (or its error raised)
-    finally:
-        if bar is not None:
-            bar.close()
-        if log is not None:
-            log.close()
-    train_s = time.perf_counter() - start
+    # metrics.jsonl keeps the checkpointed steps' records; after the last step, the last save is
+    # committed (or its error raised) before the loop's time is taken.
+    state, train_s = runner.train_loop(step, state, data_iter, run, tokens_per_step, rank, first=first,
+                                       record_metrics=("lr",), on_done=ckpt.wait if ckpt else None)
 
     final = step.gather(state)               # logical state: every rank takes part
     if rank != 0:
         return {}
     model.eval()
     logits_fn = lambda ids: apply_fn(final.params, ids)
-    val_loss = evaluate(logits_fn, val_data, cfg.seq_len, run["batch_size"], run["eval_batches"],
-                        seed=run["seed"] + 1)
+    val_loss = runner.evaluate(logits_fn, val_data, cfg.seq_len, run["batch_size"], run["eval_batches"],
+                               seed=run["seed"] + 1)
     prompt = corpus.encode(run["prompt"])[None]          # [1, T0]
     sample = generate(logits_fn, prompt, run["sample_tokens"], cfg.seq_len, temperature=run["temperature"],
                       generator=torch.Generator().manual_seed(run["seed"]))
@@ -228,88 +182,20 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
             "num_params": sum(p.numel() for p in params.values())}
 
 
-@torch.no_grad()
-def evaluate(logits_fn, data: torch.Tensor, seq_len: int, batch_size: int, n_batches: int,
-             seed: int) -> float:
-    """Mean loss over `n_batches` fixed random windows of `data` (uint8[N])."""
-    it = corpus.batches(data, batch_size, seq_len, seed=seed)
-    losses = [gpt_loss(logits_fn(b["input_ids"]), b["labels"]).item() for b, _ in zip(it, range(n_batches))]
-    return sum(losses) / len(losses)
-
-
-def _progress_bar(run: dict[str, Any], first: int = 0):
-    if not run["progress"]:
-        return None
-    from tqdm.auto import tqdm
-    return tqdm(total=run["steps"], initial=first, desc=f"train {run['model']} x{run['world_size']}",
-                unit="step", dynamic_ncols=True)
-
-
-def _metrics_log(path: Path, keep_through: int | None):
-    """metrics.jsonl opened for writing; on resume, the records after the checkpoint's step go
-    (a crashed run may have logged steps that the resumed run repeats)."""
-    if keep_through is None or not path.exists():
-        return open(path, "w")
-    kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= keep_through]
-    f = open(path, "w")
-    f.write("".join(line + "\n" for line in kept))
-    return f
-
-
 def _title(cfg: GPTConfig, model: str, world_size: int, batch_size: int) -> str:
     return (f"GPT '{model}' ({cfg.num_params() / 1e6:.2f}M params) on stdlib bytes, "
             f"{world_size} rank{'s' if world_size > 1 else ''}, batch {batch_size}x{cfg.seq_len}")
 
 
-def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str = "",
-              val_loss: float | None = None) -> None:
-    """Training loss per step (raw and smoothed) and the final validation loss, as a PNG."""
-    import matplotlib
-    matplotlib.use("Agg")                    # no display needed
-    import matplotlib.pyplot as plt
-
-    steps = [m["step"] for m in metrics]
-    loss = [m["loss"] for m in metrics]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    ax.plot(steps, loss, color="tab:blue", alpha=0.3, lw=1, label="train loss")
-    half = max(1, len(loss) // 40)
-    ax.plot(steps, _moving_average(loss, half), color="tab:blue", lw=2,
-            label=f"train loss (mean of {2 * half + 1} steps)")
-    if val_loss is not None:
-        ax.scatter([steps[-1]], [val_loss], color="tab:red", zorder=3, label=f"val loss {val_loss:.3f}")
-    ax.axhline(math.log(256), color="gray", ls=":", lw=1, label="uniform over bytes (ln 256)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross entropy (nats/byte)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def _moving_average(xs: list[float], half: int) -> list[float]:
-    """Centered mean over +-`half` points (shrinking at the ends): smooths without lagging."""
-    out = []
-    for i in range(len(xs)):
-        window = xs[max(0, i - half): i + half + 1]
-        out.append(sum(window) / len(window))
-    return out
-
-
 def _summary(result: dict[str, Any], metrics: list[dict[str, Any]], run: dict[str, Any],
              out: Path) -> dict[str, Any]:
-    losses = [m["loss"] for m in metrics]
-    tail = losses[-max(1, len(losses) // 10):]          # smooth the last value over ~10% of steps
     tokens = run["steps"] * run["batch_size"] * run["cfg"].seq_len
     return {
         "model": run["model"], "num_params": result["num_params"], "world_size": run["world_size"],
         "steps": run["steps"], "global_batch": run["batch_size"], "seq_len": run["cfg"].seq_len,
         "corpus_bytes": run["corpus_bytes"],
-        "initial_loss": losses[0], "final_loss": sum(tail) / len(tail), "last_loss": losses[-1],
-        "val_loss": result["val_loss"],
-        "tokens": tokens, "tokens_per_s": tokens / result["train_s"],
-        "train_s": result["train_s"], "wall_s": result["wall_s"],
+        **runner.loss_stats(metrics), "val_loss": result["val_loss"],
+        **runner.speed_stats(result, tokens),
         "prompt": run["prompt"], "temperature": run["temperature"], "sample": result["sample"],
         "files": {name: str(out / name) for name in ("metrics.jsonl", "loss.png", "summary.json")}
         | ({"ckpt": str(out / "ckpt")} if run["ckpt_every"] else {}),
@@ -318,25 +204,12 @@ def _summary(result: dict[str, Any], metrics: list[dict[str, Any]], run: dict[st
 
 def format_summary(s: dict[str, Any]) -> str:
     """The end-of-run report printed by `main`."""
-    sample = s["sample"].replace("\t", "    ")
-    how = "greedy" if s["temperature"] == 0 else f"sampled (T={s['temperature']})"
     header = (f"== train_gpt: '{s['model']}' GPT, {s['num_params'] / 1e6:.2f}M params, "
               f"{s['world_size']} rank(s) with data_parallel, {s['steps']} steps of "
               f"{s['global_batch']}x{s['seq_len']} tokens")
-    return "\n".join([
-        "",
-        header,
-        (f"  train loss  {s['initial_loss']:.3f} -> {s['final_loss']:.3f}  "
-         f"(first step -> mean of the last 10%; ln 256 = {math.log(256):.3f})"),
-        f"  val loss    {s['val_loss']:.3f}  (held-out stdlib files)",
-        f"  throughput  {s['tokens_per_s']:,.0f} tokens/s over all ranks",
-        f"  time        {s['wall_s']:.1f} s wall ({s['train_s']:.1f} s in the training loop)",
-        f"  files       {Path(s['files']['metrics.jsonl']).parent}/{{metrics.jsonl, loss.png, summary.json}}"
-        + (f"; checkpoints in {s['files']['ckpt']} (--resume continues)" if "ckpt" in s["files"] else ""),
-        f"  sample      {how} continuation of {s['prompt']!r}:",
-        *("    | " + line for line in sample.splitlines()),
-        "",
-    ])
+    files = (f"  files       {Path(s['files']['metrics.jsonl']).parent}/{{metrics.jsonl, loss.png, summary.json}}"
+             + (f"; checkpoints in {s['files']['ckpt']} (--resume continues)" if "ckpt" in s["files"] else ""))
+    return runner.format_report(s, header, [files])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import math
 import sys
 import time
 import warnings
@@ -38,15 +36,15 @@ from pathlib import Path
 from typing import Any
 
 # Running as `python examples/train_llama.py` from a checkout without `pip install -e .`:
-# make the repository's dsfn importable (and `corpus` / `train_gpt` when imported as a module).
+# make the repository's dsfn importable (and `corpus` / `runner` when imported as a module).
 if importlib.util.find_spec("dsfn") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import corpus
+import runner
 import torch
-from train_gpt import _metrics_log, _progress_bar, evaluate, plot_loss
 
 import dsfn
 from dsfn import checkpoint
@@ -164,28 +162,12 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"], tp: int
                sample_tokens=sample_tokens, temperature=temperature, progress=progress,
                corpus_bytes=len(data))
 
-    if launched or world_size == 1:
-        try:
-            result = _train(train_data, val_data, run)      # this process is the (or a) rank
-        finally:
-            if launched:      # leave the group we joined (see train_gpt.main)
-                dsfn.runtime.collectives.barrier()
-                dsfn.runtime.env.shutdown()
-        if not result:                                      # ranks other than 0
-            return {}
-    else:
-        results = dsfn.launch.spawn(_train, world_size, args=(train_data, val_data, run),
-                                    timeout=max(600.0, 10.0 * steps))
-        result = results[0]
+    result = runner.launch(_train, train_data, val_data, run, launched)
+    if not result:                                      # ranks other than 0
+        return {}
     result["wall_s"] = time.perf_counter() - t0
-
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    plot_loss(metrics, out / "loss.png", title=_title(run, result["num_params"]), val_loss=result["val_loss"])
-    summary = _summary(result, metrics, run, out)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if verbose:
-        print(format_summary(summary))
-    return summary
+    return runner.finish(out, result, run, _title(run, result["num_params"]),
+                         summarize=_summary, report=format_summary, verbose=verbose)
 
 
 def make_optimizer(lr: float, warmup: int, steps: int, weight_decay: float) -> Any:
@@ -227,33 +209,8 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
     seq_len = cfg.max_position_embeddings
     tokens_per_step = run["batch_size"] * seq_len
     data_iter = corpus.batches(train_data, run["batch_size"], seq_len, seed=run["seed"])
-    log = _metrics_log(Path(run["out"]) / "metrics.jsonl", None) if rank == 0 else None
-    bar = _progress_bar(run) if rank == 0 else None
-    start = time.perf_counter()
-    try:
-        for i in range(run["steps"]):
-            batch = next(data_iter)
-            t = time.perf_counter()
-            state, metrics = step(state, batch)
-            dt = time.perf_counter() - t
-            if rank != 0:
-                continue
-            record = {"step": i + 1, "loss": float(metrics["loss"]),
-                      "lr": float(metrics["lr"]) if "lr" in metrics else None,
-                      "grad_norm": float(metrics["grad_norm"]) if "grad_norm" in metrics else None,
-                      "tokens_per_s": tokens_per_step / dt,
-                      "elapsed": time.perf_counter() - start}
-            log.write(json.dumps(record) + "\n")
-            if bar is not None:
-                bar.set_postfix(loss=f"{record['loss']:.3f}",
-                                tok_s=f"{tokens_per_step * (i + 1) / record['elapsed']:,.0f}", refresh=False)
-                bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-        if log is not None:
-            log.close()
-    train_s = time.perf_counter() - start
+    state, train_s = runner.train_loop(step, state, data_iter, run, tokens_per_step, rank,
+                                       record_metrics=("lr", "grad_norm"))
 
     # Save the sharded state (collective: every rank writes its own slices), then take the
     # logical state (also collective) for evaluation.
@@ -268,8 +225,8 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
     model.eval()
     with torch.no_grad():
         logits_fn = lambda ids: apply_fn(final.params, ids).logits
-        val_loss = evaluate(logits_fn, val_data, seq_len, run["batch_size"], run["eval_batches"],
-                            seed=run["seed"] + 1)
+        val_loss = runner.evaluate(logits_fn, val_data, seq_len, run["batch_size"], run["eval_batches"],
+                                   seed=run["seed"] + 1)
         check_loss = float(loss_fn(final.params, _check_batch(val_data, seq_len, run["seed"])))
         prompt = corpus.encode(run["prompt"])[None]
         sample = generate(logits_fn, prompt, run["sample_tokens"], seq_len, temperature=run["temperature"],
@@ -286,8 +243,6 @@ def _title(run: dict[str, Any], num_params: int) -> str:
 
 def _summary(result: dict[str, Any], metrics: list[dict[str, Any]], run: dict[str, Any],
              out: Path) -> dict[str, Any]:
-    losses = [m["loss"] for m in metrics]
-    tail = losses[-max(1, len(losses) // 10):]          # smooth the last value over ~10% of steps
     seq_len = run["cfg"].max_position_embeddings
     tokens = run["steps"] * run["batch_size"] * seq_len
     return {
@@ -295,10 +250,8 @@ def _summary(result: dict[str, Any], metrics: list[dict[str, Any]], run: dict[st
         "zero": run["zero"], "world_size": run["world_size"], "steps": run["steps"],
         "global_batch": run["batch_size"], "seq_len": seq_len, "seed": run["seed"],
         "corpus_bytes": run["corpus_bytes"],
-        "initial_loss": losses[0], "final_loss": sum(tail) / len(tail), "last_loss": losses[-1],
-        "val_loss": result["val_loss"], "check_loss": result["check_loss"],
-        "tokens": tokens, "tokens_per_s": tokens / result["train_s"],
-        "train_s": result["train_s"], "wall_s": result["wall_s"],
+        **runner.loss_stats(metrics), "val_loss": result["val_loss"], "check_loss": result["check_loss"],
+        **runner.speed_stats(result, tokens),
         "prompt": run["prompt"], "temperature": run["temperature"], "sample": result["sample"],
         "hf_dir": result["hf_dir"],
         "files": {name: str(out / name) for name in ("metrics.jsonl", "loss.png", "summary.json")}
@@ -308,24 +261,13 @@ def _summary(result: dict[str, Any], metrics: list[dict[str, Any]], run: dict[st
 
 def format_summary(s: dict[str, Any]) -> str:
     """The end-of-run report printed by `main`."""
-    sample = s["sample"].replace("\t", "    ")
-    how = "greedy" if s["temperature"] == 0 else f"sampled (T={s['temperature']})"
-    return "\n".join([
-        "",
-        (f"== train_llama: '{s['model']}' Llama, {s['num_params'] / 1e6:.2f}M params, tp {s['tp']} x dp "
-         f"{s['dp']} = {s['world_size']} rank(s), ZeRO-{s['zero']}, {s['steps']} steps of "
-         f"{s['global_batch']}x{s['seq_len']} tokens"),
-        (f"  train loss  {s['initial_loss']:.3f} -> {s['final_loss']:.3f}  "
-         f"(first step -> mean of the last 10%; ln 256 = {math.log(256):.3f})"),
-        f"  val loss    {s['val_loss']:.3f}  (held-out stdlib files)",
-        f"  throughput  {s['tokens_per_s']:,.0f} tokens/s over all ranks",
-        f"  time        {s['wall_s']:.1f} s wall ({s['train_s']:.1f} s in the training loop)",
+    header = (f"== train_llama: '{s['model']}' Llama, {s['num_params'] / 1e6:.2f}M params, tp {s['tp']} x dp "
+              f"{s['dp']} = {s['world_size']} rank(s), ZeRO-{s['zero']}, {s['steps']} steps of "
+              f"{s['global_batch']}x{s['seq_len']} tokens")
+    return runner.format_report(s, header, [
         (f"  files       {Path(s['files']['metrics.jsonl']).parent}/{{metrics.jsonl, loss.png, summary.json}}; "
          f"checkpoint in {s['files']['ckpt']}"),
         f"  HF model    {s['hf_dir']}  (transformers.LlamaForCausalLM.from_pretrained(...))",
-        f"  sample      {how} continuation of {s['prompt']!r}:",
-        *("    | " + line for line in sample.splitlines()),
-        "",
     ])
 
 
