@@ -230,13 +230,18 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())  # .parameters() already deduplicates
         return n if include_position else n - self.pos_emb.weight.numel()
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: Long[B, T] with T <= seq_len -> logits Float[B, T, V]."""
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: Long[B, T] -> logits Float[B, T, V]. `position_ids` (Long[B, T] or [T],
+        default 0..T-1): each token's position in its sequence, < seq_len — given when the
+        tokens are a slice of a longer sequence (sequence parallelism)."""
         T = input_ids.shape[1]
-        if T > self.config.seq_len:
-            raise ValueError(f"sequence length {T} exceeds config.seq_len={self.config.seq_len}")
-        pos = torch.arange(T, device=input_ids.device)
-        x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))   # [B, T, D]
+        if position_ids is None:
+            if T > self.config.seq_len:
+                raise ValueError(f"sequence length {T} exceeds config.seq_len={self.config.seq_len}")
+            position_ids = torch.arange(T, device=input_ids.device)
+        elif position_ids.numel() and int(position_ids.max()) >= self.config.seq_len:
+            raise ValueError(f"position {int(position_ids.max())} exceeds config.seq_len={self.config.seq_len}")
+        x = self.drop(self.tok_emb(input_ids) + self.pos_emb(position_ids))   # [B, T, D]
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))                            # [B, T, V]

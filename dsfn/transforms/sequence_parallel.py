@@ -1,0 +1,357 @@
+"""`sequence_parallel()`: DeepSpeed Ulysses over the mesh's sp axis.
+
+Each rank of an sp group holds a contiguous slice of every sequence (rank r: tokens
+[r * T/sp, (r+1) * T/sp)). Everything per-token (embeddings, MLPs, norms, the LM head,
+the loss) runs on the slice; attention needs the whole sequence, so it is wrapped:
+
+    q, k, v  [B, H, T/sp, d]  --all-to-all-->  [B, H/sp, T, d]   (sequence -> heads)
+    local causal attention over the full sequence, this rank's H/sp heads
+    out      [B, H/sp, T, d]  --all-to-all-->  [B, H, T/sp, d]   (heads -> sequence)
+
+(4 all-to-alls of the q/k/v/o activation size per attention layer in forward; their
+adjoints in backward.) Heads are those this rank computes (after tensor parallel's split,
+so heads are split over tp x sp); sp must divide the query and key/value head counts.
+
+Which attention is wrapped:
+- a Hugging Face model (`config._attn_implementation`): during the step the model's
+  attention implementation is the registered "dsfn_ulysses" (dsfn.integrations.hf),
+  which calls the model's own implementation (sdpa, eager, flash-attention) on the
+  full-sequence / head-sharded tensors with a causal mask over the whole sequence;
+- any other model: every `torch.nn.functional.scaled_dot_product_attention` call made
+  by its forward is intercepted (a TorchFunctionMode) — causal sdpa without an explicit
+  mask, e.g. `dsfn.models.gpt`. This is AutoSP done at run time: no graph capture, so it
+  works for any control flow.
+
+Positions are global: the forward gets `position_ids` of this rank's tokens when the
+module's forward takes them and the caller did not pass them (RoPE and learned position
+embeddings see positions r*T/sp, ...). Attention is causal over the whole sequence;
+right padding (attention_mask 1...1 0...0) is exact for the valid tokens; other masks
+are rejected.
+
+The batch (`wrap_step`, before the step sees it): every tensor with a sequence dim
+(dim 1, the length of `batch[seq_key]`) is split over sp; a tensor of dim >= 2 whose dim
+1 differs is an error naming the key and both shapes. With `shift_labels=True` the
+labels are shifted left by one *before* splitting (`batch["shift_labels"]`: the next
+token of every position, ignore_index at the end), so the slice boundaries lose no
+target. Lengths not divisible by sp are padded at the end (ignored labels, mask 0) when
+`seq_length_is_variable`; with a fixed `seq_length` any other length is an error.
+
+Loss: the step's loss is made the token-weighted mean over the whole sp group: this
+rank's loss (a mean over its valid tokens) is weighted by n_rank / n_group (counted from
+`batch[labels_key] != ignore_index`), the weighted values and gradients are summed over
+sp. A rank whose slice has no valid label (all padding) still runs (attention needs
+every rank): one of its labels is made valid and its weight is 0, so it adds exactly 0.
+
+Stack: outermost (only `async_checkpoint` may sit outside): its gradient sum over sp
+runs after ZeRO's reduce-scatter over dp (the sum is linear, so it commutes).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from dsfn import tree
+from dsfn.errors import ConfigError, MeshError, ShapeError, StackError
+from dsfn.runtime import collectives as C
+from dsfn.runtime.mesh import current_mesh
+from dsfn.state.layout import Placed, is_placed
+from dsfn.transforms.core import Transform, make_transform
+
+
+# ---------------------------------------------------------------------------------------------
+# Ulysses all-to-alls
+# ---------------------------------------------------------------------------------------------
+
+def seq_to_heads(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """[B, H, T/n, d] (this rank's tokens, all heads) -> [B, H/n, T, d] (all tokens, head group r)."""
+    return _SeqToHeads.apply(x, axis)
+
+
+def heads_to_seq(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """[B, H/n, T, d] (all tokens, head group r) -> [B, H, T/n, d] (this rank's tokens, all heads)."""
+    return _HeadsToSeq.apply(x, axis)
+
+
+def _s2h(x: torch.Tensor, axis: str) -> torch.Tensor:
+    n = current_mesh().size(axis)
+    b, h, t, d = x.shape
+    send = x.reshape(b, n, h // n, t, d).permute(1, 0, 2, 3, 4).contiguous()    # chunk j -> rank j (heads j)
+    got = C.all_to_all(send, axis)                                              # chunk i <- rank i (tokens i)
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * t, d)
+
+
+def _h2s(x: torch.Tensor, axis: str) -> torch.Tensor:
+    n = current_mesh().size(axis)
+    b, hn, t, d = x.shape
+    send = x.reshape(b, hn, n, t // n, d).permute(2, 0, 1, 3, 4).contiguous()   # chunk j -> rank j (tokens j)
+    got = C.all_to_all(send, axis)                                              # chunk i <- rank i (heads i)
+    return got.permute(1, 0, 2, 3, 4).reshape(b, n * hn, t // n, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _s2h(x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _h2s(g.contiguous(), ctx.axis), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _h2s(x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _s2h(g.contiguous(), ctx.axis), None
+
+
+def check_heads(heads: int, kv_heads: int, n: int, where: str) -> None:
+    """sp must divide the query and key/value heads this rank computes."""
+    if heads % n or kv_heads % n:
+        valid = [d for d in range(1, heads + 1) if heads % d == 0 and kv_heads % d == 0]
+        raise MeshError(f"sequence_parallel: sp={n} does not divide the attention heads of {where} ({heads} query, "
+                        f"{kv_heads} key/value heads on this rank, after any tensor-parallel split); Ulysses gives "
+                        f"each sp rank whole heads: valid sp degrees are {valid}")
+
+
+class _UlyssesSDPA(TorchFunctionMode):
+    """Runs every causal `F.scaled_dot_product_attention` call as Ulysses attention."""
+
+    def __init__(self, axis: str):
+        super().__init__()
+        self.axis = axis
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        a = {**dict(zip(names, args)), **kwargs}
+        if a.get("attn_mask") is not None or not a.get("is_causal", False):
+            raise ConfigError("sequence_parallel: an intercepted scaled_dot_product_attention call has an explicit "
+                              "mask or is not causal; AutoSP handles causal attention without masks (is_causal=True)")
+        q, k, v = a["query"], a["key"], a["value"]
+        n = current_mesh().size(self.axis)
+        check_heads(q.shape[1], k.shape[1], n, "a scaled_dot_product_attention call")
+        q, k, v = (seq_to_heads(t, self.axis) for t in (q, k, v))
+        rest = {key: a[key] for key in ("dropout_p", "scale", "enable_gqa") if key in a}
+        out = func(q, k, v, is_causal=True, **rest)      # the mode is off inside its own handler
+        return heads_to_seq(out, self.axis)
+
+
+# ---------------------------------------------------------------------------------------------
+# the transform
+# ---------------------------------------------------------------------------------------------
+
+class SequenceParallel(Transform):
+    name = "sequence_parallel"
+
+    def __init__(self, axis: str = "sp", seq_length: int | None = None, seq_length_is_variable: bool = True,
+                 seq_key: str = "input_ids", labels_key: str = "labels", shift_labels: bool = False,
+                 ignore_index: int = -100, pad_token_id: int = 0):
+        if seq_length is not None and (not isinstance(seq_length, int) or isinstance(seq_length, bool)
+                                       or seq_length < 1):
+            raise ConfigError(f"sequence_parallel(seq_length={seq_length!r}): a positive int, or None")
+        if not seq_length_is_variable and seq_length is None:
+            raise ConfigError("sequence_parallel(seq_length_is_variable=False) needs seq_length=N (the fixed length)")
+        for key, v in (("axis", axis), ("seq_key", seq_key), ("labels_key", labels_key)):
+            if not isinstance(v, str) or not v:
+                raise ConfigError(f"sequence_parallel({key}={v!r}): a non-empty string")
+        self.axis = axis
+        self.seq_length = seq_length
+        self.seq_length_is_variable = bool(seq_length_is_variable)
+        self.seq_key = seq_key
+        self.labels_key = labels_key
+        self.shift_labels = bool(shift_labels)
+        self.ignore_index = int(ignore_index)
+        self.pad_token_id = int(pad_token_id)
+        self._positions: torch.Tensor | None = None     # this step's global positions of local tokens
+        self._weight: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def check_stack(self, stack, index):
+        from dsfn.transforms.checkpointing import AsyncCheckpoint
+        outside = [t for t in stack[:index] if not isinstance(t, AsyncCheckpoint)]
+        if outside:
+            raise StackError(f"sequence_parallel must be the outermost transform (async_checkpoint may sit outside); "
+                             f"{outside[0].name} is outside it: write compose(sequence_parallel(), "
+                             f"{outside[0].name}(...), ...)")
+
+    def explain_note(self) -> str:
+        return f"sequence_parallel over {self.axis!r} (size {current_mesh().size(self.axis)}): Ulysses all-to-all"
+
+    # -- the batch ------------------------------------------------------------------------------
+    @property
+    def loss_labels_key(self) -> str:
+        return "shift_labels" if self.shift_labels else self.labels_key
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's slice of every sequence-shaped tensor (see the module docstring)."""
+        if not isinstance(batch, dict) or self.seq_key not in batch:
+            raise ShapeError(f"sequence_parallel: the batch must be a dict with {self.seq_key!r} "
+                             f"[batch, seq]; got {type(batch).__name__}"
+                             + (f" with keys {sorted(batch)}" if isinstance(batch, dict) else ""))
+        ids = batch[self.seq_key]
+        if ids.dim() != 2:
+            raise ShapeError(f"sequence_parallel: batch[{self.seq_key!r}] must be [batch, seq]; got {tuple(ids.shape)}")
+        b, t = ids.shape
+        for key, x in batch.items():
+            if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] != t:
+                raise ShapeError(f"sequence_parallel: batch[{key!r}] has shape {tuple(x.shape)}, whose sequence "
+                                 f"length (dim 1) {x.shape[1]} differs from batch[{self.seq_key!r}]'s "
+                                 f"{tuple(ids.shape)}; every sequence-shaped tensor must have the same length")
+        if self.seq_length is not None and not self.seq_length_is_variable and t != self.seq_length:
+            raise ShapeError(f"sequence_parallel(seq_length={self.seq_length}, seq_length_is_variable=False): got a "
+                             f"batch of length {t}; pad or cut batches to {self.seq_length}, or use "
+                             "seq_length_is_variable=True")
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and not bool((mask[:, 1:] <= mask[:, :-1]).all()):
+            raise ShapeError("sequence_parallel: attention_mask must be right padding (1...1 0...0 per row); "
+                             "attention is causal over the whole sequence")
+        batch = dict(batch)
+        if self.shift_labels:
+            if self.labels_key not in batch:
+                raise ShapeError(f"sequence_parallel(shift_labels=True): the batch has no {self.labels_key!r}")
+            lab = batch[self.labels_key]
+            batch["shift_labels"] = torch.cat([lab[:, 1:], lab.new_full((b, 1), self.ignore_index)], dim=1)
+        n = current_mesh().size(self.axis)
+        if t % n:
+            if not self.seq_length_is_variable:
+                raise ShapeError(f"sequence_parallel: the fixed seq_length {t} is not divisible by sp={n}")
+            batch = self._pad(batch, t, -(-t // n) * n)
+            t = batch[self.seq_key].shape[1]
+        r, c = current_mesh().local_rank(self.axis), t // n
+        # global positions of this rank's tokens, [1, T/sp] (broadcast over rows, which ZeRO may
+        # split further); a batch's own position_ids are taken from the batch the loss sees
+        self._positions = torch.arange(r * c, (r + 1) * c, device=ids.device)[None]
+        out = {k: (x[:, r * c:(r + 1) * c] if isinstance(x, torch.Tensor) and x.dim() >= 2 else x)
+               for k, x in batch.items()}
+        return out
+
+    def _pad(self, batch: dict, t: int, to: int) -> dict:
+        extra = to - t
+        out = {}
+        for key, x in batch.items():
+            if not (isinstance(x, torch.Tensor) and x.dim() >= 2):
+                out[key] = x
+                continue
+            if key in (self.labels_key, "shift_labels"):
+                fill = self.ignore_index
+            elif key == "attention_mask":
+                fill = 0
+            elif key == self.seq_key:
+                fill = self.pad_token_id
+            elif key == "position_ids":
+                out[key] = torch.cat([x, x[:, -1:] + torch.arange(1, extra + 1, device=x.device)], dim=1)
+                continue
+            else:
+                fill = 0
+            pad = list(x.shape)
+            pad[1] = extra
+            out[key] = torch.cat([x, x.new_full(pad, fill)], dim=1)
+        return out
+
+    def wrap_step(self, fn):
+        def step(state, batch):
+            if current_mesh().size(self.axis) == 1:
+                return fn(state, batch)
+            return fn(state, self.shard_batch(batch))
+        return step
+
+    # -- loss and gradients ---------------------------------------------------------------------
+    def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
+        if current_mesh().size(self.axis) == 1:
+            return call_next(fn, params, args, kwargs, has_aux)
+        args, kwargs, weight = self._weigh(args, kwargs)
+
+        def weighted(p, *a, **k):
+            out = fn(p, *a, **k)
+            value, aux = out if has_aux else (out, None)
+            value = value * weight.to(value.dtype)
+            return (value, aux) if has_aux else value
+        value, grads = call_next(weighted, params, args, kwargs, has_aux)
+        if has_aux:
+            value, aux = value
+        value = C.all_reduce(value.reshape(1), self.axis, "sum").reshape(())
+        grads = tree.map(self._sum_over_sp, grads, is_leaf=is_placed)
+        return ((value, aux) if has_aux else value), grads
+
+    def _sum_over_sp(self, g: Any) -> Any:
+        t = g.data if isinstance(g, Placed) else g
+        t = C.all_reduce(t, self.axis, "sum")
+        return Placed(t, g.layout) if isinstance(g, Placed) else t
+
+    def _weigh(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, torch.Tensor]:
+        """The local loss's weight n_rank / n_group, from the labels in the step's batch (the
+        first dict argument holding `loss_labels_key`); a rank without valid labels gets one
+        made valid and weight 0."""
+        key = self.loss_labels_key
+        found = None
+        for i, a in enumerate(args):
+            if isinstance(a, dict) and isinstance(a.get(key), torch.Tensor):
+                found = ("arg", i)
+                break
+        if found is None:
+            for k, a in kwargs.items():
+                if isinstance(a, dict) and isinstance(a.get(key), torch.Tensor):
+                    found = ("kw", k)
+                    break
+        if found is None:
+            raise ConfigError(f"sequence_parallel: the differentiated function's batch argument has no {key!r}; the "
+                              f"loss is weighted by each rank's count of valid labels (set labels_key=...)")
+        batch = args[found[1]] if found[0] == "arg" else kwargs[found[1]]
+        if isinstance(batch.get("position_ids"), torch.Tensor):
+            self._positions = batch["position_ids"]
+        labels = batch[key]
+        valid = labels != self.ignore_index
+        n_local = valid.sum().to(torch.float64)
+        n_group = C.all_reduce(n_local.reshape(1), self.axis, "sum").reshape(())
+        if int(n_group) == 0:
+            raise ShapeError(f"sequence_parallel: no valid label in the whole batch ({key!r} is all "
+                             f"{self.ignore_index}); the token-weighted loss is undefined")
+        weight = n_local / n_group
+        if int(n_local) == 0:      # keep the local mean finite: one valid label, weight 0
+            labels = labels.clone()
+            labels.reshape(-1)[0] = 0
+            batch = {**batch, key: labels}
+            if found[0] == "arg":
+                args = args[:found[1]] + (batch,) + args[found[1] + 1:]
+            else:
+                kwargs = {**kwargs, found[1]: batch}
+        return args, kwargs, weight.float()
+
+    # -- attention and positions ----------------------------------------------------------------
+    def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
+        if current_mesh().size(self.axis) == 1:
+            return call_next(apply_fn, params, args, kwargs)
+        module = apply_fn.module
+        if self._positions is not None and "position_ids" not in kwargs and _takes(module, "position_ids"):
+            kwargs = {**kwargs, "position_ids": self._positions}
+        from dsfn.integrations import hf
+        if hf.is_hf_model(module):
+            with hf.ulysses_attention(module, self.axis):
+                return call_next(apply_fn, params, args, kwargs)
+        with _UlyssesSDPA(self.axis):
+            return call_next(apply_fn, params, args, kwargs)
+
+
+def _takes(module: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def sequence_parallel(*args: Any, **kwargs: Any) -> SequenceParallel:
+    """`sequence_parallel(axis="sp", seq_length=None, seq_length_is_variable=True, seq_key="input_ids",
+    labels_key="labels", shift_labels=False, ignore_index=-100, pad_token_id=0)`; see the
+    module docstring."""
+    return make_transform(SequenceParallel, "sequence_parallel", args, kwargs)
