@@ -1,0 +1,223 @@
+"""sequence_parallel (Ulysses): every stack equals the single-process reference.
+
+Batches have variable lengths (some not divisible by sp: padded) and ignored labels
+spread unevenly over the sequence (so sp slices hold different counts of valid tokens:
+the loss must be the token-weighted mean over the group). With dp > 1 the ignored
+labels are balanced across dp halves: data parallelism averages the halves' means
+(DDP's and DeepSpeed's semantics), sequence parallelism must not.
+Tolerance: fp32 rtol 1e-5 (attention over gathered heads is the same math; sums over
+the sequence are split over ranks). Optimizer: SGD with momentum (see
+test_tensor_parallel.py on Adam and last-bit differences).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dsfn
+from dsfn.errors import ConfigError, MeshError, RankFailure, ShapeError, StackError
+from dsfn.models.gpt import GPT, GPTConfig
+from dsfn.runtime import init_mesh
+from dsfn.testing import run_on_ranks
+from dsfn.testing.asserts import assert_trees_close
+from dsfn.testing.models import make_tiny_causal_lm, token_batches
+from dsfn.testing.reference import train_step_for
+from dsfn.transforms import (
+    accumulate,
+    async_checkpoint,
+    compose,
+    sequence_parallel,
+    shard_zero,
+    tensor_parallel,
+)
+
+pytest.importorskip("transformers")
+VOCAB = 101
+
+
+def make_gpt():
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=32, n_layer=2, n_head=4, d_model=32))
+
+
+MODELS = {"gpt": make_gpt, "llama": lambda: make_tiny_causal_lm("llama"),
+          "qwen2": lambda: make_tiny_causal_lm("qwen2")}
+
+
+def make_batches(lengths=(12, 9, 16), rows=4, seed=0) -> list[dict]:
+    out = []
+    for i, t in enumerate(lengths):
+        b = token_batches(1, rows, t, VOCAB, seed=seed + i)[0]
+        lab = b["labels"].clone()
+        for r in range(0, rows, 2):     # the same pattern in each dp half
+            lab[r, :min(5, t)] = -100
+            lab[r + 1, -min(3, t):] = -100
+        out.append({"input_ids": b["input_ids"], "labels": lab})
+    return out
+
+
+def loss_fn(apply_fn, params, batch):
+    logits = apply_fn(params, batch["input_ids"])
+    logits = getattr(logits, "logits", logits)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
+                                             ignore_index=-100)
+
+
+def _sgd():
+    return dsfn.optim.sgd(lr=0.5, momentum=0.9)
+
+
+def train(make_model, make_transforms, batches, mesh=None, loss=loss_fn):
+    if mesh:
+        init_mesh(**mesh)
+    model = make_model()
+    apply_fn, params = dsfn.functionalize(model)
+    step = compose(*make_transforms(model))(train_step_for(apply_fn, loss))
+    state = step.place(dsfn.TrainState.create(params, _sgd()))
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    s = step.gather(state)
+    return losses, {"params": s.params, "opt_state": s.opt_state}
+
+
+def check(make_model, make_transforms, mesh, batches=None, loss=loss_fn, rtol=1e-5, atol=1e-6):
+    batches = batches or make_batches()
+    ref_losses, ref_state = train(make_model, lambda m: (), batches, loss=loss)
+    world = 1
+    for v in mesh.values():
+        world *= v
+    for rank, (losses, state) in enumerate(run_on_ranks(train, world, make_model, make_transforms, batches, mesh,
+                                                        loss, timeout=180)):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"rank {rank} losses: {m}")
+        assert_trees_close(state, ref_state, rtol=rtol, atol=atol, msg=f"rank {rank} state")
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "qwen2"])
+@pytest.mark.parametrize("sp", [2, 4])
+def test_ulysses_equals_reference(family, sp):
+    check(MODELS[family], lambda m: (sequence_parallel(),), {"sp": sp})
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "qwen2"])
+def test_ulysses_with_zero3_on_dp2_x_sp2_equals_reference(family):
+    check(MODELS[family], lambda m: (sequence_parallel(), shard_zero(3)), {"dp": 2, "sp": 2})
+
+
+def test_ulysses_sp4_with_zero3_on_8_ranks():
+    check(MODELS["llama"], lambda m: (sequence_parallel(), shard_zero(3)), {"dp": 2, "sp": 4})
+
+
+def test_heads_split_over_tp_and_sp_with_zero1():
+    # 8 query / 4 kv heads: tp=2 leaves 4 / 2 per rank, sp=2 gives each rank 2 / 1 of those
+    check(MODELS["llama"], lambda m: (sequence_parallel(), shard_zero(1), tensor_parallel("auto", model=m)),
+          {"sp": 2, "tp": 2})
+
+
+def test_with_accumulate():
+    check(MODELS["gpt"], lambda m: (sequence_parallel(), accumulate(2)), {"sp": 2})
+
+
+@settings(max_examples=6, deadline=None)
+@given(lengths=st.lists(st.integers(6, 20), min_size=1, max_size=3), sp=st.sampled_from([2, 4]),
+       seed=st.integers(0, 50))
+def test_property_any_lengths_and_ignored_labels(lengths, sp, seed):
+    """Lengths padded so far that a rank holds only padding (weight 0) included (6 at sp=4)."""
+    check(make_gpt, lambda m: (sequence_parallel(),), {"sp": sp}, batches=make_batches(lengths, seed=seed))
+
+
+def _hf_shifted_loss(apply_fn, params, batch):
+    """HF convention: labels are the input ids; the adapter made `shift_labels`."""
+    logits = apply_fn(params, batch["input_ids"]).logits
+    key = "shift_labels" if "shift_labels" in batch else None
+    labels = batch[key] if key else torch.cat(
+        [batch["labels"][:, 1:], batch["labels"].new_full((batch["labels"].shape[0], 1), -100)], dim=1)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+
+
+def test_shift_labels_before_sharding_keeps_the_boundary_targets():
+    batches = [{"input_ids": b["input_ids"], "labels": b["input_ids"].clone()} for b in make_batches((12, 10))]
+    check(MODELS["llama"], lambda m: (sequence_parallel(shift_labels=True),), {"sp": 2}, batches=batches,
+          loss=_hf_shifted_loss)
+
+
+def test_all_to_all_traffic_matches_the_ulysses_count():
+    """4 all-to-alls (q, k, v, out) per attention layer in forward, 4 in backward."""
+    batch = make_batches((16,))[0]
+
+    def fn():
+        init_mesh(sp=2)
+        model = make_gpt()
+        apply_fn, params = dsfn.functionalize(model)
+        step = compose(sequence_parallel())(train_step_for(apply_fn, loss_fn))
+        state = step.init_state(params, _sgd())
+        return step.explain(state, batch).collectives
+    comm = run_on_ranks(fn, 2)[0]
+    layers, b, t, d = 2, 4, 16, 32
+    per = b * (t // 2) * d * 4              # one q/k/v/o activation of this rank's slice, bytes
+    assert comm[("sp", "all_to_all")] == (8 * layers, 8 * layers * per)
+
+
+def test_checkpoint_saved_at_sp2_loads_at_sp1(tmp_path):
+    batches = make_batches()
+
+    def fn(root):
+        init_mesh(sp=2)
+        model = make_gpt()
+        apply_fn, params = dsfn.functionalize(model)
+        ckpt = async_checkpoint(root, every=3)
+        step = compose(sequence_parallel(), ckpt)(train_step_for(apply_fn, loss_fn))
+        state = step.init_state(params, _sgd())
+        for b in batches:
+            state, _ = step(state, b)
+        ckpt.wait()
+        s = step.gather(state)
+        return {"params": s.params, "opt_state": s.opt_state}
+    final = run_on_ranks(fn, 2, str(tmp_path))[0]
+    apply_fn, params = dsfn.functionalize(make_gpt())
+    step = compose()(train_step_for(apply_fn, loss_fn))
+    loaded = dsfn.checkpoint.load(tmp_path, like=step.init_state(params, _sgd()), restore_rng=False)
+    assert_trees_close({"params": loaded.params, "opt_state": loaded.opt_state}, final, rtol=0, atol=0)
+
+
+# -- errors ---------------------------------------------------------------------------------------------
+
+def _run_one(kind):
+    init_mesh(sp=4 if kind == "heads" else 2)
+    model = make_tiny_causal_lm("llama", num_key_value_heads=2) if kind == "heads" else make_gpt()
+    apply_fn, params = dsfn.functionalize(model)
+    sp = sequence_parallel(seq_length=12, seq_length_is_variable=False) if kind == "fixed" else sequence_parallel()
+    step = compose(sp)(train_step_for(apply_fn, loss_fn))
+    state = step.init_state(params, _sgd())
+    batch = make_batches((12,))[0]
+    if kind == "shape":
+        batch["attention_mask"] = torch.ones(4, 11, dtype=torch.long)
+    if kind == "fixed":
+        batch = make_batches((10,))[0]
+    if kind == "mask":
+        batch["attention_mask"] = torch.ones(4, 12, dtype=torch.long)
+        batch["attention_mask"][0, 0] = 0                 # left padding
+    step(state, batch)
+
+
+@pytest.mark.parametrize("kind,err,pattern", [
+    ("shape", ShapeError, r"batch\['attention_mask'\] has shape \(4, 11\).*differs from batch\['input_ids'\]'s "
+                          r"\(4, 12\)"),
+    ("fixed", ShapeError, r"seq_length=12, seq_length_is_variable=False\): got a batch of length 10"),
+    ("heads", MeshError, r"sp=4 does not divide the attention heads .*valid sp degrees are \[1, 2\]"),
+    ("mask", ShapeError, "attention_mask must be right padding"),
+])
+def test_bad_input_is_a_clear_error(kind, err, pattern):
+    with pytest.raises(RankFailure, match=pattern) as info:
+        run_on_ranks(_run_one, 4 if kind == "heads" else 2, kind)
+    assert err.__name__ in str(info.value)
+
+
+def test_bad_configs_fail_at_compose():
+    with pytest.raises(ConfigError, match="needs seq_length"):
+        sequence_parallel(seq_length_is_variable=False)
+    with pytest.raises(StackError, match="sequence_parallel must be the outermost"):
+        compose(shard_zero(1), sequence_parallel())
