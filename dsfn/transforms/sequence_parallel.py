@@ -17,10 +17,12 @@ Which attention is wrapped:
   attention implementation is the registered "dsfn_ulysses" (dsfn.integrations.hf),
   which calls the model's own implementation (sdpa, eager, flash-attention) on the
   full-sequence / head-sharded tensors with a causal mask over the whole sequence;
-- any other model: every `torch.nn.functional.scaled_dot_product_attention` call made
-  by its forward is intercepted (a TorchFunctionMode) — causal sdpa without an explicit
-  mask, e.g. `dsfn.models.gpt`. This is AutoSP done at run time: no graph capture, so it
-  works for any control flow.
+- any other model (`auto=True`, AutoSP): every `torch.nn.functional.scaled_dot_product_attention`
+  call its forward makes is intercepted (a TorchFunctionMode) and run as Ulysses —
+  causal sdpa without an explicit mask, e.g. `dsfn.models.gpt`. The attention calls are
+  found at run time rather than in a captured graph: no tracing or recompiling for new
+  sequence lengths, and any Python control flow works;
+- `auto=False`: the model calls `ulysses_sdpa(q, k, v)` in its attention (manual).
 
 Positions are global: the forward gets `position_ids` of this rank's tokens when the
 module's forward takes them and the caller did not pass them (RoPE and learned position
@@ -114,6 +116,19 @@ class _HeadsToSeq(torch.autograd.Function):
         return _s2h(g.contiguous(), ctx.axis), None
 
 
+def ulysses_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, axis: str = "sp",
+                 **sdpa_kwargs: Any) -> torch.Tensor:
+    """Causal `F.scaled_dot_product_attention` of sequence-sharded q, k, v [B, H, T/sp, d]
+    as Ulysses attention over `axis` (the manual integration: call it in a model's
+    attention and use `sequence_parallel(auto=False)`). Returns [B, H, T/sp, d]."""
+    n = current_mesh().size(axis)
+    if n == 1:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, **sdpa_kwargs)
+    check_heads(query.shape[1], key.shape[1], n, "ulysses_sdpa")
+    q, k, v = (seq_to_heads(t, axis) for t in (query, key, value))
+    return heads_to_seq(F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa_kwargs), axis)
+
+
 def check_heads(heads: int, kv_heads: int, n: int, where: str) -> None:
     """sp must divide the query and key/value heads this rank computes."""
     if heads % n or kv_heads % n:
@@ -157,7 +172,7 @@ class SequenceParallel(Transform):
 
     def __init__(self, axis: str = "sp", seq_length: int | None = None, seq_length_is_variable: bool = True,
                  seq_key: str = "input_ids", labels_key: str = "labels", shift_labels: bool = False,
-                 ignore_index: int = -100, pad_token_id: int = 0):
+                 ignore_index: int = -100, pad_token_id: int = 0, auto: bool = True):
         if seq_length is not None and (not isinstance(seq_length, int) or isinstance(seq_length, bool)
                                        or seq_length < 1):
             raise ConfigError(f"sequence_parallel(seq_length={seq_length!r}): a positive int, or None")
@@ -174,6 +189,7 @@ class SequenceParallel(Transform):
         self.shift_labels = bool(shift_labels)
         self.ignore_index = int(ignore_index)
         self.pad_token_id = int(pad_token_id)
+        self.auto = bool(auto)
         self._positions: torch.Tensor | None = None     # this step's global positions of local tokens
         self._weight: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -339,6 +355,8 @@ class SequenceParallel(Transform):
         if hf.is_hf_model(module):
             with hf.ulysses_attention(module, self.axis):
                 return call_next(apply_fn, params, args, kwargs)
+        if not self.auto:       # the model calls ulysses_sdpa itself
+            return call_next(apply_fn, params, args, kwargs)
         with _UlyssesSDPA(self.axis):
             return call_next(apply_fn, params, args, kwargs)
 
@@ -352,6 +370,7 @@ def _takes(module: Any, name: str) -> bool:
 
 def sequence_parallel(*args: Any, **kwargs: Any) -> SequenceParallel:
     """`sequence_parallel(axis="sp", seq_length=None, seq_length_is_variable=True, seq_key="input_ids",
-    labels_key="labels", shift_labels=False, ignore_index=-100, pad_token_id=0)`; see the
-    module docstring."""
+    labels_key="labels", shift_labels=False, ignore_index=-100, pad_token_id=0, auto=True)`;
+    see the module docstring. `auto=False` leaves a non-HF model's attention alone: it
+    calls `ulysses_sdpa` itself."""
     return make_transform(SequenceParallel, "sequence_parallel", args, kwargs)

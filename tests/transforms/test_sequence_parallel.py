@@ -221,3 +221,37 @@ def test_bad_configs_fail_at_compose():
         sequence_parallel(seq_length_is_variable=False)
     with pytest.raises(StackError, match="sequence_parallel must be the outermost"):
         compose(shard_zero(1), sequence_parallel())
+
+
+# -- AutoSP: the intercepted sdpa equals a model that calls Ulysses itself -----------------------------------
+
+class _ManualAttention(torch.nn.Module):
+    """The GPT's attention calling ulysses_sdpa explicitly (same parameters)."""
+
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x):
+        from dsfn.transforms.sequence_parallel import ulysses_sdpa
+        a = self.attn
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, -1, a.head_dim).transpose(1, 2) for z in a.qkv(x).chunk(3, dim=-1))
+        y = ulysses_sdpa(q, k, v, "sp").transpose(1, 2).reshape(b, t, -1)
+        return a.resid_drop(a.proj(y))
+
+
+def _manual_gpt():
+    model = make_gpt()
+    for block in model.blocks:
+        block.attn.forward = _ManualAttention(block.attn).forward
+    return model
+
+
+def test_autosp_equals_manual_ulysses_and_reference():
+    batches = make_batches()
+    auto = run_on_ranks(train, 2, make_gpt, lambda m: (sequence_parallel(),), batches, {"sp": 2})[0]
+    manual = run_on_ranks(train, 2, _manual_gpt, lambda m: (sequence_parallel(auto=False),), batches, {"sp": 2})[0]
+    torch.testing.assert_close(torch.tensor(auto[0]), torch.tensor(manual[0]), rtol=1e-4, atol=1e-5)
+    assert_trees_close(auto[1], manual[1], rtol=1e-4, atol=1e-5)
+    check(make_gpt, lambda m: (sequence_parallel(),), {"sp": 2}, batches=batches)
