@@ -22,7 +22,13 @@ from dsfn.ops.cross_entropy import (
            linear_cross_entropy_triton,
 )
 from dsfn.ops.rmsnorm import rms_norm, rms_norm_torch, rms_norm_triton
-from dsfn.ops.tiled import TiledMLP, sequence_tiled_compute, tile_mlps, tiled_loss, untile_mlps
+from dsfn.ops.tiled import (
+           TiledMLP,
+           sequence_tiled_compute,
+           tile_mlps,
+           tiled_loss,
+           untile_mlps,
+)
 
 __all__ = ["AdamWUpdate", "adamw_update", "adamw_update_torch", "adamw_update_triton", "linear_cross_entropy",
            "linear_cross_entropy_torch", "linear_cross_entropy_triton", "rms_norm", "rms_norm_torch",
