@@ -255,3 +255,29 @@ def test_autosp_equals_manual_ulysses_and_reference():
     torch.testing.assert_close(torch.tensor(auto[0]), torch.tensor(manual[0]), rtol=1e-4, atol=1e-5)
     assert_trees_close(auto[1], manual[1], rtol=1e-4, atol=1e-5)
     check(make_gpt, lambda m: (sequence_parallel(),), {"sp": 2}, batches=batches)
+
+
+def test_zero2_composes():
+    check(MODELS["gpt"], lambda m: (sequence_parallel(), shard_zero(2)), {"dp": 2, "sp": 2})
+
+
+def _hf_masked_loss(apply_fn, params, batch):
+    out = apply_fn(params, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"])
+    return torch.nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), batch["labels"].reshape(-1),
+                                             ignore_index=-100)
+
+
+def test_batch_position_ids_and_right_padding_mask_are_honoured():
+    """A HF batch with its own position_ids and a right-padding attention_mask (pads ignored
+    in the labels): the valid tokens' loss equals the reference's, which masks the pads."""
+    batches = []
+    for b in make_batches((12, 11)):
+        t = b["input_ids"].shape[1]
+        mask = torch.ones(4, t, dtype=torch.long)
+        mask[1, -4:] = 0
+        mask[3, -2:] = 0
+        labels = b["labels"].masked_fill(mask == 0, -100)
+        pos = torch.arange(t).expand(4, t).contiguous()
+        batches.append({"input_ids": b["input_ids"], "labels": labels, "attention_mask": mask, "position_ids": pos})
+    check(MODELS["llama"], lambda m: (sequence_parallel(),), {"sp": 2}, batches=batches, loss=_hf_masked_loss)
