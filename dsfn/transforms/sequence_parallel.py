@@ -60,8 +60,8 @@ from dsfn import tree
 from dsfn.errors import ConfigError, MeshError, ShapeError, StackError
 from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
-from dsfn.state.layout import Placed, is_placed
 from dsfn.transforms.core import Transform, make_transform
+from dsfn.transforms.data_parallel import all_reduce_buckets
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,6 +190,7 @@ class SequenceParallel(Transform):
         self.ignore_index = int(ignore_index)
         self.pad_token_id = int(pad_token_id)
         self.auto = bool(auto)
+        self.bucket_mb = 25
         self._positions: torch.Tensor | None = None     # this step's global positions of local tokens
         self._weight: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -297,13 +298,10 @@ class SequenceParallel(Transform):
         if has_aux:
             value, aux = value
         value = C.all_reduce(value.reshape(1), self.axis, "sum").reshape(())
-        grads = tree.map(self._sum_over_sp, grads, is_leaf=is_placed)
-        return ((value, aux) if has_aux else value), grads
-
-    def _sum_over_sp(self, g: Any) -> Any:
-        t = g.data if isinstance(g, Placed) else g
-        t = C.all_reduce(t, self.axis, "sum")
-        return Placed(t, g.layout) if isinstance(g, Placed) else t
+        # the ranks' weighted gradients add up to the group's (bucketed: few, large all-reduces)
+        leaves, spec = tree.flatten(grads)
+        return ((value, aux) if has_aux else value), tree.unflatten(
+            spec, all_reduce_buckets(leaves, self.axis, self.bucket_mb * 2**20, op="sum"))
 
     def _weigh(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, torch.Tensor]:
         """The local loss's weight n_rank / n_group, from the labels in the step's batch (the
