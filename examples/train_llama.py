@@ -1,10 +1,13 @@
 """Train a small Hugging Face Llama on the stdlib's source bytes, on CPU ranks, with
-tensor parallelism, data parallelism and ZeRO from dsfn, then export it as a HF model.
+tensor parallelism, data parallelism, ZeRO and (Ulysses) sequence parallelism from dsfn, then
+export it as a HF model.
 
     python examples/train_llama.py                          # tp 2 x dp 1, ZeRO 0: 2 ranks, ~1 min
     python examples/train_llama.py --tp 2 --dp 2 --zero 1   # 4 ranks: ZeRO-1 over dp, Megatron tp
     python examples/train_llama.py --tp 1 --dp 2 --zero 3   # 2 ranks, ZeRO-3 only
     python examples/train_llama.py --model tiny --steps 50
+    python examples/train_llama.py --sp 2 --tp 2 --zero 1 --tiled-mlp 2   # 4 ranks: Ulysses sp x tp
+    python examples/train_llama.py --tp 1 --sp 2 --seq-len 4096 --batch-size 1 --steps 3  # long context
     python -m dsfn.launch --nproc 4 examples/train_llama.py --tp 2 --dp 2   # ranks started outside
 
 The model is `transformers.LlamaForCausalLM` built from a `LlamaConfig` with random weights
@@ -16,6 +19,17 @@ Hugging Face tp plan (q/k/v/gate/up colwise, o/down rowwise, vocab-parallel embe
 head), `shard_zero` splits the global batch and (stage >= 1) the optimizer state, (>= 2) the
 gradients and (3) the parameters over dp. Every rank draws the same global batch, so the ranks
 of a tp group see the same rows.
+
+With `--sp N` (> 1) the stack is `compose(sequence_parallel(), shard_zero(...), tensor_parallel(...),
+clip_grad_norm(1.0))` on dp x tp x sp ranks: DeepSpeed Ulysses. Every sequence is split over
+the sp ranks (dim 1; lengths not divisible by sp are padded with ignored labels), the model gets
+the global position_ids of its slice (RoPE), HF attention runs as all-to-all (sequence -> heads,
+full-sequence causal attention on H/(tp*sp) heads, heads -> sequence), and the loss is the
+token-weighted mean over the sp group. sp*tp must divide the query and key/value head counts.
+`--tiled-mlp N` runs every decoder layer's MLP over N sequence tiles, recomputed in backward
+(`dsfn.ops.tile_mlps`), so its activation memory does not grow with the sequence length.
+`--seq-len` sets the training length (and the config's max_position_embeddings, so the
+exported model accepts it).
 
 At the end the training state is saved with `dsfn.checkpoint.save` (sharded, one file per
 rank) and exported with `dsfn.checkpoint.export(..., format="hf", config=model.config)` to a
@@ -50,7 +64,8 @@ import dsfn
 from dsfn import checkpoint
 from dsfn.models import generate, gpt_loss
 from dsfn.runtime import init_mesh
-from dsfn.transforms import clip_grad_norm, compose, shard_zero, tensor_parallel
+from dsfn.ops import tile_mlps
+from dsfn.transforms import clip_grad_norm, compose, sequence_parallel, shard_zero, tensor_parallel
 
 # LlamaConfig fields of the presets. 8 query / 4 key-value heads: tp 1, 2 and 4 divide both.
 # intermediate_size 344 does not divide by 4 (nor 172 by 8): tensor_parallel pads the split.
@@ -66,7 +81,10 @@ DEFAULTS: dict[str, Any] = dict(
     steps=150,
     tp=2,
     dp=1,
+    sp=1,                 # sequence-parallel degree (Ulysses); ranks = dp * tp * sp
     zero=0,
+    tiled_mlp=0,          # sequence tiles of each MLP (0: untiled)
+    seq_len=None,         # None: the preset's length
     batch_size=16,        # global: split over dp (every rank of a tp group gets the same rows)
     lr=3e-3,
     warmup=10,
@@ -81,13 +99,15 @@ DEFAULTS: dict[str, Any] = dict(
 )
 
 
-def llama_config(model: str = DEFAULTS["model"]):
-    """The `transformers.LlamaConfig` of a preset: byte-level (vocab 256), untied LM head."""
+def llama_config(model: str = DEFAULTS["model"], seq_len: int | None = None):
+    """The `transformers.LlamaConfig` of a preset: byte-level (vocab 256), untied LM head.
+    `seq_len` (default: the preset's) is the training length and max_position_embeddings."""
     import transformers
     if model not in PRESETS:
         raise ValueError(f"unknown model preset {model!r}; choose one of {sorted(PRESETS)}")
     p = dict(PRESETS[model])
-    seq_len = p.pop("seq_len")
+    preset_len = p.pop("seq_len")
+    seq_len = preset_len if seq_len is None else seq_len
     cfg = transformers.LlamaConfig(vocab_size=256, max_position_embeddings=seq_len, use_cache=False,
                                    tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
                                    pad_token_id=None, **p)
@@ -117,38 +137,50 @@ def _check_batch(val_data: torch.Tensor, seq_len: int, seed: int, batch_size: in
 
 
 def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"], tp: int = DEFAULTS["tp"],
-         dp: int = DEFAULTS["dp"], zero: int = DEFAULTS["zero"], batch_size: int = DEFAULTS["batch_size"],
+         dp: int = DEFAULTS["dp"], sp: int = DEFAULTS["sp"], zero: int = DEFAULTS["zero"],
+         tiled_mlp: int = DEFAULTS["tiled_mlp"], seq_len: int | None = DEFAULTS["seq_len"],
+         batch_size: int = DEFAULTS["batch_size"],
          lr: float = DEFAULTS["lr"], warmup: int = DEFAULTS["warmup"],
          weight_decay: float = DEFAULTS["weight_decay"], seed: int = DEFAULTS["seed"],
          out: str | Path = DEFAULTS["out"], max_bytes: int = DEFAULTS["max_bytes"],
          eval_batches: int = DEFAULTS["eval_batches"], prompt: str = DEFAULTS["prompt"],
          sample_tokens: int = DEFAULTS["sample_tokens"], temperature: float = DEFAULTS["temperature"],
          progress: bool = True, verbose: bool = True) -> dict[str, Any]:
-    """Train on tp*dp ranks, write metrics.jsonl / loss.png / summary.json / ckpt / hf under
+    """Train on dp*tp*sp ranks, write metrics.jsonl / loss.png / summary.json / ckpt / hf under
     `out`, return the summary.
 
     `batch_size` is the global batch (sequences per step); it must be a multiple of `dp`.
-    tp*dp == 1 trains in this process; more ranks run as local gloo processes
+    `seq_len` (default: the preset's) is the sequence length; sp > 1 splits every sequence
+    over sp ranks (Ulysses); `tiled_mlp` > 0 runs each MLP over that many sequence tiles.
+    dp*tp*sp == 1 trains in this process; more ranks run as local gloo processes
     (`dsfn.launch.spawn`). When this process is already one rank of a launched job (torchrun
     or `python -m dsfn.launch`), it trains as that rank and the job's world size must be
-    tp*dp; ranks other than 0 return {}.
+    dp*tp*sp; ranks other than 0 return {}.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    if tp < 1 or dp < 1:
-        raise ValueError(f"tp and dp must be >= 1, got tp={tp}, dp={dp}")
+    if tp < 1 or dp < 1 or sp < 1:
+        raise ValueError(f"tp, dp and sp must be >= 1, got tp={tp}, dp={dp}, sp={sp}")
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero}")
+    if tiled_mlp < 0:
+        raise ValueError(f"tiled_mlp must be >= 0 (0: untiled), got {tiled_mlp}")
+    if seq_len is not None and seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     if batch_size % dp:
         raise ValueError(f"batch_size={batch_size} must be a multiple of dp={dp}")
-    cfg = llama_config(model)
-    if cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp:
-        raise ValueError(f"tp={tp} must divide the {cfg.num_attention_heads} query and "
-                         f"{cfg.num_key_value_heads} key/value heads of model {model!r}")
-    world_size = tp * dp
+    cfg = llama_config(model, seq_len)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    if heads % (tp * sp) or kv_heads % (tp * sp):
+        valid = [d for d in range(1, heads + 1) if heads % d == 0 and kv_heads % d == 0]
+        raise ValueError(f"tp*sp = {tp}*{sp} = {tp * sp} must divide the {heads} query and {kv_heads} key/value "
+                         f"heads of model {model!r} (tensor parallelism splits the heads over tp, Ulysses "
+                         f"sequence parallelism those of a tp rank over sp); valid tp*sp: {valid}")
+    seq_len = cfg.max_position_embeddings
+    world_size = dp * tp * sp
     launched = dsfn.runtime.init_distributed()          # False unless started by a launcher
     if launched and dsfn.runtime.world_size() != world_size:
-        raise ValueError(f"the launcher started {dsfn.runtime.world_size()} ranks but tp*dp = {tp}*{dp} = "
+        raise ValueError(f"the launcher started {dsfn.runtime.world_size()} ranks but dp*tp*sp = {dp}*{tp}*{sp} = "
                          f"{world_size}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -156,8 +188,12 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"], tp: int
     t0 = time.perf_counter()
     data = corpus.load_corpus(max_bytes)
     train_data, val_data = corpus.train_val_split(data, val_fraction=0.05)
-    run = dict(cfg=cfg, model=f"llama-{model} tp{tp} dp{dp} zero{zero}", preset=model, steps=steps,
-               world_size=world_size, tp=tp, dp=dp, zero=zero, batch_size=batch_size, lr=lr, warmup=warmup,
+    if len(val_data) <= seq_len:       # the held-out 5% must hold a window of seq_len + 1 bytes
+        raise ValueError(f"seq_len={seq_len} needs a longer corpus: its held-out 5% has {len(val_data)} bytes "
+                         f"(max_bytes={max_bytes}, corpus {len(data)} bytes); raise max_bytes")
+    name = f"llama-{model} tp{tp} dp{dp}" + (f" sp{sp}" if sp > 1 else "") + f" zero{zero}"
+    run = dict(cfg=cfg, model=name, preset=model, steps=steps, world_size=world_size, tp=tp, dp=dp, sp=sp,
+               zero=zero, tiled_mlp=tiled_mlp, seq_len=seq_len, batch_size=batch_size, lr=lr, warmup=warmup,
                weight_decay=weight_decay, seed=seed, out=str(out), eval_batches=eval_batches, prompt=prompt,
                sample_tokens=sample_tokens, temperature=temperature, progress=progress,
                corpus_bytes=len(data))
@@ -180,29 +216,39 @@ def make_optimizer(lr: float, warmup: int, steps: int, weight_decay: float) -> A
 
 
 def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]) -> dict[str, Any]:
-    """One rank's training run (also the whole run when tp*dp == 1).
+    """One rank's training run (also the whole run when dp*tp*sp == 1).
 
-    Every rank draws the same global batches; shard_zero gives each its dp rows, the ranks
-    of a tp group share them. Rank 0 logs, evaluates and exports; its return value is the
-    run's result.
+    Every rank draws the same global batches; sequence_parallel gives each its sp slice of
+    every sequence, shard_zero its dp rows; the ranks of a tp group share them. Rank 0 logs,
+    evaluates and exports; its return value is the run's result.
     """
     cfg = run["cfg"]
-    init_mesh(dp=run["dp"], tp=run["tp"])                 # every rank builds the same mesh
+    init_mesh(dp=run["dp"], tp=run["tp"], sp=run["sp"])   # every rank builds the same mesh
     rank = dsfn.runtime.rank()
     model = build_model(cfg, run["seed"])
+    if run["tiled_mlp"]:
+        # Each decoder layer's .mlp runs over sequence tiles, recomputed tile by tile in
+        # backward: at most one tile's [B, T/tiles, intermediate] activations are alive.
+        # Parameter names (and so the tp plan, checkpoints and the HF export) are unchanged.
+        tile_mlps(model, run["tiled_mlp"])
     apply_fn, params = dsfn.functionalize(model)
     num_params = sum(p.numel() for p in params.values())
     tx = make_optimizer(run["lr"], run["warmup"], run["steps"], run["weight_decay"])
 
     def loss_fn(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = apply_fn(params, batch["input_ids"]).logits     # HF output object; [B/dp, T, V]
+        # [B/dp, T/sp, V]; under sp the model also gets its slice's global position_ids.
+        # labels are already next-token targets (ignore_index -100: sp's padding).
+        logits = apply_fn(params, batch["input_ids"]).logits
         return gpt_loss(logits, batch["labels"])
 
     def train_step(state: dsfn.TrainState, batch: dict[str, torch.Tensor]):
         loss, grads = dsfn.value_and_grad(loss_fn)(state.params, batch)
         return state.apply_gradients(grads), {"loss": loss}
 
-    step = compose(shard_zero(run["zero"]), tensor_parallel("auto", model=model), clip_grad_norm(1.0))(train_step)
+    transforms = [shard_zero(run["zero"]), tensor_parallel("auto", model=model), clip_grad_norm(1.0)]
+    if run["sp"] > 1:                 # outermost: it splits the batch before ZeRO sees it
+        transforms.insert(0, sequence_parallel(labels_key="labels", shift_labels=False, ignore_index=-100))
+    step = compose(*transforms)(train_step)
     state = step.init_state(params, tx, seed=run["seed"])   # this rank's shards only
     del params
 
@@ -238,7 +284,9 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
 def _title(run: dict[str, Any], num_params: int) -> str:
     cfg = run["cfg"]
     return (f"Llama '{run['preset']}' ({num_params / 1e6:.2f}M params) on stdlib bytes, tp {run['tp']} x dp "
-            f"{run['dp']}, ZeRO-{run['zero']}, batch {run['batch_size']}x{cfg.max_position_embeddings}")
+            f"{run['dp']} x sp {run['sp']}, ZeRO-{run['zero']}"
+            + (f", MLP in {run['tiled_mlp']} tiles" if run["tiled_mlp"] else "")
+            + f", batch {run['batch_size']}x{cfg.max_position_embeddings}")
 
 
 def _summary(result: dict[str, Any], metrics: list[dict[str, Any]], run: dict[str, Any],
@@ -247,7 +295,8 @@ def _summary(result: dict[str, Any], metrics: list[dict[str, Any]], run: dict[st
     tokens = run["steps"] * run["batch_size"] * seq_len
     return {
         "model": run["preset"], "num_params": result["num_params"], "tp": run["tp"], "dp": run["dp"],
-        "zero": run["zero"], "world_size": run["world_size"], "steps": run["steps"],
+        "sp": run["sp"], "zero": run["zero"], "tiled_mlp": run["tiled_mlp"], "world_size": run["world_size"],
+        "steps": run["steps"],
         "global_batch": run["batch_size"], "seq_len": seq_len, "seed": run["seed"],
         "corpus_bytes": run["corpus_bytes"],
         **runner.loss_stats(metrics), "val_loss": result["val_loss"], "check_loss": result["check_loss"],
@@ -262,8 +311,9 @@ def _summary(result: dict[str, Any], metrics: list[dict[str, Any]], run: dict[st
 def format_summary(s: dict[str, Any]) -> str:
     """The end-of-run report printed by `main`."""
     header = (f"== train_llama: '{s['model']}' Llama, {s['num_params'] / 1e6:.2f}M params, tp {s['tp']} x dp "
-              f"{s['dp']} = {s['world_size']} rank(s), ZeRO-{s['zero']}, {s['steps']} steps of "
-              f"{s['global_batch']}x{s['seq_len']} tokens")
+              f"{s['dp']} x sp {s['sp']} = {s['world_size']} rank(s), ZeRO-{s['zero']}"
+              + (f", MLP in {s['tiled_mlp']} tiles" if s["tiled_mlp"] else "")
+              + f", {s['steps']} steps of {s['global_batch']}x{s['seq_len']} tokens")
     return runner.format_report(s, header, [
         (f"  files       {Path(s['files']['metrics.jsonl']).parent}/{{metrics.jsonl, loss.png, summary.json}}; "
          f"checkpoint in {s['files']['ckpt']}"),
@@ -277,8 +327,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=DEFAULTS["model"], choices=sorted(PRESETS), help="Llama size preset")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
     p.add_argument("--tp", type=int, default=DEFAULTS["tp"], help="tensor-parallel degree")
-    p.add_argument("--dp", type=int, default=DEFAULTS["dp"], help="data-parallel degree (ranks = tp * dp)")
+    p.add_argument("--dp", type=int, default=DEFAULTS["dp"], help="data-parallel degree (ranks = dp * tp * sp)")
+    p.add_argument("--sp", type=int, default=DEFAULTS["sp"],
+                   help="sequence-parallel degree (Ulysses; sp * tp must divide the attention heads)")
     p.add_argument("--zero", type=int, default=DEFAULTS["zero"], choices=(0, 1, 2, 3), help="ZeRO stage over dp")
+    p.add_argument("--tiled-mlp", type=int, default=DEFAULTS["tiled_mlp"],
+                   help="run each MLP over this many sequence tiles, recomputed in backward (0: off)")
+    p.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"],
+                   help="sequence length, also the config's max_position_embeddings (default: the preset's)")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
                    help="global batch in sequences (split over dp)")
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak learning rate")

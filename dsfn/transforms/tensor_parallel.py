@@ -1,21 +1,29 @@
 """`tensor_parallel(plan)`: Megatron-style tensor parallelism over the mesh's tp axis.
 
 A *plan* maps module-name patterns (dotted names; `*` matches one name segment, e.g.
-`"model.layers.*.mlp.up_proj"`) to styles. What a style does to the module's
-parameters (their layouts in the state) and to its forward (the collectives the
-transform puts around it; autograd-correct backward):
+`"model.layers.*.mlp.up_proj"`) to styles. A style says what happens to the module's
+parameters (their layouts in the state; "split dim k" = DimShard over tp along dim k,
+zero-padded) and to its forward (the collectives the transform puts around it, with
+autograd-correct backward):
 
-| style                         | module       | parameters (n = tp size)                  | forward                                   |
-|-------------------------------|--------------|-------------------------------------------|-------------------------------------------|
-| `colwise`                     | Linear       | weight, bias: DimShard dim 0 (out)        | input copied (bwd: all-reduce grad); output stays sharded on the last dim |
-| `colwise_rep`, `colwise_gather_output` | Linear | as colwise                         | as colwise, then output all-gathered (bwd: this rank's slice) |
-| `rowwise`                     | Linear       | weight: DimShard dim 1 (in); bias whole   | input sharded on the last dim; output all-reduced (bwd: identity); bias added once |
-| `rowwise_rep`, `rowwise_split_input` | Linear | as rowwise                           | input whole: this rank's slice taken first (bwd: all-gather) |
-| `packed_colwise` / `packed("colwise", parts)` | Linear | weight, bias: PackedDimShard dim 0 | as colwise; a fused qkv / gate_up is split *per part*, so the local output is [q_r, k_r, v_r] |
-| `embedding_rowwise`           | Embedding    | weight: DimShard dim 0 (vocab)            | ids outside this rank's rows give 0; all-reduce |
-| `embedding_colwise`           | Embedding    | weight: DimShard dim 1 (hidden)           | output all-gathered on the last dim |
-| `replicated`                  | any          | whole on every tp rank                    | the module runs on tp-local activations (e.g. per-head norms): its parameter gradients are summed over tp |
-| `replicate`                   | any          | whole                                     | unchanged (the default for modules not in the plan) |
+- `colwise` (Linear): weight and bias split dim 0 (output features). Input copied (its
+  gradient all-reduced in backward); output stays split on the last dim.
+- `colwise_rep`, `colwise_gather_output` (Linear): as colwise, then the output is
+  all-gathered (backward: this rank's slice), padding trimmed.
+- `rowwise` (Linear): weight split dim 1 (input features), bias whole. Input split on
+  the last dim; output all-reduced (backward: identity); the bias added once, after.
+- `rowwise_rep`, `rowwise_split_input` (Linear): as rowwise for a whole input: this rank's
+  slice is taken first (backward: all-gather).
+- `packed_colwise` / `packed("colwise", parts)` (Linear): as colwise with weight and bias
+  PackedDimShard: a fused qkv or gate_up is split *per part*, so rank r's output is
+  [q_r, k_r, v_r] (HF's `packed_colwise` is 2 equal parts).
+- `embedding_rowwise` (Embedding): weight split dim 0 (vocabulary); ids outside this
+  rank's rows give 0; all-reduce.
+- `embedding_colwise` (Embedding): weight split dim 1 (hidden); output all-gathered.
+- `replicated`, `replicated_with_grad_allreduce` (any): parameters whole; the module runs
+  on tp-local activations (e.g. Qwen3's per-head q/k norms), so its parameter gradients
+  are partial and are summed over tp.
+- `replicate` (any): unchanged (what modules not in the plan get).
 
 Modules not in the plan keep whole parameters and see replicated activations, so their
 gradients are already equal on every tp rank (the copy's backward all-reduce made them
@@ -56,7 +64,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsfn import tree

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import dsfn
-from dsfn.errors import ConfigError, DistributedError, MeshError, RankFailure, StackError
+from dsfn.errors import ConfigError, MeshError, RankFailure, StackError
 from dsfn.models.gpt import GPT, GPTConfig, tp_plan
 from dsfn.runtime import init_mesh
 from dsfn.state.layout import DimShard, Nested, PackedDimShard, Placed, is_placed
