@@ -25,8 +25,9 @@ Which attention is wrapped:
 - `auto=False`: the model calls `ulysses_sdpa(q, k, v)` in its attention (manual).
 
 Positions are global: the forward gets `position_ids` of this rank's tokens when the
-module's forward takes them and the caller did not pass them (RoPE and learned position
-embeddings see positions r*T/sp, ...). Attention is causal over the whole sequence;
+caller did not pass them (RoPE and learned position embeddings see positions r*T/sp,
+...); a model whose forward takes no `position_ids` is an error (it would count from 0
+on every rank) unless `require_position_ids=False`. Attention is causal over the whole sequence;
 right padding (attention_mask 1...1 0...0) is exact for the valid tokens; other masks
 are rejected.
 
@@ -172,7 +173,8 @@ class SequenceParallel(Transform):
 
     def __init__(self, axis: str = "sp", seq_length: int | None = None, seq_length_is_variable: bool = True,
                  seq_key: str = "input_ids", labels_key: str = "labels", shift_labels: bool = False,
-                 ignore_index: int = -100, pad_token_id: int = 0, auto: bool = True):
+                 ignore_index: int = -100, pad_token_id: int = 0, auto: bool = True,
+                 require_position_ids: bool = True):
         if seq_length is not None and (not isinstance(seq_length, int) or isinstance(seq_length, bool)
                                        or seq_length < 1):
             raise ConfigError(f"sequence_parallel(seq_length={seq_length!r}): a positive int, or None")
@@ -190,6 +192,7 @@ class SequenceParallel(Transform):
         self.ignore_index = int(ignore_index)
         self.pad_token_id = int(pad_token_id)
         self.auto = bool(auto)
+        self.require_position_ids = bool(require_position_ids)
         self.bucket_mb = 25
         self._positions: torch.Tensor | None = None     # this step's global positions of local tokens
         self._weight: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -347,8 +350,14 @@ class SequenceParallel(Transform):
         if current_mesh().size(self.axis) == 1:
             return call_next(apply_fn, params, args, kwargs)
         module = apply_fn.module
-        if self._positions is not None and "position_ids" not in kwargs and _takes(module, "position_ids"):
-            kwargs = {**kwargs, "position_ids": self._positions}
+        if "position_ids" not in kwargs:
+            if _takes(module, "position_ids"):
+                kwargs = {**kwargs, "position_ids": self._positions}
+            elif self.require_position_ids:
+                raise ConfigError(f"sequence_parallel: {type(module).__name__}.forward takes no position_ids, so it "
+                                  "would number this rank's tokens from 0 instead of by their place in the sequence. "
+                                  "Give the forward a position_ids argument, or pass require_position_ids=False if "
+                                  "the model uses no positions (or gets them another way)")
         from dsfn.integrations import hf
         if hf.is_hf_model(module):
             with hf.ulysses_attention(module, self.axis):
@@ -368,7 +377,8 @@ def _takes(module: Any, name: str) -> bool:
 
 def sequence_parallel(*args: Any, **kwargs: Any) -> SequenceParallel:
     """`sequence_parallel(axis="sp", seq_length=None, seq_length_is_variable=True, seq_key="input_ids",
-    labels_key="labels", shift_labels=False, ignore_index=-100, pad_token_id=0, auto=True)`;
+    labels_key="labels", shift_labels=False, ignore_index=-100, pad_token_id=0, auto=True,
+    require_position_ids=True)`;
     see the module docstring. `auto=False` leaves a non-HF model's attention alone: it
     calls `ulysses_sdpa` itself."""
     return make_transform(SequenceParallel, "sequence_parallel", args, kwargs)

@@ -216,6 +216,30 @@ def test_bad_input_is_a_clear_error(kind, err, pattern):
     assert err.__name__ in str(info.value)
 
 
+class _NoPositions(torch.nn.Module):
+    """Embedding + causal sdpa + head; no positions at all (so require_position_ids=False is right)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, 4, 4).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(x + y.transpose(1, 2).reshape(b, t, 16))
+
+
+def test_a_model_without_position_ids_is_an_error_unless_declared_position_free():
+    with pytest.raises(RankFailure, match="takes no position_ids"):
+        run_on_ranks(train, 2, _NoPositions, lambda m: (sequence_parallel(),), make_batches(), {"sp": 2})
+    check(_NoPositions, lambda m: (sequence_parallel(require_position_ids=False),), {"sp": 2})
+
+
 def test_bad_configs_fail_at_compose():
     with pytest.raises(ConfigError, match="needs seq_length"):
         sequence_parallel(seq_length_is_variable=False)
