@@ -63,9 +63,15 @@ import torch
 import dsfn
 from dsfn import checkpoint
 from dsfn.models import generate, gpt_loss
-from dsfn.runtime import init_mesh
 from dsfn.ops import tile_mlps
-from dsfn.transforms import clip_grad_norm, compose, sequence_parallel, shard_zero, tensor_parallel
+from dsfn.runtime import init_mesh
+from dsfn.transforms import (
+    clip_grad_norm,
+    compose,
+    sequence_parallel,
+    shard_zero,
+    tensor_parallel,
+)
 
 # LlamaConfig fields of the presets. 8 query / 4 key-value heads: tp 1, 2 and 4 divide both.
 # intermediate_size 344 does not divide by 4 (nor 172 by 8): tensor_parallel pads the split.
@@ -334,7 +340,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiled-mlp", type=int, default=DEFAULTS["tiled_mlp"],
                    help="run each MLP over this many sequence tiles, recomputed in backward (0: off)")
     p.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"],
-                   help="sequence length, also the config's max_position_embeddings (default: the preset's)")
+                   help="sequence length, also the config's max_position_embeddings (None: the preset's)")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
                    help="global batch in sequences (split over dp)")
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak learning rate")

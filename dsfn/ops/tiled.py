@@ -126,6 +126,10 @@ class _Tiling:
         self.rng: list = []
         self.devices: list[int] = []
         self.autocast = _autocast_state()
+        # forwards installed on submodules for the duration of the step (tensor parallel's
+        # collectives around its Linears): gone when backward runs, so put back for the recompute
+        self.forwards = [] if module is None else [
+            (m, m.__dict__["forward"]) for m in module.modules() if m is not module and "forward" in m.__dict__]
 
     def bind(self, params: list[torch.Tensor]) -> None:
         if self.module is None:
@@ -197,7 +201,10 @@ class _SequenceTiled(torch.autograd.Function):
         grad_x = torch.empty_like(x) if need_x else None
         x_det = x.detach()
         old = [(m, attr, m._parameters[attr]) for m, attr, _ in tiling.slots]
+        old_forwards = [(m, m.__dict__.get("forward")) for m, _ in tiling.forwards]
         try:
+            for m, fwd in tiling.forwards:
+                m.forward = fwd
             for m, attr, i in tiling.slots:
                 m._parameters[attr] = leaves[i]
             with torch.random.fork_rng(devices=tiling.devices), contextlib.ExitStack() as stack:
@@ -235,6 +242,11 @@ class _SequenceTiled(torch.autograd.Function):
         finally:
             for m, attr, t in old:
                 m._parameters[attr] = t
+            for m, fwd in old_forwards:
+                if fwd is None:
+                    del m.forward
+                else:
+                    m.forward = fwd
         out: list[Any] = [None, grad_x, None]
         for i, p in enumerate(params):
             g = acc[i]

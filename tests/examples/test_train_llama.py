@@ -1,6 +1,7 @@
-"""The Llama example trains a Hugging Face LlamaForCausalLM under tp x dp x ZeRO on local CPU
-ranks in seconds, the loss falls, and the exported HF directory loads with from_pretrained and
-gives the trained model's loss."""
+"""The Llama example trains a Hugging Face LlamaForCausalLM under tp x dp x ZeRO (and Ulysses
+sequence parallelism, tiled MLPs, long sequences) on local CPU ranks in seconds, the loss
+falls, and the exported HF directory loads with from_pretrained and gives the trained model's
+loss."""
 from __future__ import annotations
 
 import json
@@ -82,11 +83,56 @@ def test_main_tp2_dp2_zero3(tmp_path: Path) -> None:
     _check_hf_export(summary)
 
 
+def test_main_sp2_tp2_zero1_tiled(tmp_path: Path) -> None:
+    """Ulysses sp 2 x tp 2 (4 ranks, heads split 8/4 -> 2/1 per rank), ZeRO-1, MLPs in 2 tiles."""
+    summary = _run(tmp_path, steps=15, sp=2, tp=2, dp=1, zero=1, tiled_mlp=2)
+    assert (summary["sp"], summary["tp"], summary["dp"], summary["zero"], summary["tiled_mlp"],
+            summary["world_size"]) == (2, 2, 1, 1, 2, 4)
+    _check_outputs(tmp_path, summary, 15)
+    _check_hf_export(summary)
+
+
+@pytest.mark.parametrize("sp, tp", [(2, 1), (1, 2)])
+def test_tiled_mlp_matches_untiled(tmp_path: Path, sp: int, tp: int) -> None:
+    """--tiled-mlp changes memory, not math: the same losses and gradient norms as untiled."""
+    def grad_norms(tiles: int) -> list[tuple[float, float]]:
+        out = tmp_path / f"tiles{tiles}"
+        train_llama.main(model="tiny", steps=2, sp=sp, tp=tp, tiled_mlp=tiles, batch_size=8, warmup=1, out=out,
+                         max_bytes=MAX_BYTES, eval_batches=1, sample_tokens=4, progress=False, verbose=False)
+        return [(r["loss"], r["grad_norm"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    for untiled, tiled in zip(grad_norms(0), grad_norms(3)):
+        assert tiled == pytest.approx(untiled, rel=1e-4)
+
+
+def test_long_context_sp2(tmp_path: Path) -> None:
+    """--seq-len beyond the preset's 64: 2048 tokens split over sp 2, batch 1."""
+    t = time.perf_counter()
+    summary = train_llama.main(model="tiny", steps=2, sp=2, tp=1, dp=1, seq_len=2048, batch_size=1, warmup=1,
+                               out=tmp_path, max_bytes=MAX_BYTES, eval_batches=1, sample_tokens=8,
+                               progress=False, verbose=False)
+    assert time.perf_counter() - t < 30
+    assert (summary["sp"], summary["seq_len"], summary["global_batch"], summary["world_size"]) == (2, 2048, 1, 2)
+    assert summary["tokens"] == 2 * 2048 and summary["tokens_per_s"] > 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
+    assert abs(records[0]["loss"] - math.log(256)) < 0.3
+    assert math.isfinite(summary["val_loss"]) and math.isfinite(summary["check_loss"])
+    config = json.loads((Path(summary["hf_dir"]) / "config.json").read_text())
+    assert config["max_position_embeddings"] == 2048
+
+
 def test_bad_degrees_fail_early(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="multiple of dp"):
         train_llama.main(model="tiny", steps=1, dp=2, batch_size=3, out=tmp_path, verbose=False)
     with pytest.raises(ValueError, match="must divide"):
         train_llama.main(model="tiny", steps=1, tp=3, out=tmp_path, verbose=False)
+    # 8 query / 4 key-value heads: tp*sp = 8 does not divide 4
+    with pytest.raises(ValueError, match=r"tp\*sp = 2\*4 = 8 must divide"):
+        train_llama.main(model="tiny", steps=1, tp=2, sp=4, out=tmp_path, verbose=False)
+    with pytest.raises(ValueError, match="needs a longer corpus"):
+        train_llama.main(model="tiny", steps=1, tp=1, sp=2, seq_len=8192, max_bytes=100_000, out=tmp_path,
+                         verbose=False)
 
 
 def test_parse_args_defaults() -> None:
@@ -94,4 +140,7 @@ def test_parse_args_defaults() -> None:
     assert (args.tp, args.dp, args.zero, args.model, args.out) == (2, 1, 0, "small", "runs/train_llama")
     args = train_llama.parse_args(["--tp", "2", "--dp", "2", "--zero", "1", "--steps", "5", "--no-progress"])
     assert (args.tp, args.dp, args.zero, args.steps, args.progress) == (2, 2, 1, 5, False)
+    assert (args.sp, args.tiled_mlp, args.seq_len) == (1, 0, None)
+    args = train_llama.parse_args(["--sp", "2", "--tiled-mlp", "4", "--seq-len", "4096", "--batch-size", "1"])
+    assert (args.sp, args.tiled_mlp, args.seq_len, args.batch_size) == (2, 4, 4096, 1)
     assert set(vars(args)) <= set(train_llama.main.__code__.co_varnames)

@@ -358,3 +358,14 @@ def test_replicated_style_sums_partial_gradients_of_per_head_norms():
     with pytest.raises(AssertionError, match="losses|state"):
         check_against_reference(lambda: make_hf("qwen3"),
                                 lambda m: (tensor_parallel(override, model=m, auto=True),), {"tp": 2})
+
+
+def _tiled_llama():
+    model = make_hf("llama")
+    dsfn.ops.tile_mlps(model, 3)          # the MLP is recomputed in backward, tp collectives included
+    return model
+
+
+def test_tiled_mlps_under_tp_equal_reference():
+    check_against_reference(_tiled_llama, lambda m: (shard_zero(3), tensor_parallel("auto", model=m)),
+                            {"dp": 2, "tp": 2})
