@@ -69,6 +69,7 @@ import dsfn
 import dsfn.launch
 import dsfn.ops
 from dsfn.runtime import collectives as C
+from _steps import explained_step, timed_steps
 from dsfn.runtime import init_mesh
 from dsfn.transforms import compose, sequence_parallel
 
@@ -244,25 +245,8 @@ def _rank_time(sp: int, a: dict) -> dict:
     seq = a["time_seq"]
     step, state = _build(sp, seq, 0, a, mark)
     batches = [_batch(a, seq, seed_offset=1 + i) for i in range(a["warmup"] + a["steps"])]
-    times, cpu, losses = [], [], []
-    for i, b in enumerate(batches):
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        state, m = step(state, b)
-        if i >= a["warmup"]:
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-        losses.append(float(m["loss"]))
-    before = C.counters.snapshot()
-    mark["on"] = True
-    ex = step.explain(state, batches[0])               # one more (dropped) step, counted
-    mark["on"] = False
-    fwd = {k: (v.calls - (before[k].calls if k in before else 0), v.bytes - (before[k].bytes if k in before else 0))
-           for k, v in mark.get("fwd", {}).items()}
-    comm = {}
-    for (axis, op), (calls, nbytes) in ex.collectives.items():
-        fc, fb = fwd.get((axis, op), (0, 0))
-        comm[f"{axis}/{op}"] = {"calls": calls, "bytes": nbytes, "fwd_calls": fc, "fwd_bytes": fb}
+    state, times, cpu, losses = timed_steps(step, state, batches, a["warmup"])
+    ex, comm = explained_step(step, state, batches[0], mark)
     param_bytes = sum(x[4] for x in ex.leaves if x[0].startswith("params."))
     return {"times": times, "cpu": cpu, "losses": losses, "comm": comm, "param_bytes": param_bytes,
             "stack": ex.stack}

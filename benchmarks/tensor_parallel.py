@@ -65,6 +65,7 @@ import torch.distributed as dist
 import dsfn
 import dsfn.launch
 from dsfn.runtime import collectives as C
+from _steps import explained_step, timed_steps
 from dsfn.runtime import init_mesh
 from dsfn.state.layout import FlatShard, Nested
 from dsfn.transforms import compose, shard_zero, tensor_parallel
@@ -132,27 +133,8 @@ def _rank_main(key: str, a: dict) -> dict:
     del params
 
     batches = _batches(a, a["warmup"] + a["steps"])
-    times, cpu, losses = [], [], []
-    for i, b in enumerate(batches):
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        state, m = step(state, b)
-        if i >= a["warmup"]:
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-        losses.append(float(m["loss"]))
-
-    # one more (dropped) step, counted: layouts, bytes, collectives
-    before = C.counters.snapshot()
-    mark["on"] = True
-    ex = step.explain(state, batches[0])
-    mark["on"] = False
-    fwd = {k: (v.calls - (before[k].calls if k in before else 0), v.bytes - (before[k].bytes if k in before else 0))
-           for k, v in mark["fwd"].items()}
-    comm = {}
-    for (axis, op), (calls, nbytes) in ex.collectives.items():
-        fc, fb = fwd.get((axis, op), (0, 0))
-        comm[f"{axis}/{op}"] = {"calls": calls, "bytes": nbytes, "fwd_calls": fc, "fwd_bytes": fb}
+    state, times, cpu, losses = timed_steps(step, state, batches, a["warmup"])
+    ex, comm = explained_step(step, state, batches[0], mark)
 
     param_bytes = opt_bytes = other_bytes = psi_dp = 0
     for path, layout, shape, dtype, nbytes in ex.leaves:
