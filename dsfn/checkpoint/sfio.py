@@ -226,18 +226,22 @@ class Writer:
             os.close(fd)
 
 
-def write_file(path: str, items: Iterable[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None,
+def write_file(path: str, items: Iterable[tuple], metadata: dict[str, str] | None = None,
                direct: bool = True) -> dict:
-    """Write `items` ([(name, tensor)], any devices) as one safetensors file; fsync; checksums.
+    """Write `items` as one safetensors file; fsync; checksums.
 
+    An item is `(name, tensor)` (any device) or `(name, dtype, shape, make)`, whose tensor
+    `make()` produces only when it is written (a compact copy that need not exist before).
     Tensors are stored by decreasing element size, then name (so every tensor is aligned
     for zero-copy readers); the file depends only on the tensors and `metadata`.
     """
-    items = sorted(items, key=lambda kv: (-kv[1].element_size(), kv[0]))
-    w = Writer(path, [(n, t.dtype, tuple(t.shape)) for n, t in items], metadata, direct=direct)
+    entries = [(it[0], it[1].dtype, tuple(it[1].shape), (lambda t=it[1]: t)) if len(it) == 2 else tuple(it)
+               for it in items]
+    entries.sort(key=lambda e: (-element_size(e[1]), e[0]))
+    w = Writer(path, [(n, d, s) for n, d, s, _ in entries], metadata, direct=direct)
     try:
-        for n, t in items:
-            w.write(n, t)
+        for n, _, _, make in entries:
+            w.write(n, make())
     except BaseException:
         w.abort()
         raise

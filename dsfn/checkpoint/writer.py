@@ -199,28 +199,10 @@ def _write_rank_file(tmp: str, state: Any, rank: int, rng_state: dict[str, torch
     if entries:
         name = F.rank_filename(rank)
         # one metadata key: the file (hence its checksums) depends only on the tensors
-        record = _write_entries(os.path.join(tmp, name), entries,
+        record = sfio.write_file(os.path.join(tmp, name), entries,
                                 metadata={"dsfn": json.dumps({"format": F.FORMAT_NAME, "rank": rank})})
         out.update(file=name, record=record)
     return out
-
-
-def _write_entries(path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]],
-                   metadata: dict[str, str]) -> dict:
-    """`sfio.write_file` with tensors produced one at a time (a "layout" slice's compact copy
-    exists only while it is written): the same order (by decreasing element size, then
-    name), header and bytes."""
-    entries = sorted(entries, key=lambda e: (-sfio.element_size(e[1]), e[0]))
-    w = sfio.Writer(path, [(n, d, s) for n, d, s, _ in entries], metadata)
-    try:
-        for n, _, _, make in entries:
-            t = make()
-            w.write(n, t)
-            del t
-    except BaseException:
-        w.abort()
-        raise
-    return w.close()
 
 
 def _build_manifest(step: int, world: int, reports: list[dict], user_data: Any, state: Any) -> dict:
