@@ -27,6 +27,7 @@ from dsfn.testing.reference import train_step_for
 from dsfn.transforms import (
     accumulate,
     async_checkpoint,
+    clip_grad_norm,
     compose,
     sequence_parallel,
     shard_zero,
@@ -83,9 +84,10 @@ def train(make_model, make_transforms, batches, mesh=None, loss=loss_fn):
     return losses, {"params": s.params, "opt_state": s.opt_state}
 
 
-def check(make_model, make_transforms, mesh, batches=None, loss=loss_fn, rtol=1e-5, atol=1e-6):
+def check(make_model, make_transforms, mesh, batches=None, loss=loss_fn, rtol=1e-5, atol=1e-6,
+          make_ref_transforms=lambda m: ()):
     batches = batches or make_batches()
-    ref_losses, ref_state = train(make_model, lambda m: (), batches, loss=loss)
+    ref_losses, ref_state = train(make_model, make_ref_transforms, batches, loss=loss)
     world = 1
     for v in mesh.values():
         world *= v
@@ -117,8 +119,10 @@ def test_heads_split_over_tp_and_sp_with_zero1():
           {"sp": 2, "tp": 2})
 
 
-def test_with_accumulate():
-    check(MODELS["gpt"], lambda m: (sequence_parallel(), accumulate(2)), {"sp": 2})
+def test_with_accumulate_and_clipping():
+    # the clip threshold is below the gradient norm: the clipped update needs the summed gradient
+    check(MODELS["gpt"], lambda m: (sequence_parallel(), accumulate(2), clip_grad_norm(0.3)), {"sp": 2},
+          make_ref_transforms=lambda m: (accumulate(2), clip_grad_norm(0.3)))
 
 
 @settings(max_examples=6, deadline=None)
