@@ -44,3 +44,30 @@ def explained_step(step: Any, state: Any, batch: Any, mark: dict) -> tuple[Any, 
         fc, fb = fwd.get((axis, op), (0, 0))
         comm[f"{axis}/{op}"] = {"calls": calls, "bytes": nbytes, "fwd_calls": fc, "fwd_bytes": fb}
     return ex, comm
+
+
+MODEL_KEYS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")
+
+
+def add_llama_args(ap: Any) -> None:
+    """The small HF Llama's shape flags (shared by the parallelism benchmarks)."""
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--intermediate", type=int, default=None, help="default: 8/3 * hidden, rounded up to 16 (688)")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=256)
+
+
+def finish_llama_args(a: Any) -> None:
+    if a.intermediate is None:
+        a.intermediate = -(-int(8 * a.hidden / 3) // 16) * 16
+
+
+def llama_config(a: dict, seq: int) -> Any:
+    """A LlamaConfig from the flags in `a` (a dict), long enough for `seq` tokens."""
+    import transformers
+    return transformers.LlamaConfig(vocab_size=a["vocab"], hidden_size=a["hidden"],
+                                    intermediate_size=a["intermediate"], num_hidden_layers=a["layers"],
+                                    num_attention_heads=a["heads"], num_key_value_heads=a["kv_heads"],
+                                    max_position_embeddings=max(2048, seq))

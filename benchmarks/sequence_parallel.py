@@ -69,7 +69,7 @@ import dsfn
 import dsfn.launch
 import dsfn.ops
 from dsfn.runtime import collectives as C
-from _steps import explained_step, timed_steps
+from _steps import add_llama_args, explained_step, finish_llama_args, llama_config, timed_steps
 from dsfn.runtime import init_mesh
 from dsfn.transforms import compose, sequence_parallel
 
@@ -79,14 +79,6 @@ PARTS = ("memory", "tiled", "time")
 
 
 # --------------------------------------------------------------------------- the model and step
-
-
-def _config(a: dict, seq: int):
-    import transformers
-    return transformers.LlamaConfig(vocab_size=a["vocab"], hidden_size=a["hidden"],
-                                    intermediate_size=a["intermediate"], num_hidden_layers=a["layers"],
-                                    num_attention_heads=a["heads"], num_key_value_heads=a["kv_heads"],
-                                    max_position_embeddings=max(2048, seq))
 
 
 def _batch(a: dict, seq: int, seed_offset: int = 1) -> dict:
@@ -100,7 +92,7 @@ def _build(sp: int, seq: int, tiles: int, a: dict, mark: dict | None = None):
     import transformers
     init_mesh(sp=sp)
     torch.manual_seed(a["seed"])
-    model = transformers.LlamaForCausalLM(_config(a, seq))
+    model = transformers.LlamaForCausalLM(llama_config(a, seq))
     if tiles:
         dsfn.ops.tile_mlps(model, tiles)
     apply_fn, params = dsfn.functionalize(model)
@@ -257,12 +249,7 @@ def _rank_time(sp: int, a: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--intermediate", type=int, default=None, help="default: 8/3 * hidden, rounded up to 16 (688)")
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=256)
+    add_llama_args(ap)
     ap.add_argument("--batch", type=int, default=1, help="global batch rows (every sp rank sees all of them)")
     ap.add_argument("--sp", default="1,2,4", help="comma-separated sp degrees (each must divide heads and kv heads)")
     ap.add_argument("--cap-mib", type=float, default=128.0, help="memory cap per rank for the step's peak (MiB)")
@@ -282,8 +269,7 @@ def main() -> None:
     t_start = time.perf_counter()
     if a.quick:
         a.layers, a.cap_mib, a.time_seq, a.warmup, a.steps = 2, 64.0, 1024, 1, 3
-    if a.intermediate is None:
-        a.intermediate = -(-int(8 * a.hidden / 3) // 16) * 16
+    finish_llama_args(a)
     sps = [int(s) for s in a.sp.split(",") if s.strip()]
     parts = [p.strip() for p in a.parts.split(",") if p.strip()]
     bad = [p for p in parts if p not in PARTS]
@@ -299,7 +285,7 @@ def main() -> None:
     L, H, V, B = a.layers, a.hidden, a.vocab, a.batch
     d = H // a.heads
     import transformers
-    n_params = sum(p.numel() for p in transformers.LlamaForCausalLM(_config(args, 2048)).parameters())
+    n_params = sum(p.numel() for p in transformers.LlamaForCausalLM(llama_config(args, 2048)).parameters())
     print(f"LlamaForCausalLM: {n_params / 1e6:.2f}M params, {L} layers, hidden {H}, intermediate {a.intermediate}, "
           f"{a.heads} heads / {a.kv_heads} kv heads (d {d}), vocab {V}; batch {B}, fp32 AdamW; sp {sps}; "
           f"gloo, 1 thread per rank, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)

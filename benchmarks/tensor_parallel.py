@@ -60,12 +60,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch
-import torch.distributed as dist
 
 import dsfn
 import dsfn.launch
 from dsfn.runtime import collectives as C
-from _steps import explained_step, timed_steps
+from _steps import add_llama_args, explained_step, finish_llama_args, llama_config, timed_steps
 from dsfn.runtime import init_mesh
 from dsfn.state.layout import FlatShard, Nested
 from dsfn.transforms import compose, shard_zero, tensor_parallel
@@ -78,14 +77,6 @@ LAYOUTS = {          # key: (dp, tp, ZeRO stage or None)
     "dp2-z3": (2, 1, 3),
 }
 MiB = 2 ** 20
-
-
-def _config(a: dict):
-    import transformers
-    return transformers.LlamaConfig(vocab_size=a["vocab"], hidden_size=a["hidden"],
-                                    intermediate_size=a["intermediate"], num_hidden_layers=a["layers"],
-                                    num_attention_heads=a["heads"], num_key_value_heads=a["kv_heads"],
-                                    max_position_embeddings=max(2048, a["seq"]))
 
 
 def _batches(a: dict, n: int) -> list[dict]:
@@ -112,7 +103,7 @@ def _rank_main(key: str, a: dict) -> dict:
     dp, tp, stage = LAYOUTS[key]
     init_mesh(dp=dp, tp=tp)
     torch.manual_seed(a["seed"])
-    model = transformers.LlamaForCausalLM(_config(a))
+    model = transformers.LlamaForCausalLM(llama_config(a, a["seq"]))
     apply_fn, params = dsfn.functionalize(model)
     mark: dict = {}
 
@@ -159,12 +150,7 @@ def _mib(b: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--intermediate", type=int, default=None, help="default: 8/3 * hidden, rounded up to 16 (688)")
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=256)
+    add_llama_args(ap)
     ap.add_argument("--batch", type=int, default=8, help="global batch rows (split over dp)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=3)
@@ -177,8 +163,7 @@ def main() -> None:
     t_start = time.perf_counter()
     if a.quick:
         a.layers, a.hidden, a.seq, a.warmup, a.steps = 2, 128, 64, 1, 3
-    if a.intermediate is None:
-        a.intermediate = -(-int(8 * a.hidden / 3) // 16) * 16
+    finish_llama_args(a)
     keys = [k.strip() for k in a.configs.split(",") if k.strip()]
     bad = [k for k in keys if k not in LAYOUTS]
     if bad:
@@ -187,7 +172,7 @@ def main() -> None:
                                         "seq", "warmup", "steps", "seed")}
     L, B, T, H, V = a.layers, a.batch, a.seq, a.hidden, a.vocab
     import transformers
-    n_params = sum(p.numel() for p in transformers.LlamaForCausalLM(_config(args)).parameters())
+    n_params = sum(p.numel() for p in transformers.LlamaForCausalLM(llama_config(args, args["seq"])).parameters())
     print(f"LlamaForCausalLM: {n_params / 1e6:.2f}M params, {L} layers, hidden {H}, intermediate {a.intermediate}, "
           f"{a.heads} heads / {a.kv_heads} kv heads, vocab {V}; global batch {B} x {T}, fp32 AdamW; "
           f"{a.warmup} warm-up + {a.steps} timed steps; gloo, 1 thread per rank, {os.cpu_count()} CPUs, "
