@@ -264,11 +264,7 @@ def region_of(layout: Layout, mesh) -> tuple[Region, tuple[str, ...]]:
         return Region("dim", start, min(start + c, n), dim=base.dim, padded=c), (base.axis,)
     if isinstance(base, Replicated):
         return Region("full"), ()
-    try:
-        runs = tuple(tuple(int(v) for v in r) for r in base.runs(mesh))
-    except NotImplementedError:
-        raise CheckpointError(f"checkpoints do not know the layout {base!r}: it does not list the elements a "
-                              "rank holds (`Layout.runs`)") from None
+    runs = tuple(tuple(int(v) for v in r) for r in base.runs(mesh))     # every Layout lists its runs
     local = tuple(int(d) for d in base.local_shape(mesh))
     padded = 1
     for d in local:

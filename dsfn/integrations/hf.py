@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsfn.errors import ConfigError
+
 NAME = "dsfn_ulysses"
 _AXIS: list[str] = []          # the sp axis of the active context (innermost last)
 _INNER: list[str] = []         # the model's own implementation, to call on full sequences
@@ -77,7 +79,9 @@ def ulysses_attention(model: nn.Module, axis: str) -> Iterator[None]:
     saved = [c._attn_implementation_internal for c in configs]
     inner = {s if not isinstance(s, dict) else None for s in saved}
     if len(inner) != 1:
-        raise NotImplementedError(f"sequence_parallel: sub-models with different attention implementations {saved}")
+        raise ConfigError(f"sequence_parallel: the model's sub-configs use different attention implementations "
+                          f"{saved}; Ulysses wraps one. Load the model with a single attn_implementation "
+                          "(e.g. 'sdpa' for all parts)")
     _AXIS.append(axis)
     _INNER.append(inner.pop())
     try:

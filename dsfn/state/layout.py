@@ -60,9 +60,9 @@ class Layout(abc.ABC):
     def local_shape(self, mesh: Mesh | None = None) -> tuple[int, ...]:
         """Shape of this rank's piece."""
 
+    @abc.abstractmethod
     def runs(self, mesh: Any = None) -> list[tuple[int, int, int]]:
         """This rank's piece as runs of the flattened logical tensor (see the module docstring)."""
-        raise NotImplementedError(f"{type(self).__name__} does not list its runs")
 
     def axes(self) -> tuple[str, ...]:
         """The mesh axes this layout splits the tensor over (its pieces are disjoint along them)."""

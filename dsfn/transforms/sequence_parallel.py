@@ -71,12 +71,12 @@ from dsfn.transforms.data_parallel import all_reduce_buckets
 
 def seq_to_heads(x: torch.Tensor, axis: str) -> torch.Tensor:
     """[B, H, T/n, d] (this rank's tokens, all heads) -> [B, H/n, T, d] (all tokens, head group r)."""
-    return _SeqToHeads.apply(x, axis)
+    return _AllToAll.apply(x, axis, True)
 
 
 def heads_to_seq(x: torch.Tensor, axis: str) -> torch.Tensor:
     """[B, H/n, T, d] (all tokens, head group r) -> [B, H, T/n, d] (this rank's tokens, all heads)."""
-    return _HeadsToSeq.apply(x, axis)
+    return _AllToAll.apply(x, axis, False)
 
 
 def _s2h(x: torch.Tensor, axis: str) -> torch.Tensor:
@@ -95,26 +95,17 @@ def _h2s(x: torch.Tensor, axis: str) -> torch.Tensor:
     return got.permute(1, 0, 2, 3, 4).reshape(b, n * hn, t // n, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """One Ulysses all-to-all (`to_heads`: _s2h, else _h2s); its adjoint is the other one."""
+
     @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return _s2h(x, axis)
+    def forward(ctx, x, axis, to_heads):
+        ctx.axis, ctx.to_heads = axis, to_heads
+        return (_s2h if to_heads else _h2s)(x, axis)
 
     @staticmethod
     def backward(ctx, g):
-        return _h2s(g.contiguous(), ctx.axis), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return _h2s(x, axis)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _s2h(g.contiguous(), ctx.axis), None
+        return (_h2s if ctx.to_heads else _s2h)(g.contiguous(), ctx.axis), None, None
 
 
 def ulysses_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, axis: str = "sp",
@@ -311,20 +302,15 @@ class SequenceParallel(Transform):
         first dict argument holding `loss_labels_key`); a rank without valid labels gets one
         made valid and weight 0."""
         key = self.loss_labels_key
-        found = None
-        for i, a in enumerate(args):
-            if isinstance(a, dict) and isinstance(a.get(key), torch.Tensor):
-                found = ("arg", i)
-                break
-        if found is None:
-            for k, a in kwargs.items():
-                if isinstance(a, dict) and isinstance(a.get(key), torch.Tensor):
-                    found = ("kw", k)
-                    break
+        args, kwargs = list(args), dict(kwargs)
+        slots = [(args, i) for i in range(len(args))] + [(kwargs, k) for k in kwargs]
+        found = next(((box, i) for box, i in slots
+                      if isinstance(box[i], dict) and isinstance(box[i].get(key), torch.Tensor)), None)
         if found is None:
             raise ConfigError(f"sequence_parallel: the differentiated function's batch argument has no {key!r}; the "
                               f"loss is weighted by each rank's count of valid labels (set labels_key=...)")
-        batch = args[found[1]] if found[0] == "arg" else kwargs[found[1]]
+        box, i = found
+        batch = box[i]
         if isinstance(batch.get("position_ids"), torch.Tensor):
             self._positions = batch["position_ids"]
         labels = batch[key]
@@ -338,12 +324,8 @@ class SequenceParallel(Transform):
         if int(n_local) == 0:      # keep the local mean finite: one valid label, weight 0
             labels = labels.clone()
             labels.reshape(-1)[0] = 0
-            batch = {**batch, key: labels}
-            if found[0] == "arg":
-                args = args[:found[1]] + (batch,) + args[found[1] + 1:]
-            else:
-                kwargs = {**kwargs, found[1]: batch}
-        return args, kwargs, weight.float()
+            box[i] = {**batch, key: labels}
+        return tuple(args), kwargs, weight.float()
 
     # -- attention and positions ----------------------------------------------------------------
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
