@@ -5,6 +5,7 @@ safetensors files; any layout loads any checkpoint by reading the slices it need
     state = dsfn.checkpoint.load(dir, like=step.init_state(params, tx))
 """
 from dsfn.checkpoint.async_engine import AsyncSaver
+from dsfn.checkpoint.host_cache import HostCache
 from dsfn.checkpoint.errors import CheckpointError
 from dsfn.checkpoint.export import convert, export
 from dsfn.checkpoint.format import (
@@ -17,5 +18,5 @@ from dsfn.checkpoint.format import (
 from dsfn.checkpoint.reader import load, verify
 from dsfn.checkpoint.writer import save
 
-__all__ = ["FORMAT_VERSION", "AsyncSaver", "CheckpointError", "Manifest", "convert", "export", "latest_step", "load",
-           "read_manifest", "resolve", "save", "verify"]
+__all__ = ["FORMAT_VERSION", "AsyncSaver", "CheckpointError", "HostCache", "Manifest", "convert", "export",
+           "latest_step", "load", "read_manifest", "resolve", "save", "verify"]

@@ -7,9 +7,10 @@
 
 Capture is by reference: a dsfn state is an immutable pytree and the next step builds
 new tensors, never writing into the ones captured, so handing the state to the thread
-costs nothing (no copy). On CUDA the writer's device-to-host copies then run in the
-background thread; a bounded pinned host cache (`host_cache_size`) is not implemented
-yet: the captured state stays on the device until its save finishes.
+costs nothing (no copy). An `AsyncSaver(cache=HostCache(...))` instead copies the
+tensors its policy picks into a bounded, reused host buffer at the capture
+(`dsfn.checkpoint.host_cache`): device state then stops holding device memory once its
+asynchronous copies land, and a snapshot protects a state that something updates in place.
 
 Deadlock safety (DCP's known pitfall: `async_save` on the default group deadlocks against
 the training loop's own collectives). The background thread talks to other ranks only on
@@ -35,6 +36,7 @@ import weakref
 from typing import Any
 
 from dsfn.checkpoint.errors import CheckpointError
+from dsfn.checkpoint.host_cache import HostCache, StagedEvent, StageReport
 
 __all__ = ["AsyncSaver"]
 
@@ -48,8 +50,10 @@ class AsyncSaver:
     takes longer, which only matters if the next one is due before it ends. 0 disables.
     """
 
-    def __init__(self, nice: int = 10) -> None:
+    def __init__(self, nice: int = 10, cache: HostCache | None = None) -> None:
         self.nice = int(nice)
+        self.cache = cache
+        self.last_stage: StageReport | None = None   # what the newest capture copied / referenced
         self._thread: threading.Thread | None = None
         self._error: CheckpointError | None = None
         self._lock = threading.Lock()
@@ -87,8 +91,11 @@ class AsyncSaver:
             ref = weakref.ref(self)
             atexit.register(_flush_at_exit, ref)
             self._atexit_registered = True
+        staged = None
+        if self.cache is not None:
+            state, staged, self.last_stage = self.cache.stage(state)
         self.saves_started += 1
-        th = threading.Thread(target=self._run, args=(directory, state, kwargs, step),
+        th = threading.Thread(target=self._run, args=(directory, state, kwargs, step, staged),
                               name="dsfn-async-checkpoint", daemon=True)
         self._thread = th
         th.start()
@@ -110,11 +117,14 @@ class AsyncSaver:
         self.check()
 
     # -- the background thread -----------------------------------------------------------------
-    def _run(self, directory: Any, state: Any, kwargs: dict, step: int | None) -> None:
+    def _run(self, directory: Any, state: Any, kwargs: dict, step: int | None,
+             staged: StagedEvent | None) -> None:
         time.sleep(0)          # hand the GIL straight back to the training thread, blocked in start()
         from dsfn.checkpoint import writer
         _lower_priority(self.nice)
         try:
+            if staged is not None:
+                staged.wait()  # the capture's device-to-host copies have landed
             out = writer.save(directory, state, **kwargs)
         except BaseException as e:  # noqa: BLE001 (kept and re-raised on the training thread)
             what = f"step {step}" if step is not None else "a step"

@@ -190,7 +190,8 @@ class Writer:
     def write(self, name: str, t: torch.Tensor) -> None:
         want = self.order[self.i]
         if (name, t.dtype, tuple(t.shape)) != want:
-            raise CheckpointError(f"internal: safetensors writer expected {want}, got {(name, t.dtype, tuple(t.shape))}")
+            got = (name, t.dtype, tuple(t.shape))
+            raise CheckpointError(f"internal: safetensors writer expected {want}, got {got}")
         self.i += 1
         if t.numel():
             t = t.detach()

@@ -1,4 +1,4 @@
-"""`async_checkpoint(dir, every, keep=None, engine="async", host_cache_size=None)`.
+"""`async_checkpoint(dir, every, keep=None, engine="async", host_cache_size=None, capture="auto")`.
 
 After the inner step returns the new state, if the step advanced (a skipped fp16 step does
 not) and `int(new_state.step) % every == 0`, the state is saved to `dir/step_N` with
@@ -21,11 +21,17 @@ The transform may sit anywhere in the stack: `wrap_step` sees the physical state
 the step takes and returns, which is what `save` stores (in any layout).
 
 Metrics: `ckpt_blocked_s` on the steps where a save was due (capture plus any wait for
-the previous save, or the whole save with `engine="sync"`).
+the previous save, or the whole save with `engine="sync"`); with the async engine also
+`ckpt_cached_bytes`, the bytes the capture copied into the host cache.
 
-`host_cache_size` is accepted and currently a no-op: on CPU the state already lives in
-host memory, so capture by reference is the cheapest correct capture. (On CUDA a bounded
-pinned host cache would let device memory go before the write ends; not implemented.)
+Host cache (`dsfn.checkpoint.host_cache`): `capture="auto"` (default) copies tensors that
+live on a device (CUDA) into a reused host buffer — pinned, filled by asynchronous copies on
+a side stream — so the captured state stops holding device memory once they land, and
+references host tensors (on a CPU-only machine nothing is copied: the state already lives in
+host memory). `capture="copy"` snapshots every tensor (for a state that something updates
+in place); `"reference"` never copies. `host_cache_size` bounds the buffer in bytes (None:
+as large as the policy needs): tensors are taken in leaf order until the next does not fit,
+the rest are captured by reference, so the bound trades memory for nothing but held memory.
 Multi-rank: a background failure is raised by every rank (the writer's protocol makes all
 ranks fail a save together), but each rank notices it at its own next step; a launcher
 (torchrun, `dsfn.launch`) then stops the others.
@@ -47,7 +53,7 @@ class AsyncCheckpoint(Transform):
     name = "async_checkpoint"
 
     def __init__(self, dir: str | os.PathLike, every: int, keep: int | None = None, engine: str = "async",
-                 host_cache_size: int | None = None, timeout_s: float | None = None):
+                 host_cache_size: int | None = None, capture: str = "auto", timeout_s: float | None = None):
         if not isinstance(dir, (str, os.PathLike)):
             raise ConfigError(f"async_checkpoint(dir={dir!r}): dir is a directory path")
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
@@ -59,13 +65,19 @@ class AsyncCheckpoint(Transform):
             raise ConfigError(f"async_checkpoint(engine={engine!r}): use one of {list(ENGINES)}")
         if host_cache_size is not None and (not isinstance(host_cache_size, int) or host_cache_size < 0):
             raise ConfigError(f"async_checkpoint(host_cache_size={host_cache_size!r}): a byte count >= 0 or None")
+        from dsfn.checkpoint.host_cache import CAPTURE_POLICIES, HostCache
+        if capture not in CAPTURE_POLICIES:
+            raise ConfigError(f"async_checkpoint(capture={capture!r}): use one of {list(CAPTURE_POLICIES)}")
+        if engine == "sync" and (capture != "auto" or host_cache_size is not None):
+            raise ConfigError("async_checkpoint(engine='sync') writes inline and has no host cache: "
+                              "drop host_cache_size/capture, or use engine='async'")
         self.dir, self.every, self.keep, self.engine = os.fspath(dir), every, keep, engine
-        self.host_cache_size = host_cache_size
+        self.host_cache_size, self.capture = host_cache_size, capture
         self.timeout_s = timeout_s
         self._saver = None
         if engine == "async":
             from dsfn.checkpoint.async_engine import AsyncSaver
-            self._saver = AsyncSaver()
+            self._saver = AsyncSaver(cache=HostCache(host_cache_size, capture))
 
     # -- public --------------------------------------------------------------------------------
     def wait(self) -> None:
@@ -92,11 +104,12 @@ class AsyncCheckpoint(Transform):
                 kwargs["timeout_s"] = self.timeout_s
             if self._saver is not None:
                 blocked = self._saver.submit(self.dir, new_state, **kwargs)
-            else:
-                from dsfn.checkpoint.writer import save
-                t0 = time.perf_counter()
-                save(self.dir, new_state, **kwargs)
-                blocked = time.perf_counter() - t0
+                cached = self._saver.last_stage.copied_bytes if self._saver.last_stage else 0
+                return new_state, {**metrics, "ckpt_blocked_s": blocked, "ckpt_cached_bytes": cached}
+            from dsfn.checkpoint.writer import save
+            t0 = time.perf_counter()
+            save(self.dir, new_state, **kwargs)
+            blocked = time.perf_counter() - t0
             return new_state, {**metrics, "ckpt_blocked_s": blocked}
         return step
 
@@ -113,6 +126,6 @@ def _step_of(state: Any) -> int | None:
 
 
 def async_checkpoint(*args: Any, **kwargs: Any) -> AsyncCheckpoint:
-    """`async_checkpoint(dir, every, keep=None, engine="async", host_cache_size=None)`; see the
-    module docstring."""
+    """`async_checkpoint(dir, every, keep=None, engine="async", host_cache_size=None, capture="auto")`;
+    see the module docstring."""
     return make_transform(AsyncCheckpoint, "async_checkpoint", args, kwargs)

@@ -1,0 +1,159 @@
+"""A bounded, reusable host staging cache for checkpoint captures.
+
+`async_checkpoint` captures the state by reference: a dsfn state is immutable, so the
+tensors a save needs stay valid while the background writer reads them. Two cases want a
+*copy* instead, and this cache makes it cheap and bounded:
+
+- device state (CUDA): holding the captured state keeps a second copy of the parameters
+  and optimizer state in device memory until the write ends. Copying it into host memory
+  (pinned, so the copies run asynchronously on a side stream) lets device memory go as soon
+  as the copies land; the step blocks only to enqueue them.
+- a state whose tensors someone updates in place (a user's own in-place code, a donated
+  buffer): a snapshot at the step boundary keeps the checkpoint what the step produced.
+
+Policy (`capture`):
+
+- `"auto"`: tensors that are not in host memory are copied; host tensors are referenced
+  (on a CPU-only machine nothing is copied: the state already lives in host memory).
+- `"copy"`: every tensor is copied (a snapshot).
+- `"reference"`: nothing is copied.
+
+`capacity` bounds the cache in bytes (None: as large as what the policy copies). Tensors
+are taken in the state's leaf order; the first that does not fit and every later one are
+captured by reference, so a bound trades host memory for held device memory, never
+correctness. The buffer is one flat byte tensor, allocated once (grown up to the bound when a
+larger state comes) and reused by every save: one save is in flight at a time, and `stage`
+is only called once the previous save has finished (`AsyncSaver.submit` waits first).
+
+Layout of the buffer: each copied tensor occupies `nbytes` rounded up to `ALIGN` bytes, in
+leaf order; a staged tensor is a contiguous view of its slot with the source's dtype and
+shape.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from dsfn import tree
+from dsfn.checkpoint.errors import CheckpointError
+
+__all__ = ["CAPTURE_POLICIES", "HostCache", "StageReport"]
+
+CAPTURE_POLICIES = ("auto", "copy", "reference")
+ALIGN = 64          # bytes: every slot starts aligned for any dtype's view (and for vector loads)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageReport:
+    """What one capture did: bytes copied into the cache and bytes still referenced."""
+    copied_bytes: int
+    referenced_bytes: int
+    copied_tensors: int
+    referenced_tensors: int
+    seconds: float               # time the caller spent staging (enqueueing, on CUDA)
+
+
+class HostCache:
+    """Stages a state's tensors into one reusable host buffer (see the module docstring)."""
+
+    def __init__(self, capacity: int | None = None, capture: str = "auto", pin: bool | None = None) -> None:
+        if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0):
+            raise CheckpointError(f"HostCache(capacity={capacity!r}): a byte count >= 0, or None for unbounded")
+        if capture not in CAPTURE_POLICIES:
+            raise CheckpointError(f"HostCache(capture={capture!r}): use one of {list(CAPTURE_POLICIES)}")
+        self.capacity = capacity
+        self.capture = capture
+        # pinned host memory only where there is a device to copy from (pinning needs CUDA)
+        self.pin = torch.cuda.is_available() if pin is None else bool(pin)
+        self.buffer: torch.Tensor | None = None       # uint8 [allocated bytes]
+        self.allocations = 0                          # how often the buffer was (re)allocated
+        self._stream = None
+
+    def wants(self, t: torch.Tensor) -> bool:
+        """Whether the policy copies tensor `t` (before the bound is applied)."""
+        if self.capture == "copy":
+            return True
+        if self.capture == "auto":
+            return t.device.type != "cpu"
+        return False
+
+    def stage(self, state: Any) -> tuple[Any, "StagedEvent", StageReport]:
+        """Return `state` with the chosen tensors replaced by views of the cache.
+
+        The returned event must be waited on (`event.wait()`) by whoever reads the staged
+        tensors: device-to-host copies run asynchronously on a side stream.
+        """
+        t0 = time.perf_counter()
+        tensors = [x for x in tree.leaves(state) if isinstance(x, torch.Tensor)]
+        plan: dict[int, int] = {}            # id(tensor) -> byte offset of its slot
+        used = 0
+        bound = self.capacity
+        for t in tensors:
+            if id(t) in plan or not self.wants(t) or t.numel() == 0:
+                continue
+            size = _slot(t)
+            if bound is not None and used + size > bound:
+                break                         # this one and every later one by reference
+            plan[id(t)] = used
+            used += size
+        self._ensure(used)
+        stream = self._side_stream() if any(t.is_cuda for t in tensors if id(t) in plan) else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())    # the step's kernels made these tensors
+        copied: dict[int, torch.Tensor] = {}
+        with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+            for t in tensors:
+                off = plan.get(id(t))
+                if off is None or id(t) in copied:
+                    continue
+                dst = self.buffer[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                with torch.no_grad():
+                    dst.copy_(t.detach(), non_blocking=stream is not None)
+                if stream is not None:
+                    t.record_stream(stream)    # its memory is not reused before the copy has run
+                copied[id(t)] = dst
+        event = StagedEvent(stream)
+        staged = tree.map(lambda x: copied.get(id(x), x) if isinstance(x, torch.Tensor) else x, state)
+        n_ref = [t for t in tensors if id(t) not in copied]
+        report = StageReport(copied_bytes=sum(c.numel() * c.element_size() for c in copied.values()),
+                             referenced_bytes=sum(t.numel() * t.element_size() for t in n_ref),
+                             copied_tensors=len(copied), referenced_tensors=len(n_ref),
+                             seconds=time.perf_counter() - t0)
+        return staged, event, report
+
+    # -- internals -----------------------------------------------------------------------------
+    def _ensure(self, nbytes: int) -> None:
+        if nbytes == 0 or (self.buffer is not None and self.buffer.numel() >= nbytes):
+            return
+        self.buffer = None                   # free the smaller one first
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        self.allocations += 1
+
+    def _side_stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+
+class StagedEvent:
+    """Completion of a stage's copies: `wait()` blocks the calling thread until they landed."""
+
+    def __init__(self, stream) -> None:
+        self._event = None
+        if stream is not None:
+            self._event = torch.cuda.Event()
+            self._event.record(stream)
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+
+def _slot(t: torch.Tensor) -> int:
+    n = t.numel() * t.element_size()
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
