@@ -23,7 +23,8 @@ groups from two threads do not wait on each other.
 At most one save is in flight: `submit` waits for the previous one first. A background
 failure is kept and re-raised as `CheckpointError` (its cause chained and in `.cause`) by
 `check()` (non-blocking), `wait()` and the next `submit`; an `atexit` hook flushes the
-last save and reports a failure on stderr, so nothing is lost silently.
+last save and reports a failure on stderr and in the exit status (1), so nothing is lost
+silently.
 """
 from __future__ import annotations
 
@@ -80,6 +81,8 @@ class AsyncSaver:
         self.wait()
         from dsfn.checkpoint import rng, writer
         from dsfn.runtime.mesh import current_mesh
+        if user_data is not None:
+            writer._check_json(user_data, "user_data")     # a bad value fails here, not in the background
         # the generators as they are at this step boundary, not when the thread gets to them
         kwargs: dict[str, Any] = {"step": step, "keep": keep, "user_data": user_data, "rng_state": rng.capture()}
         if timeout_s is not None:
@@ -157,5 +160,10 @@ def _flush_at_exit(ref: weakref.ref[AsyncSaver]) -> None:
     try:
         saver.wait()
     except CheckpointError as e:
-        print(f"dsfn: {e}", file=sys.stderr, flush=True)
-        raise
+        # Python ignores an exception raised by an atexit hook (the exit status stays 0), so a
+        # job whose last checkpoint failed would look successful: end the process with status 1
+        # (hooks registered before this one are skipped; the failure matters more)
+        print(f"dsfn: {e}\ndsfn: the last checkpoint was not saved; exiting with status 1",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)

@@ -130,7 +130,13 @@ class HostCache:
         if nbytes == 0 or (self.buffer is not None and self.buffer.numel() >= nbytes):
             return
         self.buffer = None                   # free the smaller one first
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        try:
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        except RuntimeError as e:            # out of (pinnable) host memory
+            raise CheckpointError(
+                f"checkpoint host cache: could not allocate {nbytes / 2**20:.1f} MiB of "
+                f"{'pinned ' if self.pin else ''}host memory ({e}); bound it with "
+                "async_checkpoint(host_cache_size=BYTES) or capture by reference (capture='reference')") from e
         self.allocations += 1
 
     def _side_stream(self):

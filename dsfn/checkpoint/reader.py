@@ -88,6 +88,8 @@ def load(path: str | os.PathLike, like: Any, strict: bool = True, verify: bool =
                 raise CheckpointError(f"leaf {leaf!r} names file {s['file']!r}, which the manifest does not list")
         _check_layout_slices(leaf, desc, manifest.raw.get("mesh"))
         plans.append((leaf, x, region, shape))
+    _check_files_present(manifest, {s["file"] for leaf, _, region, _ in plans if region is not None
+                                    for s in saved[leaf]["slices"]})
 
     reader = _Reader(manifest, verify)
     try:
@@ -145,6 +147,22 @@ def verify(path: str | os.PathLike) -> list[str]:
             if s["file"] not in m.files:
                 bad.append(f"{m.path}: leaf {p!r} names unlisted file {s['file']!r}")
     return bad
+
+
+def _check_files_present(manifest: F.Manifest, names: set[str]) -> None:
+    """Every data file the load may read exists with the size the manifest records (before
+    anything is read or written: a missing rank file fails the load up front)."""
+    for name in sorted(names):
+        fpath = os.path.join(manifest.path, name)
+        info = manifest.files[name]
+        try:
+            size = os.stat(fpath).st_size
+        except OSError:
+            raise CheckpointError(f"checkpoint file {fpath} is missing (rank {info.get('rank')}'s data); the "
+                                  "checkpoint is incomplete: load an older step or re-save it") from None
+        if "bytes" in info and size != int(info["bytes"]):
+            raise CheckpointError(f"checkpoint file {fpath} has {size} bytes but the manifest records "
+                                  f"{info['bytes']}: it was truncated or replaced; load an older step")
 
 
 class _Reader:

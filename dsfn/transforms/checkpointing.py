@@ -20,6 +20,11 @@ the process group.
 The transform may sit anywhere in the stack: `wrap_step` sees the physical state that
 the step takes and returns, which is what `save` stores (in any layout).
 
+`user_data`: a function `state -> JSON object` (a data-loader position, a run id) called
+at each save on the training thread; its result is stored in the manifest. Read it back
+from the same step as the state: `m = dsfn.checkpoint.read_manifest(dir)`,
+`state = dsfn.checkpoint.load(m.path, like)`, `m.user_data`.
+
 Metrics: `ckpt_blocked_s` on the steps where a save was due (capture plus any wait for
 the previous save, or the whole save with `engine="sync"`); with the async engine also
 `ckpt_cached_bytes`, the bytes the capture copied into the host cache.
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from dsfn.checkpoint.errors import CheckpointError
@@ -53,7 +59,8 @@ class AsyncCheckpoint(Transform):
     name = "async_checkpoint"
 
     def __init__(self, dir: str | os.PathLike, every: int, keep: int | None = None, engine: str = "async",
-                 host_cache_size: int | None = None, capture: str = "auto", timeout_s: float | None = None):
+                 host_cache_size: int | None = None, capture: str = "auto", timeout_s: float | None = None,
+                 user_data: Callable[[Any], Any] | None = None):
         if not isinstance(dir, (str, os.PathLike)):
             raise ConfigError(f"async_checkpoint(dir={dir!r}): dir is a directory path")
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
@@ -74,6 +81,10 @@ class AsyncCheckpoint(Transform):
         self.dir, self.every, self.keep, self.engine = os.fspath(dir), every, keep, engine
         self.host_cache_size, self.capture = host_cache_size, capture
         self.timeout_s = timeout_s
+        if user_data is not None and not callable(user_data):
+            raise ConfigError("async_checkpoint(user_data=...): a function state -> JSON-serialisable object "
+                              "(e.g. lambda state: {'batch': loader.position}), called at each save")
+        self.user_data = user_data
         self._saver = None
         if engine == "async":
             from dsfn.checkpoint.async_engine import AsyncSaver
@@ -100,6 +111,8 @@ class AsyncCheckpoint(Transform):
             if after is None or after == before or after % self.every != 0:
                 return new_state, metrics
             kwargs: dict[str, Any] = {"step": after, "keep": self.keep}
+            if self.user_data is not None:
+                kwargs["user_data"] = self.user_data(new_state)   # at the step boundary, on this thread
             if self.timeout_s is not None:
                 kwargs["timeout_s"] = self.timeout_s
             if self._saver is not None:

@@ -226,6 +226,7 @@ def test_atexit_flushes_the_last_save_and_reports_a_failure(tmp_path):
     bad = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path / "file" / "ckpt")], check=False,
                          capture_output=True, text=True, timeout=60)
     assert "background checkpoint save of step 1" in bad.stderr, bad.stderr[-2000:]
+    assert bad.returncode == 1           # a job whose last save failed does not look successful
 
 
 def test_sync_engine_inline_and_bad_config(tmp_path):

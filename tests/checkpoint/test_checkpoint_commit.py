@@ -156,6 +156,29 @@ def test_bad_input_errors(tmp_path):
         ck.load(tmp_path, like)
 
 
+def test_missing_or_truncated_file_fails_before_anything_is_read(tmp_path, monkeypatch):
+    """The file check runs in the validation pass: no data read, no generator touched."""
+    from dsfn.checkpoint import reader
+    step, like = _setup()
+    out = ck.save(tmp_path, _train(step, like, 1))
+    f = os.path.join(out, "rank_00000.safetensors")
+    opened = []
+    real_get = reader._Reader.get
+    monkeypatch.setattr(reader._Reader, "get", lambda self, name: opened.append(name) or real_get(self, name))
+    before = [t.clone() for t in tree.leaves(like) if isinstance(t, torch.Tensor)]
+    rng_before = torch.get_rng_state()
+    with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) - 1)
+    with pytest.raises(ck.CheckpointError, match="truncated or replaced"):
+        ck.load(tmp_path, like)
+    os.remove(f)
+    with pytest.raises(ck.CheckpointError, match="rank_00000.safetensors is missing"):
+        ck.load(tmp_path, like)
+    assert opened == []
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert all(torch.equal(a, b) for a, b in zip(before, (t for t in tree.leaves(like) if isinstance(t, torch.Tensor))))
+
+
 def test_non_json_value_rejected(tmp_path):
     _, like = _setup()
     with pytest.raises(ck.CheckpointError, match="JSON"):

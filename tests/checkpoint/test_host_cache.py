@@ -158,3 +158,40 @@ def test_staging_does_not_wait_for_the_writer(tmp_path):
         assert saver.busy
     saver.wait()
     assert done.is_set() and ck.read_manifest(tmp_path).step == 1
+
+
+def test_transform_stores_user_data_of_each_save(tmp_path):
+    """`user_data(state)` runs at each save; the manifest of that step holds its result."""
+    apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 3], 0))
+
+    def train_step(state, batch):
+        loss, g = dsfn.value_and_grad(
+            lambda p, b: torch.nn.functional.mse_loss(apply_fn(p, b["x"]), b["y"]))(state.params, batch)
+        return state.apply_gradients(g), {"loss": loss}
+
+    position = {"batch": 0}
+    ckpt = async_checkpoint(tmp_path, every=2, user_data=lambda s: {"batch": position["batch"], "step": int(s.step)})
+    step = dsfn.compose(ckpt)(train_step)
+    state = step.init_state(params, dsfn.optim.sgd(lr=0.1))
+    for b in regression_batches(4, 8, 6, 3, seed=2):
+        position["batch"] += 1
+        state, _ = step(state, b)
+    ckpt.wait()
+    for s in (2, 4):
+        m = ck.read_manifest(tmp_path / f"step_{s:08d}")
+        assert m.user_data == {"batch": s, "step": s}
+    with pytest.raises(ConfigError, match="user_data"):
+        async_checkpoint(tmp_path, every=1, user_data={"not": "callable"})
+    bad = dsfn.compose(async_checkpoint(tmp_path / "bad", every=1, user_data=lambda s: {"x": object()}))(train_step)
+    with pytest.raises(CheckpointError, match="user_data"):
+        bad(step.init_state(params, dsfn.optim.sgd(lr=0.1)), regression_batches(1, 8, 6, 3, seed=2)[0])
+
+
+def test_failed_cache_allocation_is_a_checkpoint_error(monkeypatch):
+    from dsfn.checkpoint import host_cache
+
+    def no_memory(*a, **k):
+        raise RuntimeError("simulated: cannot allocate")
+    monkeypatch.setattr(host_cache.torch, "empty", no_memory)
+    with pytest.raises(CheckpointError, match="host_cache_size"):
+        HostCache(None, "copy").stage(_state())
