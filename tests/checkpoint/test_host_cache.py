@@ -189,9 +189,10 @@ def test_transform_stores_user_data_of_each_save(tmp_path):
 
 def test_failed_cache_allocation_is_a_checkpoint_error(monkeypatch):
     from dsfn.checkpoint import host_cache
+    state = _state()
 
     def no_memory(*a, **k):
         raise RuntimeError("simulated: cannot allocate")
     monkeypatch.setattr(host_cache.torch, "empty", no_memory)
     with pytest.raises(CheckpointError, match="host_cache_size"):
-        HostCache(None, "copy").stage(_state())
+        HostCache(None, "copy").stage(state)
