@@ -81,20 +81,25 @@ _host = threading.local()
 
 
 @contextlib.contextmanager
-def host_update(enabled: bool = True, session: Any = None, plan: Any = None):
+def host_update(enabled: bool = True, session: Any = None, plan: Any = None, cores: float | None = None):
     """Within this block, optimizer updates of CPU tensors use the fused host kernel
     (`dsfn.ops.cpu_adam`): `offload` runs its host update here. Outside it, CPU updates
     keep torch's foreach arithmetic (bitwise torch.optim). `session` (offload's overlap
     bookkeeping) offers precomputed leaf updates (`lookup`) and takes the step's recipe
     (`record`); `plan` (offload's NVMe streaming) gives file-backed destinations for the
     new state (`out_for`), sub-group size (`group_bytes`), `prefetch` and `release`; see
-    `dsfn.transforms.offload`."""
-    prev = getattr(_host, "on", False), getattr(_host, "session", None), getattr(_host, "plan", None)
-    _host.on, _host.session, _host.plan = bool(enabled), session, plan
+    `dsfn.transforms.offload`. `cores`: the kernel's thread fraction (`cpu_adamw_(cores=)`)."""
+    prev = (getattr(_host, "on", False), getattr(_host, "session", None), getattr(_host, "plan", None),
+            getattr(_host, "cores", None))
+    _host.on, _host.session, _host.plan, _host.cores = bool(enabled), session, plan, cores
     try:
         yield
     finally:
-        _host.on, _host.session, _host.plan = prev
+        _host.on, _host.session, _host.plan, _host.cores = prev
+
+
+def host_cores() -> float | None:
+    return getattr(_host, "cores", None)
 
 
 def host_plan() -> Any:

@@ -346,7 +346,8 @@ def _host_adamw_step(g, p, state: AdamState, spec, v, t: int, count, b1, b2, eps
         todo = [k for k, hit in hits.items() if hit is None]
     if todo:
         _host_adamw_groups(todo, g, p, mu_in, nu_in, new_p, mu, nu, dispatch.host_plan(),
-                           {"lr": lr_f, "step": t, "beta1": b1, "beta2": b2, "eps": eps, "weight_decay": wd})
+                           {"lr": lr_f, "step": t, "beta1": b1, "beta2": b2, "eps": eps, "weight_decay": wd,
+                            "cores": dispatch.host_cores()})
     if session is not None:
         session.record(paths, new_p, mu, nu, hyper, lambda c: float(_lr_value(lr, c)), int(count))
     new = AdamState(count, tree.unflatten(spec, mu), tree.unflatten(spec, nu), None, lr=_lr_record(v))

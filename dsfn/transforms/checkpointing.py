@@ -102,6 +102,9 @@ class AsyncCheckpoint(Transform):
         return self._saver is not None and self._saver.busy
 
     # -- Transform -----------------------------------------------------------------------------
+    def speculative_grad(self, state):
+        return lambda g: g          # gradients pass through untouched
+
     def wrap_step(self, fn):
         def step(state, batch):
             if self._saver is not None:

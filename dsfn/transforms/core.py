@@ -84,7 +84,8 @@ class Transform:
     - `gather(state)`: undo structural changes of `place` after the layouts on the
       leaves were gathered (run outermost first);
     - `wrap_step(fn)`: a step function around `fn` (same signature);
-    - `handle_<primitive>(call_next, *args)`: see the module docstring.
+    - `handle_<primitive>(call_next, *args)`: see the module docstring;
+    - `speculative_grad(state)`: see its docstring (offload's overlapped host update).
     `unique = True` (the default) forbids two transforms of the same class in a stack.
     """
 
@@ -102,6 +103,16 @@ class Transform:
 
     def wrap_step(self, fn: Callable[[Any, Any], tuple[Any, dict]]) -> Callable[[Any, Any], tuple[Any, dict]]:
         return fn
+
+    def speculative_grad(self, state: Any) -> Callable[[Any], Any] | None:
+        """What this transform's `apply_gradients` handler does to each gradient shard before
+        the optimizer sees it, as a pure per-tensor function known at the *start* of the step
+        (`state` is the step's input state); None when that cannot be known before the step
+        ends (e.g. clipping needs the global norm). `offload(overlap=True)` speculates a
+        parameter's host update from `f(shard)` of every transform inside it, in stack order,
+        and only when none returns None. The default, None, is the safe answer; a transform
+        that leaves gradients alone returns the identity."""
+        return None
 
     def describe(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))

@@ -102,6 +102,15 @@ class LossScale(Transform):
             return (value[0] / scale, value[1]), grads
         return value / scale, grads
 
+    def speculative_grad(self, state):
+        """Unscaling by the step's scale (known at its start); an overflow skips the update, so a
+        speculation made from it is simply never used. With clipping inside, the unscale is folded
+        into the clip (which needs the global norm): None."""
+        if self._clip_inside() or KEY not in getattr(state, "extra", {}):
+            return None
+        inv = (1.0 / state.extra[KEY].scale.double()).float()
+        return lambda g: torch.mul(g, inv.to(g.device))     # elementwise as the _foreach_mul below
+
     def handle_apply_gradients(self, call_next, state, grads):
         ls: LossScaleState = state.extra[KEY]
         overflow = any_nonfinite_everywhere(grads)

@@ -37,12 +37,19 @@ arithmetic (bitwise the run without offload).
 `overlap=True` (SuperOffload-style): each parameter's host update starts on a worker
 thread as soon as ZeRO has reduced its gradient shard, while backward continues; the
 speculative results are used only when their inputs prove identical to the real update's,
-so results are bitwise those without overlap (`_OverlapSession`). Hits need the
-parameter's fp32 copy to persist between steps (ZeRO-3 shards, or mixed precision's master
-weights) and gradients that reach the optimizer unchanged (no loss scaling or clipping:
-with `clip_grad_norm` or an fp16 scale the update waits for the global norm / the overflow
-check, i.e. every speculation is a miss and is discarded). Buckets reduced after backward
-(the last ones, all of ZeRO-1's) are speculated after backward.
+so results are bitwise those without overlap (`_OverlapSession`). The speculation applies
+to the shard what the transforms inside `offload` will do to it (`Transform.speculative_grad`:
+mixed precision's cast to the master dtype, the loss scale's unscaling by the scale the step
+started with); a device (CUDA) shard is first copied to pinned host memory on its stream.
+fp16: a step whose gradients overflow skips the update, so its speculations are never used
+(discarded, as SuperOffload rolls back). With `clip_grad_norm` the update needs the global
+norm, known only after backward: nothing is speculated and the host update waits for the
+norm (no wasted host work). Hits need the parameter's fp32 copy to persist between steps
+(ZeRO-3 shards, or mixed precision's master weights). Buckets reduced after backward (the
+last ones, all of ZeRO-1's) are speculated after backward.
+
+`cores` (a fraction in (0, 1], None: torch's thread count): the threads the host AdamW uses,
+DeepSpeed's `cpuadam_cores_perc` (leave cores to the training loop's own host work).
 
 `params=True` (with `shard_zero(3)`): ZeRO-3's parameter shards live in host memory or files
 too (`Offloaded(FlatShard)` / `NvmeOffloaded`); ZeRO's unit gatherer all-gathers them to
@@ -104,7 +111,7 @@ class Offload(Transform):
 
     def __init__(self, device: str = "cpu", params: bool = False, path: str | os.PathLike | None = None,
                  pin_memory: bool = True, subgroup_bytes: int = 64 << 20, host_kernel: bool = True,
-                 overlap: bool = False):
+                 overlap: bool = False, cores: float | None = None):
         if device not in ("cpu", "nvme"):
             raise ConfigError(f"offload(device={device!r}): use 'cpu' (host memory) or 'nvme' (files under path=)")
         if not isinstance(params, bool):
@@ -123,7 +130,11 @@ class Offload(Transform):
         if overlap and not self.host_kernel:
             raise ConfigError("offload(overlap=True) runs the host AdamW kernel early: it needs host_kernel=True")
         self.overlap = bool(overlap)
-        self._session = _OverlapSession() if self.overlap else None
+        if cores is not None:
+            from dsfn.ops.cpu_adam import cpu_adam_threads
+            cpu_adam_threads(cores)             # validates: a fraction in (0, 1]
+        self.cores = cores
+        self._session = _OverlapSession(cores) if self.overlap else None
         self._store: nvme.FileStore | None = None
         if device == "nvme":
             self._store = nvme.FileStore(path)     # ConfigError when path is missing or not writable
@@ -265,7 +276,7 @@ class Offload(Transform):
         plan = None
         if self.device == "nvme" and offl:     # stream the update into the new file, sub-group by sub-group
             plan = _NvmePlan({id(_data(host_view[k])): d for k, d in zip(offl, dst)}, self.subgroup_bytes)
-        with dispatch.host_update(self.host_kernel, session, plan):   # AdamW on the host: the C++ kernel
+        with dispatch.host_update(self.host_kernel, session, plan, self.cores):   # AdamW on the host: C++ kernel
             new = call_next(state.replace(params=params, opt_state=host_opt), host_grads)
         # parameters back where they came from
         if new.params is params:
@@ -315,12 +326,32 @@ class Offload(Transform):
         session = self._session
 
         def step(state, batch):
+            session.prep = self._speculation_prep(state)
             with flat.grad_shard_listener(session.on_shard):
                 try:
                     return fn(state, batch)
                 finally:
                     session.drain()     # nothing keeps running past the step
         return step
+
+    def _speculation_prep(self, state: Any):
+        """The gradient map of every transform inside this one (`Transform.speculative_grad`),
+        composed in stack order; None when one of them cannot know it before the step ends
+        (clipping: the update then waits for the global norm, nothing is speculated)."""
+        from dsfn.transforms.core import active_stack
+        stack = active_stack()
+        fns = []
+        for t in stack[stack.index(self) + 1:] if self in stack else ():
+            f = t.speculative_grad(state)
+            if f is None:
+                return None
+            fns.append(f)
+
+        def prep(g: torch.Tensor) -> torch.Tensor:
+            for f in fns:
+                g = f(g)
+            return g
+        return prep
 
     # -- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -372,9 +403,11 @@ class _OverlapSession:
     a state the user swapped) is a miss and is computed normally. So results are bitwise
     those of `overlap=False`: a wrong speculation is discarded, never applied."""
 
-    def __init__(self) -> None:
+    def __init__(self, cores: float | None = None) -> None:
         import concurrent.futures
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsfn-offload")
+        self.cores = cores
+        self.prep = None             # this step's gradient map (Offload._speculation_prep); None: no speculation
         self._futures: list = []
         self.recipe: dict[str, tuple] = {}
         self.scalars: tuple | None = None      # (hyper, lr_at, count)
@@ -385,18 +418,32 @@ class _OverlapSession:
     # -- during backward --------------------------------------------------------------------
     def on_shard(self, path: Any, shard: torch.Tensor) -> None:
         entry = self.recipe.get(path)
-        if entry is None or self.scalars is None or shard.device.type != "cpu" or shard.shape != entry[0].shape:
+        if entry is None or self.scalars is None or self.prep is None or shard.shape != entry[0].shape:
             return
+        ready = None
+        if shard.device.type != "cpu":
+            # a device shard (CUDA): copy it to pinned host memory on the stream that produced it
+            # (ordered before any later reuse of the reducer's buffer); the worker waits for it
+            host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=torch.cuda.is_available())
+            host.copy_(shard, non_blocking=True)
+            if shard.is_cuda:
+                ready = torch.cuda.Event()
+                ready.record()
+            shard = host
         self.started += 1
-        self._futures.append(self._pool.submit(self._speculate, path, shard, entry, self.scalars))
+        self._futures.append(self._pool.submit(self._speculate, path, shard, ready, entry, self.scalars, self.prep))
 
-    def _speculate(self, path, shard, entry, scalars) -> None:
+    def _speculate(self, path, shard, ready, entry, scalars, prep) -> None:
         from dsfn.ops.cpu_adam import cpu_adamw_
+        if ready is not None:
+            ready.synchronize()
+        g = prep(shard)                       # what the inner transforms will hand the optimizer
         (b1, b2, eps, wd), lr_at, count = scalars
         lr, t = lr_at(count), count + 1
         p, m, v = (x.clone(memory_format=torch.contiguous_format) for x in entry)
-        cpu_adamw_(p, shard.contiguous(), m, v, lr=lr, step=t, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
-        self.memo[path] = (entry, shard, lr, t, (b1, b2, eps, wd), (p, m, v))
+        cpu_adamw_(p, g.contiguous(), m, v, lr=lr, step=t, beta1=b1, beta2=b2, eps=eps, weight_decay=wd,
+                   cores=self.cores)
+        self.memo[path] = (entry, g, lr, t, (b1, b2, eps, wd), (p, m, v))
 
     def drain(self) -> None:
         futures, self._futures = self._futures, []
@@ -433,7 +480,7 @@ class _OverlapSession:
 
 def offload(*args: Any, **kwargs: Any) -> Offload:
     """`offload(device="cpu"|"nvme", params=False, path=None, pin_memory=True, subgroup_bytes=64 MiB,
-    host_kernel=True, overlap=False)`;
+    host_kernel=True, overlap=False, cores=None)`;
     see the module docstring. `path` (nvme only) is a writable directory on a fast local
     disk; call `.close()` (or use it as a context manager) to remove its files early."""
     return make_transform(Offload, "offload", args, kwargs)

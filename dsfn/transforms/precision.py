@@ -111,6 +111,12 @@ class MixedPrecision(Transform):
         inner = call_next(state.replace(params=state.opt_state.master, opt_state=state.opt_state.inner))
         return MasterState(master=state.opt_state.master, inner=inner)
 
+    def speculative_grad(self, state):
+        if not isinstance(getattr(state, "opt_state", None), MasterState):
+            return _identity
+        dtype = self.master_dtype
+        return lambda g: g.to(dtype)      # exactly the cast of handle_apply_gradients
+
     def handle_apply_gradients(self, call_next, state, grads):
         if not isinstance(state.opt_state, MasterState):
             return call_next(state, grads)
@@ -121,6 +127,10 @@ class MixedPrecision(Transform):
             return state.replace(extra=new.extra)
         return new.replace(params=tree.map(lambda m: m.to(self.param_dtype), new.params),
                            opt_state=MasterState(master=new.params, inner=new.opt_state))
+
+
+def _identity(g):
+    return g
 
 
 def mixed_precision(*args: Any, **kwargs: Any) -> MixedPrecision:

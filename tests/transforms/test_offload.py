@@ -29,7 +29,7 @@ from dsfn.testing.reference import (
     mse_loss_fp32,
     train_step_for,
 )
-from dsfn.transforms import compose, loss_scale, mixed_precision, offload, shard_zero
+from dsfn.transforms import clip_grad_norm, compose, loss_scale, mixed_precision, offload, shard_zero
 from dsfn.transforms.offload import NvmeOffloaded
 
 # ZeRO at 2 ranks vs one process differs by the gradient reduction order (as in test_zero);
@@ -288,6 +288,28 @@ def test_bad_arguments(tmp_path):
         offload("cpu", path=tmp_path)
     with pytest.raises(ConfigError, match="unknown argument"):
         offload("cpu", pinned=True)
+    for bad in (0, 1.5, -0.2):
+        with pytest.raises(ConfigError, match="cores"):
+            offload("cpu", cores=bad)
+
+
+def test_cores_sets_the_host_kernel_threads(monkeypatch):
+    """offload(cores=f) runs the host AdamW with DeepSpeed's cpuadam_cores_perc rule:
+    max(1, int(f * cpu_count)) threads, and the same results as with every thread."""
+    from dsfn.ops import cpu_adam
+    seen = []
+    real = cpu_adam.cpu_adam_threads
+    monkeypatch.setattr(cpu_adam, "cpu_adam_threads", lambda cores=None: seen.append(cores) or real(cores))
+    out = []
+    for cores in (0.5, None):
+        apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 4], 0))
+        step = compose(offload("cpu", cores=cores))(train_step_for(apply_fn, mse_loss_fp32))
+        state = step.init_state(params, dsfn.optim.adamw(lr=1e-2))
+        for b in regression_batches(3, 4, 6, 4, seed=1):
+            state, _ = step(state, b)
+        out.append(step.gather(state).replace(tx=None))
+    assert 0.5 in seen and None in seen
+    assert_trees_equal(out[0], out[1])
 
 
 def test_bad_stacks():
@@ -326,17 +348,20 @@ def test_disk_full_errors_before_any_state_changes(tmp_path, monkeypatch):
 # overlap (SuperOffload-style speculation)
 # ----------------------------------------------------------------------------------------------
 
-def _overlap_rank(stage, device, path, mp, fp16_overflow):
+def _overlap_rank(stage, device, path, mp, fp16_overflow, clip=False):
     init_mesh()
     out = []
     for overlap in (True, False):
         apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 7, 4], 0))
-        o = offload(device, path=path, overlap=overlap) if device == "nvme" else offload(device, overlap=overlap)
+        kw = dict(path=path) if device == "nvme" else {}
+        o = offload(device, overlap=overlap, cores=0.5 if overlap else None, **kw)
         t = [shard_zero(stage, reduce_bucket_size=16), o]
         if mp:
             t.append(mixed_precision(torch.float16 if fp16_overflow else torch.bfloat16))
         if fp16_overflow:
             t.append(loss_scale(init_scale=2.0 ** 17, hysteresis=1))     # overflows first, then trains
+        if clip:
+            t.append(clip_grad_norm(0.05))
         step = compose(*t)(train_step_for(apply_fn, mse_loss_fp32))
         state = step.init_state(params, dsfn.optim.adamw(lr=1e-2, weight_decay=0.1))
         losses = []
@@ -350,23 +375,28 @@ def _overlap_rank(stage, device, path, mp, fp16_overflow):
     return out
 
 
-@pytest.mark.parametrize("stage,device,mp,fp16", [(3, "cpu", False, False), (2, "nvme", True, False),
-                                                  (3, "nvme", True, False), (2, "cpu", True, True)])
-def test_overlap_is_bitwise_the_plain_offloaded_run(tmp_path, stage, device, mp, fp16):
-    """Speculative host updates (started as gradient shards are reduced) are used only when
-    their inputs are exactly the real ones: results equal overlap=False bitwise, including
-    an fp16 overflow that skips the step (every speculation of that step is discarded)."""
+@pytest.mark.parametrize("stage,device,mp,fp16,clip", [
+    (3, "cpu", False, False, False), (2, "nvme", True, False, False), (3, "nvme", True, False, False),
+    (2, "cpu", True, True, False), (3, "cpu", True, True, False), (1, "cpu", True, False, False),
+    (2, "cpu", True, False, True)])
+def test_overlap_is_bitwise_the_plain_offloaded_run(tmp_path, stage, device, mp, fp16, clip):
+    """Speculative host updates (started as gradient shards are reduced, from what the inner
+    transforms will make of them: master cast, unscaling) are used only when their inputs are
+    exactly the real ones: results equal overlap=False bitwise. An fp16 overflow skips the step
+    (its speculations are discarded), the steps after it hit. With clipping nothing is
+    speculated: the update waits for the global norm."""
     for (p, o, losses, (started, hits, misses, n_updates)), (rp, ro, rlosses, _) in run_on_ranks(
-            _overlap_rank, 2, stage, device, str(tmp_path), mp, fp16, timeout=120):
+            _overlap_rank, 2, stage, device, str(tmp_path), mp, fp16, clip, timeout=120):
         assert losses == rlosses
         assert_trees_equal(p, rp)
         assert_trees_equal(o, ro)
+        if clip:
+            assert started == 0 and hits == 0      # no host work wasted on updates that must wait
+            continue
         assert started > 0
         if fp16:
             assert 0 < n_updates < 6     # the scripted overflow skipped steps, later ones trained
-            assert hits == 0             # scaled gradients never reach the optimizer unchanged
-        else:
-            assert hits > 0, (started, hits, misses)
+        assert hits > 0, (started, hits, misses)
 
 
 # ----------------------------------------------------------------------------------------------
