@@ -54,20 +54,24 @@ def _files_under(path):
 # equals the reference
 # ----------------------------------------------------------------------------------------------
 
-@settings(max_examples=4, deadline=None, derandomize=True)
-@given(stage=st.sampled_from([1, 2, 3]), device=st.sampled_from(["cpu", "nvme"]),
-       hidden=st.integers(3, 9), seed=st.integers(0, 2**16))
-def test_offload_with_zero_equals_reference(tmp_path_factory, stage, device, hidden, seed):
-    """fp32: shard_zero(s) + offload at 2 ranks equals the single-process reference."""
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=3), seed=st.integers(0, 2**16))
+def test_offload_with_zero_equals_reference(tmp_path_factory, stage, device, sizes, seed):
+    """fp32: shard_zero(s) + offload (default host kernel) at 2 ranks equals the
+    single-process reference within fp32 rtol 1e-6 (the 2-rank gradient sum is a different
+    reduction order than the full batch's, so not bitwise; offload itself is bitwise the stack
+    without it: see the tests below)."""
     path = str(tmp_path_factory.mktemp("nvme"))
-    sizes = [5, hidden, 3]
+    sizes = [5, *sizes, 3]
     batches = regression_batches(3, 4, 5, 3, seed=seed)
 
     def make():
         return [shard_zero(stage, reduce_bucket_size=7), _offl(device, path)]
 
     assert_matches_reference(make, lambda: make_mlp(sizes, seed), lambda: dsfn.optim.adamw(lr=1e-2),
-                             batches, 2, seed=seed, **FP32)
+                             batches, 2, seed=seed, rtol=1e-6, atol=1e-7)
     assert _files_under(path) == []       # files are unlinked once mapped: nothing left behind
 
 
