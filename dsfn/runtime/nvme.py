@@ -6,9 +6,19 @@ state is computed from it), maps it shared (`torch.from_file(..., shared=True)`,
 mmap) and unlinks it at once: the tensors stay valid for as long as any of them is
 referenced (the mapping keeps the inode), the disk space returns when the last one is
 freed, and a crash never leaves files behind. Each tensor starts on its own page, so
-`release` (madvise(MADV_DONTNEED) over its pages) drops it from this process's resident
-memory without touching any other tensor; the data stays in the file (page cache / disk)
-and is read back on the next access.
+`release` can drop it from memory without touching any other tensor; the data stays in the
+file and is read back on the next access.
+
+Write-back (`release`): dropping a written page from the process (madvise(MADV_DONTNEED))
+is not enough, since the dirty page stays in the page cache, i.e. in host memory, until the
+kernel's flusher gets to it. So a released sub-group is handed to one background
+write-back thread, which writes its pages to disk (`msync(MS_SYNC)` of the range), evicts
+the now clean pages from the page cache (`MADV_PAGEOUT`, Linux >= 5.4; where the kernel
+lacks it they stay as clean, reclaimable cache) and unmaps them (`MADV_DONTNEED`). The
+thread runs while the caller computes the next sub-group (the syscalls release the GIL),
+and a `release` first waits for the previous one's write-back, so at most one sub-group
+is in flight: the disk I/O overlaps the update and host memory stays bounded. `drain()`
+waits for the last one (the offload update calls it before it returns).
 
 Functional contract: the store never writes into a tensor it handed out before; every
 step's new state gets a new file, so an old state stays valid (no donation).
@@ -34,6 +44,8 @@ from dsfn.errors import ConfigError, DsfnError
 PAGE = mmap.PAGESIZE
 MADV_WILLNEED = 3
 MADV_DONTNEED = 4
+MADV_PAGEOUT = 21
+MS_SYNC = 4
 _counter = itertools.count()
 _lock = threading.Lock()
 # address ranges [start, end) of the file mappings this module made: madvise is only ever
@@ -51,12 +63,25 @@ def _fallocate(fd: int, offset: int, length: int) -> None:
     os.posix_fallocate(fd, offset, length)
 
 
-def _madvise(addr: int, length: int, advice: int) -> None:
+def _libc_fns():
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice)
+        lib = ctypes.CDLL("libc.so.6", use_errno=True)
+        for fn in (lib.madvise, lib.msync):
+            fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        lib.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+        _libc = lib
+    return _libc
+
+
+def _madvise(addr: int, length: int, advice: int) -> int:
+    return _libc_fns().madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice)
+
+
+def _msync(addr: int, length: int) -> None:
+    if _libc_fns().msync(ctypes.c_void_p(addr), ctypes.c_size_t(length), MS_SYNC) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"msync of an NVMe state range failed: {os.strerror(e)}")
 
 
 def _round_up(n: int, k: int) -> int:
@@ -140,6 +165,7 @@ class FileStore:
                 release(group)
                 group, size = [], 0
         release(group)
+        drain()
         return dst
 
     def close(self) -> None:
@@ -167,26 +193,89 @@ def _check_mapped(t: torch.Tensor, what: str) -> None:
                            f"(address {lo:#x}); refusing to madvise anonymous memory")
 
 
-def _advise(tensors: Sequence[torch.Tensor], advice: int, what: str) -> None:
-    """madvise every page of each (file-backed, this module's) tensor."""
+def _ranges(tensors: Sequence[torch.Tensor], what: str) -> list[tuple[int, int]]:
+    """The page-aligned (address, length) of each (file-backed, this module's) tensor."""
+    out = []
     for t in tensors:
         n = t.numel() * t.element_size()
         if n == 0:
             continue
         _check_mapped(t, what)
         start = t.data_ptr() // PAGE * PAGE
-        _madvise(start, _round_up(t.data_ptr() + n - start, PAGE), advice)
+        out.append((start, _round_up(t.data_ptr() + n - start, PAGE)))
+    return out
 
 
 def prefetch(tensors: Sequence[torch.Tensor]) -> None:
     """Ask the kernel to read the pages of file-backed tensors ahead, asynchronously
     (madvise(MADV_WILLNEED)); the disk reads overlap whatever runs next."""
-    _advise(tensors, MADV_WILLNEED, "prefetch")
+    for addr, n in _ranges(tensors, "prefetch"):
+        _madvise(addr, n, MADV_WILLNEED)
+
+
+class _Writeback:
+    """One background thread writing released ranges back and evicting them (module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, ranges: list[tuple[int, int]]) -> None:
+        self.drain()                       # at most one sub-group in flight
+        if not ranges:
+            return
+        th = threading.Thread(target=self._run, args=(ranges,), name="dsfn-nvme-writeback", daemon=True)
+        with self._lock:
+            self._thread = th
+        th.start()
+
+    def _run(self, ranges: list[tuple[int, int]]) -> None:
+        try:
+            for addr, n in ranges:
+                _msync(addr, n)                     # dirty pages to disk
+                _madvise(addr, n, MADV_PAGEOUT)     # clean pages out of the page cache (EINVAL: old kernel)
+                _madvise(addr, n, MADV_DONTNEED)    # and out of this process
+        except BaseException as e:  # noqa: BLE001 (raised by the next drain, on the caller's thread)
+            self._error = e
+
+    def drain(self) -> None:
+        with self._lock:
+            th, self._thread = self._thread, None
+        if th is not None:
+            th.join()
+        err, self._error = self._error, None
+        if err is not None:
+            raise DsfnError(f"offload(device='nvme'): writing state back to disk failed: {err}") from err
+
+
+_writeback = _Writeback()
 
 
 def release(tensors: Sequence[torch.Tensor]) -> None:
-    """Drop the pages of file-backed tensors from resident memory (the data stays in the file)."""
-    _advise(tensors, MADV_DONTNEED, "release")
+    """Write file-backed tensors back to disk and drop them from host memory, in the
+    background (the data stays in the file; see the module docstring). Waits for the
+    previous release's write-back first."""
+    _writeback.submit(_ranges(tensors, "release"))
+
+
+def drain() -> None:
+    """Wait until every released range is written back and evicted."""
+    _writeback.drain()
+
+
+def page_cache_bytes(t: torch.Tensor) -> int:
+    """Bytes of `t`'s (file-backed) pages present in host memory, mapped or only cached
+    (mincore): what `release` is meant to bring to ~0."""
+    ranges = _ranges([t], "page_cache_bytes")
+    total = 0
+    for addr, n in ranges:
+        vec = (ctypes.c_ubyte * (n // PAGE))()
+        if _libc_fns().mincore(ctypes.c_void_p(addr), ctypes.c_size_t(n), vec) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"mincore failed: {os.strerror(e)}")
+        total += sum(v & 1 for v in vec) * PAGE
+    return total
 
 
 def mapped_files(root: str) -> dict[str, dict[str, int]]:

@@ -308,6 +308,7 @@ class Offload(Transform):
                     group, size = [], 0
             nvme.release(group)
             nvme.release([old[k].data for k in offl])      # the input state stays valid (in its file)
+            nvme.drain()                                   # written back before the step returns
         stored: dict[int, torch.Tensor] = {}
         for k in offl:
             if k in changed:

@@ -190,6 +190,9 @@ def test_nvme_state_is_not_resident_and_files_hold_it(tmp_path):
     resident = sum(v["rss"] for v in maps.values())
     assert mapped >= state_bytes                       # the files hold the whole state
     assert resident <= 64 << 10, (resident, state_bytes)   # and almost none of it is resident
+    # nor in the page cache: the pages were written to disk and evicted, not left dirty in host memory
+    cached = sum(nvme.page_cache_bytes(t) for t in off)
+    assert cached <= state_bytes // 8, (cached, state_bytes)
     # the cpu run holds the same bytes in anonymous memory
     assert not any(nvme.is_file_backed(x.data, str(tmp_path)) for _, x in _leaves(cstate) if isinstance(x, Placed))
     assert_trees_equal(gather_tree(state.opt_state), gather_tree(cstate.opt_state))
