@@ -264,6 +264,55 @@ def test_checkpoint_roundtrip_nvme_and_plain(tmp_path):
     assert_trees_equal(a.opt_state, b.opt_state)
 
 
+def _async_ckpt_rank(root, nvme_path, continue_from):
+    """2 ranks, ZeRO-3 + nvme offload (params too) + bf16 master weights + async checkpoints
+    every 2 steps; or (continue_from) the same training resumed from a checkpoint into
+    ZeRO-2 + cpu offload. Returns the logical state after the 4 batches (or the 2 after the
+    resume) and the losses."""
+    from dsfn.transforms import async_checkpoint
+    init_mesh()
+    apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 7, 4], 0))
+    batches = regression_batches(4, 4, 6, 4, seed=3)
+    if continue_from is None:
+        ckpt = async_checkpoint(root, every=2, keep=None)
+        t = [shard_zero(3), offload("nvme", params=True, path=nvme_path), mixed_precision(), ckpt]
+    else:
+        t = [shard_zero(2), offload("cpu"), mixed_precision()]
+    step = compose(*t)(train_step_for(apply_fn, mse_loss_fp32))
+    state = step.init_state(params, dsfn.optim.adamw(lr=1e-2, weight_decay=0.1))
+    if continue_from is not None:
+        state = ck.load(os.path.join(root, f"step_{continue_from:08d}"), state)
+        batches = batches[continue_from:]
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    if continue_from is None:
+        ckpt.wait()
+    return step.gather(state).replace(tx=None), losses
+
+
+def test_async_checkpoint_of_nvme_offloaded_zero3_reloads_into_another_layout(tmp_path):
+    """async_checkpoint captures file-backed (NVMe) state correctly: the step-2 checkpoint,
+    loaded into ZeRO-2 + cpu offload, continues training to bitwise the uninterrupted run's
+    state and losses; the step-4 one loaded in one process without offload equals it too."""
+    root, path = str(tmp_path / "ck"), str(tmp_path / "nvme")
+    full = run_on_ranks(_async_ckpt_rank, 2, root, path, None, timeout=120)
+    resumed = run_on_ranks(_async_ckpt_rank, 2, root, path, 2, timeout=120)
+    for (state, losses), (rstate, rlosses) in zip(full, resumed):
+        assert rlosses == losses[2:]
+        assert_trees_equal(rstate.params, state.params)
+        assert_trees_equal(rstate.opt_state, state.opt_state)
+    init_mesh()
+    apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 7, 4], 0))
+    plain = compose(mixed_precision())(train_step_for(apply_fn, mse_loss_fp32))
+    like = plain.init_state(params, dsfn.optim.adamw(lr=1e-2, weight_decay=0.1))
+    loaded = plain.gather(ck.load(root, like, restore_rng=False)).replace(tx=None)
+    assert int(loaded.step) == 4
+    assert_trees_equal(loaded.params, full[0][0].params)
+    assert_trees_equal(loaded.opt_state, full[0][0].opt_state)
+
+
 def test_files_removed_at_process_exit(tmp_path):
     code = ("import torch, dsfn\nfrom dsfn.runtime import init_mesh\nfrom dsfn.transforms import offload\n"
             "from dsfn.testing.models import make_mlp\ninit_mesh()\n"
