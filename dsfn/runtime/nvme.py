@@ -111,7 +111,8 @@ class FileStore:
     def __init__(self, path: str | os.PathLike | None):
         root = check_writable(path)
         self.root = root
-        self.dir = os.path.join(root, f"dsfn-nvme-{os.getpid()}-{next(_counter)}")
+        clean_stale_stores(root)
+        self.dir = os.path.join(root, f"{_STORE_PREFIX}{_host()}-{os.getpid()}-{next(_counter)}")
         os.makedirs(self.dir, exist_ok=False)
         self.closed = False
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.dir, True)
@@ -174,6 +175,44 @@ class FileStore:
         self._finalizer()
 
 
+_STORE_PREFIX = "dsfn-nvme-"
+
+
+def _host() -> str:
+    return "".join(c if c.isalnum() else "_" for c in os.uname().nodename) or "host"
+
+
+def clean_stale_stores(root: str) -> list[str]:
+    """Remove store directories under `root` left by processes of this host that are gone
+    (a SIGKILLed run cannot clean up; its files were unlinked already, so only the empty
+    directory remains). Directories of other hosts (a shared path) are left alone."""
+    removed = []
+    prefix = f"{_STORE_PREFIX}{_host()}-"
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        pid = name[len(prefix):].split("-")[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True          # exists, owned by someone else
+    return True
+
+
 def _register(start: int, end: int) -> None:
     """Remember a new mapping; ranges it overlaps belonged to mappings already gone (the
     kernel reuses their addresses), so they are dropped. Stale entries can only make the
@@ -221,16 +260,20 @@ class _Writeback:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def submit(self, ranges: list[tuple[int, int]]) -> None:
+    def submit(self, ranges: list[tuple[int, int]], keep_alive: Sequence[torch.Tensor]) -> None:
+        """Write back `ranges` in the background. `keep_alive`: the tensors whose memory they
+        are; the job holds them so the mapping cannot be unmapped (and its addresses reused by
+        other memory) before the job is done."""
         self.drain()                       # at most one sub-group in flight
         if not ranges:
             return
-        th = threading.Thread(target=self._run, args=(ranges,), name="dsfn-nvme-writeback", daemon=True)
+        th = threading.Thread(target=self._run, args=(ranges, list(keep_alive)), name="dsfn-nvme-writeback",
+                              daemon=True)
         with self._lock:
             self._thread = th
         th.start()
 
-    def _run(self, ranges: list[tuple[int, int]]) -> None:
+    def _run(self, ranges: list[tuple[int, int]], keep_alive: list[torch.Tensor]) -> None:
         try:
             for addr, n in ranges:
                 _msync(addr, n)                     # dirty pages to disk
@@ -238,6 +281,8 @@ class _Writeback:
                 _madvise(addr, n, MADV_DONTNEED)    # and out of this process
         except BaseException as e:  # noqa: BLE001 (raised by the next drain, on the caller's thread)
             self._error = e
+        finally:
+            keep_alive.clear()
 
     def drain(self) -> None:
         with self._lock:
@@ -256,7 +301,7 @@ def release(tensors: Sequence[torch.Tensor]) -> None:
     """Write file-backed tensors back to disk and drop them from host memory, in the
     background (the data stays in the file; see the module docstring). Waits for the
     previous release's write-back first."""
-    _writeback.submit(_ranges(tensors, "release"))
+    _writeback.submit(_ranges(tensors, "release"), tensors)
 
 
 def drain() -> None:

@@ -327,6 +327,27 @@ def test_files_removed_at_process_exit(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_store_directory_of_a_killed_process_is_cleaned_by_the_next_store(tmp_path):
+    """A SIGKILLed run leaves only its (empty) store directory; the next store on the path
+    removes it, and leaves a live process's directory alone."""
+    import signal
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys, time\nfrom dsfn.runtime import nvme\n"
+                              f"s = nvme.FileStore({str(tmp_path)!r})\nprint(s.dir, flush=True)\ntime.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    stale = child.stdout.readline().strip()
+    live = nvme.FileStore(tmp_path)
+    assert os.path.isdir(stale)                 # its owner is alive: kept
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=30)
+    assert os.path.isdir(stale)
+    nxt = nvme.FileStore(tmp_path)
+    assert not os.path.exists(stale)
+    assert sorted(os.listdir(tmp_path)) == sorted({os.path.basename(live.dir), os.path.basename(nxt.dir)})
+    live.close()
+    nxt.close()
+
+
 # ----------------------------------------------------------------------------------------------
 # bad input
 # ----------------------------------------------------------------------------------------------
