@@ -204,7 +204,9 @@ def _prepare(param, grad, exp_avg, exp_avg_sq, lr, step, beta1, beta2, eps, weig
 def _outputs(prep: _Prepared, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Destinations: `out` where given, else fresh contiguous tensors."""
     out = prep.out or ()
-    fresh = lambda dtype: torch.empty(param.shape, dtype=dtype, device=param.device)
+
+    def fresh(dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(param.shape, dtype=dtype, device=param.device)
     dst = [out[i] if i < len(out) else fresh(torch.float32) for i in range(3)]
     if prep.lowp_dtype is not None:
         dst.append(out[3] if len(out) == 4 else fresh(prep.lowp_dtype))
@@ -326,8 +328,10 @@ def adamw_update_triton(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
     cannot run on these tensors (no triton, or CPU without TRITON_INTERPRET=1).
     """
     prep = _prepare(param, grad, exp_avg, exp_avg_sq, lr, step, beta1, beta2, eps, weight_decay, lowp_dtype, out)
-    if triton is None or not dispatch.can_run_triton(param):
-        raise ConfigError(f"adamw_update_triton: Triton kernels cannot run on {param.device.type} (triton "
+    why = "triton is not importable" if triton is None else dispatch.triton_problem(
+        param, grad, exp_avg, exp_avg_sq, *(prep.out or ()), dtypes=_lowp_dtypes(prep.lowp_dtype))
+    if why is not None:
+        raise ConfigError(f"adamw_update_triton: Triton kernels cannot run on {param.device.type}: {why} (triton "
                           f"importable: {triton is not None}, TRITON_INTERPRET: {dispatch.interpreting()}); "
                           "use adamw_update")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block & (block - 1):
@@ -337,8 +341,13 @@ def adamw_update_triton(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
     if n == 0:
         return AdamWUpdate(*dst)
     args, kwargs = _kernel_args(param, grad, exp_avg, exp_avg_sq, prep, dst, block)
-    _adamw_kernel[(triton.cdiv(n, block),)](*args, **kwargs)
+    with dispatch.device_guard(param):          # Triton launches on the current device, not param's
+        _adamw_kernel[(triton.cdiv(n, block),)](*args, **kwargs)
     return AdamWUpdate(*dst)
+
+
+def _lowp_dtypes(lowp_dtype: torch.dtype | None) -> tuple[torch.dtype, ...]:
+    return () if lowp_dtype is None else (lowp_dtype,)
 
 
 def _kernel_args(param, grad, exp_avg, exp_avg_sq, prep: _Prepared, dst: tuple, block: int) -> tuple[tuple, dict]:
@@ -360,8 +369,9 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     (CUDA tensors by default), the torch reference elsewhere."""
     kw: dict[str, Any] = {"lr": lr, "step": step, "beta1": beta1, "beta2": beta2, "eps": eps,
                           "weight_decay": weight_decay, "lowp_dtype": lowp_dtype, "out": out}
-    tensors = [t for t in (param, grad, exp_avg, exp_avg_sq) if isinstance(t, torch.Tensor)]
-    if tensors and dispatch.use_triton(*tensors):
+    dests = tuple(out) if isinstance(out, (list, tuple)) else ()      # out[3]'s dtype: the low-precision copy
+    tensors = [t for t in (param, grad, exp_avg, exp_avg_sq, *dests) if isinstance(t, torch.Tensor)]
+    if tensors and dispatch.use_triton(*tensors, dtypes=_lowp_dtypes(lowp_dtype)):
         return adamw_update_triton(param, grad, exp_avg, exp_avg_sq, **kw)
     return adamw_update_torch(param, grad, exp_avg, exp_avg_sq, **kw)
 

@@ -39,6 +39,9 @@ Semantics, as torch's:
   ignored) in the shape of `labels`.
 - The loss is fp32 whatever the input dtype (logits are read as fp32, like `gpt_loss`).
 - `hidden` may have leading dims `[..., D]` with `labels` of shape `[...]`.
+- D = 0 (hidden `[N, 0]`, weight `[V, 0]`) is allowed: every logit is 0 (the bias, with
+  one), so each token's loss is log(V) without a bias; the hidden and weight gradients are
+  zero-sized, as torch gives for the materialised logits.
 - A label outside [0, V) that is not ignore_index raises `ConfigError` (checked on the
   host: one device sync per call).
 """
@@ -241,18 +244,20 @@ def _fwd_tile_triton(z, labels, v0, lse, tgt, sumz, smooth):
     if n == 0:
         return
     bm, bv, warps = _launch_cfg(n, t)
-    _ce_fwd_tile_kernel[(triton.cdiv(n, bm),)](
-        z, z.stride(0), labels, lse, tgt, sumz, n, t, v0,
-        SMOOTH=bool(smooth), BLOCK_M=bm, BLOCK_V=bv, num_warps=warps)
+    with dispatch.device_guard(z):              # Triton launches on the current device, not z's
+        _ce_fwd_tile_kernel[(triton.cdiv(n, bm),)](
+            z, z.stride(0), labels, lse, tgt, sumz, n, t, v0,
+            SMOOTH=bool(smooth), BLOCK_M=bm, BLOCK_V=bv, num_warps=warps)
 
 
 def _bwd_tile_triton(z, labels, v0, lse, scale, smooth_coef, target_coef):
     n, t = z.shape
     if n > 0:
         bm, bv, warps = _launch_cfg(n, t)
-        _ce_bwd_tile_kernel[(triton.cdiv(n, bm),)](
-            z, z.stride(0), labels, lse, scale, n, t, v0, float(smooth_coef), float(target_coef),
-            BLOCK_M=bm, BLOCK_V=bv, num_warps=warps)
+        with dispatch.device_guard(z):
+            _ce_bwd_tile_kernel[(triton.cdiv(n, bm),)](
+                z, z.stride(0), labels, lse, scale, n, t, v0, float(smooth_coef), float(target_coef),
+                BLOCK_M=bm, BLOCK_V=bv, num_warps=warps)
     return z
 
 
@@ -334,7 +339,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def _run(impl, hidden, weight, labels, bias, ignore_index, label_smoothing, reduction, vocab_tile):
     lead = labels.shape
-    h = hidden.reshape(-1, hidden.shape[-1])
+    h = hidden.reshape(labels.numel(), hidden.shape[-1])      # not -1: ambiguous when D == 0
     y = labels.reshape(-1).contiguous()
     tile = vocab_tile if vocab_tile is not None else _auto_tile(h.shape[0], weight.shape[0])
     loss = _LinearCrossEntropy.apply(h, weight, bias, y, int(ignore_index), float(label_smoothing),
@@ -384,10 +389,12 @@ def linear_cross_entropy_triton(hidden: torch.Tensor, weight: torch.Tensor, labe
     """
     _check(hidden, weight, labels, bias, ignore_index, label_smoothing, reduction, vocab_tile)
     tensors = [t for t in (hidden, weight, labels, bias) if t is not None]
-    if triton is None or not dispatch.can_run_triton(*tensors):
+    why = "triton is not importable" if triton is None else dispatch.triton_problem(*tensors)
+    if why is not None:
         raise ConfigError(f"linear_cross_entropy_triton: Triton kernels cannot run on "
-                          f"{sorted({t.device.type for t in tensors})} (triton importable: {triton is not None}, "
-                          f"TRITON_INTERPRET: {dispatch.interpreting()}); use linear_cross_entropy")
+                          f"{sorted({t.device.type for t in tensors})}: {why} (triton importable: "
+                          f"{triton is not None}, TRITON_INTERPRET: {dispatch.interpreting()}); "
+                          "use linear_cross_entropy")
     return _run("triton", hidden, weight, labels, bias, ignore_index, label_smoothing, reduction, vocab_tile)
 
 

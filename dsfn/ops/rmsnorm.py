@@ -185,8 +185,9 @@ class RMSNormFunction(torch.autograd.Function):
         y = torch.empty((M, D), dtype=x.dtype, device=x.device)
         rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
         if M > 0:
-            _rms_fwd_kernel[(M,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), D, eps,
-                                  BLOCK=BLOCK, ONE_BLOCK=D <= BLOCK, num_warps=_warps(BLOCK))
+            with dispatch.device_guard(x2):      # Triton launches on the current device, not x's
+                _rms_fwd_kernel[(M,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), D, eps,
+                                      BLOCK=BLOCK, ONE_BLOCK=D <= BLOCK, num_warps=_warps(BLOCK))
         ctx.save_for_backward(x2, weight, rstd)
         ctx.block = BLOCK
         ctx.x_shape = x.shape
@@ -206,8 +207,10 @@ class RMSNormFunction(torch.autograd.Function):
         rows_per_program = triton.cdiv(M, G)
         G = triton.cdiv(M, rows_per_program)
         dw_partial = torch.zeros((G, D), dtype=torch.float32, device=x2.device)
-        _rms_bwd_kernel[(G,)](x2, weight, dy2, rstd, dx, dw_partial, x2.stride(0), dy2.stride(0), dx.stride(0),
-                              M, D, rows_per_program, BLOCK=BLOCK, ONE_BLOCK=D <= BLOCK, num_warps=_warps(BLOCK))
+        with dispatch.device_guard(x2):
+            _rms_bwd_kernel[(G,)](x2, weight, dy2, rstd, dx, dw_partial, x2.stride(0), dy2.stride(0), dx.stride(0),
+                                  M, D, rows_per_program, BLOCK=BLOCK, ONE_BLOCK=D <= BLOCK,
+                                  num_warps=_warps(BLOCK))
         dw = dw_partial.sum(0).to(weight.dtype)
         return dx.view(ctx.x_shape), dw, None, None
 
@@ -225,8 +228,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     tensors (no triton, or CPU without TRITON_INTERPRET=1).
     """
     eps = _check(x, weight, eps)
-    if triton is None or not dispatch.can_run_triton(x, weight):
-        raise ConfigError(f"rms_norm_triton: Triton kernels cannot run on {x.device.type} (triton importable: "
+    why = "triton is not importable" if triton is None else dispatch.triton_problem(x, weight)
+    if why is not None:
+        raise ConfigError(f"rms_norm_triton: Triton kernels cannot run on {x.device.type}: {why} (triton importable: "
                           f"{triton is not None}, TRITON_INTERPRET: {dispatch.interpreting()}); use rms_norm")
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1
                               or block & (block - 1)):

@@ -21,12 +21,13 @@ DeepSpeed's `runtime/zero/muon/original_muon.py::muon_update` (Keller Jordan's M
 
     m' = lerp(m, g, 1 - momentum)                 # = momentum * m + (1 - momentum) * g
     u  = lerp(g, m', momentum) if nesterov else m'
-    O  = NS(u)                                    # Newton-Schulz, below, in `ns_dtype`
-    O *= sqrt(max(1, u.size(-2) / u.size(-1)))    # in `ns_dtype`, then cast to g's dtype
+    O  = NS(u)                                    # Newton-Schulz, below, in the NS dtype
+    O *= sqrt(max(1, u.size(-2) / u.size(-1)))    # in the NS dtype, then cast to g's dtype
     p' = p * (1 - lr * weight_decay) - lr * O
 
-NS: cast to `ns_dtype`; transpose a tall matrix so rows <= cols; divide by its Frobenius
-norm + 1e-7; `ns_steps` times `A = X Xᵀ; X = a X + (b A + c A²) X` with the quintic
+NS: transpose a tall matrix so rows <= cols; divide by its Frobenius norm + 1e-7 (in
+fp32 or wider, then cast to the NS dtype: DeepSpeed's order, so an fp16 NS dtype cannot
+turn a large finite gradient into inf); `ns_steps` times `A = X Xᵀ; X = a X + (b A + c A²) X` with the quintic
 (a, b, c) = (3.4445, -4.7750, 2.0315); transpose back. Its output is not exactly
 orthogonal: the singular values end in about [0.68, 1.20] (the attracting band of the
 quintic), which Muon accepts by design.
@@ -70,12 +71,24 @@ formula: bias-corrected moments, `p * (1 - lr * wd) - lr * m_hat / (sqrt(v_hat) 
 - Learning rates may be schedules `count -> lr` (or 1-element tensors), per group.
 - A configuration where no parameter qualifies for Muon raises ConfigError (DeepSpeed
   silently trains everything with AdamW, issue #8441/PR #8438); `allow_no_muon=True`
-  accepts it.
-- `ns_dtype` is an argument; DeepSpeed picks bf16 (standard) / fp16 (gram) when the
-  accelerator supports it, else fp32. The default here is that GPU choice on every device.
+  accepts it with a UserWarning at `init` saying that every parameter goes to the AdamW.
+- The NS dtype. DeepSpeed (`original_muon.py::ns_compute_dtype`) runs "standard" in bf16
+  and "gram" in fp16 where the accelerator supports them, fp32 otherwise. dsfn's default
+  (`ns_dtype=None`, `ns_compute_dtype(device)`) is chosen per device, for both methods:
+  - a CUDA device with native bf16 (compute capability >= 8.0; ROCm: torch's
+    `is_bf16_supported`): bf16, the quintic iteration in bf16 as Muon is designed to run;
+  - any other device, CPU included: fp32. torch does run bf16 matmuls on CPU, but
+    without AMX they convert through fp32 (measured: a 1024² bf16 matmul 4x slower than
+    fp32 on an AVX-512 host), so bf16 there only loses precision; a pre-Ampere GPU has
+    no bf16 arithmetic (DeepSpeed's fp32 fallback).
+  "gram" gets bf16 too rather than DeepSpeed's fp16 (one NS dtype per device, as required;
+  relative error of the update vs fp64 about 0.03-0.05 in bf16 against 0.03-0.04 for
+  "standard", 0.005 in fp16). `ns_dtype=torch.float16` gives DeepSpeed's gram choice, and
+  any explicit `ns_dtype` overrides the device rule.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -98,7 +111,7 @@ from dsfn.runtime.flat import map_whole
 from dsfn.state.layout import FlatShard, Placed, is_placed
 
 __all__ = ["MuonState", "MuonTransformation", "gram_newton_schulz", "muon", "muon_matrix_update", "muon_split",
-           "newton_schulz", "orthogonalize"]
+           "newton_schulz", "ns_compute_dtype", "orthogonalize"]
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_METHODS = ("standard", "gram")
@@ -106,8 +119,6 @@ NS_EPS = 1e-7
 # DeepSpeed's defaults (MuonWithAuxAdam / engine): muon lr 0.02, momentum 0.95; adam lr 3e-4
 MUON_LR_DEFAULT = 0.02
 ADAM_LR_DEFAULT = 3e-4
-# DeepSpeed's compute dtypes on an accelerator that supports them
-_DEFAULT_NS_DTYPE = {"standard": torch.bfloat16, "gram": torch.float16}
 
 # Attention projection names for `num_heads=<int>` (DeepSpeed's leaf-module classification):
 # the per-head split is on dim 0, so only projections whose *output* is blocked by heads.
@@ -123,19 +134,35 @@ HeadsFn = Callable[[str, torch.Tensor], int | None]
 # Newton-Schulz
 
 
-def _ns_dtype(ns_dtype: torch.dtype | None, ns_method: str) -> torch.dtype:
-    return _DEFAULT_NS_DTYPE[ns_method] if ns_dtype is None else ns_dtype
+def ns_compute_dtype(device: torch.device | str) -> torch.dtype:
+    """The default Newton-Schulz dtype on `device` (`ns_dtype=None`): bf16 where the device
+    does bf16 arithmetic natively (CUDA compute capability >= 8.0), fp32 elsewhere (CPU,
+    older GPUs, other devices). See "Deviations from DeepSpeed" in the module docstring."""
+    from dsfn.ops.dispatch import device_supports_bf16      # lazy: dsfn.ops imports dsfn.optim
+    return torch.bfloat16 if device_supports_bf16(device) else torch.float32
+
+
+def _ns_dtype(ns_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    return ns_compute_dtype(device) if ns_dtype is None else ns_dtype
+
+
+def _normalized(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """G (wide orientation: the caller transposes) / (‖G‖_F + eps), normalised in a dtype of
+    fp32 range at least, then cast to `dtype`: DeepSpeed's order, since an fp16 cast first
+    turns a finite gradient past 65504 (a loss-scaled one) into inf and the result into nan."""
+    norm_dtype = torch.promote_types(G.dtype, dtype)
+    if norm_dtype == torch.float16:
+        norm_dtype = torch.float32
+    X = G.to(norm_dtype)
+    return (X / (X.norm(dim=(-2, -1), keepdim=True) + NS_EPS)).to(dtype)
 
 
 def newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """DeepSpeed's `zeropower_via_newtonschulz5`: the quintic NS of `G` (batched over leading
     dims), computed and returned in `dtype`, same shape as `G`. `G` is not modified."""
     a, b, c = NS_COEFFS
-    X = G.to(dtype)
     tall = G.size(-2) > G.size(-1)
-    if tall:
-        X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + NS_EPS)
+    X = _normalized(G.mT if tall else G, dtype)
     for _ in range(steps):
         A = X @ X.mT
         B = b * A + c * A @ A
@@ -143,17 +170,14 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bf
     return X.mT if tall else X
 
 
-def gram_newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+def gram_newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """DeepSpeed's `zeropower_via_gram_newtonschulz`: the same map as `newton_schulz`, computed
     on the Gram matrix `R = X Xᵀ` (n x n, n = the short side) for non-square matrices, with a
     restart at iteration 2; square matrices use the standard iteration. Batched; in `dtype`."""
     a, b, c = NS_COEFFS
-    X = G.to(dtype)
     tall = G.size(-2) > G.size(-1)
-    if tall:
-        X = X.mT
+    X = _normalized(G.mT if tall else G, dtype)
     n, m = X.size(-2), X.size(-1)
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + NS_EPS)
     if m <= n:                                   # square: no saving, standard iteration
         for _ in range(steps):
             A = X @ X.mT
@@ -188,14 +212,15 @@ def _ns(x: torch.Tensor, ns_steps: int, ns_method: str, dtype: torch.dtype) -> t
 def orthogonalize(update: torch.Tensor, *, ns_steps: int = 5, ns_method: str = "gram",
                   ns_dtype: torch.dtype | None = None, num_heads: int | None = None) -> torch.Tensor:
     """Muon's orthogonalised, shape-scaled update for one tensor (DeepSpeed's `muon_update`
-    after the momentum): NS in `ns_dtype`, times `sqrt(max(1, rows/cols))`, cast back to
-    `update`'s dtype, in `update`'s shape. See the module docstring for >2-D tensors and
-    `num_heads` (per-head blocks of dim 0, 2-D only)."""
+    after the momentum): NS in `ns_dtype` (None: `ns_compute_dtype(update.device)`, bf16 on
+    a bf16-capable GPU, fp32 elsewhere), times `sqrt(max(1, rows/cols))`, cast back to
+    `update`'s dtype, in `update`'s shape and on its device. See the module docstring for
+    >2-D tensors and `num_heads` (per-head blocks of dim 0, 2-D only)."""
     _check_ns_args("orthogonalize", ns_steps, ns_method, ns_dtype)
     if update.dim() < 2:
         raise ConfigError(f"orthogonalize: Muon needs a matrix (ndim >= 2), got shape {tuple(update.shape)}; "
                           "1-D parameters belong to the auxiliary AdamW")
-    dtype = _ns_dtype(ns_dtype, ns_method)
+    dtype = _ns_dtype(ns_dtype, update.device)
     shape = update.shape
     if num_heads is not None:
         rows, cols = _check_heads(update, num_heads, "orthogonalize")
@@ -395,7 +420,8 @@ def _check_ns_args(who: str, ns_steps: Any, ns_method: Any, ns_dtype: Any) -> No
         raise ConfigError(f"{who}(ns_method={ns_method!r}): use 'gram' (DeepSpeed's default) or 'standard'")
     if ns_dtype is not None and not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
         raise ConfigError(f"{who}(ns_dtype={ns_dtype!r}): pass a floating torch dtype (torch.bfloat16, "
-                          "torch.float16, torch.float32) or None for DeepSpeed's choice")
+                          "torch.float16, torch.float32) or None for the device's (bf16 on a bf16-capable GPU, "
+                          "fp32 elsewhere)")
 
 
 def _data(x: Any) -> torch.Tensor:
@@ -440,8 +466,9 @@ def muon(lr: LearningRate | None = None, momentum: float = 0.95, *, nesterov: bo
         ns_steps: Newton-Schulz iterations, >= 1 (DeepSpeed 5).
         weight_decay: decoupled decay `p *= 1 - lr * wd`, for both groups (DeepSpeed 0).
         ns_method: "gram" (DeepSpeed's default) or "standard".
-        ns_dtype: NS compute dtype; None = DeepSpeed's (bf16 standard, fp16 gram). On CPU
-            fp16 matmuls are slow; pass torch.bfloat16 or torch.float32 there if it matters.
+        ns_dtype: NS compute dtype; None = per device, at each update (`ns_compute_dtype`):
+            bf16 on a CUDA device with native bf16 (compute capability >= 8.0), fp32
+            elsewhere (CPU included). torch.float16 is DeepSpeed's "gram" choice.
         muon_lr: the Muon group's lr (overrides `lr`).
         adam_lr: the AdamW group's lr (overrides `lr`).
         adam_betas, adam_eps: the AdamW's (DeepSpeed (0.9, 0.95), 1e-10).
@@ -454,8 +481,9 @@ def muon(lr: LearningRate | None = None, momentum: float = 0.95, *, nesterov: bo
             before the parameter name; fused QKV and MLA projections stay whole. A callable
             `(path, tensor) -> heads | None` chooses freely.
         num_kv_heads: key/value head count for grouped-query attention (with int num_heads).
-        allow_no_muon: accept params where nothing qualifies for Muon (all AdamW); by
-            default that is a ConfigError, since it is almost always a mistake.
+        allow_no_muon: accept params where nothing qualifies for Muon (all AdamW, with a
+            UserWarning at init naming them); by default that is a ConfigError, since it is
+            almost always a mistake.
 
     State: `MuonState` (see the module docstring). `tx.split(params)` shows the choice.
     """
@@ -492,14 +520,19 @@ def muon(lr: LearningRate | None = None, momentum: float = 0.95, *, nesterov: bo
         tensor_leaves(params, "params")
         leaves, spec = tree.flatten(params, is_leaf=is_placed)      # sharded leaves whole (Placed)
         use, heads = _split(params, mask, num_heads, num_kv_heads)
-        if not any(use) and not allow_no_muon:
+        if not any(use):
             paths = [p for p, _ in tree.leaves_with_path(params, is_leaf=is_placed)]
             shown = ", ".join(f"{p}{tuple(x.shape)}" for p, x in list(zip(paths, tree.leaves(_logical(params))))[:6])
-            raise ConfigError(
-                f"muon: no parameter qualifies for Muon (needs ndim >= 2 and a name without 'embed'/'lm_head'"
-                f"{', or mask=True' if mask is not None else ''}), so all {len(leaves)} params would be trained "
-                f"by the auxiliary AdamW: {shown}{' ...' if len(leaves) > 6 else ''}. Use dsfn.optim.adamw(...) "
-                "for that, choose Muon params with mask=..., or pass allow_no_muon=True.")
+            why = (f"no parameter qualifies for Muon (needs ndim >= 2 and a name without 'embed'/'lm_head'"
+                   f"{', or mask=True' if mask is not None else ''}), so all {len(leaves)} params")
+            listed = f"{shown}{' ...' if len(leaves) > 6 else ''}"
+            if not allow_no_muon:
+                raise ConfigError(
+                    f"muon: {why} would be trained by the auxiliary AdamW: {listed}. Use dsfn.optim.adamw(...) "
+                    "for that, choose Muon params with mask=..., or pass allow_no_muon=True.")
+            # accepted, but said: this optimizer is then an AdamW with Muon's defaults (DeepSpeed is silent)
+            warnings.warn(f"muon(allow_no_muon=True): {why} go to the auxiliary AdamW (adam_lr, adam_betas, "
+                          f"adam_eps); Muon updates nothing: {listed}", UserWarning, stacklevel=2)
         count = zero_count()
         momentum_tree = _select([tree.map(torch.zeros_like, x) for x in leaves], use, spec)
         adam_state = adam_tx.init(_select(leaves, [not u for u in use], spec))

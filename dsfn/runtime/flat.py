@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dsfn.errors import ConfigError
 from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
 
@@ -178,11 +179,20 @@ def map_whole(fn, shards: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ..
     owner's share). `shards[i]` is this rank's piece [chunk_i] of a tensor of `shapes[i]`
     (zero padding past its end, as `FlatShard` stores it; the result's padding is zero).
     Collective over `axis`: every rank passes the same shapes and dtypes.
+
+    Device: every buffer is made on the shards' device (one device for all of them), so
+    `fn` sees whole tensors there and the returned pieces live there too: under NCCL the
+    owner's `fn` (Newton-Schulz for Muon) runs on the GPU and results come back as GPU
+    tensors, never staged through the host.
     """
     n = current_mesh().size(axis)
     if n == 1:
         return [fn(i, s.reshape(-1)[:math.prod(shape)].reshape(shape)).reshape(-1).clone()
                 if s.numel() else s.clone() for i, (s, shape) in enumerate(zip(shards, shapes))]
+    devices = {s.device for s in shards}
+    if len(devices) > 1:
+        raise ConfigError(f"map_whole: shards on several devices {sorted(map(str, devices))}; pass them on one")
+    device = devices.pop() if devices else None
     out: list[torch.Tensor | None] = [None] * len(shards)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, s in enumerate(shards):
@@ -193,23 +203,23 @@ def map_whole(fn, shards: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ..
         owner = owners_by_size([math.prod(shapes[i]) for i in idx], n)
         mine = [[k for k in range(len(idx)) if owner[k] == o] for o in range(n)]     # positions per owner
         width = max(sum(chunks[k] for k in ks) for ks in mine) or 1
-        send = torch.zeros(n, width, dtype=dtype)
+        send = torch.zeros(n, width, dtype=dtype, device=device)       # on the shards' device, not the host
         for o, ks in enumerate(mine):
             at = 0
             for k in ks:
                 send[o, at:at + chunks[k]] = shards[idx[k]].detach().reshape(-1)
                 at += chunks[k]
         got = C.all_to_all(send.reshape(-1), axis).view(n, width)       # row r: rank r's pieces of my tensors
-        back = torch.zeros(n, width, dtype=dtype)
+        back = torch.zeros(n, width, dtype=dtype, device=device)
         at = 0
         for k in mine[me]:
             c, shape = chunks[k], shapes[idx[k]]
             numel = math.prod(shape)
             full = got[:, at:at + c].reshape(-1)[:numel].reshape(shape)
             new = fn(idx[k], full)
-            if tuple(new.shape) != tuple(shape) or new.dtype != dtype:
-                raise ValueError(f"map_whole: fn changed tensor {idx[k]} from {tuple(shape)} {dtype} to "
-                                 f"{tuple(new.shape)} {new.dtype}")
+            if tuple(new.shape) != tuple(shape) or new.dtype != dtype or new.device != device:
+                raise ConfigError(f"map_whole: fn changed tensor {idx[k]} from {tuple(shape)} {dtype} on {device} "
+                                 f"to {tuple(new.shape)} {new.dtype} on {new.device}")
             back[:, at:at + c] = padded_rows(new.detach(), n)
             at += c
         ret = C.all_to_all(back.reshape(-1), axis).view(n, width)       # row o: my pieces of o's tensors

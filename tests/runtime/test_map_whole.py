@@ -60,3 +60,45 @@ def test_owner_assignment_is_balanced(numels, n):
     # greedy largest-first: no rank exceeds the mean by more than the largest tensor
     assert max(load) <= math.ceil(sum(numels) / n) + max(numels)
     assert owner == owners_by_size(numels, n)
+
+
+class _TwoRanks:
+    """A 2-rank axis seen from rank 0, without a process group (see the test below)."""
+
+    def size(self, axis):
+        return 2
+
+    def local_rank(self, axis):
+        return 0
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_map_whole_keeps_every_buffer_on_the_shards_device(monkeypatch, device):
+    """Under NCCL the shards are CUDA tensors: the send/return buffers, what `fn` gets and the
+    returned pieces must all be on that device (host buffers made the owner's NS run on CPU
+    and hand back CPU pieces). Gloo has no second device, so `meta` stands in for CUDA: a
+    fake all-to-all on a 2-rank axis records the devices it is given (meta tensors hold no
+    data; the values are checked by the tests above), and an allocation on the host fails
+    ("Cannot copy out of meta tensor"). `cpu` runs the same path on real data."""
+    import dsfn.runtime.flat as flat
+    seen = []
+
+    def all_to_all(t, axis, **kw):
+        seen.append(t.device)
+        return t.clone()                  # rank 0's own rows come back; enough for devices and shapes
+    monkeypatch.setattr(flat, "current_mesh", lambda: _TwoRanks())
+    monkeypatch.setattr(flat.C, "all_to_all", all_to_all)
+    shapes = [(7, 5), (3,), (4, 4, 2), (2, 2)]
+    dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.float64]
+    shards = [torch.zeros(-(-math.prod(s) // 2), dtype=d, device=device) for s, d in zip(shapes, dtypes)]
+    got_devices = []
+
+    def fn(i, x):
+        got_devices.append(x.device)
+        return _fn(i, x)
+    out = map_whole(fn, shards, shapes, "dp")
+    want = torch.device(device)
+    assert len(seen) == 2 * 3 and set(seen) == {want}          # to the owners and back, per dtype
+    assert got_devices and set(got_devices) == {want}
+    for o, s in zip(out, shards):
+        assert o.device == want and o.dtype == s.dtype and o.shape == s.shape

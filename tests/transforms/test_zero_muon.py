@@ -69,3 +69,38 @@ def test_fp16_overflow_never_poisons_the_momentum():
     for step_no, unchanged, scale in run_on_ranks(_overflow_keeps_momentum, 2, timeout=60):
         assert step_no == 0 and unchanged, "an overflowed step must leave Muon's momentum (and all state) untouched"
         assert scale is not None and scale < 2.0 ** 40   # the overflow was seen (hysteresis 1: halved)
+
+
+class _TwoRanks:
+    def size(self, axis):
+        return 2
+
+    def local_rank(self, axis):
+        return 0
+
+
+def test_sharded_muon_update_stays_on_the_params_device(monkeypatch):
+    """ZeRO gives Muon FlatShard pieces; under NCCL they are CUDA tensors and the update must
+    come back there (host buffers in `map_whole` made it a CPU tensor, and
+    `p(cuda) * (1 - lr wd) - lr * u(cpu)` failed). Gloo has no second device, so `meta`
+    stands in for CUDA: one process on a fake 2-rank axis whose all-to-all records devices."""
+    import dsfn.runtime.flat as flat
+    from dsfn.state.layout import FlatShard
+    seen = []
+
+    def all_to_all(t, axis, **kw):
+        seen.append(t.device)
+        return t.clone()
+    monkeypatch.setattr(flat, "current_mesh", lambda: _TwoRanks())
+    monkeypatch.setattr(flat.C, "all_to_all", all_to_all)
+    meta = torch.device("meta")
+    shapes = {"blocks.0.w": (10, 6), "blocks.1.w": (7, 10), "blocks.2.w": (3, 7)}
+    params = {n: Placed(torch.empty(-(-s[0] * s[1] // 2), device=meta), FlatShard("dp", s)) for n, s in shapes.items()}
+    grads = {n: Placed(torch.empty_like(p.data), p.layout) for n, p in params.items()}
+    tx = dsfn.optim.muon(lr=0.02, weight_decay=0.1)                 # default ns_dtype: the device's
+    state = tx.init(params)
+    new_params, new_state = tx.apply(grads, state, params)
+    assert seen and set(seen) == {meta}
+    for n, p in new_params.items():
+        assert isinstance(p, Placed) and p.data.device == meta and p.data.shape == params[n].data.shape
+        assert new_state.momentum[n].data.device == meta
