@@ -2,7 +2,10 @@
 picks the Triton kernel on CUDA and the reference elsewhere (see `dsfn.ops.dispatch`).
 
 - `adamw_update`: one pass over (param, grad, exp_avg, exp_avg_sq), lr/step as tensors,
-  optional low-precision copy of the new param (`dsfn.optim.adamw` uses it on CUDA).
+  optional low-precision (bf16/fp16) copy of the new param written in the same pass.
+  `dsfn.optim.adamw` runs this kernel for fp32 params where dispatch picks Triton (CUDA by
+  default) but never asks for the low-precision copy (it passes no `lowp_dtype`); that
+  copy is for callers of `adamw_update` itself.
 - `linear_cross_entropy`: cross-entropy fused with the LM head over vocabulary tiles;
   never materialises [tokens, vocab] logits, forward or backward.
 - `rms_norm`: RMSNorm forward and backward.

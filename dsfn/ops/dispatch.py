@@ -187,6 +187,8 @@ def device_guard(*tensors: torch.Tensor | torch.device):
         if isinstance(dev, torch.device) and dev.type == "cuda":
             return torch.cuda.device(dev)
     return contextlib.nullcontext()
+
+
 _host = threading.local()
 
 

@@ -25,10 +25,11 @@ DeepSpeed's `runtime/zero/muon/original_muon.py::muon_update` (Keller Jordan's M
     O *= sqrt(max(1, u.size(-2) / u.size(-1)))    # in the NS dtype, then cast to g's dtype
     p' = p * (1 - lr * weight_decay) - lr * O
 
-NS: transpose a tall matrix so rows <= cols; divide by its Frobenius norm + 1e-7 (in
-fp32 or wider, then cast to the NS dtype: DeepSpeed's order, so an fp16 NS dtype cannot
-turn a large finite gradient into inf); `ns_steps` times `A = X Xᵀ; X = a X + (b A + c A²) X` with the quintic
-(a, b, c) = (3.4445, -4.7750, 2.0315); transpose back. Its output is not exactly
+NS: transpose a tall matrix so rows <= cols; divide by its Frobenius norm + 1e-7 (in the
+wider of u's dtype and the NS dtype, fp32 for fp16, then cast to the NS dtype: DeepSpeed's
+order, so an fp16 NS dtype cannot turn a large finite gradient into inf); `ns_steps` times
+`A = X Xᵀ; X = a X + (b A + c A²) X` with the quintic (a, b, c) = (3.4445, -4.7750,
+2.0315); transpose back. Its output is not exactly
 orthogonal: the singular values end in about [0.68, 1.20] (the attracting band of the
 quintic), which Muon accepts by design.
 
@@ -82,9 +83,9 @@ formula: bias-corrected moments, `p * (1 - lr * wd) - lr * m_hat / (sqrt(v_hat) 
     fp32 on an AVX-512 host), so bf16 there only loses precision; a pre-Ampere GPU has
     no bf16 arithmetic (DeepSpeed's fp32 fallback).
   "gram" gets bf16 too rather than DeepSpeed's fp16 (one NS dtype per device, as required;
-  relative error of the update vs fp64 about 0.03-0.05 in bf16 against 0.03-0.04 for
-  "standard", 0.005 in fp16). `ns_dtype=torch.float16` gives DeepSpeed's gram choice, and
-  any explicit `ns_dtype` overrides the device rule.
+  measured relative error of the update vs fp64: "gram" 0.03-0.05 in bf16, "standard"
+  0.025-0.04 in bf16, both ~0.005 in fp16). `ns_dtype=torch.float16` gives DeepSpeed's
+  "gram" choice; any explicit `ns_dtype` overrides the device rule.
 """
 from __future__ import annotations
 
@@ -138,7 +139,7 @@ def ns_compute_dtype(device: torch.device | str) -> torch.dtype:
     """The default Newton-Schulz dtype on `device` (`ns_dtype=None`): bf16 where the device
     does bf16 arithmetic natively (CUDA compute capability >= 8.0), fp32 elsewhere (CPU,
     older GPUs, other devices). See "Deviations from DeepSpeed" in the module docstring."""
-    from dsfn.ops.dispatch import device_supports_bf16      # lazy: dsfn.ops imports dsfn.optim
+    from dsfn.ops.dispatch import device_supports_bf16  # lazy: dsfn.ops imports dsfn.optim
     return torch.bfloat16 if device_supports_bf16(device) else torch.float32
 
 
@@ -147,9 +148,10 @@ def _ns_dtype(ns_dtype: torch.dtype | None, device: torch.device) -> torch.dtype
 
 
 def _normalized(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """G (wide orientation: the caller transposes) / (‖G‖_F + eps), normalised in a dtype of
-    fp32 range at least, then cast to `dtype`: DeepSpeed's order, since an fp16 cast first
-    turns a finite gradient past 65504 (a loss-scaled one) into inf and the result into nan."""
+    """G (wide orientation: the caller transposes) / (‖G‖_F + eps) in `dtype`. Normalised in
+    the wider of G's dtype and `dtype` (fp32 in place of fp16: fp32's range), then cast:
+    DeepSpeed's order, since an fp16 cast first turns a finite gradient past 65504 (a
+    loss-scaled one) into inf and the result into nan."""
     norm_dtype = torch.promote_types(G.dtype, dtype)
     if norm_dtype == torch.float16:
         norm_dtype = torch.float32
@@ -170,7 +172,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bf
     return X.mT if tall else X
 
 
-def gram_newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def gram_newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """DeepSpeed's `zeropower_via_gram_newtonschulz`: the same map as `newton_schulz`, computed
     on the Gram matrix `R = X Xᵀ` (n x n, n = the short side) for non-square matrices, with a
     restart at iteration 2; square matrices use the standard iteration. Batched; in `dtype`."""

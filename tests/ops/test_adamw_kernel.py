@@ -1,6 +1,6 @@
 """Fused AdamW (dsfn/ops/adamw.py): the Triton kernel (run by Triton's CPU interpreter,
-TRITON_INTERPRET=1 from tests/conftest.py) against the torch reference, and the reference
-against torch.optim.AdamW.
+TRITON_INTERPRET=1 from tests/conftest.py; compiled on CUDA with DSFN_TEST_DEVICE=cuda, see
+tests/ops/conftest.py) against the torch reference, and the reference against torch.optim.AdamW.
 
 Tolerances: the reference is torch.optim.AdamW bitwise. The kernel does the same float32
 operations in the same order, but torch's CPU `sqrt` is not correctly rounded (about one
@@ -9,6 +9,8 @@ may differ by an ulp of the update: compared with rtol=1e-6, atol=1e-7 (updates 
 <= lr = 1e-2). exp_avg and exp_avg_sq do not depend on the root: compared the same way.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -21,34 +23,37 @@ from dsfn.ops import adamw as A
 from dsfn.ops import dispatch
 
 TOL = {"rtol": 1e-6, "atol": 1e-7}
+# DSFN_TEST_DEVICE=cuda (tests/ops/conftest.py): fewer drawn cases, since each new kernel
+# specialization compiles (a second or so); the interpreter compiles nothing
+ON_CUDA = os.environ.get("DSFN_TEST_DEVICE", "cpu").strip().lower() == "cuda"
 F32 = torch.float32
 
 
-def _state(n_or_shape, seed, grad_dtype=F32):
+def _state(n_or_shape, seed, grad_dtype=F32, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     shape = (n_or_shape,) if isinstance(n_or_shape, int) else n_or_shape
     p = torch.randn(shape, generator=g)
     m = torch.randn(shape, generator=g) * 0.1
     v = torch.rand(shape, generator=g) * 1e-2
     grads = [torch.randn(shape, generator=g).to(grad_dtype) for _ in range(6)]
-    return p, m, v, grads
+    return p.to(device), m.to(device), v.to(device), [x.to(device) for x in grads]
 
 
 def _schedule(t: int) -> float:
     return 1e-2 * min(1.0, t / 3) * (0.9 ** t)       # warmup then decay: a new lr every step
 
 
-@settings(deadline=None, max_examples=50, derandomize=True)
+@settings(deadline=None, max_examples=25 if ON_CUDA else 50, derandomize=True)
 @given(n=st.one_of(st.sampled_from([0, 1, 63, 64, 65, 127, 128, 129, 1024, 1025]), st.integers(0, 3000)),
        block=st.sampled_from([64, 128, 1024]), seed=st.integers(0, 2**16), wd=st.sampled_from([0.0, 0.1]),
        beta1=st.sampled_from([0.9, 0.3]), grad_dtype=st.sampled_from([F32, torch.bfloat16, torch.float16]),
        lowp=st.sampled_from([None, torch.bfloat16, torch.float16]), steps=st.integers(1, 4))
-def test_kernel_equals_reference_over_a_schedule(n, block, seed, wd, beta1, grad_dtype, lowp, steps):
+def test_kernel_equals_reference_over_a_schedule(device, n, block, seed, wd, beta1, grad_dtype, lowp, steps):
     """Several steps with one lr tensor changed in place and a step tensor: the kernel
     follows the reference (beta1 = 0.3 takes torch.lerp's weight >= 0.5 branch)."""
-    p, m, v, grads = _state(n, seed, grad_dtype)
-    lr = torch.tensor(0.0, dtype=torch.float64)
-    step = torch.tensor(0, dtype=torch.int64)
+    p, m, v, grads = _state(n, seed, grad_dtype, device)
+    lr = torch.tensor(0.0, dtype=torch.float64, device=device)
+    step = torch.tensor(0, dtype=torch.int64, device=device)
     kw = {"beta1": beta1, "beta2": 0.999, "eps": 1e-8, "weight_decay": wd, "lowp_dtype": lowp}
     ref, tri = (p, m, v), (p, m, v)
     for t in range(1, steps + 1):
@@ -58,7 +63,7 @@ def test_kernel_equals_reference_over_a_schedule(n, block, seed, wd, beta1, grad
         k = A.adamw_update_triton(*tri[:1], grads[t], *tri[1:], lr=lr, step=step, block=block, **kw)
         for name in ("param", "exp_avg", "exp_avg_sq"):
             a, b = getattr(k, name), getattr(r, name)
-            assert a.dtype == F32 and a.shape == (n,) and a.is_contiguous()
+            assert a.dtype == F32 and a.shape == (n,) and a.is_contiguous() and a.device.type == device
             torch.testing.assert_close(a, b, **TOL, msg=lambda s, name=name, t=t: f"{name} step {t}: {s}")
         if lowp is None:
             assert k.param_lowp is None and r.param_lowp is None
@@ -110,7 +115,7 @@ def test_reference_equals_dsfn_adamw():
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.parametrize("lowp", [torch.bfloat16, torch.float16])
-def test_lowp_copy_rounds_like_tensor_to(lowp):
+def test_lowp_copy_rounds_like_tensor_to(device, lowp):
     """Edge values for the in-kernel rounding: ties (to even), carries into the exponent,
     overflow, subnormals, +-0, +-inf, NaN (any NaN: torch's own vector and scalar casts
     disagree on its bits). With lr = 0 the new param is the old one."""
@@ -118,7 +123,7 @@ def test_lowp_copy_rounds_like_tensor_to(lowp):
     vals = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-11, 1 + 3 * 2**-11, 2 - 2**-9, 2 - 2**-12,
             fin.max * 1.001, -fin.max * 1.001, fin.max, fin.tiny / 3, -fin.tiny / 5, 1e-40, 0.0, -0.0,
             float("inf"), float("-inf"), float("nan"), 3.14159, -2.71828, 65519.0, 65520.0, 1e30]
-    p = torch.tensor(vals, dtype=F32)
+    p = torch.tensor(vals, dtype=F32, device=device)
     z = torch.zeros_like(p)
     k = A.adamw_update_triton(p, z, z, z, lr=0.0, step=1, lowp_dtype=lowp, block=64)
     want = k.param.to(lowp)
@@ -129,20 +134,20 @@ def test_lowp_copy_rounds_like_tensor_to(lowp):
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_out_may_alias_the_inputs(impl):
+def test_out_may_alias_the_inputs(device, impl):
     """out=(param, exp_avg, exp_avg_sq, lowp): an in-place update equal to the fresh one."""
     fn = A.adamw_update_torch if impl == "torch" else A.adamw_update_triton
-    p, m, v, grads = _state(300, 7)
+    p, m, v, grads = _state(300, 7, device=device)
     fresh = fn(p, grads[1], m, v, lr=1e-3, step=2, weight_decay=0.1, lowp_dtype=torch.bfloat16)
-    p2, m2, v2, low = p.clone(), m.clone(), v.clone(), torch.empty(300, dtype=torch.bfloat16)
+    p2, m2, v2, low = p.clone(), m.clone(), v.clone(), torch.empty(300, dtype=torch.bfloat16, device=device)
     res = fn(p2, grads[1], m2, v2, lr=1e-3, step=2, weight_decay=0.1, out=(p2, m2, v2, low))
     assert res.param is p2 and res.exp_avg is m2 and res.exp_avg_sq is v2 and res.param_lowp is low
     for a, b in zip(res, fresh):
         assert torch.equal(a, b)
 
 
-def test_non_contiguous_inputs():
-    p, m, v, grads = _state((30, 20), 11)
+def test_non_contiguous_inputs(device):
+    p, m, v, grads = _state((30, 20), 11, device=device)
     pt, gt, mt, vt = p.t(), grads[1].t(), m.t(), v.t()
     r = A.adamw_update_torch(pt, gt, mt, vt, lr=1e-3, step=1)
     k = A.adamw_update_triton(pt, gt, mt, vt, lr=1e-3, step=1, block=128)
@@ -220,7 +225,7 @@ def test_cpu_default_and_torch_mode_use_the_reference(monkeypatch, setting):
         assert torch.equal(a, b)
 
 
-def test_triton_mode_uses_the_kernel_and_refuses_cpu_without_interpreter(monkeypatch):
+def test_triton_mode_uses_the_kernel_and_refuses_cpu_without_interpreter(monkeypatch, request):
     p, m, v, grads = _state(50, 1)
     monkeypatch.setenv("DSFN_KERNELS", "triton")
     want = A.adamw_update_triton(p, grads[0], m, v, lr=1e-3, step=1)
@@ -228,8 +233,9 @@ def test_triton_mode_uses_the_kernel_and_refuses_cpu_without_interpreter(monkeyp
     got = A.adamw_update(p, grads[0], m, v, lr=1e-3, step=1)
     for a, b in zip(got[:3], want[:3]):
         assert torch.equal(a, b)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ConfigError, match=r"DSFN_KERNELS=triton but Triton kernels cannot run on \['cpu'\]"):
+    request.getfixturevalue("no_interpreter")        # as if dsfn was imported without TRITON_INTERPRET
+    with pytest.raises(ConfigError, match=r"DSFN_KERNELS=triton but Triton kernels cannot run on \['cpu'\]: "
+                                          r"CPU tensors need TRITON_INTERPRET=1"):
         A.adamw_update(p, grads[0], m, v, lr=1e-3, step=1)
     monkeypatch.setenv("DSFN_KERNELS", "auto")
     with pytest.raises(ConfigError, match=r"adamw_update_triton: Triton kernels cannot run on cpu"):

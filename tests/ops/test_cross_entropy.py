@@ -1,10 +1,11 @@
 """`dsfn.ops.cross_entropy`: the vocabulary-tiled LM-head cross-entropy.
 
-Both implementations (torch tiling; Triton kernels, run by Triton's CPU interpreter here)
-are checked against `F.cross_entropy((hidden @ weight.T + bias).float(), labels, ...)` —
-loss and the gradients of hidden, weight and bias — over drawn shapes (V not a multiple
-of the tile, tiles wider than V, empty batches, ignored tokens, label smoothing, the three
-reductions, a random upstream gradient):
+Both implementations (torch tiling; Triton kernels, run by Triton's CPU interpreter here,
+compiled on CUDA with DSFN_TEST_DEVICE=cuda: see tests/ops/conftest.py) are checked
+against `F.cross_entropy((hidden @ weight.T + bias).float(), labels, ...)` — loss and the
+gradients of hidden, weight and bias — over drawn shapes (V not a multiple of the tile,
+tiles wider than V, empty batches, ignored tokens, label smoothing, the three reductions,
+a random upstream gradient):
 
 - fp32: rtol 1e-5, atol 1e-5 (observed differences ~1e-6: summation order only).
 - bf16: the reference is the fp32 computation on the same (bf16-exact) values; logits and
@@ -15,9 +16,11 @@ reductions, a random upstream gradient):
 Also: the forward saves no [N, V] tensor; resident peak of forward+backward (torch path,
 N=2048, V=32768, D=64, whose fp32 logits are 256 MiB) is <= 1/4 of the materialised
 version's and <= 3 tiles + the gradients + 8 MiB; Triton row offsets past 2**31 elements;
-dispatch; bad input errors.
+a zero hidden dim (D = 0); dispatch; bad input errors.
 """
 import ctypes
+import math
+import os
 import re
 from unittest import mock
 
@@ -37,6 +40,9 @@ from dsfn.ops.cross_entropy import (
 from dsfn.testing import run_on_ranks
 
 MB = 1 << 20
+# DSFN_TEST_DEVICE=cuda (tests/ops/conftest.py): fewer drawn cases, since each new kernel
+# specialization compiles (a second or so); the interpreter compiles nothing
+ON_CUDA = os.environ.get("DSFN_TEST_DEVICE", "cpu").strip().lower() == "cuda"
 
 
 # ---------------------------------------------------------------------------------------
@@ -57,7 +63,7 @@ cases = st.fixed_dictionaries({
 })
 
 
-def _inputs(c):
+def _inputs(c, device="cpu"):
     g = torch.Generator().manual_seed(c["seed"])
     n, d, v = c["n"], c["d"], c["v"]
     h = torch.randn(n, d, generator=g).to(c["dtype"])
@@ -66,7 +72,7 @@ def _inputs(c):
     y = torch.randint(0, v, (n,), generator=g)
     y[torch.rand(n, generator=g) < c["ignored"]] = c["ignore_index"]
     go = torch.randn(n, generator=g) if c["reduction"] == "none" else torch.tensor(1.7)
-    return h, w, b, y, go
+    return tuple(None if t is None else t.to(device) for t in (h, w, b, y, go))
 
 
 def _loss_and_grads(fn, h, w, b, y, go, c, **kw):
@@ -85,21 +91,23 @@ def _reference(h, w, b, y, go, c):
     return _loss_and_grads(full, h.float(), w.float(), None if b is None else b.float(), y, go, c)
 
 
-def _check_against_reference(fn, c):
-    h, w, b, y, go = _inputs(c)
+def _check_against_reference(fn, c, device="cpu"):
+    h, w, b, y, go = _inputs(c, device)
     got = _loss_and_grads(fn, h, w, b, y, go, c, vocab_tile=c["tile"])
     want = _reference(h, w, b, y, go, c)
-    assert got[0].dtype == torch.float32
+    assert got[0].dtype == torch.float32 and got[0].device == h.device
     assert got[0].shape == want[0].shape
     names = ["loss", "grad hidden", "grad weight", "grad bias"]
     for name, a, r in zip(names, got, want):
         if c["dtype"] == torch.float32:
-            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, equal_nan=True, msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, equal_nan=True,
+                                       msg=lambda m, name=name: f"{name}: {m}")
         else:
             assert a.shape == r.shape and a.dtype == (torch.float32 if name == "loss" else c["dtype"])
             a = a.float()
             if name == "loss":
-                torch.testing.assert_close(a, r, rtol=2e-2, atol=2e-2, equal_nan=True, msg=lambda m, name=name: f"{name}: {m}")
+                torch.testing.assert_close(a, r, rtol=2e-2, atol=2e-2, equal_nan=True,
+                                           msg=lambda m, name=name: f"{name}: {m}")
             elif r.numel():
                 err, scale = (a - r).abs().max().item(), r.abs().max().item()
                 assert err <= 2e-2 * scale + 1e-6, f"{name}: max error {err:.3g}, max |ref| {scale:.3g}"
@@ -112,32 +120,34 @@ def test_torch_tiled_matches_cross_entropy(c):
     _check_against_reference(linear_cross_entropy_torch, c)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=25 if ON_CUDA else 60, deadline=None)
 @given(cases, st.sampled_from([(64, 2048), (4, 16), (2, 4)]))
-def test_triton_matches_cross_entropy(c, blocks):
+def test_triton_matches_cross_entropy(device, c, blocks):
     """blocks: the interpreter's largest (BLOCK_M, BLOCK_V); small ones make several
-    programs per tile and several column blocks per row, with masked edges."""
+    programs per tile and several column blocks per row, with masked edges (on CUDA the
+    launch configuration is fixed, so `blocks` changes nothing there)."""
     with mock.patch.object(ce, "_INTERP_BLOCKS", blocks):
-        _check_against_reference(linear_cross_entropy_triton, c)
+        _check_against_reference(linear_cross_entropy_triton, c, device)
 
 
 @pytest.mark.parametrize("fn", [linear_cross_entropy_torch, linear_cross_entropy_triton])
 @pytest.mark.parametrize("n", [0, 5])
-def test_empty_or_all_ignored_batch_is_torchs(fn, n):
+def test_empty_or_all_ignored_batch_is_torchs(device, fn, n):
     """mean over no valid token: nan loss and zero grads (torch's answer); sum: 0."""
     for reduction in ("mean", "sum"):
         c = {"ignore_index": -100, "label_smoothing": 0.1, "reduction": reduction}
-        h, w, y = torch.randn(n, 4), torch.randn(9, 4), torch.full((n,), -100)
-        loss, gh, gw = _loss_and_grads(fn, h, w, None, y, torch.tensor(1.0), c, vocab_tile=4)
+        h, w, y = (torch.randn(n, 4).to(device), torch.randn(9, 4).to(device),
+                   torch.full((n,), -100, device=device))
+        loss, gh, gw = _loss_and_grads(fn, h, w, None, y, torch.tensor(1.0, device=device), c, vocab_tile=4)
         assert (loss.isnan() if reduction == "mean" else loss == 0), loss
         assert gh.shape == (n, 4) and torch.equal(gh, torch.zeros_like(gh))
         assert torch.equal(gw, torch.zeros_like(gw))
 
 
-def test_leading_dims_and_auto_tile():
+def test_leading_dims_and_auto_tile(device):
     g = torch.Generator().manual_seed(1)
-    h, w = torch.randn(2, 7, 8, generator=g), torch.randn(50, 8, generator=g)
-    y = torch.randint(0, 50, (2, 7), generator=g)
+    h, w = torch.randn(2, 7, 8, generator=g).to(device), torch.randn(50, 8, generator=g).to(device)
+    y = torch.randint(0, 50, (2, 7), generator=g).to(device)
     ref = F.cross_entropy((h @ w.T).reshape(-1, 50), y.reshape(-1), reduction="none").reshape(2, 7)
     for fn in (linear_cross_entropy_torch, linear_cross_entropy_triton):
         out = fn(h, w, y, reduction="none")          # vocab_tile=None: auto
@@ -147,11 +157,12 @@ def test_leading_dims_and_auto_tile():
     assert ce._auto_tile(1 << 22, 1 << 17) == 256
 
 
-def test_forward_saves_no_logits():
+def test_forward_saves_no_logits(device):
     """Every tensor kept for backward is at most [N, D] / [V, D] / [N]: no [N, V] logits."""
     n, d, v = 64, 8, 1000
-    h, w = torch.randn(n, d, requires_grad=True), torch.randn(v, d, requires_grad=True)
-    y = torch.randint(0, v, (n,))
+    h = torch.randn(n, d, device=device, requires_grad=True)
+    w = torch.randn(v, d, device=device, requires_grad=True)
+    y = torch.randint(0, v, (n,), device=device)
     for fn in (linear_cross_entropy_torch, linear_cross_entropy_triton):
         saved = []
 
@@ -163,6 +174,30 @@ def test_forward_saves_no_logits():
         assert saved and max(t.numel() for t in saved) == v * d
         assert sum(t.numel() for t in saved) <= n * d + v * d + 2 * n + 1
         loss.backward()
+
+
+@pytest.mark.parametrize("fn", [linear_cross_entropy_torch, linear_cross_entropy_triton, linear_cross_entropy])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_zero_hidden_dim_is_torchs(device, fn, bias, reduction):
+    """D = 0: hidden [5, 0], weight [7, 0]; the logits are all zero (the bias, with one), so
+    the loss equals F.cross_entropy on materialised zero logits (log 7 per token without a
+    bias) and the hidden/weight gradients are zero-sized; label smoothing and an ignored
+    token included, tiles narrower than V."""
+    g = torch.Generator().manual_seed(5)
+    c = {"ignore_index": -100, "label_smoothing": 0.1, "reduction": reduction}
+    h, w = torch.empty(5, 0, device=device), torch.empty(7, 0, device=device)
+    b = torch.randn(7, generator=g).to(device) if bias else None
+    y = torch.tensor([0, 6, 3, -100, 2], device=device)
+    go = torch.randn(5, generator=g).to(device) if reduction == "none" else torch.tensor(1.3, device=device)
+    got = _loss_and_grads(fn, h, w, b, y, go, c, vocab_tile=3)
+    want = _reference(h, w, b, y, go, c)
+    assert got[1].shape == (5, 0) and got[2].shape == (7, 0)
+    for a, r in zip(got, want):
+        assert a.shape == r.shape
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)
+    if not bias and reduction == "mean":
+        assert abs(float(got[0]) - math.log(7)) < 1e-6
 
 
 # ---------------------------------------------------------------------------------------
@@ -266,7 +301,7 @@ def test_triton_int64_row_offsets():
 # dispatch
 
 
-def test_dispatch(monkeypatch):
+def test_dispatch(monkeypatch, request):
     calls = []
     real = ce._fwd_tile_triton
     monkeypatch.setattr(ce, "_fwd_tile_triton", lambda *a: calls.append(1) or real(*a))
@@ -278,8 +313,8 @@ def test_dispatch(monkeypatch):
     monkeypatch.setenv("DSFN_KERNELS", "triton")          # forced (interpreter on CPU)
     torch.testing.assert_close(linear_cross_entropy(h, w, y, vocab_tile=4), want)
     assert len(calls) == 2
-    monkeypatch.setenv("TRITON_INTERPRET", "0")           # cannot run: an error, no fallback
-    with pytest.raises(ConfigError):
+    request.getfixturevalue("no_interpreter")             # cannot run: an error, no fallback
+    with pytest.raises(ConfigError, match=r"cannot run on \['cpu'\]: CPU tensors need TRITON_INTERPRET=1"):
         linear_cross_entropy(h, w, y)
     monkeypatch.setenv("DSFN_KERNELS", "auto")
     with pytest.raises(ConfigError, match="cannot run"):
