@@ -1,98 +1,165 @@
-"""`zenflow(topk_ratio, update_interval, select_interval, full_warm_up_rounds)`: ZenFlow's
-selective updates — important columns every step, the rest accumulated and applied every
-`update_interval` steps.
+"""`zenflow(topk_ratio, update_interval, select_interval, full_warm_up_rounds, overlap, host_kernel)`:
+ZenFlow's selective updates. The most important columns of every matrix (by gradient
+magnitude) are updated on the device every step; every gradient is also accumulated in
+host memory, and the host optimizer applies the interval's mean to the other columns every
+`update_interval` steps (synchronously, or behind the next step with `overlap=True`).
 
-DeepSpeed's ZenFlow (an extension of ZeRO-Offload) updates the top-`topk_ratio` columns
-of every matrix by gradient norm on the GPU every step and accumulates the other
-gradients for a CPU optimizer that runs every `update_interval` steps, overlapped with
-the next steps. This transform reproduces the *numerics* of that schedule. Both paths run
-on the device the state lives on (put `offload("cpu")` outside it to run both on the
-host); by default synchronously (a flush step costs about two optimizer passes), with
-`overlap=True` the host update runs behind, one step late (see below).
+Place it innermost among the transforms that handle the update:
 
-Place it innermost among the transforms that handle the update, inside the parallel
-transform:
-
-    compose(data_parallel() | shard_zero(0), accumulate(n), offload(...),
+    compose(shard_zero(0|1|2|3) | data_parallel(), accumulate(n), offload("cpu"|"nvme"),
             mixed_precision(...), loss_scale(), clip_grad_norm(c), zenflow(...))
 
-It needs whole gradients: under `shard_zero(1|2|3)` the update sees flat shards where
-columns do not exist, so such stacks raise StackError (use stage 0 or data_parallel).
+Where the state lives (`dev` = `dsfn.runtime.env.device()`, cuda:LOCAL_RANK or cpu; "host"
+= CPU memory). `state.opt_state` is a `ZenFlowState(dense, host, buffer, pending)`:
+- `dense`: the `tx` state of the non-matrix parameters (biases, norms, ...), where they are.
+- `host`: the `tx` state of the matrices (every column), `buffer`: {matrix: the gradients
+  summed since the last flush} (fp32 or wider), `pending` (`overlap` only: the last flush's
+  mean gradient and the parameters it was taken from): all in host memory, always.
+Every tensor of it but the optimizers' scalars mirrors a parameter, so `shard_zero(1|2|3)`
+shards it (FlatShard, like any optimizer state) and `offload("cpu"|"nvme")` moves it (dense
+included) to host memory or files. `extra["zenflow"]` holds `step` (int64: updates zenflow
+made), `selected` {matrix: bool [n_cols], host}, with `overlap` `pending` (bool), and
+`cols`: the device optimizer's `tx` state of the selected columns, {matrix: [rows, k]} on
+`dev`, whole on every rank (like DeepSpeed's selective optimizer). That is all the device
+holds for the matrices' update: for Adam 2 * topk_ratio of their size (plain AdamW keeps
+2x their size there). On a CPU-only machine host and device are the same memory, but the
+same path runs (separate states, host copies).
 
-Exact semantics. `t` counts the updates zenflow has made (`extra["zenflow"]["step"]`,
-0-based at the start of an update; a step `loss_scale` skips for overflow does not
-reach zenflow and counts nothing); `W = full_warm_up_rounds`, `u = update_interval`,
-`s = select_interval` (default `u`; must be a multiple of `u`, so a re-selection
-always finds an empty buffer).
+Per update on CUDA without offload, the matrices' gradients are copied into pinned host
+memory (non_blocking) and added to the buffer; the selected columns are gathered on the
+device; at a flush the matrices are copied to the host, the host step runs (the fused C++
+AdamW of `dsfn.ops.cpu_adam` unless `host_kernel=False`; under `offload` its own setting),
+and its result is copied back. Under `offload`, zenflow receives host copies: the selected
+columns ([rows, k]) go to `dev` and back.
 
-- Matrices are the floating parameters with `dim() == 2`, read as torch's `[out, in]`:
-  a *column* j is `p[:, j]`, one input feature (dim 1), as in ZenFlow. Embedding
-  tables `[vocab, d]` are matrices too (a column is one embedding coordinate). Every
-  other parameter (biases, norms, 0-D, >2-D) takes the plain update every step.
-- Selection: for `t < W` every column is selected (full updates). Otherwise, when
-  `(t - W) % s == 0`, each matrix selects `k = clamp(floor(topk_ratio * n_in + 0.5), 1,
-  n_in)` columns: the largest fp32 L2 norms of the columns of *this update's* gradient,
-  ties to the lower index; kept, as a bool mask over the columns (fixed shape, so a
-  checkpoint loads into a fresh state), until the next selection.
-- Device path, every update: the optimizer `state.tx` runs once on the whole tree with
-  the gradient's unselected columns zeroed, on `state.opt_state` (the inner handlers'
-  default: `state.step += 1`). Of its result only the selected columns of a matrix (of
-  the parameter, and of every optimizer-state leaf that mirrors it: Adam's `mu`, `nu`)
-  are kept; the unselected columns keep their values. Scalars (Adam's `count`, lr) are
-  taken whole: the device optimizer's count is the number of updates.
-- Host path: the unselected columns' gradients are summed into `extra["zenflow"]["buffer"]`
-  (fp32 or wider, the shape of the matrix, zero in selected columns). On every update
-  with `(t - W + 1) % u == 0` ("flush"), the same `tx` runs on the whole tree with the
-  gradient `buffer / u` (the *mean* over the interval, like `accumulate`'s mean; zero for
-  non-matrices) on a second optimizer state `extra["zenflow"]["host_opt"]`, from the
-  parameters after this update's device path; only the unselected columns of matrices
-  (parameter and mirrored state leaves) are kept, then the buffer is zeroed. Its scalars
-  are its own: the host optimizer's count is the number of flushes (a flush where every
-  column of every matrix is selected runs nothing).
-- Optimizer state per column: each column has one set of moments, owned by the path it
-  is on (device while selected, host otherwise); they are frozen while the column is on
-  the other path. At a re-selection the moments migrate: for every mirrored leaf of a
-  matrix, both states get `where(previously selected, device value, host value)`.
+Exact semantics. t = `extra["zenflow"]["step"]` and c = `state.step` before the update (a
+step `loss_scale` skips for overflow does not reach zenflow), W = `full_warm_up_rounds`, u =
+`update_interval`, s = `select_interval` (default u; a multiple of u).
+- Matrices: the floating parameters whose logical shape (the layout's, under ZeRO) is 2-D
+  [rows, n], read as torch's [out, in]: column j is `p[:, j]`, one input feature, as in
+  DeepSpeed (embedding tables [vocab, d] too: a column is one coordinate). Every other
+  parameter is dense. Each matrix selects k = floor(topk_ratio * n) columns (DeepSpeed's
+  `int()`; 0 leaves the matrix entirely to the host path).
+- Counts: every optimizer call of the update runs at count c: the 0-dim int64 leaves of the
+  state handed to `tx` (dsfn.optim's `count`) are set to c first, so Adam's bias correction
+  uses step c + 1 and an lr schedule gives lr(c) on every path (DeepSpeed's CPU Adam gets
+  step_id = micro_step + 1; its selective optimizer is synced to the main lr).
+- Warm-up, t < W: the matrices take `tx` with this update's gradient on `host`, every column
+  (dense as always): the plain optimizer. No selection, no accumulation.
+- Selection, t >= W and (t - W) % s == 0: importance_j = sum_i |g_ij|, the L1 norm of column
+  j of this update's (reduced) gradient, summed in float64 (under ZeRO each rank sums its
+  piece, then one all-reduce of n floats per matrix); selected = the k largest, ties to the
+  lower index. `cols` restarts: `tx.init` of zeros (DeepSpeed's `clear_selected_mv`).
+- Device path, every update: the dense parameters take `tx` with g on `dense`. For t >= W the
+  selected columns take `tx` with g[:, sel] on `cols`, from p[:, sel] (compact [rows, k];
+  under ZeRO every rank contributes its piece's elements to one all-reduce), and the result
+  is written into those columns.
+- Host path, t >= W: buffer += g (every column). A flush, when (t - W + 1) % u == 0: `tx` with
+  buffer / u (the interval's mean, in the gradient's dtype) on `host`, from this update's
+  input parameters; the result is written into the *unselected* columns only (in the
+  selected ones it is dropped, but `host`'s moments of every column move, as DeepSpeed's
+  CPU optimizer steps the whole partition); buffer = 0.
+- Then `state.step` and `extra["zenflow"]["step"]` increase by one.
+Against the reference (`tx` on every gradient of every parameter, every step): dense
+parameters are the reference. A selected column takes every gradient at once, but from
+moments that restarted at its selection while the count went on (as in DeepSpeed), so
+Adam's bias correction does not compensate: the first update of a fresh selection is about
+3 lr per element for betas (0.9, 0.999) once c is large (0.1 / sqrt(0.001)). An unselected
+column takes the mean of its last u gradients once per u updates, at the flush's count,
+with the host moments (one mean per flush, for every column), and weight decay once per
+flush; forward sees it up to u - 1 updates late (u with overlap). lr schedules are read at
+the global count on every path.
+Bitwise limits (elementwise `tx`, `host_kernel=False`): W >= the number of updates is the
+plain optimizer; k = 0 for every matrix (e.g. topk_ratio * n < 1) with u = 1 is too.
 
-Differences from the reference optimizer (`tx` on every gradient, every step): selected
-columns see each gradient at once, with the device step count (so AdamW is the reference
-on those columns while they stay selected, except that their moments skipped the steps
-they spent on the host path); an unselected column sees the mean of its last `u`
-gradients once per `u` updates, with its own moment history and the host count as
-Adam's `t` (bias correction per flush), weight decay once per flush instead of every
-step, and gradients it received while selected never reach its host moments (and vice
-versa). An lr schedule inside `tx` advances once per update on the device path but once
-per flush on the host path. Non-elementwise parts of `tx` (clip_by_global_norm, Muon)
-see the gradient with the other path's columns zeroed. Exact limits: `k == n_in` for
-every matrix (e.g. topk_ratio=0.99 and at most 50 columns) is the reference bitwise;
-`update_interval=1` with a stateless elementwise `tx` (SGD without momentum) is too.
+`overlap=True`: a flush's host step starts on a worker thread (the C++ kernel releases the
+GIL) and is applied at the start of the *next* update, before any re-selection, at count
+c - 1 (the flush's); that update's forward/backward sees the unselected columns one flush
+behind (one step of staleness). The state carries the flush's mean gradient and parameters
+(`pending`), so a checkpoint taken in between resumes exactly (the step is recomputed from
+them, a pure function); the worker's result is used only if its inputs are this state's
+tensors (under offload("nvme") they are stored copies, so it is recomputed).
 
-`overlap=True` (ZenFlow's bounded asynchrony): the host update of a flush is started on a
-worker thread and applied at the start of the *next* update, before any re-selection; the
-forward/backward of that next step therefore sees the unselected columns one flush
-behind (exactly one step of staleness). The device path never touches unselected
-columns, so the host result computed from the flush's parameters is the same as if
-computed at application time; the state carries the pending mean gradients
-(`pending`), so a checkpoint taken in between resumes exactly (the update is recomputed
-from them, a pure function). The worker's result is used only if its inputs are this
-state's (the same tensor objects), else recomputed.
-
-State (`extra["zenflow"]`, all tensors, checkpointable): `step` (int64), `selected`
-{matrix path: bool [n_in], True = selected}, `buffer` {matrix path: tensor}, `host_opt` (a `tx` state);
-with `overlap`, `pending` {"grads": {matrix path: mean gradient}, "active": bool}.
+Differences from DeepSpeed's ZenFlow (deepspeed/runtime/zenflow/{engine,zenflow_stage_1_and_2,
+zenflow_utils,zenflow_config}.py and deepspeed/ops/adam/zenflow_{torch,cpu}_adam.py):
+1. Selection scope: DeepSpeed's flat partitions hold the matrices transposed (column after
+   column) and it ranks each partition's columns separately (k = int(topk_ratio * the
+   columns wholly inside the partition); a column cut by a partition boundary is never
+   selected). Here: the top k of the whole matrix, so the result does not depend on the
+   dp size. Ties: DeepSpeed's `torch.topk` leaves them unspecified.
+2. Selection times: DeepSpeed re-selects at micro_step == W and whenever micro_step % s == 0
+   and only needs s >= u; here when (t - W) % s == 0 with s a multiple of u (the same when W
+   is a multiple of s), so a selection never falls inside an accumulation interval.
+3. Not supported (ConfigError): update_interval="auto" (with auto_ratio), select_strategy
+   "auto"/"epoch" and select_interval="auto" (select_interval counts updates: DeepSpeed's
+   "step" strategy), DeepSpeed's `offload` of the selective optimizer's moments (`cols`
+   stays on the device), and `pt_reserved_cores_perc` (no core pinning; under `offload` its
+   `cores` fraction sizes the host kernel).
+4. Gradient scale: DeepSpeed sets gradient_accumulation_steps = update_interval, so the
+   engine (scale_wrt_gas, its default) divides each step's loss by u: its selective
+   optimizer sees g / u (only Adam's eps notices) and its CPU optimizer the sum, i.e. the
+   mean. Here the device path sees g and the host path the mean.
+5. Non-matrix parameters: DeepSpeed updates them with the selective optimizer after warm-up
+   (moments zeroed at every selection, the CPU result dropped) and with the CPU optimizer
+   during warm-up; here they keep one `dense` state, never reset: the plain optimizer.
+6. Host weights: DeepSpeed's CPU optimizer steps its own fp32 master partition, re-synced
+   from the (bf16) device weights at each selection; here the host step reads the current
+   parameters at each flush (the fp32 masters under mixed_precision): no second master, no
+   rounding through bf16.
+7. overlap: DeepSpeed's overlap_step runs the CPU step in a separate process pinned to
+   cores, double-buffers the gradients, alternates two moment sets, and (as we read
+   `wait_last_update_and_copy`) applies a flush's result at the next flush (u steps late);
+   here one worker thread, one moment set, applied at the next update (one step late).
+8. DeepSpeed requires ZeRO-Offload (ZeRO 1/2, and a separate stage-3 engine); here the
+   host part is always in host memory, `offload` is optional (it moves the rest), and ZeRO
+   0-3 share one code path (a piece is described by its layout's runs).
+9. Optimizers: DeepSpeed's ZenFlow is AdamW (ZenFlowSelectiveAdamW + ZenFlowCPUAdam); here
+   any elementwise dsfn.optim `tx` (adamw, adam, sgd); Muon is rejected. A `tx` that
+   depends on leaf shapes or on the whole tree (clip_by_global_norm inside it, masks by
+   ndim) sees [rows, k] compacts, flat ZeRO pieces and three separate trees: use the
+   clip_grad_norm transform instead.
+10. Communication under ZeRO: DeepSpeed broadcasts each partition's selected indices and
+    gradient columns; here one all-reduce of n floats per matrix per selection and one of
+    2 * rows * k (gradient and parameter columns) per update.
 """
 from __future__ import annotations
 
+import bisect
+import contextlib
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dsfn import tree
 from dsfn.errors import ConfigError, LeafTypeError, StackError
-from dsfn.transforms.core import Transform, make_transform
+from dsfn.runtime import collectives as C
+from dsfn.runtime import env
+from dsfn.runtime.mesh import current_mesh
+from dsfn.state.layout import Offloaded, Placed, Replicated, is_placed
+from dsfn.transforms.core import Transform, active_stack, make_transform
 
 KEY = "zenflow"
+HOST = torch.device("cpu")
+
+
+@tree.dataclass
+class ZenFlowState:
+    """`state.opt_state` under zenflow (see the module docstring). Every tensor leaf except
+    the optimizers' scalars mirrors a parameter, so ZeRO shards it and `offload` moves it
+    like any optimizer state.
+
+    dense:   `tx` state of the non-matrix parameters (device path, every update).
+    host:    `tx` state of the matrices, all columns (host path); host memory.
+    buffer:  {matrix: sum of its gradients since the last flush}, fp32 or wider; host memory.
+    pending: with `overlap`: {"grads": {matrix: the last flush's mean gradient},
+             "params": {matrix: the parameters it was computed from}}, host memory; else None.
+    """
+    dense: Any
+    host: Any
+    buffer: Any
+    pending: Any
 
 
 def _is_int(v: Any) -> bool:
@@ -100,23 +167,23 @@ def _is_int(v: Any) -> bool:
 
 
 def num_selected(topk_ratio: float, n_cols: int) -> int:
-    """Columns a matrix with `n_cols` columns selects: round-half-up of ratio * n, in [1, n]."""
-    return min(n_cols, max(1, math.floor(topk_ratio * n_cols + 0.5)))
+    """Columns a matrix with `n_cols` columns selects: DeepSpeed's `int(topk_ratio * n_cols)`
+    (floor; 0 for a matrix too narrow to have an important column)."""
+    return int(math.floor(topk_ratio * n_cols))
 
 
 def select_columns(grad: torch.Tensor, k: int) -> torch.Tensor:
-    """Sorted int64 indices of the `k` columns (dim 1) of `grad` with the largest fp32 L2
-    norms; ties go to the lower index (a stable descending sort)."""
-    norms = torch.linalg.vector_norm(grad.detach().float(), dim=0)
-    order = torch.sort(norms, descending=True, stable=True).indices[:k]
-    return torch.sort(order).values.to(torch.int64)
+    """Sorted int64 indices of the `k` columns (dim 1) of the 2-D `grad` with the largest L1
+    norms (`sum_i |g_ij|`, accumulated in float64); ties go to the lower index."""
+    importance = grad.detach().abs().sum(0, dtype=torch.float64).cpu()
+    return _top_k(importance, k).nonzero().flatten()
 
 
 class ZenFlow(Transform):
     name = "zenflow"
 
     def __init__(self, topk_ratio: float = 0.1, update_interval: int = 4, select_interval: int | None = None,
-                 full_warm_up_rounds: int = 0, overlap: bool = False):
+                 full_warm_up_rounds: int = 0, overlap: bool = False, host_kernel: bool = True):
         if isinstance(topk_ratio, bool) or not isinstance(topk_ratio, (int, float)) or not 0 < topk_ratio < 1:
             raise ConfigError(f"zenflow(topk_ratio={topk_ratio!r}): the fraction of columns updated every step "
                               "is a number in (0, 1), e.g. 0.1")
@@ -127,7 +194,8 @@ class ZenFlow(Transform):
             select_interval = update_interval
         if not _is_int(select_interval) or select_interval < 1:
             raise ConfigError(f"zenflow(select_interval={select_interval!r}): the number of steps between column "
-                              "re-selections is an int >= 1 (or None: = update_interval)")
+                              "re-selections is an int >= 1 (or None: = update_interval; 'auto'/epochs are not "
+                              "supported)")
         if select_interval % update_interval:
             raise ConfigError(f"zenflow(select_interval={select_interval}, update_interval={update_interval}): "
                               "select_interval must be a multiple of update_interval, so columns are re-selected "
@@ -135,166 +203,319 @@ class ZenFlow(Transform):
         if not _is_int(full_warm_up_rounds) or full_warm_up_rounds < 0:
             raise ConfigError(f"zenflow(full_warm_up_rounds={full_warm_up_rounds!r}): the number of full updates "
                               "before selective ones is an int >= 0")
+        if not isinstance(overlap, bool):
+            raise ConfigError(f"zenflow(overlap={overlap!r}): use True (host update one step behind, overlapped) "
+                              "or False")
+        if not isinstance(host_kernel, bool):
+            raise ConfigError(f"zenflow(host_kernel={host_kernel!r}): use True (the fused C++ host AdamW) or False "
+                              "(torch's arithmetic)")
         self.topk_ratio = float(topk_ratio)
         self.update_interval = update_interval
         self.select_interval = select_interval
         self.full_warm_up_rounds = full_warm_up_rounds
-        if not isinstance(overlap, bool):
-            raise ConfigError(f"zenflow(overlap={overlap!r}): use True (host update one step behind, overlapped) "
-                              "or False")
         self.overlap = overlap
+        self.host_kernel = host_kernel
         self._pool = None
         self._job: tuple | None = None      # (inputs, future) of the host update running behind
 
     # -- stack rules -------------------------------------------------------------------------
     def check_stack(self, stack, index):
-        from dsfn.transforms.zero import ShardZero
-        for t in stack:
-            if isinstance(t, ShardZero) and t.stage != 0:
-                raise StackError(f"zenflow needs whole gradients to see columns, but shard_zero({t.stage}) hands "
-                                 "the update flat shards; use shard_zero(0) or data_parallel() with zenflow")
         for t in stack[index + 1:]:
-            if hasattr(t, "handle_apply_gradients"):
+            if hasattr(t, "handle_apply_gradients") or hasattr(t, "handle_init_optimizer"):
                 raise StackError(f"zenflow must be the innermost transform that handles the update (it runs the "
-                                 f"optimizer twice); {t.name} sits inside it: write "
-                                 f"compose(..., {t.name}(...), zenflow(...))")
+                                 f"optimizer itself, on column subsets and on the host); {t.name} sits inside it: "
+                                 f"write compose(..., {t.name}(...), zenflow(...))")
 
     def explain_note(self) -> str:
         return (f"zenflow(topk_ratio={self.topk_ratio}, update_interval={self.update_interval}, "
-                f"select_interval={self.select_interval}): top columns updated every step, the rest "
-                "accumulated and applied every update_interval steps " + ("(one step behind, overlapped)" if self.overlap else "(synchronously)"))
+                f"select_interval={self.select_interval}): top columns updated on {env.device()} every step, "
+                "the rest accumulated in host memory and applied every update_interval steps "
+                + ("(one step behind, overlapped)" if self.overlap else "(synchronously)"))
 
     # -- layout ------------------------------------------------------------------------------
     def place(self, state: Any) -> Any:
         if KEY in state.extra:
             return state
-        if state.tx is None:
-            raise ConfigError("zenflow: the state has no optimizer (tx); create it with TrainState.create")
-        mats = _matrices(state.params)
+        _check_tx(state.tx)
+        P = dict(tree.leaves_with_path(state.params, is_leaf=is_placed))
+        mats = _matrix_info(P, self.topk_ratio)
+        dev = env.device()
         zs = {
             "step": torch.zeros((), dtype=torch.int64),
-            "selected": {n: torch.ones(p.shape[1], dtype=torch.bool, device=p.device) for n, p in mats.items()},
-            "buffer": {n: torch.zeros(p.shape, dtype=_acc_dtype(p), device=p.device) for n, p in mats.items()},
-            "host_opt": state.tx.init(state.params),
+            "selected": {n: torch.zeros(m.cols, dtype=torch.bool) for n, m in mats.items()},
+            "cols": state.tx.init({n: torch.zeros(m.rows, m.k, dtype=_update_dtype(_data(P[n]).dtype), device=dev)
+                                   for n, m in mats.items()}),
         }
-        if self.overlap:    # the host update computed at a flush, applied at the next update
-            zs["pending"] = {"grads": {n: b.clone() for n, b in zs["buffer"].items()},
-                             "active": torch.zeros((), dtype=torch.bool)}
-        return state.replace(extra={**state.extra, KEY: zs})
+        if self.overlap:
+            zs["pending"] = torch.zeros((), dtype=torch.bool)
+        opt = state.opt_state
+        if opt is not None and not isinstance(opt, ZenFlowState):
+            opt = self._split(state.tx, opt, P, mats)
+        return state.replace(opt_state=opt, extra={**state.extra, KEY: zs})
+
+    def _split(self, tx: Any, full: Any, P: dict, mats: dict) -> ZenFlowState:
+        """A `tx` state of every parameter -> ZenFlowState: the dense and host states take its
+        leaves (matched by path: `tx.init` of a subset has the same paths), host ones in host memory."""
+        by_path = dict(tree.leaves_with_path(full, is_leaf=is_placed))
+
+        def take(sub: dict) -> Any:
+            fresh = tx.init(sub)
+            for path, x in tree.leaves_with_path(fresh, is_leaf=is_placed):
+                y = by_path.get(path)
+                if y is None or _data(y).shape != _data(x).shape or _data(y).dtype != _data(x).dtype:
+                    raise ConfigError(f"zenflow: cannot split this optimizer state (no leaf {path!r} of shape "
+                                      f"{tuple(_data(x).shape)}); place zenflow on a fresh state: "
+                                      "step.init_state(params, tx) or step.place(TrainState.create(params, tx))")
+            return tree.map_with_path(lambda path, x: by_path[path], fresh, is_leaf=is_placed)
+        dense = take({n: x for n, x in P.items() if n not in mats})
+        host = tree.map(lambda x: x.to(HOST), take({n: P[n] for n in mats}))
+        return self._new_state(dense, host, P, mats)
+
+    def _new_state(self, dense: Any, host: Any, P: dict, mats: dict) -> ZenFlowState:
+        def zeros(x: Any, dtype: torch.dtype) -> Any:
+            return _like(x, torch.zeros(_data(x).shape, dtype=dtype, device=HOST))
+        buffer = {n: zeros(P[n], _acc_dtype(_update_dtype(_data(P[n]).dtype))) for n in mats}
+        pending = None
+        if self.overlap:
+            pending = {"grads": {n: zeros(P[n], _acc_dtype(_update_dtype(_data(P[n]).dtype))) for n in mats},
+                       "params": {n: zeros(P[n], _update_dtype(_data(P[n]).dtype)) for n in mats}}
+        return ZenFlowState(dense=dense, host=host, buffer=buffer, pending=pending)
+
+    def handle_init_optimizer(self, call_next, state):
+        """The optimizer states for what this rank's update sees (ZeRO shards, offloaded
+        views, master weights): the dense one where the parameters are, the host one (made
+        from zeros of the matrices' shapes) in host memory. The default `tx.init(params)` of
+        every parameter is never made."""
+        _check_tx(state.tx)
+        P = dict(tree.leaves_with_path(state.params, is_leaf=is_placed))
+        mats = _matrix_info(P, self.topk_ratio)
+        host_zeros = {n: _like(P[n], torch.zeros(_data(P[n]).shape, dtype=_data(P[n]).dtype, device=HOST))
+                      for n in mats}
+        return self._new_state(state.tx.init({n: x for n, x in P.items() if n not in mats}),
+                               state.tx.init(host_zeros), P, mats)
 
     # -- update ------------------------------------------------------------------------------
     def handle_apply_gradients(self, call_next, state, grads):
-        if KEY not in state.extra:
-            raise ConfigError("zenflow: the state has no extra['zenflow']; place it with the step that holds "
-                              "zenflow (step.place(state) or step.init_state(params, tx))")
-        if tree.structure(grads) != tree.structure(state.params):
-            raise LeafTypeError("apply_gradients: grads do not have the structure of params")
-        zs = state.extra[KEY]
+        from dsfn.optim.base import step as optim_step
+        zs, ost = state.extra.get(KEY), state.opt_state
+        if zs is None or not isinstance(ost, ZenFlowState):
+            raise ConfigError("zenflow: the state was not placed by zenflow (no extra['zenflow'] / ZenFlowState); "
+                              "make it with the step that holds zenflow: step.init_state(params, tx) or "
+                              "step.place(TrainState.create(params, tx))")
+        if tree.structure(grads, is_leaf=is_placed) != tree.structure(state.params, is_leaf=is_placed):
+            raise LeafTypeError("apply_gradients: grads do not have the structure (and layouts) of params")
         if self.overlap != ("pending" in zs):
             raise ConfigError(f"zenflow(overlap={self.overlap}): the state was placed with overlap={not self.overlap}; "
                               "place it with the step that holds this zenflow")
-        if self.overlap and bool(zs["pending"]["active"]):
-            state, zs = self._apply_pending(state, zs, grads)
+        tx, dev = state.tx, env.device()
+        c = int(state.step)                      # every optimizer call of this update runs at count c
         t = int(zs["step"])
         rel = t - self.full_warm_up_rounds
-        mats = _matrices(state.params)
-        g_by = dict(tree.leaves_with_path(grads))
-        selected = dict(zs["selected"])
-        dev_opt, host_opt = state.opt_state, zs["host_opt"]
+        names = [n for n, _ in tree.leaves_with_path(state.params, is_leaf=is_placed)]
+        p_leaves, spec = tree.flatten(state.params, is_leaf=is_placed)
+        P = dict(zip(names, p_leaves))
+        G = dict(tree.leaves_with_path(grads, is_leaf=is_placed))
+        mats = _matrix_info(P, self.topk_ratio)
+        selected, cols = dict(zs["selected"]), zs["cols"]
+        if set(selected) != set(mats) or any(selected[n].numel() != m.cols for n, m in mats.items()):
+            raise ConfigError("zenflow: the state's column selection does not match the parameters' matrices; "
+                              "place the state with the step that holds this zenflow")
+        host, buffer, pending = ost.host, ost.buffer, ost.pending
+        active = zs.get("pending")
 
+        # 0. overlap: the host update started at the last flush lands now, before any re-selection
+        if self.overlap and bool(active):
+            P, host = self._apply_pending(tx, P, G, mats, selected, host, pending, c - 1)
+            active = torch.zeros((), dtype=torch.bool)
+
+        # 1. selection: top-k columns by the L1 norm of this update's gradient; device moments restart
         if rel >= 0 and rel % self.select_interval == 0:
-            # moments migrate with their columns (both states get each column's current ones)
-            old_masks = {n: selected[n][None, :] for n in mats}
-            merged = _merge_mirrored(dev_opt, host_opt, old_masks, state.params)
-            dev_opt, host_opt = merged, _merge_mirrored(host_opt, merged, {}, state.params, take_b=True)
-            selected = {n: _col_mask(p, select_columns(g_by[n], num_selected(self.topk_ratio, p.shape[1])))
-                        for n, p in mats.items()}
-        masks = {n: selected[n][None, :] for n in mats}
-        partial = {n for n in mats if not bool(selected[n].all())}
+            selected = _select(mats, G, dev)
+            cols = tx.init({n: torch.zeros(m.rows, m.k, dtype=_data(P[n]).dtype, device=dev)
+                            for n, m in mats.items()})
+        sel = {n: selected[n].nonzero().flatten().tolist() for n in mats}
 
-        # device path: selected columns, every update
-        dev_grads = tree.map_with_path(
-            lambda path, g: torch.where(masks[path], g, torch.zeros((), dtype=g.dtype, device=g.device))
-            if path in partial else g, grads)
-        inp = state.replace(opt_state=dev_opt)
-        new = call_next(inp, dev_grads)
-        new_params = _keep_columns(new.params, state.params, masks, partial)
-        new_dev_opt = _keep_mirrored_columns(new.opt_state, dev_opt, masks, partial, state.params)
+        # 2. device path: the non-matrix parameters, and (after warm-up) the selected columns
+        new_P = dict(P)
+        dense = [n for n in names if n not in mats]
+        out, new_dense = optim_step(tx, {n: G[n] for n in dense}, _with_count(ost.dense, c), {n: P[n] for n in dense})
+        new_P.update(out)
+        new_cols = None
+        if rel >= 0:
+            gc, pc = _compact(mats, sel, G, P, dev)
+            new_cols, cols = optim_step(tx, gc, _with_count(cols, c), pc)
 
-        # host path: accumulate the other columns; apply their mean every update_interval updates
-        buffer = dict(zs["buffer"])
-        for n in partial:
-            g = g_by[n]
-            buffer[n] = buffer[n] + torch.where(masks[n], torch.zeros((), dtype=g.dtype, device=g.device),
-                                                g).to(buffer[n].dtype)
-        pending = zs.get("pending")
-        if rel >= 0 and (rel + 1) % self.update_interval == 0 and partial:
-            means = {n: buffer[n] / self.update_interval for n in buffer}
-            if self.overlap:
-                # start the host update now, apply it at the next update (one step behind)
-                pending = {"grads": means, "active": torch.ones((), dtype=torch.bool)}
-                self._start(state.tx, grads, means, host_opt, new_params)
-            else:
-                h_params, h_opt = _host_update(state.tx, grads, means, host_opt, new_params)
-                unsel = {n: ~m for n, m in masks.items()}
-                new_params = _keep_columns(h_params, new_params, unsel, partial, others=new_params)
-                host_opt = _keep_mirrored_columns(h_opt, host_opt, unsel, partial, state.params)
-            buffer = {n: torch.zeros_like(b) for n, b in buffer.items()}
+        # 3. host path: warm-up updates everything; then gradients accumulate, flushed every u updates
+        stage = _Staging()
+        host_out = None
+        if rel < 0:
+            hg = {n: _like(G[n], stage.to_host(_data(G[n]))) for n in mats}
+            hp = {n: _like(P[n], stage.to_host(_data(P[n]))) for n in mats}
+            stage.wait()
+            with self._host_ctx():
+                host_out, host = _host_update(tx, hg, host, hp, c)
+        else:
+            gh = {n: stage.to_host(_data(G[n])) for n in mats}
+            stage.wait()
+            buffer = {n: _like(b, _data(b) + gh[n]) for n, b in buffer.items()}
+            if (rel + 1) % self.update_interval == 0:
+                means = {n: _like(b, _data(b) / self.update_interval) for n, b in buffer.items()}
+                hp = {n: _like(P[n], stage.to_host(_data(P[n]))) for n in mats}
+                stage.wait()
+                buffer = {n: _like(b, torch.zeros_like(_data(b))) for n, b in buffer.items()}
+                if self.overlap:       # computed behind, applied at the start of the next update
+                    pending = {"grads": means, "params": hp}
+                    active = torch.ones((), dtype=torch.bool)
+                    self._start(tx, _cast_like(means, G), host, hp, c, (means, hp, host))
+                else:
+                    with self._host_ctx():
+                        host_out, host = _host_update(tx, _cast_like(means, G), host, hp, c)
 
-        new_zs = {"step": zs["step"] + 1, "selected": selected, "buffer": buffer, "host_opt": host_opt}
+        # 4. the matrices: host result in every column it covers, device result in the selected ones
+        for n, m in mats.items():
+            piece = _data(P[n])
+            base = None
+            if host_out is not None:
+                base = _own(_data(host_out[n]).to(piece.device, non_blocking=True), piece, hp[n])
+            if new_cols is not None and m.k:
+                if base is None:
+                    base = piece.clone(memory_format=torch.contiguous_format)
+                _scatter(base.view(-1), m.segs, sel[n], new_cols[n])
+            if base is not None:
+                new_P[n] = _like(P[n], base)
+
+        new_zs = {"step": zs["step"] + 1, "selected": selected, "cols": cols}
         if self.overlap:
-            new_zs["pending"] = pending
-        return new.replace(params=new_params, opt_state=new_dev_opt, extra={**new.extra, KEY: new_zs})
+            new_zs["pending"] = active
+        new_opt = ZenFlowState(dense=new_dense, host=host, buffer=buffer, pending=pending)
+        return state.replace(step=state.step + 1, params=tree.unflatten(spec, [new_P[n] for n in names]),
+                             opt_state=new_opt, extra={**state.extra, KEY: new_zs})
+
+    # -- host update: where it runs ------------------------------------------------------------------
+    def _offload(self):
+        from dsfn.transforms.offload import Offload
+        return next((t for t in active_stack() if isinstance(t, Offload)), None)
+
+    def _host_ctx(self):
+        """The host kernel choice: offload's when it is outside (its context is open, with its
+        NVMe plan and cores), else `host_kernel`."""
+        from dsfn.ops import dispatch
+        if self._offload() is not None:
+            return contextlib.nullcontext()
+        return dispatch.host_update(self.host_kernel)
 
     # -- overlap: the host update one step behind ---------------------------------------------------
-    def _start(self, tx, grads, means, host_opt, params) -> None:
+    def _start(self, tx, grads, host, params, count, inputs) -> None:
         import concurrent.futures
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsfn-zenflow")
-        self._job = ((means, host_opt, params),
-                     self._pool.submit(_host_update, tx, grads, means, host_opt, params))
+        off = self._offload()
+        kernel = (off.host_kernel, off.cores) if off is not None else (self.host_kernel, None)
+        self._job = (inputs, self._pool.submit(_host_update_thread, kernel, tx, grads, host, params, count))
 
-    def _apply_pending(self, state, zs, grads):
-        """Apply the host update started at the last flush (the worker's result when its
-        inputs are this state's, else recomputed here, e.g. after loading a checkpoint: the
-        same pure function of the same inputs, so the same result)."""
-        pend, host_opt = zs["pending"], zs["host_opt"]
+    def _apply_pending(self, tx, P, G, mats, selected, host, pending, count):
+        """Apply the host update started at the last flush: the worker's result when its
+        inputs are this state's (the same tensors), else recomputed here (e.g. after loading a
+        checkpoint: the same pure function of the same inputs, so the same result). Selected
+        columns keep their current values."""
         job, self._job = self._job, None
         result = None
         if job is not None:
-            (means, h_opt0, params0), fut = job
+            inputs, fut = job
             res = fut.result()
-            if h_opt0 is host_opt and _same(means, pend["grads"]) and _same(params0, state.params):
+            if _same(inputs, (pending["grads"], pending["params"], host)):
                 result = res
         if result is None:
-            result = _host_update(state.tx, grads, pend["grads"], host_opt, state.params)
-        h_params, h_opt = result
-        mats = _matrices(state.params)
-        unsel = {n: ~zs["selected"][n][None, :] for n in mats}
-        partial = {n for n in mats if not bool(zs["selected"][n].all())}
-        params = _keep_columns(h_params, state.params, unsel, partial, others=state.params)
-        host_opt = _keep_mirrored_columns(h_opt, host_opt, unsel, partial, state.params)
-        zs = {**zs, "host_opt": host_opt,
-              "pending": {"grads": {n: torch.zeros_like(b) for n, b in pend["grads"].items()},
-                          "active": torch.zeros((), dtype=torch.bool)}}
-        return state.replace(params=params), zs
+            with self._host_ctx():
+                result = _host_update(tx, _cast_like(pending["grads"], G), host, pending["params"], count)
+        host_out, host = result
+        P = dict(P)
+        for n, m in mats.items():
+            piece = _data(P[n])
+            base = _own(_data(host_out[n]).to(piece.device, non_blocking=True), piece, pending["params"][n])
+            if m.k:
+                idx = selected[n].nonzero().flatten().tolist()
+                keep = torch.zeros(m.rows, m.k, dtype=piece.dtype, device=piece.device)
+                _gather(piece.reshape(-1), m.segs, idx, keep)       # this piece's selected elements
+                _scatter(base.view(-1), m.segs, idx, keep)
+            P[n] = _like(P[n], base)
+        return P, host
 
 
 def zenflow(*args: Any, **kwargs: Any) -> ZenFlow:
     """`zenflow(topk_ratio=0.1, update_interval=4, select_interval=None, full_warm_up_rounds=0,
-    overlap=False)`;
-    see the module docstring (`select_interval=None` means `update_interval`)."""
+    overlap=False, host_kernel=True)`; see the module docstring (`select_interval=None` means
+    `update_interval`)."""
     return make_transform(ZenFlow, "zenflow", args, kwargs)
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def _host_update(tx, grads: Any, means: dict, host_opt: Any, params: Any) -> tuple[Any, Any]:
-    """The host path's optimizer step: the interval's mean gradient on the matrices, zero
-    elsewhere, on the host optimizer state (a pure function of its inputs)."""
+def _check_tx(tx: Any) -> None:
+    if tx is None:
+        raise ConfigError("zenflow: the state has no optimizer (tx); create it with TrainState.create or "
+                          "step.init_state(params, tx)")
+    from dsfn.optim.muon import MuonTransformation
+    if isinstance(tx, MuonTransformation):
+        raise ConfigError("zenflow runs the optimizer on column subsets and flat pieces of the matrices, where "
+                          "Muon's orthogonalisation is meaningless; use an elementwise optimizer (dsfn.optim.adamw, "
+                          "adam, sgd) with zenflow")
+
+
+def _data(x: Any) -> Any:
+    return x.data if isinstance(x, Placed) else x
+
+
+def _like(x: Any, data: torch.Tensor) -> Any:
+    """`data` in `x`'s layout (a plain tensor when `x` is one)."""
+    return Placed(data, x.layout) if isinstance(x, Placed) else data
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _update_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the update sees for a parameter of `dtype`: mixed precision's master dtype
+    when it is active outside zenflow (it hands zenflow the master weights)."""
+    from dsfn.transforms.precision import MixedPrecision
+    mp = next((t for t in active_stack() if isinstance(t, MixedPrecision) and t.active), None)
+    return mp.master_dtype if mp is not None else dtype
+
+
+def _with_count(opt_state: Any, count: int) -> Any:
+    """`opt_state` with every step count (the 0-dim int64 leaves: dsfn.optim's `count`) set to `count`."""
+    def put(x):
+        if isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype == torch.int64:
+            return torch.tensor(count, dtype=torch.int64, device=x.device)
+        return x
+    return tree.map(put, opt_state)
+
+
+def _cast_like(means: dict, grads: dict) -> dict:
+    """Accumulated means in the dtype of the gradients the optimizer is handed."""
+    return {n: _like(x, _data(x).to(_data(grads[n]).dtype)) for n, x in means.items()}
+
+
+def _host_update(tx, grads: dict, host: Any, params: dict, count: int) -> tuple[dict, Any]:
+    """The host path's optimizer step on the matrices (a pure function of its inputs)."""
     from dsfn.optim.base import step as optim_step
-    host_grads = tree.map_with_path(
-        lambda path, g: means[path].to(g.dtype) if path in means else torch.zeros_like(g), grads)
-    return optim_step(tx, host_grads, host_opt, params)
+    return optim_step(tx, grads, _with_count(host, count), params)
+
+
+def _host_update_thread(kernel, tx, grads, host, params, count):
+    """`_host_update` on the worker thread (the host-kernel choice is thread-local)."""
+    from dsfn.ops import dispatch
+    enabled, cores = kernel
+    with dispatch.host_update(enabled, cores=cores):
+        return _host_update(tx, grads, host, params, count)
+
+
+def _own(t: torch.Tensor, *inputs: Any) -> torch.Tensor:
+    """`t` as a contiguous tensor this update may write in place: copied if it is one of the
+    `inputs` (an optimizer may hand back an input it did not change)."""
+    if t.is_contiguous() and all(t is not _data(x) for x in inputs):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -303,60 +524,179 @@ def _same(a: Any, b: Any) -> bool:
     return len(la) == len(lb) and all(x is y for x, y in zip(la, lb))
 
 
+class _Staging:
+    """Device -> host copies of gradients and parameters: into pinned memory with
+    `non_blocking` on CUDA; `wait()` before the host reads them. Host tensors pass through."""
 
-def _matrices(params: Any) -> dict[str, torch.Tensor]:
-    return {n: p for n, p in tree.leaves_with_path(params)
-            if isinstance(p, torch.Tensor) and p.is_floating_point() and p.dim() == 2}
+    def __init__(self) -> None:
+        self._devices: set[torch.device] = set()
 
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu":
+            return t
+        pin = t.is_cuda
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        out.copy_(t, non_blocking=pin)
+        if pin:
+            self._devices.add(t.device)
+        return out
 
-def _acc_dtype(p: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(p.dtype, torch.float32)
-
-
-def _col_mask(p: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """[n_in] bool: True in the columns `idx`."""
-    m = torch.zeros(p.shape[1], dtype=torch.bool, device=p.device)
-    m[idx.to(p.device)] = True
-    return m
-
-
-def _keep_columns(new: Any, old: Any, masks: dict, partial: set, others: Any = None) -> Any:
-    """Matrices: `new` in the masked columns, `old` elsewhere; other leaves from `new`
-    (or from `others` when given)."""
-    def pick(path, n, o, x=None):
-        if path in partial:
-            return torch.where(masks[path], n, o)
-        return n if x is None else x
-    if others is None:
-        return tree.map_with_path(pick, new, old)
-    return tree.map_with_path(pick, new, old, others)
+    def wait(self) -> None:
+        for d in self._devices:
+            torch.cuda.current_stream(d).synchronize()
+        self._devices.clear()
 
 
-def _owner(path: str, x: Any, mats: dict[str, torch.Tensor]) -> str | None:
-    from dsfn.state.layout import mirrored_param
-    shape = tuple(x.shape) if isinstance(x, torch.Tensor) else None
-    return mirrored_param(path, shape, {name: tuple(m.shape) for name, m in mats.items()})
+# -- matrices, columns and pieces ------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Mat:
+    """A matrix parameter as this rank holds it: logical [rows, cols], `k` selected columns,
+    the local piece as row segments `(offset in the flat piece, first row, rows, first col,
+    end col)` (a whole-row block, or part of one row), and the mesh axes (of size > 1) the
+    piece is split over (its column sums and compact columns are summed over them)."""
+    rows: int
+    cols: int
+    k: int
+    segs: tuple
+    axes: tuple
 
 
-def _keep_mirrored_columns(new: Any, old: Any, masks: dict, partial: set, params: Any) -> Any:
-    """Optimizer-state leaves mirroring a (partially selected) matrix: `new` in its masked
-    columns, `old` elsewhere; every other leaf (counts, lr, other params' leaves) from `new`."""
-    mats = {n: p for n, p in _matrices(params).items() if n in partial}
-
-    def pick(path, n, o):
-        owner = _owner(path, n, mats)
-        return torch.where(masks[owner], n, o) if owner is not None else n
-    return tree.map_with_path(pick, new, old)
+def _base_layout(x: Any):
+    if not isinstance(x, Placed):
+        return Replicated(tuple(x.shape))
+    layout = x.layout
+    while isinstance(layout, Offloaded):
+        layout = layout.inner
+    return layout
 
 
-def _merge_mirrored(a: Any, b: Any, masks: dict, params: Any, take_b: bool = False) -> Any:
-    """Leaves of `a` mirroring a matrix: `where(mask, a, b)` (or `b` whole with `take_b`);
-    other leaves of `a` unchanged."""
-    mats = _matrices(params)
+def _matrix_info(P: dict, topk_ratio: float) -> dict[str, _Mat]:
+    """The matrices among the parameters: floating, logical dim 2, not empty."""
+    mesh = current_mesh()
+    out = {}
+    for n, x in P.items():
+        d = _data(x)
+        if not isinstance(d, torch.Tensor) or not d.is_floating_point():
+            continue
+        layout = _base_layout(x)
+        shape = tuple(getattr(layout, "shape", ()))
+        if len(shape) != 2 or 0 in shape:
+            continue
+        rows, cols = shape
+        runs = layout.runs(mesh) if isinstance(x, Placed) else [(0, rows * cols, 0)]
+        axes = tuple(a for a in layout.axes() if mesh.size(a) > 1)
+        out[n] = _Mat(rows, cols, num_selected(topk_ratio, cols), tuple(_segments(runs, cols)), axes)
+    return out
 
-    def pick(path, x, y):
-        owner = _owner(path, x, mats)
-        if owner is None:
-            return x
-        return y if take_b else torch.where(masks[owner], x, y)
-    return tree.map_with_path(pick, a, b)
+
+def _segments(runs, n: int) -> list[tuple[int, int, int, int, int]]:
+    """Runs of the row-major flattened [rows, n] matrix -> row segments (see `_Mat`): a run
+    starting or ending inside a row gives a one-row segment for that part."""
+    segs = []
+    for start, length, off in runs:
+        pos, end = start, start + length
+        while pos < end:
+            r, col = divmod(pos, n)
+            if col or end - pos < n:
+                stop = min(n, col + end - pos)
+                segs.append((off + pos - start, r, 1, col, stop))
+                pos += stop - col
+            else:
+                nr = (end - pos) // n
+                segs.append((off + pos - start, r, nr, 0, n))
+                pos += nr * n
+    return segs
+
+
+def _block(flat: torch.Tensor, seg) -> torch.Tensor:
+    off, _, nr, c0, c1 = seg
+    return flat[off:off + nr * (c1 - c0)].view(nr, c1 - c0)
+
+
+def _col_l1(flat: torch.Tensor, segs) -> list[tuple[int, int, torch.Tensor]]:
+    """This piece's per-column float64 sums of |x|: (first col, end col, sums) per segment."""
+    return [(seg[3], seg[4], _block(flat, seg).abs().sum(0, dtype=torch.float64)) for seg in segs]
+
+
+def _gather(flat: torch.Tensor, segs, sel: list[int], out: torch.Tensor) -> None:
+    """Write this piece's elements of the selected columns `sel` (sorted) into `out`, the
+    [rows, k] compact matrix (its other rows untouched)."""
+    for seg in segs:
+        _, r0, nr, c0, c1 = seg
+        i0, i1 = bisect.bisect_left(sel, c0), bisect.bisect_left(sel, c1)
+        if i1 > i0:
+            idx = torch.tensor(sel[i0:i1], dtype=torch.int64, device=flat.device) - c0
+            out[r0:r0 + nr, i0:i1] = _block(flat, seg).index_select(1, idx).to(out.device)
+
+
+def _scatter(flat: torch.Tensor, segs, sel: list[int], src: torch.Tensor) -> None:
+    """Inverse of `_gather`, in place on `flat` (a tensor this update allocated): the
+    selected elements of this piece from the compact [rows, k] `src`."""
+    src = src.to(device=flat.device, dtype=flat.dtype)
+    for seg in segs:
+        _, r0, nr, c0, c1 = seg
+        i0, i1 = bisect.bisect_left(sel, c0), bisect.bisect_left(sel, c1)
+        if i1 > i0:
+            idx = torch.tensor(sel[i0:i1], dtype=torch.int64, device=flat.device) - c0
+            _block(flat, seg).index_copy_(1, idx, src[r0:r0 + nr, i0:i1])
+
+
+def _all_reduce_groups(tensors: dict[str, torch.Tensor], mats: dict[str, _Mat]) -> dict[str, torch.Tensor]:
+    """Sum each tensor over the axes its matrix's piece is split over: one all-reduce per
+    (axes, dtype) group, of the concatenated tensors. Unsplit ones come back as they are."""
+    groups: dict[tuple, list[str]] = {}
+    for n, x in tensors.items():
+        if mats[n].axes:
+            groups.setdefault((mats[n].axes, x.dtype), []).append(n)
+    out = dict(tensors)
+    for (axes, _), ns in groups.items():
+        flat = torch.cat([tensors[n].reshape(-1) for n in ns])
+        for a in axes:
+            C.all_reduce_(flat, a, "sum")
+        for n, part in zip(ns, flat.split([tensors[n].numel() for n in ns])):
+            out[n] = part.view(tensors[n].shape)
+    return out
+
+
+def _top_k(importance: torch.Tensor, k: int) -> torch.Tensor:
+    """[n] bool: True in the `k` largest entries, ties to the lower index (a stable sort)."""
+    mask = torch.zeros(importance.numel(), dtype=torch.bool)
+    if k:
+        mask[torch.sort(importance, descending=True, stable=True).indices[:k]] = True
+    return mask
+
+
+def _select(mats: dict[str, _Mat], G: dict, dev: torch.device) -> dict[str, torch.Tensor]:
+    """Each matrix's selection mask: the top-k columns by L1 norm of the (whole, reduced)
+    gradient; a split piece's partial column sums are summed over its axes first."""
+    sums = {}
+    for n, m in mats.items():
+        if not m.k:
+            continue
+        g = _data(G[n])
+        v = torch.zeros(m.cols, dtype=torch.float64, device=g.device)
+        for c0, c1, part in _col_l1(g.reshape(-1), m.segs):
+            v[c0:c1] += part
+        sums[n] = v.to(dev)
+    sums = _all_reduce_groups(sums, mats)
+    return {n: _top_k(sums[n].cpu(), m.k) if m.k else torch.zeros(m.cols, dtype=torch.bool)
+            for n, m in mats.items()}
+
+
+def _compact(mats: dict[str, _Mat], sel: dict[str, list[int]], G: dict, P: dict,
+             dev: torch.device) -> tuple[dict, dict]:
+    """The selected columns of every matrix's gradient and parameter, whole ([rows, k], on
+    the device path's device): each rank contributes its piece's elements and -0.0 elsewhere,
+    and a split matrix's compacts are summed over its axes. The sum is exact, the sign of a
+    zero included, because -0.0 is the additive identity of IEEE floats (+0.0 is not: -0.0 +
+    +0.0 = +0.0), so ZeRO gives the whole-gradient update bit for bit."""
+    gc, pc = {}, {}
+    for n, m in mats.items():
+        for src, out in ((G, gc), (P, pc)):
+            x = _data(src[n])
+            buf = torch.full((m.rows, m.k), -0.0, dtype=x.dtype, device=x.device)
+            _gather(x.reshape(-1), m.segs, sel[n], buf)
+            out[n] = buf.to(dev, non_blocking=True)
+    both = _all_reduce_groups({**{("g", n): v for n, v in gc.items()}, **{("p", n): v for n, v in pc.items()}},
+                              {**{("g", n): m for n, m in mats.items()}, **{("p", n): m for n, m in mats.items()}})
+    return ({n: both[("g", n)] for n in gc}, {n: both[("p", n)] for n in pc})
