@@ -28,6 +28,10 @@ for "nvme" a *new* file, pre-allocated before the update runs, so a full disk ra
 Functional contract: no leaf of an input state is ever written. With "nvme" each step's
 state has its own file; the previous state remains valid while referenced and its disk
 space returns when it is freed (two states' worth of disk at the step boundary).
+Only AdamW in the host kernel streams its results straight into the new file sub-group by
+sub-group; other optimizers, `host_kernel=False` and the parameter shards of `params=True`
+build the new values in ordinary memory first and are then copied into the file (resident
+memory then peaks at one state's worth during the update).
 
 The host update runs AdamW in the fused, multi-threaded C++ kernel (`dsfn.ops.cpu_adam`,
 `host_kernel=True`, the default; DeepSpeed's CPU Adam): moments bitwise torch's, params

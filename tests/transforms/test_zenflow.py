@@ -300,11 +300,24 @@ def test_offload_moves_the_host_state_and_changes_nothing(where, tmp_path):
 _ZB = regression_batches(4, 8, 5, 3, seed=3)
 
 
-def _zero_rank_run(outer):
+def _zero_rank_run(outer, overlap=False):
     """Train the MLP with `outer() + [zenflow]`; the final logical state (no tx) and the losses."""
     res = run_training(lambda: make_mlp(SIZES, 0), ADAMW, _ZB,
-                       list(outer()) + [zenflow(topk_ratio=0.3, update_interval=2, host_kernel=False)])
+                       list(outer()) + [zenflow(topk_ratio=0.3, update_interval=2, host_kernel=False,
+                                                overlap=overlap)])
     return res.losses, res.state.replace(tx=None)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_overlap_under_zero_equals_overlap_under_data_parallel(stage):
+    """overlap=True (the host flush one step behind) under ZeRO on 2 ranks is bitwise the same
+    schedule under data_parallel: the worker sees each rank's piece of the same mean gradient."""
+    dp = run_on_ranks(_zero_rank_run, 2, lambda: [data_parallel()], True, timeout=120)
+    got = run_on_ranks(_zero_rank_run, 2, lambda: [shard_zero(stage)], True, timeout=120)
+    for r, ((losses, state), (dlosses, dstate)) in enumerate(zip(got, dp)):
+        assert losses == dlosses, r
+        assert_trees_equal(state.params, dstate.params, msg=f"rank {r}")
+        assert_trees_equal(state.opt_state, dstate.opt_state, msg=f"rank {r}")
 
 
 @functools.lru_cache(maxsize=None)
