@@ -18,6 +18,7 @@ from dsfn.checkpoint.errors import CheckpointError
 from dsfn.checkpoint.host_cache import ALIGN, HostCache
 from dsfn.errors import ConfigError
 from dsfn.testing.models import make_mlp, regression_batches
+from dsfn.testing.reference import train_step_for
 from dsfn.transforms import async_checkpoint
 
 
@@ -114,11 +115,7 @@ def test_tied_tensor_is_copied_once():
 
 def test_transform_with_copy_capture_equals_sync_engine(tmp_path):
     apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 3], 0))
-
-    def train_step(state, batch):
-        loss, g = dsfn.value_and_grad(
-            lambda p, b: torch.nn.functional.mse_loss(apply_fn(p, b["x"]), b["y"]))(state.params, batch)
-        return state.apply_gradients(g), {"loss": loss}
+    train_step = train_step_for(apply_fn)
 
     batches = regression_batches(4, 8, 6, 3, seed=2)
     dirs = {}
@@ -163,11 +160,7 @@ def test_staging_does_not_wait_for_the_writer(tmp_path):
 def test_transform_stores_user_data_of_each_save(tmp_path):
     """`user_data(state)` runs at each save; the manifest of that step holds its result."""
     apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 3], 0))
-
-    def train_step(state, batch):
-        loss, g = dsfn.value_and_grad(
-            lambda p, b: torch.nn.functional.mse_loss(apply_fn(p, b["x"]), b["y"]))(state.params, batch)
-        return state.apply_gradients(g), {"loss": loss}
+    train_step = train_step_for(apply_fn)
 
     position = {"batch": 0}
     ckpt = async_checkpoint(tmp_path, every=2, user_data=lambda s: {"batch": position["batch"], "step": int(s.step)})
