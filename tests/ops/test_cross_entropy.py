@@ -27,7 +27,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dsfn.errors import ConfigError, LeafTypeError, ShapeError
@@ -98,6 +98,7 @@ def _check_against_reference(fn, c, device="cpu"):
     assert got[0].dtype == torch.float32 and got[0].device == h.device
     assert got[0].shape == want[0].shape
     names = ["loss", "grad hidden", "grad weight", "grad bias"]
+    terms = _abs_term_scales(h, w, b, y, go, c)
     for name, a, r in zip(names, got, want):
         if c["dtype"] == torch.float32:
             torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, equal_nan=True,
@@ -109,9 +110,25 @@ def _check_against_reference(fn, c, device="cpu"):
                 torch.testing.assert_close(a, r, rtol=2e-2, atol=2e-2, equal_nan=True,
                                            msg=lambda m, name=name: f"{name}: {m}")
             elif r.numel():
-                err, scale = (a - r).abs().max().item(), r.abs().max().item()
-                assert err <= 2e-2 * scale + 1e-6, f"{name}: max error {err:.3g}, max |ref| {scale:.3g}"
+                # bf16 rounding errors scale with the sum of |terms| of each gradient entry, which
+                # cancellation can make far larger than the entry itself (e.g. d = 1, few tokens)
+                err, scale = (a - r).abs().max().item(), max(r.abs().max().item(), terms[name])
+                assert err <= 2e-2 * scale + 1e-6, f"{name}: max error {err:.3g}, scale {scale:.3g}"
     return got
+
+
+def _abs_term_scales(h, w, b, y, go, c):
+    """{grad name: max over entries of the sum of |terms| that make it}: |dlogits| @ |W| for the
+    hidden gradient, |dlogits|^T @ |h| for the weight's, sum |dlogits| for the bias'."""
+    logits = (h.float() @ w.float().T + (b.float() if b is not None else 0.0)).detach().requires_grad_()
+    F.cross_entropy(logits, y, ignore_index=c["ignore_index"], label_smoothing=c["label_smoothing"],
+                    reduction=c["reduction"]).backward(go)
+    dl = logits.grad.abs()
+
+    def top(t):
+        return t.max().item() if t.numel() else 0.0
+    return {"grad hidden": top(dl @ w.float().abs()), "grad weight": top(dl.T @ h.float().abs()),
+            "grad bias": top(dl.sum(0))}
 
 
 @settings(max_examples=100, deadline=None)
@@ -121,6 +138,8 @@ def test_torch_tiled_matches_cross_entropy(c):
 
 
 @settings(max_examples=25 if ON_CUDA else 60, deadline=None)
+@example(c={"n": 1, "d": 1, "v": 51, "tile": 4, "ignore_index": -100, "ignored": 0.0, "label_smoothing": 0.0,
+            "reduction": "mean", "bias": True, "dtype": torch.bfloat16, "seed": 0}, blocks=(64, 2048))
 @given(cases, st.sampled_from([(64, 2048), (4, 16), (2, 4)]))
 def test_triton_matches_cross_entropy(device, c, blocks):
     """blocks: the interpreter's largest (BLOCK_M, BLOCK_V); small ones make several
