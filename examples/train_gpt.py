@@ -5,12 +5,19 @@
     python examples/train_gpt.py --model tiny --steps 50
     python -m dsfn.launch --nproc 2 examples/train_gpt.py   # or torchrun: ranks started outside
     python examples/train_gpt.py --steps 400 --resume # continue from the last checkpoint
+    python examples/train_gpt.py --zero 3 --offload nvme --zenflow   # ZeRO-3, state in files, ZenFlow
 
 The model sees bytes (vocab 256) of the stdlib's *.py files (see `corpus.py`); the last
 5% of the files are held out for validation. The training step is written once, for
 one device, and `dsfn.compose(data_parallel())` runs it on every rank: each rank takes
 its rows of the global batch, gradients are averaged over ranks, metrics come back
 averaged.
+
+Other stacks: `--zero N` shards with `shard_zero(N)` instead of `data_parallel()`, `--offload
+cpu|nvme` keeps the optimizer state in host memory or in files under OUT/nvme (the update
+runs on the host), `--zenflow` adds ZenFlow's selective updates (top 10% of columns on the
+device every step, the rest from the host every 4 steps); with it the gradient clipping
+moves from the optimizer to the `clip_grad_norm` transform, which sees the whole gradient.
 
 Checkpoints: `async_checkpoint` saves the whole training state (params, AdamW moments,
 step, every rank's RNG) to --out/ckpt every --ckpt-every steps in the background, keeping
@@ -44,7 +51,7 @@ import torch
 import dsfn
 from dsfn.models import GPT, GPTConfig, generate, gpt_loss
 from dsfn import checkpoint
-from dsfn.transforms import async_checkpoint, data_parallel
+from dsfn.transforms import async_checkpoint, clip_grad_norm, data_parallel, offload, shard_zero, zenflow
 
 DEFAULTS: dict[str, Any] = dict(
     model="small",
@@ -63,6 +70,9 @@ DEFAULTS: dict[str, Any] = dict(
     temperature=0.8,      # 0 = greedy; a small model's greedy text soon loops on one phrase
     ckpt_every=50,        # 0 = no checkpoints
     resume=False,
+    zero=0,               # 0: data_parallel(); 1-3: shard_zero(N)
+    offload="none",       # "cpu" | "nvme": optimizer state on the host / in files
+    zenflow=False,
 )
 
 
@@ -74,7 +84,8 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
          eval_batches: int = DEFAULTS["eval_batches"], prompt: str = DEFAULTS["prompt"],
          sample_tokens: int = DEFAULTS["sample_tokens"],
          temperature: float = DEFAULTS["temperature"], ckpt_every: int = DEFAULTS["ckpt_every"],
-         resume: bool = DEFAULTS["resume"], progress: bool = True, verbose: bool = True) -> dict[str, Any]:
+         resume: bool = DEFAULTS["resume"], zero: int = DEFAULTS["zero"], offload: str = DEFAULTS["offload"],
+         zenflow: bool = DEFAULTS["zenflow"], progress: bool = True, verbose: bool = True) -> dict[str, Any]:
     """Train, write metrics.jsonl / loss.png / summary.json under `out`, return the summary.
 
     `batch_size` is the global batch (sequences per step, over all ranks); it must be a
@@ -85,6 +96,10 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0 (data_parallel) or a ZeRO stage 1-3, got {zero}")
+    if offload not in ("none", "cpu", "nvme"):
+        raise ValueError(f"offload must be 'none', 'cpu' or 'nvme', got {offload!r}")
     if ckpt_every < 0:
         raise ValueError(f"ckpt_every must be >= 0 (0 = no checkpoints), got {ckpt_every}")
     if resume and checkpoint.latest_step(Path(out) / "ckpt") is None:
@@ -107,6 +122,7 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
                lr=lr, warmup=warmup, weight_decay=weight_decay, seed=seed, out=str(out),
                eval_batches=eval_batches, prompt=prompt, sample_tokens=sample_tokens,
                temperature=temperature, ckpt_every=ckpt_every, resume=resume,
+               zero=zero, offload=offload, zenflow=zenflow,
                progress=progress, corpus_bytes=len(data))
 
     result = runner.launch(_train, train_data, val_data, run, launched)
@@ -117,7 +133,7 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
                          summarize=_summary, report=format_summary, verbose=verbose)
 
 
-def make_optimizer(lr: float, warmup: int, steps: int, weight_decay: float) -> Any:
+def make_optimizer(lr: float, warmup: int, steps: int, weight_decay: float, clip: bool = True) -> Any:
     """Clip the global gradient norm to 1, then AdamW (betas 0.9/0.95, the usual GPT choice).
 
     The lr follows DeepSpeed's WarmupCosineLR: linear warmup over `warmup` steps to `lr`, then
@@ -125,8 +141,8 @@ def make_optimizer(lr: float, warmup: int, steps: int, weight_decay: float) -> A
     """
     schedule = dsfn.optim.WarmupCosineLR(base_lr=lr, total_num_steps=steps, warmup_num_steps=warmup,
                                          warmup_type="linear", cos_min_ratio=0.1)
-    return dsfn.optim.chain(dsfn.optim.clip_by_global_norm(1.0),
-                            dsfn.optim.adamw(lr=schedule, betas=(0.9, 0.95), weight_decay=weight_decay))
+    adamw = dsfn.optim.adamw(lr=schedule, betas=(0.9, 0.95), weight_decay=weight_decay)
+    return dsfn.optim.chain(dsfn.optim.clip_by_global_norm(1.0), adamw) if clip else adamw
 
 
 def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]) -> dict[str, Any]:
@@ -139,7 +155,8 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
     rank = dsfn.runtime.rank()
     model = GPT(cfg, seed=run["seed"])
     apply_fn, params = dsfn.functionalize(model)
-    tx = make_optimizer(run["lr"], run["warmup"], run["steps"], run["weight_decay"])
+    # zenflow's optimizer sees column compacts and host pieces: the clip goes into the stack
+    tx = make_optimizer(run["lr"], run["warmup"], run["steps"], run["weight_decay"], clip=not run["zenflow"])
     state = dsfn.TrainState.create(params, tx=tx, seed=run["seed"])
 
     def loss_fn(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -152,7 +169,7 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
 
     ckpt_dir = Path(run["out"]) / "ckpt"
     ckpt = async_checkpoint(ckpt_dir, every=run["ckpt_every"], keep=2) if run["ckpt_every"] else None
-    step = dsfn.compose(*([ckpt] if ckpt else []), data_parallel())(train_step)
+    step = dsfn.compose(*([ckpt] if ckpt else []), *stack_of(run))(train_step)
     state = step.place(state)
     first = 0
     if run["resume"]:
@@ -178,8 +195,27 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
     prompt = corpus.encode(run["prompt"])[None]          # [1, T0]
     sample = generate(logits_fn, prompt, run["sample_tokens"], cfg.seq_len, temperature=run["temperature"],
                       generator=torch.Generator().manual_seed(run["seed"]))
-    return {"train_s": train_s, "val_loss": val_loss, "sample": corpus.decode(sample[0]),
+    return {"train_s": train_s, "val_loss": val_loss, "sample": corpus.decode(sample[0]), "stack": _stack_name(run),
             "num_params": sum(p.numel() for p in params.values())}
+
+
+def stack_of(run: dict[str, Any]) -> list[Any]:
+    """The transforms --zero / --offload / --zenflow ask for, in dsfn's canonical order."""
+    stack: list[Any] = [shard_zero(run["zero"]) if run["zero"] else data_parallel()]
+    if run["offload"] != "none":
+        stack.append(offload(run["offload"], path=Path(run["out"]) / "nvme") if run["offload"] == "nvme"
+                     else offload("cpu"))
+    if run["zenflow"]:
+        stack += [clip_grad_norm(1.0), zenflow(topk_ratio=0.1, update_interval=4)]
+    return stack
+
+
+def _stack_name(run: dict[str, Any]) -> str:
+    """`stack_of(run)` in words (without making the transforms)."""
+    names = [f"shard_zero({run['zero']})" if run["zero"] else "data_parallel"]
+    names += [f"offload({run['offload']})"] if run["offload"] != "none" else []
+    names += ["clip_grad_norm", "zenflow"] if run["zenflow"] else []
+    return " + ".join(names)
 
 
 def _title(cfg: GPTConfig, model: str, world_size: int, batch_size: int) -> str:
@@ -192,6 +228,7 @@ def _summary(result: dict[str, Any], metrics: list[dict[str, Any]], run: dict[st
     tokens = run["steps"] * run["batch_size"] * run["cfg"].seq_len
     return {
         "model": run["model"], "num_params": result["num_params"], "world_size": run["world_size"],
+        "stack": result["stack"],
         "steps": run["steps"], "global_batch": run["batch_size"], "seq_len": run["cfg"].seq_len,
         "corpus_bytes": run["corpus_bytes"],
         **runner.loss_stats(metrics), "val_loss": result["val_loss"],
@@ -205,7 +242,7 @@ def _summary(result: dict[str, Any], metrics: list[dict[str, Any]], run: dict[st
 def format_summary(s: dict[str, Any]) -> str:
     """The end-of-run report printed by `main`."""
     header = (f"== train_gpt: '{s['model']}' GPT, {s['num_params'] / 1e6:.2f}M params, "
-              f"{s['world_size']} rank(s) with data_parallel, {s['steps']} steps of "
+              f"{s['world_size']} rank(s) with {s['stack']}, {s['steps']} steps of "
               f"{s['global_batch']}x{s['seq_len']} tokens")
     files = (f"  files       {Path(s['files']['metrics.jsonl']).parent}/{{metrics.jsonl, loss.png, summary.json}}"
              + (f"; checkpoints in {s['files']['ckpt']} (--resume continues)" if "ckpt" in s["files"] else ""))
@@ -236,6 +273,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in OUT/ckpt up to --steps%(default).0s")
     # "%(default).0s" prints nothing; it stops the formatter adding a confusing "(default: True)".
+    p.add_argument("--zero", type=int, default=DEFAULTS["zero"], choices=(0, 1, 2, 3),
+                   help="0: data_parallel(); 1-3: shard_zero(N) (ZeRO stage)")
+    p.add_argument("--offload", default=DEFAULTS["offload"], choices=("none", "cpu", "nvme"),
+                   help="optimizer state and master weights in host memory or in files under OUT/nvme")
+    p.add_argument("--zenflow", action="store_true",
+                   help="ZenFlow selective updates (top 10%% columns on the device, the rest every 4 steps)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="hide the progress bar%(default).0s")
     return p.parse_args(argv)

@@ -131,3 +131,21 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
                                                                                 "step_00000006"]
     with pytest.raises(ValueError, match="no checkpoint"):
         train_gpt.main(steps=6, out=tmp_path / "fresh", resume=True, **kw)
+
+
+def test_zero_offload_zenflow_stack_trains_comparably(tmp_path: Path) -> None:
+    """`--zero 2 --offload nvme --zenflow` on 2 ranks: the same example, another stack. ZenFlow
+    defers 90% of each matrix's columns to a host update every 4 steps, so it starts slower;
+    over 200 steps its held-out loss ends within 0.35 of data-parallel AdamW's (measured: 2.51
+    vs 2.29), and the state files are gone afterwards."""
+    kw = dict(model="tiny", steps=200, world_size=2, batch_size=16, max_bytes=1_000_000, eval_batches=4,
+              sample_tokens=4, ckpt_every=0, progress=False, verbose=False)
+    plain = train_gpt.main(out=tmp_path / "plain", **kw)
+    zf = train_gpt.main(out=tmp_path / "zf", zero=2, offload="nvme", zenflow=True, **kw)
+    assert zf["stack"] == "shard_zero(2) + offload(nvme) + clip_grad_norm + zenflow"
+    assert plain["stack"] == "data_parallel"
+    assert zf["val_loss"] < zf["initial_loss"] - 2.0
+    assert zf["val_loss"] <= plain["val_loss"] + 0.35, (zf["val_loss"], plain["val_loss"])
+    assert not any((tmp_path / "zf" / "nvme").rglob("*.bin"))
+    with pytest.raises(ValueError, match="zero"):
+        train_gpt.main(out=tmp_path / "bad", zero=4, **kw)
