@@ -356,13 +356,16 @@ def _assemble(path: str, desc: dict, region: F.Region, shape: tuple[int, ...], d
         if s.get("kind") == "layout" and layout is None:
             layout = _saved_layout(path, desc)
         src = _stored_region(path, desc, s, mesh, layout)
+        overlaps = list(_overlaps(_runs(region, shape, extent), _runs(src, shape)))
+        if not overlaps:
+            continue                  # another rank's slice: its file is not even opened
         fh = reader.get(s["file"])
         sdtype, sshape = fh.info(path)
         if sdtype != dtype or tuple(sshape) != _stored_shape(src, shape):
             raise CheckpointError(f"checkpoint file {s['file']}: tensor {path!r} is {sdtype} {tuple(sshape)} but the "
                                   f"manifest describes a {dtype} {_stored_shape(src, shape)} slice; the checkpoint "
                                   "is corrupt")
-        for so, do, n in _overlaps(_runs(region, shape, extent), _runs(src, shape)):
+        for so, do, n in overlaps:
             fh.read_into(path, so, flat[do:do + n])
             got += n
     if got != need:

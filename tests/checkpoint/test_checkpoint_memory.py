@@ -126,3 +126,32 @@ def test_export_peak_is_one_tensor_plus_one_slice(saved, tmp_path):
     got = load_file(str(tmp_path / "model.safetensors"))
     want = _logical()
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _files_opened(root):
+    """Load into this rank's flat shards; the data files the load opened."""
+    from dsfn.checkpoint import reader
+    init_mesh()
+    like = _placed({k: torch.zeros(s) for k, s in SHAPES.items()}, "flat")
+    opened = set()
+    real = reader._Reader.get
+
+    def get(self, name):
+        opened.add(name)
+        return real(self, name)
+    reader._Reader.get = get
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ck.load(root, like)
+    finally:
+        reader._Reader.get = real
+    return sorted(opened)
+
+
+def test_load_opens_only_the_files_holding_its_slices(saved):
+    """2-rank flat shards loaded at world 4: ranks 0-1 need only rank 0's half, ranks 2-3 rank 1's;
+    the other file is not even opened (its header is not read)."""
+    root, _ = saved
+    for rank, opened in enumerate(run_on_ranks(_files_opened, 4, root, timeout=120)):
+        assert opened == [f"rank_{rank // 2:05d}.safetensors"], (rank, opened)
