@@ -256,3 +256,38 @@ def test_writer_thread_yields_the_cpu_to_training(tmp_path, monkeypatch):
     saver.wait()
     assert seen == [min(19, base + 10)]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
+
+
+def test_disk_full_midway_through_a_file_fails_that_save_and_keeps_the_previous(tmp_path, monkeypatch):
+    """ENOSPC after part of the rank file reached the disk: the background save fails loudly,
+    `latest` still names the previous step, which verifies and loads; the next save removes
+    the torn temporary directory."""
+    from dsfn.checkpoint import sfio
+    real = sfio._write_all
+    calls = {"n": 0, "fail": False}
+
+    def full_disk(fd, mv):
+        calls["n"] += 1
+        if calls["fail"]:                  # half of this write reaches the disk, then the disk is full
+            real(fd, mv[:len(mv) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+        return real(fd, mv)
+    monkeypatch.setattr(sfio, "_write_all", full_disk)
+    t = async_checkpoint(tmp_path, every=2)
+    step, state = _make([t])
+    state, *_ = _train(step, state, BATCHES[:2])
+    t.wait()
+    good = tree.map(torch.clone, state.replace(tx=None))
+    calls.update(n=0, fail=True)
+    state, *_ = _train(step, state, BATCHES[2:4])             # step 4's save runs out of space
+    with pytest.raises(ck.CheckpointError, match="No space left"):
+        t.wait()
+    assert calls["n"] >= 1
+    assert ck.latest_step(tmp_path) == 2 and ck.verify(tmp_path) == []
+    _, like = _make([])
+    assert _equal(ck.load(tmp_path, like).replace(tx=None), good)
+    assert any(n.startswith(".tmp_step_00000004") for n in os.listdir(tmp_path))
+    calls["fail"] = False
+    state, *_ = _train(step, state, BATCHES[4:6])
+    t.wait()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_00000002", "step_00000006"]
