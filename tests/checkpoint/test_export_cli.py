@@ -141,6 +141,18 @@ def test_cli_inspect(sharded):
     assert row.split() == ["params.layers.0.weight", "10x6", "float32", "FlatShard"]
 
 
+def test_installed_dsfn_command_is_the_same_cli(sharded):
+    """The `dsfn` console script that `pip install` puts next to the interpreter runs the
+    same CLI as `python -m dsfn.cli`."""
+    import os
+    exe = os.path.join(os.path.dirname(sys.executable), "dsfn")
+    assert os.access(exe, os.X_OK), f"{exe}: the package's console script is not installed"
+    d, _ = sharded[False]
+    r = subprocess.run([exe, "ckpt", "inspect", str(d)], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == _cli("ckpt", "inspect", d, check=0).stdout
+
+
 def test_cli_export(sharded, tmp_path):
     from safetensors.torch import load_file
     d, params = sharded[False]
