@@ -20,6 +20,17 @@ import dsfn
 from dsfn.models import gpt_loss
 
 
+def add_optim_and_data_args(p: Any, defaults: dict[str, Any]) -> None:
+    """The examples' shared flags: --lr, --warmup, --weight-decay, --seed, --out, --max-bytes
+    (defaults from the example's DEFAULTS)."""
+    p.add_argument("--lr", type=float, default=defaults["lr"], help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=defaults["warmup"], help="linear warmup steps")
+    p.add_argument("--weight-decay", type=float, default=defaults["weight_decay"], help="AdamW weight decay")
+    p.add_argument("--seed", type=int, default=defaults["seed"], help="model init, data order and sample")
+    p.add_argument("--out", default=defaults["out"], help="output directory")
+    p.add_argument("--max-bytes", type=int, default=defaults["max_bytes"], help="corpus size cap")
+
+
 def launch(train_fn: Callable[..., dict[str, Any]], train_data: torch.Tensor, val_data: torch.Tensor,
            run: dict[str, Any], launched: bool) -> dict[str, Any]:
     """Run `train_fn(train_data, val_data, run)` on run["world_size"] ranks; return rank 0's result.

@@ -343,12 +343,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sequence length, also the config's max_position_embeddings (None: the preset's)")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
                    help="global batch in sequences (split over dp)")
-    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="linear warmup steps")
-    p.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"], help="AdamW weight decay")
-    p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="model init, data order and sample")
-    p.add_argument("--out", default=DEFAULTS["out"], help="output directory")
-    p.add_argument("--max-bytes", type=int, default=DEFAULTS["max_bytes"], help="corpus size cap")
+    runner.add_optim_and_data_args(p, DEFAULTS)
     p.add_argument("--eval-batches", type=int, default=DEFAULTS["eval_batches"],
                    help="validation batches at the end")
     p.add_argument("--prompt", default=DEFAULTS["prompt"], help="prompt of the generated sample")

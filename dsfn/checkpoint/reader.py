@@ -88,8 +88,11 @@ def load(path: str | os.PathLike, like: Any, strict: bool = True, verify: bool =
                 raise CheckpointError(f"leaf {leaf!r} names file {s['file']!r}, which the manifest does not list")
         _check_layout_slices(leaf, desc, manifest.raw.get("mesh"))
         plans.append((leaf, x, region, shape))
+    rng_entry = ((manifest.raw.get("rng") or {}).get(str(env.rank()))
+                 if restore_rng and manifest.world_size == env.world_size() else None)   # what read_rng reads
     _check_files_present(manifest, {s["file"] for leaf, _, region, _ in plans if region is not None
-                                    for s in saved[leaf]["slices"]})
+                                    for s in saved[leaf]["slices"]}
+                         | ({rng_entry["file"]} if rng_entry else set()))
 
     reader = _Reader(manifest, verify)
     try:
@@ -166,18 +169,17 @@ def _check_files_present(manifest: F.Manifest, names: set[str]) -> None:
 
 
 class _Reader:
-    """Opens each file once (checking it exists and its header); verified partial reads."""
+    """Opens each file once (checking it exists with its recorded size, and its header);
+    verified partial reads."""
 
     def __init__(self, manifest: F.Manifest, verify: bool):
         self.manifest, self.verify, self.handles = manifest, verify, {}
 
     def get(self, name: str) -> sfio.File:
         if name not in self.handles:
-            fpath = os.path.join(self.manifest.path, name)
-            info = self.manifest.files[name]
-            if not os.path.isfile(fpath):
-                raise CheckpointError(f"checkpoint file {fpath} is missing (rank {info.get('rank')}'s data)")
-            self.handles[name] = sfio.File(fpath, info, self.verify)
+            _check_files_present(self.manifest, {name})    # (load checks its files up front; export here)
+            self.handles[name] = sfio.File(os.path.join(self.manifest.path, name), self.manifest.files[name],
+                                           self.verify)
         return self.handles[name]
 
     def close(self) -> None:
