@@ -74,6 +74,7 @@ from dsfn import tree
 from dsfn.errors import ConfigError, StackError
 from dsfn.ops import dispatch
 from dsfn.runtime import flat, nvme
+from dsfn.runtime.host import copy_to_host
 from dsfn.state.layout import (
     DimShard,
     FlatShard,
@@ -172,10 +173,7 @@ class Offload(Transform):
         return Offloaded(inner, "cpu", home)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "cpu":
-            return t
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin_memory and torch.cuda.is_available())
-        return out.copy_(t)
+        return copy_to_host(t, pin=self.pin_memory)[0]
 
     def _offload_tree(self, opt_state: Any, params: Any) -> Any:
         """Wrap the leaves of `opt_state` that mirror a parameter (see the module docstring)."""
@@ -425,16 +423,9 @@ class _OverlapSession:
         entry = self.recipe.get(path)
         if entry is None or self.scalars is None or self.prep is None or shard.shape != entry[0].shape:
             return
-        ready = None
-        if shard.device.type != "cpu":
-            # a device shard (CUDA): copy it to pinned host memory on the stream that produced it
-            # (ordered before any later reuse of the reducer's buffer); the worker waits for it
-            host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=torch.cuda.is_available())
-            host.copy_(shard, non_blocking=True)
-            if shard.is_cuda:
-                ready = torch.cuda.Event()
-                ready.record()
-            shard = host
+        # a device shard (CUDA) goes to pinned host memory on the stream that produced it (ordered
+        # before any later reuse of the reducer's buffer); the worker waits for `ready`
+        shard, ready = copy_to_host(shard, non_blocking=True)
         self.started += 1
         self._futures.append(self._pool.submit(self._speculate, path, shard, ready, entry, self.scalars, self.prep))
 

@@ -137,6 +137,7 @@ from dsfn.errors import ConfigError, LeafTypeError, StackError
 from dsfn.runtime import collectives as C
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
+from dsfn.runtime.host import copy_to_host
 from dsfn.state.layout import Offloaded, Placed, Replicated, is_placed
 from dsfn.transforms.core import Transform, active_stack, make_transform
 
@@ -529,22 +530,18 @@ class _Staging:
     `non_blocking` on CUDA; `wait()` before the host reads them. Host tensors pass through."""
 
     def __init__(self) -> None:
-        self._devices: set[torch.device] = set()
+        self._pending: list = []          # events of copies still in flight
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "cpu":
-            return t
-        pin = t.is_cuda
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-        out.copy_(t, non_blocking=pin)
-        if pin:
-            self._devices.add(t.device)
+        out, ready = copy_to_host(t, non_blocking=True)
+        if ready is not None:
+            self._pending.append(ready)
         return out
 
     def wait(self) -> None:
-        for d in self._devices:
-            torch.cuda.current_stream(d).synchronize()
-        self._devices.clear()
+        for ready in self._pending:
+            ready.synchronize()
+        self._pending.clear()
 
 
 # -- matrices, columns and pieces ------------------------------------------------------------------
