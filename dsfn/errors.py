@@ -27,6 +27,11 @@ class ShapeError(DsfnError, ValueError):
     """A batch or tensor whose shape does not fit the layout (e.g. not divisible by dp)."""
 
 
+class LayoutError(DsfnError, ValueError):
+    """A value of the logical whole was asked of pieces that nothing in the stack can assemble
+    (e.g. a global norm of sharded leaves outside the Step that placed them)."""
+
+
 class LeafTypeError(DsfnError, TypeError):
     """A pytree leaf of the wrong kind (e.g. a Python float where a tensor is required)."""
 

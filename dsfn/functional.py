@@ -24,7 +24,7 @@ from torch import nn
 
 from dsfn import tree
 from dsfn.errors import LeafTypeError
-from dsfn.transforms.core import bind
+from dsfn.effects import bind
 
 
 class ApplyFn:

@@ -5,7 +5,9 @@ A mask is either a pytree of bools with the structure of params, or a callable
 ("blocks.0.attn.qkv.weight"). A callable mask is evaluated once, at `init`, on the
 params; the resulting per-leaf choice is kept in the state as static structure (not
 leaves), so every later update uses the same leaves even if the layout of the tensors
-changes (e.g. flat shards). The inner transform sees a tree whose unselected leaves are
+changes (e.g. flat shards). The choice is made on logical paths and shapes, so it is the
+same when `init` runs on this rank's pieces (`Step.init_state` under ZeRO, tensor
+parallel or offload) as on the whole parameters. The inner transform sees a tree whose unselected leaves are
 `None` (an empty subtree), so its state holds nothing for them.
 """
 from __future__ import annotations
@@ -15,9 +17,10 @@ from typing import Any, Callable, Hashable, Literal, Mapping, Union
 
 import torch
 
-from dsfn import tree
+from dsfn import logical, tree
 from dsfn.errors import ConfigError, LeafTypeError
 from dsfn.optim.base import GradientTransformation, PyTree, tensor_leaves
+from dsfn.state.layout import is_placed
 
 MaskFn = Callable[[str, torch.Tensor], bool]
 Mask = Union[PyTree, MaskFn]
@@ -46,11 +49,19 @@ def by_ndim(min_ndim: int) -> MaskFn:
 
 
 def _evaluate(sel: Any, params: PyTree, kind: str, check: Callable[[Any], Any]) -> tuple:
-    """Per-leaf values of a mask/labels callable or pytree, in flatten order of params."""
-    leaves, spec = tensor_leaves(params, "params")
+    """Per-leaf values of a mask/labels callable or pytree, in flatten order of params.
+
+    Decided on the *logical* parameters (`dsfn.logical.logical_view`): a callable sees each
+    parameter's own dotted path and a tensor of its logical shape and dtype, even when
+    `params` holds this rank's pieces (ZeRO shards, tp slices, offloaded copies), so
+    `by_ndim(2)` and `by_name("*.bias")` choose the same leaves under every stack."""
+    tensor_leaves(params, "params")
+    view = logical.logical_view(params)
+    named = logical.leaves_with_path(view)
     if callable(sel):
-        return tuple(check(sel(path, x)) for path, x in tree.leaves_with_path(params))
+        return tuple(check(sel(path, x)) for path, x in named)
     sel_leaves, sel_spec = tree.flatten(sel)
+    spec = tree.structure(view)
     if sel_spec != spec:
         raise ConfigError(f"the {kind} tree does not have the structure of params ({sel_spec} vs {spec}); pass a "
                           f"tree with one {kind} value per parameter, or a callable (path, leaf) -> value")
@@ -65,15 +76,21 @@ def _as_bool(v: Any) -> bool:
     return v
 
 
+def _pieces(t: PyTree, what: str) -> tuple[list, tree.TreeSpec]:
+    """Leaves of `t` with each sharded piece (`Placed`) kept whole, and the structure."""
+    tensor_leaves(t, what)
+    return tree.flatten(t, is_leaf=is_placed)
+
+
 def _update_leaves(who: str, updates: PyTree, params: PyTree, n_state: int) -> tuple:
     """(update leaves, param leaves or None, spec), checked against a state made for n_state leaves."""
-    u, spec = tensor_leaves(updates, "updates")
+    u, spec = _pieces(updates, "updates")
     if n_state != len(u):
         raise LeafTypeError(f"{who}: the state was made for {n_state} leaves, the updates have {len(u)}; "
                             "init the optimizer with the same params tree")
     if params is None:
         return u, None, spec
-    p, p_spec = tensor_leaves(params, "params")
+    p, p_spec = _pieces(params, "params")
     if p_spec != spec:
         raise LeafTypeError(f"{who}: params and updates differ in structure ({p_spec} vs {spec})")
     return u, p, spec
@@ -81,6 +98,10 @@ def _update_leaves(who: str, updates: PyTree, params: PyTree, n_state: int) -> t
 
 def _select(leaves: list, keep: tuple, spec: tree.TreeSpec) -> PyTree:
     return tree.unflatten(spec, [x if k else None for x, k in zip(leaves, keep)])
+
+
+def _zeros_like(x: Any) -> Any:
+    return logical.like(x, torch.zeros_like(logical.local(x)))
 
 
 @tree.dataclass
@@ -108,7 +129,7 @@ def masked(inner: GradientTransformation, mask: Mask,
 
     def init(params: PyTree) -> MaskedState:
         keep = _evaluate(mask, params, "mask", _as_bool)
-        leaves, spec = tensor_leaves(params, "params")
+        leaves, spec = _pieces(params, "params")
         return MaskedState(inner=inner.init(_select(leaves, keep, spec)), mask=keep)
 
     def update(updates: PyTree, state: MaskedState, params: PyTree = None) -> tuple[PyTree, MaskedState]:
@@ -116,8 +137,8 @@ def masked(inner: GradientTransformation, mask: Mask,
         u, p, spec = _update_leaves("masked", updates, params, len(keep))
         sub_p = None if p is None else _select(p, keep, spec)
         sub_u, inner_state = inner.update(_select(u, keep, spec), state.inner, sub_p)
-        it = iter(tree.leaves(sub_u))
-        out = [next(it) if k else (torch.zeros_like(x) if others == "zero" else x) for x, k in zip(u, keep)]
+        it = iter(logical.leaves(sub_u))
+        out = [next(it) if k else (_zeros_like(x) if others == "zero" else x) for x, k in zip(u, keep)]
         return tree.unflatten(spec, out), MaskedState(inner=inner_state, mask=keep)
 
     return GradientTransformation(init, update)
@@ -156,7 +177,7 @@ def partition(transforms: Mapping[Hashable, GradientTransformation],
 
     def init(params: PyTree) -> PartitionState:
         labs = _evaluate(labels, params, "labels", check_label)
-        leaves, spec = tensor_leaves(params, "params")
+        leaves, spec = _pieces(params, "params")
         inner = {k: t.init(_select(leaves, tuple(x == k for x in labs), spec)) for k, t in txs.items()}
         return PartitionState(inner=inner, labels=labs)
 
@@ -169,7 +190,7 @@ def partition(transforms: Mapping[Hashable, GradientTransformation],
             keep = tuple(x == k for x in labs)
             sub_u, new_inner[k] = t.update(_select(u, keep, spec), state.inner[k],
                                            None if p is None else _select(p, keep, spec))
-            it = iter(tree.leaves(sub_u))
+            it = iter(logical.leaves(sub_u))
             for i, kk in enumerate(keep):
                 if kk:
                     out[i] = next(it)

@@ -95,7 +95,7 @@ from typing import Any
 
 import torch
 
-from dsfn import tree
+from dsfn import logical, tree
 from dsfn.errors import ConfigError, LeafTypeError
 from dsfn.optim._foreach import check_betas, check_int, check_real, mul_scalar
 from dsfn.optim.base import GradientTransformation, PyTree, tensor_leaves, zero_count
@@ -108,8 +108,7 @@ from dsfn.optim.transform import (
     adam_step,
     check_learning_rate,
 )
-from dsfn.runtime.flat import map_whole
-from dsfn.state.layout import FlatShard, Placed, is_placed
+from dsfn.state.layout import Placed, is_placed
 
 __all__ = ["MuonState", "MuonTransformation", "gram_newton_schulz", "muon", "muon_matrix_update", "muon_split",
            "newton_schulz", "ns_compute_dtype", "orthogonalize"]
@@ -264,26 +263,16 @@ def _direction(momentum_buf: torch.Tensor, grad: torch.Tensor, momentum: float,
     return (torch.lerp(grad, new_m, momentum) if nesterov else new_m), new_m
 
 
-def _orthogonalize_all(directions: dict[int, Any], heads: tuple, ns_kw: dict) -> dict[int, torch.Tensor]:
-    """Orthogonalised updates for leaf k's direction (a whole tensor, or a `Placed`
-    FlatShard piece: its matrix is rebuilt and orthogonalised once, on an owner rank
-    (`dsfn.runtime.flat.map_whole`), and this rank gets its piece of the result)."""
-    out: dict[int, torch.Tensor] = {}
-    sharded: dict[str, list[int]] = {}
-    for k, u in directions.items():
-        if not isinstance(u, Placed):
-            out[k] = orthogonalize(u, num_heads=heads[k] or None, **ns_kw)
-        elif isinstance(u.layout, FlatShard):
-            sharded.setdefault(u.layout.axis, []).append(k)
-        else:
-            raise ConfigError(f"muon: a parameter laid out as {u.layout!r}; Muon runs on whole matrices and on "
-                              "FlatShard pieces (ZeRO), not on this layout yet")
-    for axis, ks in sharded.items():
-        def orth(i: int, full: torch.Tensor, ks: list[int] = ks) -> torch.Tensor:
-            return orthogonalize(full, num_heads=heads[ks[i]] or None, **ns_kw)
-        pieces = map_whole(orth, [directions[k].data for k in ks], [directions[k].layout.shape for k in ks], axis)
-        out.update(zip(ks, pieces))
-    return out
+def _orthogonalize_all(directions: dict[int, Any], heads: tuple, ns_kw: dict) -> dict[int, Any]:
+    """Orthogonalised updates for leaf k's direction, in its layout. Newton-Schulz needs the
+    whole matrix: a piece (ZeRO shard, tp slice) goes through the `map_whole` primitive
+    (`dsfn.logical`), which the transforms owning its layout answer (ZeRO orthogonalises
+    each matrix once, on an owner rank); a whole tensor is orthogonalised here."""
+    ks = list(directions)
+
+    def orth(j: int, full: torch.Tensor) -> torch.Tensor:
+        return orthogonalize(full, num_heads=heads[ks[j]] or None, **ns_kw)
+    return dict(zip(ks, logical.map_whole(orth, [directions[k] for k in ks])))
 
 
 # ---------------------------------------------------------------------------------------
@@ -327,8 +316,7 @@ def _logical(params: PyTree) -> PyTree:
     """params with every sharded (`Placed`) leaf replaced by a meta tensor of its logical
     shape: the Muon/AdamW choice is about matrices, not about the flat shards ZeRO gives
     the optimizer."""
-    return tree.map(lambda x: torch.empty(x.layout.shape, dtype=x.data.dtype, device="meta")
-                    if isinstance(x, Placed) else x, params, is_leaf=is_placed)
+    return logical.logical_view(params)
 
 
 def _split(params: PyTree, mask: Mask | None, num_heads: Any, num_kv_heads: int | None) -> tuple[tuple, tuple]:

@@ -47,41 +47,53 @@ def grad_shard_listener(fn: Callable[[Any, torch.Tensor], None]):
 class ShardReducer:
     """Reduce-scatter full gradients into this rank's shards, in buckets, asynchronously.
 
-    `add(i, grad)` queues gradient i (full tensor); a bucket is launched once it holds
-    `bucket_elems` elements. `finish()` launches the rest, waits, and returns
-    {i: shard} (each shard [c_i], reduced with `op` over `axis`). Adding the same i again
-    (a later micro-batch) sums into its shard. Buckets are launched in the order the
-    gradients arrive, which autograd makes identical on every rank.
+    `named` lists every key that may get a gradient, `(key, tensor)` in registration order
+    (a tensor of the full gradient's shape and dtype; `devices` where each lives). The
+    buckets are a fixed plan over them (`dsfn.runtime.buckets.FixedBuckets`, about
+    `bucket_elems` elements each, in backward order): `add(key, grad)` queues a full
+    gradient and launches every bucket that is complete, in plan order. Each forward of a
+    step after the first is a new *round* (`new_round()`: a later micro-batch): the
+    previous round's remaining buckets launch first, zero-filled. `finish()` does the same
+    for the last round, waits, and returns {key: shard} (each [c] = ceil(numel / n),
+    reduced with `op` over `axis`, summed over rounds) for every key. Keys whose parameter
+    took no part in this rank's loss contribute zeros, so every rank launches the same
+    reduce-scatters in the same order whatever its data touched.
     """
 
-    def __init__(self, axis: str, bucket_elems: int, op: str = "avg", dtype: torch.dtype | None = None):
-        self.axis, self.bucket_elems, self.op, self.dtype = axis, max(1, int(bucket_elems)), op, dtype
+    def __init__(self, axis: str, bucket_elems: int, op: str = "avg", dtype: torch.dtype | None = None,
+                 named: Sequence[tuple[Any, torch.Tensor]] = (), devices: dict | None = None):
+        from dsfn.runtime.buckets import FixedBuckets, backward_order
+        self.axis, self.op, self.dtype = axis, op, dtype
         self.n = current_mesh().size(axis)
-        self._queue: list[tuple[int, torch.Tensor]] = []
-        self._queued = 0
-        self._inflight: list[tuple[list[tuple[int, int]], C.Pending]] = []
-        self.shards: dict[int, torch.Tensor] = {}
+        named = list(named)
+        by_key = dict(named)
+        order = backward_order(named)
+        rows = [(self.n, -(-by_key[k].numel() // self.n)) for k in order]
+        self.plan = FixedBuckets(order, rows, [dtype or by_key[k].dtype for k in order], bucket_elems,
+                                 [(devices or {}).get(k) for k in order])
+        self._inflight: list[tuple[list[tuple[Any, int]], C.Pending]] = []
+        self._rounds = 0
+        self.shards: dict[Any, torch.Tensor] = {}
 
-    def add(self, i: int, grad: torch.Tensor) -> None:
+    def new_round(self) -> None:
+        """A forward of the same step begins (accumulation): close the previous round."""
+        if self._rounds:
+            self._launch(self.plan.end_round())
+        self._rounds += 1
+
+    def add(self, key: Any, grad: torch.Tensor) -> None:
+        if key not in self.plan:
+            raise KeyError(f"ShardReducer: {key!r} is not one of the keys it was made for")
         if self.dtype is not None and grad.dtype != self.dtype:
             grad = grad.to(self.dtype)
-        self._queue.append((i, padded_rows(grad, self.n)))
-        self._queued += grad.numel()
-        if self._queued >= self.bucket_elems:
-            self._launch()
+        self._launch(self.plan.add(key, padded_rows(grad, self.n)))
 
-    def _launch(self) -> None:
-        if not self._queue:
-            return
-        by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
-        for i, rows in self._queue:
-            by_dtype.setdefault(rows.dtype, []).append((i, rows))
-        for items in by_dtype.values():
+    def _launch(self, buckets: list) -> None:
+        for items in buckets:
             bucket = torch.cat([rows for _, rows in items], dim=1) if len(items) > 1 else items[0][1]
             pending = C.reduce_scatter(bucket.reshape(-1), self.axis, self.op, async_op=True)
-            self._inflight.append(([(i, rows.shape[1]) for i, rows in items], pending))
-        self._queue, self._queued = [], 0
-        if _shard_listeners:
+            self._inflight.append(([(k, rows.shape[1]) for k, rows in items], pending))
+        if buckets and _shard_listeners:
             self._drain(block=False)
 
     def _drain(self, block: bool) -> None:
@@ -98,8 +110,8 @@ class ShardReducer:
                 for fn in _shard_listeners:
                     fn(i, self.shards[i])
 
-    def finish(self) -> dict[int, torch.Tensor]:
-        self._launch()
+    def finish(self) -> dict[Any, torch.Tensor]:
+        self._launch(self.plan.end_round())
         self._drain(block=True)
         return self.shards
 

@@ -20,7 +20,7 @@ import torch
 
 from dsfn import tree
 from dsfn.errors import LeafTypeError
-from dsfn.transforms.core import bind
+from dsfn.effects import bind
 
 
 @tree.dataclass

@@ -20,6 +20,7 @@ from dsfn.transforms.core import Transform, make_transform
 
 class Accumulate(Transform):
     name = "accumulate"
+    roles = frozenset({"accumulate"})
 
     def __init__(self, n: int):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:

@@ -57,6 +57,7 @@ ENGINES = ("async", "sync")
 
 class AsyncCheckpoint(Transform):
     name = "async_checkpoint"
+    roles = frozenset({"checkpoint"})
 
     def __init__(self, dir: str | os.PathLike, every: int, keep: int | None = None, engine: str = "async",
                  host_cache_size: int | None = None, capture: str = "auto", timeout_s: float | None = None,

@@ -16,12 +16,13 @@ import torch
 
 from dsfn import tree
 from dsfn.errors import ConfigError
-from dsfn.transforms.core import Transform, active_stack, make_transform
+from dsfn.transforms.core import Transform, active_stack, make_transform, with_role
 from dsfn.transforms.grad_stats import global_sq_norm
 
 
 class ClipGradNorm(Transform):
     name = "clip_grad_norm"
+    roles = frozenset({"clip"})
 
     def __init__(self, max_norm: float):
         if not (isinstance(max_norm, (int, float)) and max_norm > 0):
@@ -32,8 +33,7 @@ class ClipGradNorm(Transform):
 
     def check_stack(self, stack, index):
         from dsfn.errors import StackError
-        from dsfn.transforms.loss_scale import LossScale
-        if any(isinstance(t, LossScale) for t in stack[index + 1:]):
+        if with_role(stack[index + 1:], "loss_scale"):
             raise StackError("clip_grad_norm must sit inside loss_scale (it needs unscaled gradients): write "
                              "compose(..., loss_scale(), clip_grad_norm(max_norm))")
 
@@ -44,9 +44,8 @@ class ClipGradNorm(Transform):
         return step
 
     def handle_apply_gradients(self, call_next, state, grads):
-        from dsfn.transforms.loss_scale import LossScale
-        unscale = next((t.pending_unscale for t in active_stack()
-                        if isinstance(t, LossScale) and t.pending_unscale is not None), None)
+        unscale = next((t.pending_unscale for t in with_role(active_stack(), "loss_scale")
+                        if t.pending_unscale is not None), None)
         inv = unscale.double() if unscale is not None else torch.ones((), dtype=torch.float64)
         norm = global_sq_norm(grads).sqrt() * inv
         self._norm = norm.float()

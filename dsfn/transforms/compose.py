@@ -21,7 +21,7 @@ from dsfn import tree
 from dsfn.errors import LeafTypeError, StackError
 from dsfn.runtime import env
 from dsfn.state.layout import gather_tree
-from dsfn.transforms.core import Transform, activate, bind, check_stack
+from dsfn.transforms.core import Transform, activate, bind, check_stack, register_step_class
 
 StepFn = Callable[[Any, Any], tuple[Any, dict]]
 
@@ -153,6 +153,9 @@ class Explanation:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+register_step_class(Step)
 
 
 def compose(*transforms: Transform) -> Callable[[StepFn], Step]:

@@ -27,51 +27,13 @@ physical; the generic `gather` of layouts inverts it) and wrap the whole step
 from __future__ import annotations
 
 import inspect
-import threading
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
+from dsfn.effects import activate, active_stack, bind  # noqa: F401  (the mechanism lives in dsfn.effects)
 from dsfn.errors import ConfigError, StackError
 
 if TYPE_CHECKING:
     from dsfn.transforms.compose import Step
-
-_local = threading.local()
-
-
-def active_stack() -> tuple["Transform", ...]:
-    """Transforms of the running Step, outermost first (empty outside a Step)."""
-    return getattr(_local, "stack", ())
-
-
-class _Activate:
-    def __init__(self, stack: Sequence["Transform"]):
-        self.stack = tuple(stack)
-
-    def __enter__(self):
-        self.prev = active_stack()
-        _local.stack = self.prev + self.stack
-        return self
-
-    def __exit__(self, *exc):
-        _local.stack = self.prev
-        return False
-
-
-def activate(stack: Sequence["Transform"]) -> _Activate:
-    return _Activate(stack)
-
-
-def bind(primitive: str, default: Callable[..., Any], *args: Any) -> Any:
-    """Run `primitive` through the active handlers, outermost first, then `default`."""
-    name = "handle_" + primitive
-    handlers = [t for t in active_stack() if hasattr(t, name)]
-
-    def call(i: int, *a: Any) -> Any:
-        if i == len(handlers):
-            return default(*a)
-        return getattr(handlers[i], name)(lambda *b: call(i + 1, *b), *a)
-
-    return call(0, *args)
 
 
 class Transform:
@@ -91,6 +53,11 @@ class Transform:
 
     name: ClassVar[str] = "transform"
     unique: ClassVar[bool] = True
+    # what the transform is, for other transforms' stack rules (`with_role`): e.g.
+    # "data_parallel", "zero", "mixed_precision", "loss_scale", "clip", "accumulate",
+    # "offload", "zenflow", "checkpoint". Rules name roles, not classes, so transform
+    # modules never import each other to check a stack.
+    roles: ClassVar[frozenset[str]] = frozenset()
 
     def check_stack(self, stack: Sequence["Transform"], index: int) -> None:
         """Raise StackError when this transform cannot work at `stack[index]`."""
@@ -123,10 +90,21 @@ class Transform:
 
     def __call__(self, fn: Callable) -> "Step":
         """`t(f)`: a Step with `t` outermost; `t(Step)` prepends `t` to its stack."""
-        from dsfn.transforms.compose import Step
-        if isinstance(fn, Step):
-            return Step(fn.fn, (self,) + fn.stack)
-        return Step(fn, (self,))
+        return _STEP_CLASS[0](fn, (self,))      # Step(a_step, stack) prepends stack to a_step's
+
+
+# The Step class, registered by dsfn.transforms.compose when it is imported (it builds on
+# this module, so importing it here would be a circle).
+_STEP_CLASS: list[type] = []
+
+
+def register_step_class(cls: type) -> None:
+    _STEP_CLASS[:] = [cls]
+
+
+def with_role(stack: Sequence[Transform], role: str) -> list[Transform]:
+    """The transforms of `stack` (in order) that declare `role` in their `roles`."""
+    return [t for t in stack if role in getattr(t, "roles", ())]
 
 
 def make_transform(cls: type[Transform], factory_name: str, args: tuple, kwargs: dict) -> Transform:

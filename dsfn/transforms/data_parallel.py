@@ -21,14 +21,17 @@ import torch
 from dsfn import tree
 from dsfn.errors import ConfigError, ShapeError
 from dsfn.runtime import buckets as B
+from dsfn.runtime.buckets import all_reduce_buckets  # noqa: F401  (re-exported for zero)
 from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import Placed, is_placed
-from dsfn.transforms.core import Transform, make_transform
+from dsfn.transforms.core import Transform, make_transform, with_role
+from dsfn.transforms.grad_stats import reduce_over_axis
 
 
 class DataParallel(Transform):
     name = "data_parallel"
+    roles = frozenset({"data_parallel"})
 
     def __init__(self, axis: str = "dp", split_batch: bool = True, bucket_mb: float = 25.0):
         if not isinstance(axis, str):
@@ -59,13 +62,11 @@ class DataParallel(Transform):
         return step
 
     def check_stack(self, stack, index):
-        from dsfn.transforms.accumulate import Accumulate
-        from dsfn.transforms.precision import MixedPrecision
         inner = stack[index + 1:]
         # with accumulation inside, reduce once at the end rather than per micro-batch
-        self._overlap = not any(isinstance(t, Accumulate) for t in inner)
+        self._overlap = not with_role(inner, "accumulate")
         # gradients travel in mixed precision's reduce dtype
-        self._reduce_dtype = next((t.reduce_dtype for t in inner if isinstance(t, MixedPrecision) and t.active), None)
+        self._reduce_dtype = next((t.reduce_dtype for t in with_role(inner, "mixed_precision") if t.active), None)
 
     def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
         if current_mesh().size(self.axis) == 1:
@@ -75,43 +76,30 @@ class DataParallel(Transform):
             value, grads = call_next(fn, params, args, kwargs, has_aux)
             leaves, spec = tree.flatten(grads)
             return value, tree.unflatten(spec, all_reduce_buckets(leaves, self.axis, bucket_bytes, op="avg"))
-        reducer = B.OverlappedAllReduce(self.axis, bucket_bytes, "avg")
         dtype = self._reduce_dtype
+        leaves = registration_order(params)
+        reducer = B.OverlappedAllReduce(self.axis, bucket_bytes, "avg", [(p, _grad_like(x, dtype)) for p, x in leaves],
+                                        {p: (x.data if isinstance(x, Placed) else x).device for p, x in leaves})
         sink = reducer.add if dtype is None else (lambda key, g: reducer.add(key, g.to(dtype)))
         value, grads = call_next(tap_gradients(fn, sink), params, args, kwargs, has_aux)
-        reduced = reducer.finish()
+        reduced = reducer.finish()      # every parameter, zeros where this rank's loss did not reach it
+
         def take(path: str, g: Any) -> Any:
-            t = g.data if isinstance(g, Placed) else g
-            t = reduced[path] if path in reduced else C.all_reduce_(t.clone(), self.axis, "avg")
+            t = reduced[path]
             return Placed(t, g.layout) if isinstance(g, Placed) else t
         return value, tree.map_with_path(take, grads, is_leaf=is_placed)
 
     def handle_reduce_metrics(self, call_next, metrics):
         return call_next(average_metrics(metrics, self.axis))
 
+    def handle_reduce_leaves(self, call_next, partials, pending, op):
+        """Leaves split over this transform's axis (ZeRO's shards) are combined over it."""
+        return call_next(*reduce_over_axis(partials, pending, self.axis, op), op)
+
 
 def data_parallel(*args: Any, **kwargs: Any) -> DataParallel:
     """`data_parallel(axis="dp", split_batch=True, bucket_mb=25.0)`; see the module docstring."""
     return make_transform(DataParallel, "data_parallel", args, kwargs)
-
-
-def all_reduce_buckets(tensors: Sequence[torch.Tensor], axis: str, bucket_bytes: int,
-                       op: str | None) -> list[torch.Tensor]:
-    """Reduce (op="avg"/"sum") or broadcast from index 0 (op=None) a list of tensors in buckets.
-
-    All buckets are launched before any is waited on, so transfers pipeline.
-    Returns new tensors; the inputs are not modified.
-    """
-    tensors = list(tensors)
-    buckets = B.pack(tensors, bucket_bytes)
-    pending = []
-    for b in buckets:
-        flat = b.flatten(tensors)
-        if op is None:
-            pending.append(C.broadcast_(flat, axis, 0, async_op=True))
-        else:
-            pending.append(C.all_reduce_(flat, axis, op, async_op=True))
-    return B.reassemble(len(tensors), buckets, [p.wait() for p in pending])
 
 
 class _Tap(torch.autograd.Function):
@@ -127,6 +115,20 @@ class _Tap(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.sink(ctx.key, grad)
         return stand_in_grad(grad, grad.shape), None, None
+
+
+def registration_order(params: Any) -> list[tuple[str, Any]]:
+    """(path, leaf) in the model's registration order when `params` is functionalize's flat
+    dict (its insertion order; backward runs roughly in reverse), else in flatten order."""
+    if isinstance(params, dict) and all(isinstance(v, (torch.Tensor, Placed)) for v in params.values()):
+        return list(params.items())
+    return tree.leaves_with_path(params, is_leaf=is_placed)
+
+
+def _grad_like(x: Any, dtype: torch.dtype | None) -> torch.Tensor:
+    """A meta tensor shaped like leaf `x`'s gradient, in the reduce dtype (or x's)."""
+    t = x.data if isinstance(x, Placed) else x
+    return torch.empty(t.shape, dtype=dtype or t.dtype, device="meta")
 
 
 def stand_in_grad(grad: torch.Tensor, shape) -> torch.Tensor:

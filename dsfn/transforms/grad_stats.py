@@ -12,34 +12,44 @@ from typing import Any
 import torch
 
 from dsfn import tree
+from dsfn.logical import reduce_leaves
 from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import Placed, is_placed
 
 
-def shard_axes(x: Any) -> tuple[str, ...]:
-    """The mesh axes a leaf is split over (() when replicated); a Nested layout (ZeRO over
-    tensor parallel) is split over both."""
-    return x.layout.axes() if isinstance(x, Placed) else ()
-
-
 def global_sq_norm(grads: Any) -> torch.Tensor:
-    """Sum of squares of every logical gradient element, float64, equal on every rank."""
-    groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
-    for x in tree.leaves(grads, is_leaf=is_placed):
-        t = x.data if isinstance(x, Placed) else x
-        if t.numel():
-            groups.setdefault(shard_axes(x), []).append(t)
-    total = torch.zeros((), dtype=torch.float64)
-    for axes, ts in sorted(groups.items()):
-        part = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(ts, 2)]).square().sum()
-        if axes:     # the pieces are disjoint over the grid of these axes: add them over each
-            part = part.reshape(1)
-            for axis in axes:
-                part = C.all_reduce_(part, axis, "sum")
-            part = part.reshape(())
-        total = total + part.cpu()
-    return total
+    """Sum of squares of every logical gradient element, float64, equal on every rank.
+
+    Per-leaf partial sums go through the `reduce_leaves` primitive (`dsfn.logical`), which
+    the transforms owning the leaves' axes answer: one mechanism for this transform's
+    clipping and an optimizer's `clip_by_global_norm`."""
+    xs = [x for x in tree.leaves(grads, is_leaf=is_placed) if (x.data if isinstance(x, Placed) else x).numel()]
+    if not xs:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch._foreach_norm([x.data if isinstance(x, Placed) else x for x in xs], 2)
+    parts = reduce_leaves([n.to(torch.float64).square() for n in norms], xs, "sum")
+    return torch.stack([p.cpu() for p in parts]).sum()
+
+
+def reduce_over_axis(partials: list[torch.Tensor], pending: list[tuple[str, ...]], axis: str,
+                     op: str) -> tuple[list[torch.Tensor], list[tuple[str, ...]]]:
+    """A transform's answer to the `reduce_leaves` primitive for the mesh axis it owns: the
+    partials of the leaves still split over `axis` are combined over it (one all-reduce of
+    all of them, in float64), and `axis` is struck from their pending axes."""
+    idx = [k for k, axes in enumerate(pending) if axis in axes]
+    if not idx:
+        return partials, pending
+    out, left = list(partials), list(pending)
+    if current_mesh().size(axis) > 1:
+        device = partials[idx[0]].device
+        flat = [partials[k].detach().reshape(-1).to(device, torch.float64) for k in idx]
+        vec = C.all_reduce_(torch.cat(flat), axis, op)
+        for k, piece in zip(idx, vec.split([f.numel() for f in flat])):
+            out[k] = piece.reshape(partials[k].shape).to(partials[k].device, partials[k].dtype)
+    for k in idx:
+        left[k] = tuple(a for a in pending[k] if a != axis)
+    return out, left
 
 
 def any_nonfinite_everywhere(grads: Any) -> bool:

@@ -29,7 +29,7 @@ import torch
 
 from dsfn import tree
 from dsfn.errors import ConfigError, DsfnError
-from dsfn.transforms.core import Transform, active_stack, make_transform
+from dsfn.transforms.core import Transform, active_stack, make_transform, with_role
 from dsfn.transforms.grad_stats import any_nonfinite_everywhere
 
 KEY = "loss_scale"
@@ -49,6 +49,7 @@ class LossScaleState:
 
 class LossScale(Transform):
     name = "loss_scale"
+    roles = frozenset({"loss_scale"})
 
     def __init__(self, init_scale: float = 2.0 ** 16, window: int = 1000, hysteresis: int = 2,
                  min_scale: float = 1.0, static: float | None = None, consecutive_hysteresis: bool = False):
@@ -133,9 +134,8 @@ class LossScale(Transform):
         return new.replace(extra={**new.extra, KEY: new_ls})
 
     def _clip_inside(self) -> bool:
-        from dsfn.transforms.clip import ClipGradNorm
         stack = active_stack()
-        return any(isinstance(t, ClipGradNorm) for t in stack[stack.index(self) + 1:]) if self in stack else False
+        return bool(with_role(stack[stack.index(self) + 1:], "clip")) if self in stack else False
 
     def updated(self, ls: LossScaleState, overflow: bool) -> LossScaleState:
         """DeepSpeed's DynamicLossScaler.update_scale, on tensors (see module docstring)."""

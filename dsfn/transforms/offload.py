@@ -85,7 +85,8 @@ from dsfn.state.layout import (
     is_placed,
     mirrored_param,
 )
-from dsfn.transforms.core import Transform, make_transform
+from dsfn.state.master import MasterState
+from dsfn.transforms.core import Transform, make_transform, with_role
 
 _STORES: weakref.WeakValueDictionary[str, nvme.FileStore] = weakref.WeakValueDictionary()
 
@@ -113,6 +114,7 @@ class NvmeOffloaded(Offloaded):
 
 class Offload(Transform):
     name = "offload"
+    roles = frozenset({"offload"})
 
     def __init__(self, device: str = "cpu", params: bool = False, path: str | os.PathLike | None = None,
                  pin_memory: bool = True, subgroup_bytes: int = 64 << 20, host_kernel: bool = True,
@@ -147,18 +149,13 @@ class Offload(Transform):
 
     # -- stack rules -------------------------------------------------------------------------
     def check_stack(self, stack, index):
-        from dsfn.transforms.data_parallel import DataParallel
-        from dsfn.transforms.precision import MixedPrecision
-        from dsfn.transforms.zero import ShardZero
-        for t in stack[index + 1:]:
-            if isinstance(t, DataParallel):
-                raise StackError(f"offload must sit inside {t.name}: write compose({t.name}(...), offload(...)) "
-                                 "so the optimizer runs on this rank's reduced shard where it lives")
-        for t in stack[:index]:
-            if isinstance(t, MixedPrecision):
-                raise StackError("offload must sit outside mixed_precision: write compose(offload(...), "
-                                 "mixed_precision(...)) so the fp32 master weights are offloaded too")
-        if self.params and not any(isinstance(t, ShardZero) and t.stage == 3 for t in stack):
+        for t in with_role(stack[index + 1:], "data_parallel"):
+            raise StackError(f"offload must sit inside {t.name}: write compose({t.name}(...), offload(...)) "
+                             "so the optimizer runs on this rank's reduced shard where it lives")
+        if with_role(stack[:index], "mixed_precision"):
+            raise StackError("offload must sit outside mixed_precision: write compose(offload(...), "
+                             "mixed_precision(...)) so the fp32 master weights are offloaded too")
+        if self.params and not any(t.stage == 3 for t in with_role(stack, "zero")):
             raise StackError("offload(params=True) offloads ZeRO-3's parameter shards; it needs "
                              "shard_zero(3) outside it in the stack (or use params=False)")
 
@@ -251,7 +248,6 @@ class Offload(Transform):
 
     # -- update ------------------------------------------------------------------------------
     def handle_apply_gradients(self, call_next, state, grads):
-        from dsfn.transforms.precision import MasterState
         old, spec = tree.flatten(state.opt_state, is_leaf=is_placed)
         offl = [k for k, x in enumerate(old) if isinstance(x, Placed) and isinstance(x.layout, Offloaded)]
         # pre-allocate the new state's file first: a full disk fails before anything is computed

@@ -27,19 +27,15 @@ import torch
 
 from dsfn import tree
 from dsfn.errors import ConfigError, StackError
-from dsfn.transforms.core import Transform, make_transform
+from dsfn.state.master import MasterState  # noqa: F401  (re-exported: the state of this transform)
+from dsfn.transforms.core import Transform, make_transform, with_role
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-@tree.dataclass
-class MasterState:
-    master: Any     # parameters in master_dtype
-    inner: Any      # the optimizer's state
-
-
 class MixedPrecision(Transform):
     name = "mixed_precision"
+    roles = frozenset({"mixed_precision"})
 
     def __init__(self, param_dtype: torch.dtype = torch.bfloat16, reduce_dtype: torch.dtype | None = None,
                  master_dtype: torch.dtype = torch.float32, cast_inputs: bool = True):
@@ -57,12 +53,10 @@ class MixedPrecision(Transform):
         return self.param_dtype != self.master_dtype
 
     def check_stack(self, stack, index):
-        from dsfn.transforms.data_parallel import DataParallel
-        for t in stack[index + 1:]:
-            if isinstance(t, DataParallel):
-                raise StackError(f"mixed_precision must sit inside {t.name}: write "
-                                 f"compose({t.name}(...), mixed_precision(...)) so the parallel transform "
-                                 "moves low-precision parameters and shards the master weights")
+        for t in with_role(stack[index + 1:], "data_parallel"):
+            raise StackError(f"mixed_precision must sit inside {t.name}: write "
+                             f"compose({t.name}(...), mixed_precision(...)) so the parallel transform "
+                             "moves low-precision parameters and shards the master weights")
 
     def place(self, state: Any) -> Any:
         if not self.active or isinstance(state.opt_state, MasterState):

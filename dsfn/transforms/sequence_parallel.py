@@ -60,9 +60,9 @@ from torch.overrides import TorchFunctionMode
 from dsfn import tree
 from dsfn.errors import ConfigError, MeshError, ShapeError, StackError
 from dsfn.runtime import collectives as C
+from dsfn.runtime.buckets import all_reduce_buckets
 from dsfn.runtime.mesh import current_mesh
 from dsfn.transforms.core import Transform, make_transform
-from dsfn.transforms.data_parallel import all_reduce_buckets
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,6 +161,7 @@ class _UlyssesSDPA(TorchFunctionMode):
 
 class SequenceParallel(Transform):
     name = "sequence_parallel"
+    roles = frozenset({"sequence_parallel"})
 
     def __init__(self, axis: str = "sp", seq_length: int | None = None, seq_length_is_variable: bool = True,
                  seq_key: str = "input_ids", labels_key: str = "labels", shift_labels: bool = False,
@@ -189,8 +190,7 @@ class SequenceParallel(Transform):
         self._weight: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def check_stack(self, stack, index):
-        from dsfn.transforms.checkpointing import AsyncCheckpoint
-        outside = [t for t in stack[:index] if not isinstance(t, AsyncCheckpoint)]
+        outside = [t for t in stack[:index] if "checkpoint" not in t.roles]
         if outside:
             raise StackError(f"sequence_parallel must be the outermost transform (async_checkpoint may sit outside); "
                              f"{outside[0].name} is outside it: write compose(sequence_parallel(), "

@@ -70,8 +70,10 @@ from dsfn import tree
 from dsfn.errors import ConfigError, DistributedError, MeshError, StackError
 from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
-from dsfn.state.layout import DimShard, Layout, PackedDimShard, Placed, Replicated, mirrored_param, place
-from dsfn.transforms.core import Transform, make_transform
+from dsfn.state.layout import (DimShard, Layout, Offloaded, PackedDimShard, Placed, Replicated, mirrored_param,
+                               place)
+from dsfn.transforms.core import Transform, make_transform, with_role
+from dsfn.transforms.grad_stats import reduce_over_axis
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,6 +271,7 @@ def _replicated(mod: nn.Module, axis: str, forward: Any, *args: Any, **kwargs: A
 
 class TensorParallel(Transform):
     name = "tensor_parallel"
+    roles = frozenset({"tensor_parallel"})
 
     def __init__(self, plan: Mapping[str, Any] | str = "auto", model: Any = None, axis: str = "tp",
                  auto: bool | None = None, check_batches: bool = True):
@@ -374,16 +377,11 @@ class TensorParallel(Transform):
 
     # -- stack ----------------------------------------------------------------------------------
     def check_stack(self, stack, index):
-        from dsfn.transforms.data_parallel import DataParallel
-        from dsfn.transforms.offload import Offload
-        from dsfn.transforms.zenflow import ZenFlow
-        for t in stack[index + 1:]:
-            if isinstance(t, DataParallel):
-                raise StackError(f"{t.name} must be outside tensor_parallel (it shards the tp shards over dp): "
-                                 f"write compose({t.name}(...), tensor_parallel(...), ...)")
-        for t in stack:
-            if isinstance(t, (Offload, ZenFlow)):
-                raise StackError(f"tensor_parallel does not compose with {t.name} yet; remove one of them")
+        for t in with_role(stack[index + 1:], "data_parallel"):
+            raise StackError(f"{t.name} must be outside tensor_parallel (it shards the tp shards over dp): "
+                             f"write compose({t.name}(...), tensor_parallel(...), ...)")
+        for t in with_role(stack, "offload") + with_role(stack, "zenflow"):
+            raise StackError(f"tensor_parallel does not compose with {t.name} yet; remove one of them")
 
     def explain_note(self) -> str:
         n = current_mesh().size(self.axis)
@@ -428,6 +426,33 @@ class TensorParallel(Transform):
             self._resolved = self.module_styles(module)
         with _TPForwards(module, self._resolved, self.axis, n):
             return call_next(apply_fn, params, args, kwargs)
+
+    # -- values of the whole (dsfn.logical) -------------------------------------------------------
+    def handle_reduce_leaves(self, call_next, partials, pending, op):
+        """Leaves split over tp (DimShard / PackedDimShard pieces) are combined over tp."""
+        return call_next(*reduce_over_axis(partials, pending, self.axis, op), op)
+
+    def handle_map_whole(self, call_next, fn, pieces):
+        """A whole-tensor function of tp slices: every rank of the tp group gathers the whole
+        tensor, maps it (the same deterministic fn, so the same result) and keeps its slice."""
+        out = list(pieces)
+        rest = []
+        for k, x in enumerate(pieces):
+            layout = x.layout if isinstance(x, Placed) else None
+            while isinstance(layout, Offloaded):
+                layout = layout.inner
+            if isinstance(layout, (DimShard, PackedDimShard)) and layout.axis == self.axis:
+                whole = layout.unshard(x.data)
+                new = call_next(lambda _i, w, k=k: fn(k, w), [whole])[0]
+                out[k] = Placed(layout.shard(new).to(x.data.device), x.layout)
+            else:
+                rest.append(k)
+        if rest and len(rest) < len(pieces):
+            for k, r in zip(rest, call_next(lambda j, w: fn(rest[j], w), [pieces[k] for k in rest])):
+                out[k] = r
+        elif rest:
+            return call_next(fn, pieces)
+        return out
 
     # -- batches --------------------------------------------------------------------------------
     def wrap_step(self, fn):

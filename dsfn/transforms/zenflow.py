@@ -139,7 +139,7 @@ from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
 from dsfn.runtime.host import copy_to_host
 from dsfn.state.layout import Offloaded, Placed, Replicated, is_placed
-from dsfn.transforms.core import Transform, active_stack, make_transform
+from dsfn.transforms.core import Transform, active_stack, make_transform, with_role
 
 KEY = "zenflow"
 HOST = torch.device("cpu")
@@ -182,6 +182,7 @@ def select_columns(grad: torch.Tensor, k: int) -> torch.Tensor:
 
 class ZenFlow(Transform):
     name = "zenflow"
+    roles = frozenset({"zenflow"})
 
     def __init__(self, topk_ratio: float = 0.1, update_interval: int = 4, select_interval: int | None = None,
                  full_warm_up_rounds: int = 0, overlap: bool = False, host_kernel: bool = True):
@@ -394,8 +395,7 @@ class ZenFlow(Transform):
 
     # -- host update: where it runs ------------------------------------------------------------------
     def _offload(self):
-        from dsfn.transforms.offload import Offload
-        return next((t for t in active_stack() if isinstance(t, Offload)), None)
+        return next(iter(with_role(active_stack(), "offload")), None)
 
     def _host_ctx(self):
         """The host kernel choice: offload's when it is outside (its context is open, with its
@@ -478,8 +478,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def _update_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the update sees for a parameter of `dtype`: mixed precision's master dtype
     when it is active outside zenflow (it hands zenflow the master weights)."""
-    from dsfn.transforms.precision import MixedPrecision
-    mp = next((t for t in active_stack() if isinstance(t, MixedPrecision) and t.active), None)
+    mp = next((t for t in with_role(active_stack(), "mixed_precision") if t.active), None)
     return mp.master_dtype if mp is not None else dtype
 
 

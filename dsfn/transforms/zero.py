@@ -46,7 +46,7 @@ from torch import nn
 from dsfn import tree
 from dsfn.errors import ConfigError, StackError
 from dsfn.runtime import collectives as C
-from dsfn.runtime.flat import ShardReducer, all_gather_full
+from dsfn.runtime.flat import ShardReducer, all_gather_full, map_whole
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import (
     FlatShard,
@@ -63,6 +63,7 @@ from dsfn.transforms.core import make_transform
 from dsfn.transforms.data_parallel import (
     DataParallel,
     all_reduce_buckets,
+    registration_order,
     stand_in_grad,
     tap_gradients,
 )
@@ -70,6 +71,7 @@ from dsfn.transforms.data_parallel import (
 
 class ShardZero(DataParallel):
     name = "shard_zero"
+    roles = frozenset({"data_parallel", "zero"})
 
     def __init__(self, stage: int, axis: str = "dp", reduce_bucket_size: int = 4_000_000,
                  allgather_bucket_size: int = 50_000_000, param_persistence_threshold: int = 0,
@@ -142,10 +144,25 @@ class ShardZero(DataParallel):
         if self.stage == 0:
             return super().handle_value_and_grad(call_next, fn, params, args, kwargs, has_aux)
         outer = self._reducer
-        reducer = self._reducer = outer or ShardReducer(self.axis, self.reduce_bucket_size, "avg", self._reduce_dtype)
+        if outer is None:
+            # the keys that may reach the reducer: every parameter (stages 1-2), or the
+            # stage-3 shards (persistent ones are all-reduced below); the full gradient's shape
+            named, devices = [], {}
+            for path, x in registration_order(params):
+                if self.stage == 3 and not self._mine(x):
+                    continue
+                full = _zero_layout(x.layout).shape if self._mine(x) else tuple(_data(x).shape)
+                named.append((path, torch.empty(full, dtype=_data(x).dtype, device="meta")))
+                devices[path] = _data(x).device
+            reducer = ShardReducer(self.axis, self.reduce_bucket_size, "avg", self._reduce_dtype, named, devices)
+        else:
+            reducer = outer
+        self._reducer = reducer
         try:
             if self.stage == 2:
                 fn = tap_gradients(fn, reducer.add)
+            if outer is None and self.stage >= 2:
+                fn = _rounds(fn, reducer)          # each forward (micro-batch) is a round of buckets
             value, grads = call_next(fn, params, args, kwargs, has_aux)
         finally:
             self._reducer = outer
@@ -168,10 +185,7 @@ class ShardZero(DataParallel):
                 out.append(Placed(reduced[k], g.layout) if isinstance(g, Placed) else reduced[k])
                 continue
             layout = self._shard_layout(x)
-            shard = shards.get(path)
-            if shard is None:   # the parameter took no part in the loss: a zero gradient
-                shard = torch.zeros(layout.local_shape(), dtype=self._reduce_dtype or _data(x).dtype)
-            out.append(Placed(shard, layout))
+            out.append(Placed(shards[path], layout))   # zeros where this rank's loss did not reach it
         return value, tree.unflatten(tree.structure(params, is_leaf=is_placed), out)
 
     # -- update ----------------------------------------------------------------------------
@@ -189,6 +203,34 @@ class ShardZero(DataParallel):
         full = all_gather_full([x.data for x in leaves], [_zero_layout(x.layout).shape for x in leaves], self.axis,
                                self.allgather_bucket_size)
         return new.replace(params=tree.unflatten(spec, [inner_view(x, f) for x, f in zip(leaves, full)]))
+
+    def handle_map_whole(self, call_next, fn, pieces):
+        """Whole-tensor functions of ZeRO shards (Muon): each tensor is rebuilt and mapped once,
+        on an owner rank (`dsfn.runtime.flat.map_whole`); a shard of a tensor-parallel piece is
+        rebuilt to that piece, which the transforms inside (tensor parallel) turn into the
+        whole. Every rank of a tp group owns the same tensors, so their inner collectives
+        match."""
+        ours = [k for k, x in enumerate(pieces) if self._mine(x) and _zero_layout(x.layout).axis == self.axis]
+        if not ours:
+            return call_next(fn, pieces)
+        out = list(pieces)
+        rest = [k for k in range(len(pieces)) if k not in set(ours)]
+
+        def whole(j: int, piece: torch.Tensor) -> torch.Tensor:
+            x = pieces[ours[j]]
+            res = call_next(lambda _i, w: fn(ours[j], w), [_inner_piece(x, piece)])[0]
+            return _data(res)
+        shards = [x.data for x in (pieces[k] for k in ours)]
+        home = {s.device for s in shards}
+        dev = next(iter(home)) if len(home) == 1 else torch.device("cpu")
+        new = map_whole(whole, [s.to(dev) for s in shards], [_zero_layout(pieces[k].layout).shape for k in ours],
+                        self.axis)
+        for k, t in zip(ours, new):
+            out[k] = Placed(t.to(pieces[k].data.device), pieces[k].layout)
+        if rest:
+            for k, r in zip(rest, call_next(lambda j, w: fn(rest[j], w), [pieces[k] for k in rest])):
+                out[k] = r
+        return out
 
     def handle_init_optimizer(self, call_next, state):
         """The optimizer state is made for what the update will see: shards (stage >= 1)."""
@@ -245,6 +287,23 @@ def _zero_layout(layout: Layout) -> FlatShard | None:
     if isinstance(layout, Nested):
         layout = layout.outer
     return layout if isinstance(layout, FlatShard) else None
+
+
+def _rounds(fn, reducer: ShardReducer):
+    """`fn` that opens a new round of the reducer's buckets at each call (each forward)."""
+    def wrapped(*args, **kwargs):
+        reducer.new_round()
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+def _inner_piece(x: Placed, piece: torch.Tensor) -> Any:
+    """The tensor ZeRO's shard `x` was cut from, rebuilt (`piece`), as the transforms inside
+    see it: a Placed with the inner layout under Nested, else the plain tensor."""
+    layout = x.layout
+    while isinstance(layout, Offloaded):
+        layout = layout.inner
+    return Placed(piece, layout.inner) if isinstance(layout, Nested) else piece
 
 
 def _logical_shape(x: Any) -> tuple[int, ...]:
