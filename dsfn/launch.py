@@ -7,8 +7,9 @@ that names the rank within a fraction of a second (or at the timeout), and no ch
 ever left behind.
 
 `python -m dsfn.launch --nproc N script.py [args...]` is a tiny torchrun for local CPU
-runs: it sets the same environment variables and runs the script N times; the script
-calls `dsfn.runtime.env.init_distributed()`.
+runs: it sets the same environment variables and runs the script N times. As under
+torchrun, the script needs no init call: the first use of a Step (or `current_mesh()`,
+`init_mesh()`) initialises the process group (`dsfn.runtime.env.ensure_distributed`).
 
 How the ranks meet: the parent hosts the rendezvous TCPStore itself (port 0, so the OS
 picks a free port and there is no bind race between picking and using it) and the ranks
@@ -456,7 +457,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m dsfn.launch",
         description="Run a script on N local ranks (a tiny torchrun for CPU/gloo runs). "
-                    "The script calls dsfn.runtime.env.init_distributed().")
+                    "The script needs no init call: its first Step use joins the process group.")
     p.add_argument("--nproc", "--nproc-per-node", type=int, default=1, dest="nproc",
                    help="number of ranks (default 1)")
     p.add_argument("--timeout", type=float, default=None,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -231,6 +232,29 @@ def test_cli_runs_script_on_n_ranks(tmp_path):
     """, "--nproc", "2")
     assert proc.returncode == 0, proc.stderr
     assert "rank 0 of 2 sum 2.0 gloo" in proc.stdout and "rank 1 of 2 sum 2.0 gloo" in proc.stdout
+
+
+def test_cli_script_needs_no_init_call(tmp_path):
+    """The first use of a Step initialises the group the launcher described."""
+    proc = _run_cli(tmp_path, """
+        import os
+        import dsfn
+        from dsfn.runtime import env, current_mesh
+        from dsfn.transforms import data_parallel
+        from dsfn.testing.models import make_mlp
+        # different initial replicas per rank: place must sync them over the real group
+        apply_fn, params = dsfn.functionalize(make_mlp([2, 3], seed=int(os.environ["RANK"])))
+        step = dsfn.compose(data_parallel())(lambda s, b: (s, {}))
+        assert not env.is_distributed()
+        state = step.place(dsfn.TrainState.create(params, dsfn.optim.sgd(lr=0.1)))
+        w = state.params["layers.0.weight"]
+        print(f"rank {env.rank()} of {env.world_size()} dp {current_mesh().size('dp')} w {float(w.sum()):.6f}")
+    """, "--nproc", "2", "--timeout", "50")
+    assert proc.returncode == 0, proc.stderr
+    # (unbuffered ranks may interleave a line with its newline: match, don't split lines)
+    found = sorted(re.findall(r"rank (\d) of (\d) dp (\d) w (-?[\d.]+)", proc.stdout))
+    assert [f[:3] for f in found] == [("0", "2", "2"), ("1", "2", "2")], proc.stdout
+    assert found[0][3] == found[1][3]    # place synced the replicas
 
 
 def test_cli_failing_rank_gives_nonzero_exit(tmp_path):

@@ -68,10 +68,13 @@ class FixedBuckets:
     """
 
     def __init__(self, keys: Sequence, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype],
-                 bucket_elems: int, devices: Sequence[torch.device | None] | None = None):
+                 bucket_elems: int, devices: Sequence[torch.device | None] | None = None,
+                 sizes: Sequence[int] | None = None):
         self.keys = list(keys)
         self.shapes = dict(zip(self.keys, (tuple(x) for x in shapes)))
-        self.numels = {k: math.prod(v) for k, v in self.shapes.items()}
+        # what a key weighs against bucket_elems: its element count (or `sizes`, e.g. unpadded)
+        self.numels = dict(zip(self.keys, sizes)) if sizes is not None else \
+            {k: math.prod(v) for k, v in self.shapes.items()}
         self.dtypes = dict(zip(self.keys, dtypes))
         self.devices = dict(zip(self.keys, devices)) if devices is not None else {}
         self.buckets: list[list] = []

@@ -42,6 +42,7 @@ class CommCounters:
         self._counts: dict[tuple[str, str], OpCount] = defaultdict(OpCount)
 
     def record(self, axis: str, op: str, nbytes: int) -> None:
+        axis = axis.split("/")[0]           # a gradient channel counts as its axis
         c = self._counts[(axis, op)]
         c.calls += 1
         c.bytes += int(nbytes)

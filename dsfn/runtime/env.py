@@ -6,7 +6,9 @@ process, on gloo ranks started by `dsfn.launch.spawn`, and on GPUs under `torchr
 
 The process group is read from the torchrun environment variables (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT, LOCAL_RANK). With none of them set the process is a
-single-process run: nothing is initialised and rank()/world_size() are 0/1.
+single-process run: nothing is initialised and rank()/world_size() are 0/1. Under a
+launcher (WORLD_SIZE > 1) no init call is needed: the first use of a Step calls
+`ensure_distributed()`, which initialises the group as `deepspeed.initialize` does.
 """
 from __future__ import annotations
 
@@ -132,6 +134,45 @@ def init_distributed(timeout_s: float = 300) -> bool:
     # a process that exits with the group still open can abort in gloo's teardown
     atexit.register(shutdown)
     return True
+
+
+def ensure_distributed() -> bool:
+    """Initialise the default process group if a launcher says this is one of several ranks.
+
+    With WORLD_SIZE > 1 in the environment (torchrun, `python -m dsfn.launch`) and no
+    process group yet, this is `init_distributed()`; otherwise it does nothing (a group
+    that is already initialised, by dsfn or anyone else, is used as it is). Called at the
+    start of every Step entry point (`place`, `init_state`, `step(...)`, `gather`,
+    `explain`) and by `current_mesh()`, so a launched script never silently trains as N
+    independent world-size-1 runs. Cheap: two lookups once the group exists.
+
+    Returns whether a process group is initialised.
+
+    Raises:
+        DistributedError: WORLD_SIZE > 1 but RANK, MASTER_ADDR or MASTER_PORT is
+            missing (each missing one is named), or the values are inconsistent.
+    """
+    if is_distributed():
+        return True
+    value = os.environ.get("WORLD_SIZE", "").strip()
+    if not value:
+        return False
+    try:
+        world = int(value)
+    except ValueError:
+        raise DistributedError(f"WORLD_SIZE={value!r} is not an integer") from None
+    if world <= 1:
+        return False
+    missing = [v for v in REQUIRED_VARS if not os.environ.get(v)]
+    if missing:
+        raise DistributedError(
+            f"WORLD_SIZE={world} says this process is one of {world} ranks, but "
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set, so the process "
+            f"group cannot be initialised. Launch with `torchrun --nproc-per-node N script.py` or "
+            f"`python -m dsfn.launch --nproc N script.py` (they set RANK, WORLD_SIZE, MASTER_ADDR "
+            f"and MASTER_PORT), set {', '.join(missing)} yourself, or unset WORLD_SIZE to run as a "
+            f"single process.")
+    return init_distributed()
 
 
 def shutdown() -> None:

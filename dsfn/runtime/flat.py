@@ -70,7 +70,7 @@ class ShardReducer:
         order = backward_order(named)
         rows = [(self.n, -(-by_key[k].numel() // self.n)) for k in order]
         self.plan = FixedBuckets(order, rows, [dtype or by_key[k].dtype for k in order], bucket_elems,
-                                 [(devices or {}).get(k) for k in order])
+                                 [(devices or {}).get(k) for k in order], [by_key[k].numel() for k in order])
         self._inflight: list[tuple[list[tuple[Any, int]], C.Pending]] = []
         self._rounds = 0
         self.shards: dict[Any, torch.Tensor] = {}

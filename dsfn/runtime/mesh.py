@@ -5,13 +5,16 @@ fastest: with `Mesh({"dp": 2, "tp": 2})` ranks 0,1 form the first tp group and r
 0,2 the first dp group. Axis sizes multiply to the world size.
 
 Every rank must construct the same mesh (process-group creation is collective).
-A mesh in a single process has every axis of size 1 and no groups.
+A mesh in a single process has every axis of size 1 and no groups. Without `init_mesh`,
+the mesh is all-dp over the world (initialising the process group first when launched
+under torchrun). A transform working over an axis the mesh does not name (tp, sp, ...)
+on more than one rank is an error (`ensure_ready`), never a silent size-1 axis.
 """
 from __future__ import annotations
 
 import itertools
 import math
-from typing import Mapping
+from typing import Any, Mapping, Sequence
 
 import torch.distributed as dist
 
@@ -19,6 +22,9 @@ from dsfn.errors import MeshError
 from dsfn.runtime import env
 
 DEFAULT_AXES = ("dp", "sp", "tp")
+# Over the data-parallel axis, size 1 is exactly right when the mesh does not name it
+# (a pure tp/sp run); over any other axis a transform would silently do nothing.
+_SIZE_ONE_OK = ("dp",)
 
 
 class Mesh:
@@ -27,6 +33,7 @@ class Mesh:
     def __init__(self, axes: Mapping[str, int] | None = None):
         world = env.world_size()
         axes = dict(axes) if axes else {"dp": -1}
+        self.named: tuple[str, ...] = tuple(axes)    # axes the caller asked for (not defaulted)
         for name, size in axes.items():
             if not isinstance(name, str) or not name.isidentifier():
                 raise MeshError(f"mesh axis names must be identifiers, got {name!r}")
@@ -79,38 +86,67 @@ class Mesh:
                 fixed = dict(zip(others, other_coords))
                 ranks = [self._rank_of({**fixed, axis: i}) for i in range(self.axes[axis])]
                 if self.axes[axis] == 1:
-                    group = None
-                elif len(ranks) == env.world_size():
-                    group = dist.group.WORLD
+                    group = channel = None
                 else:
-                    group = dist.new_group(ranks)
+                    group = dist.group.WORLD if len(ranks) == env.world_size() else dist.new_group(ranks)
+                    channel = dist.new_group(ranks)     # the axis's gradient channel (`grad_channel`)
                 if self.rank in ranks:
                     self._groups[axis] = group
+                    self._groups[grad_channel(axis)] = channel
                     self._ranks[axis] = ranks
 
     def size(self, axis: str) -> int:
-        self._check_axis(axis)
+        axis = self._check_axis(axis)
         return self.axes[axis]
 
     def local_rank(self, axis: str) -> int:
         """This rank's index along `axis` (0 .. size-1)."""
-        self._check_axis(axis)
+        axis = self._check_axis(axis)
         return self.coords[axis]
 
     def group(self, axis: str):
-        """The process group along `axis` holding this rank (None for a size-1 axis)."""
+        """The process group along `axis` holding this rank (None for a size-1 axis); for
+        `grad_channel(axis)`, a second group over the same ranks."""
         self._check_axis(axis)
         return self._groups.get(axis)
 
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group along `axis`, in axis order."""
-        self._check_axis(axis)
+        axis = self._check_axis(axis)
         return list(self._ranks[axis])
 
-    def _check_axis(self, axis: str) -> None:
+    def _check_axis(self, axis: str) -> str:
+        """The axis a name refers to (a gradient channel's is its axis); MeshError if none."""
+        axis = axis[: -len(_CHANNEL)] if axis.endswith(_CHANNEL) else axis
         if axis not in self.axes:
             raise MeshError(f"mesh has no axis {axis!r}; its axes are {list(self.axes)}. "
-                            f"Create it with dsfn.runtime.init_mesh({axis}=...)")
+                            f"Create it on every rank with {self._fix(axis)}")
+        return axis
+
+    def _fix(self, axis: str) -> str:
+        names = [n for n in self.named if n != axis] + [axis]
+        return f"dsfn.runtime.mesh.init_mesh({', '.join(f'{n}=...' for n in names)})"
+
+    def require(self, axis: str, by: str = "a transform") -> None:
+        """Raise MeshError unless `axis` is an axis `by` can use on this mesh.
+
+        An axis the mesh lacks is an error; so is, on more than one rank, a model-parallel
+        axis (anything but dp) that `init_mesh` did not name: it has size 1 by default, and
+        the transform would silently do nothing while every rank runs the whole model.
+        `init_mesh(..., tp=1)` names it with size 1 on purpose.
+        """
+        if axis not in self.axes:
+            raise MeshError(f"{by} works over mesh axis {axis!r}, but the mesh has no such axis "
+                            f"(its axes are {self.axes}). Create it on every rank, before the first "
+                            f"step, with {self._fix(axis)}")
+        world = env.world_size()
+        if world > 1 and axis not in self.named and axis not in _SIZE_ONE_OK:
+            named = {n: self.axes[n] for n in self.named}
+            raise MeshError(f"{by} works over mesh axis {axis!r}, but the mesh names only {named} "
+                            f"(all-dp unless init_mesh is called), so {axis!r} has size 1 and "
+                            f"{by} would do nothing on these {world} ranks. Call {self._fix(axis)} on "
+                            f"every rank before the first step (sizes multiplying to {world}); pass "
+                            f"{axis}=1 to run without it on purpose")
 
     def __repr__(self) -> str:
         return f"Mesh({self.axes}, rank={self.rank})"
@@ -132,13 +168,48 @@ def init_mesh(**axes: int) -> Mesh:
 
 
 def current_mesh() -> Mesh:
-    """The mesh set by `init_mesh`, or a default all-dp mesh over the current world."""
+    """The mesh set by `init_mesh`, or a default all-dp mesh over the current world.
+
+    Under a launcher (WORLD_SIZE > 1) the process group is initialised first
+    (`env.ensure_distributed`), so the default mesh spans every rank.
+    """
     global _current
+    env.ensure_distributed()
     if _current is None or _current.rank != env.rank() or math.prod(_current.axes.values()) != env.world_size():
         _current = Mesh()
     return _current
 
 
+_CHANNEL = "/grads"
+
+
+def grad_channel(axis: str) -> str:
+    """The name of `axis`'s gradient channel: the same ranks, a process group of its own.
+
+    Collectives issued on demand (ZeRO-3's all-gathers in backward) and collectives
+    launched as gradients complete (its reduce-scatters) interleave in an order that
+    depends on which parameters a rank's data reached; on two groups, each keeps one
+    order on every rank. Every collective takes it where it takes an axis name."""
+    return axis + _CHANNEL
+
+
 def reset_mesh() -> None:
     global _current
     _current = None
+
+
+def ensure_ready(stack: Sequence[Any]) -> None:
+    """Run at the start of every Step entry point: the process group and the mesh axes.
+
+    Initialises the process group when launched (`env.ensure_distributed`), then checks
+    every transform's mesh axis (`transform.axis`) with `Mesh.require`: a missing axis, or
+    an un-named tp/sp axis on more than one rank, is a MeshError naming the
+    `init_mesh(...)` call that fixes it.
+    """
+    env.ensure_distributed()
+    mesh = None
+    for t in stack:
+        axis = getattr(t, "axis", None)
+        if isinstance(axis, str):
+            mesh = mesh or current_mesh()
+            mesh.require(axis, by=f"{getattr(t, 'name', type(t).__name__)}(axis={axis!r})")

@@ -84,3 +84,46 @@ def make_tiny_causal_lm(family: str = "llama", seed: int = 0, **config):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return model_cls(cfg_cls(**{**fields, **extra[family], **config}))
+
+
+class Routed(nn.Module):
+    """A data-dependent model (MoE-style routing): rows with x[:, 0] > 0 go to expert 0, the
+    others to expert 1, and an expert no row reached is not called, so its parameters take
+    no part in the loss. `experts_in_a_list=True` keeps the experts in an nn.ModuleList
+    (ZeRO-3 then gathers each as its own unit). Shapes: x [B, 6] -> [B, 3]."""
+
+    D, H, OUT = 6, 8, 3
+
+    def __init__(self, experts_in_a_list: bool = True, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(self.D, self.H)
+        experts = [nn.Linear(self.H, self.OUT), nn.Linear(self.H, self.OUT)]
+        if experts_in_a_list:
+            self.experts = nn.ModuleList(experts)
+        else:
+            self.e0, self.e1 = experts
+        self.in_list = experts_in_a_list
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        experts = list(self.experts) if self.in_list else [self.e0, self.e1]
+        route = x[:, 0] > 0
+        out = x.new_zeros(x.shape[0], self.OUT)
+        for sel, expert in ((route, experts[0]), (~route, experts[1])):
+            if bool(sel.any()):
+                out = out.index_put((sel.nonzero().squeeze(1),), expert(h[sel]))
+        return out
+
+
+def routed_batches(n_batches: int, rows: int, seed: int = 0) -> list[dict]:
+    """Batches for `Routed`: the first half of every batch's rows routes to expert 0, the
+    second half to expert 1 (so on 2 dp ranks each rank reaches one expert only)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_batches):
+        x = torch.randn(rows, Routed.D, generator=g)
+        x[:, 0] = x[:, 0].abs() + 0.1
+        x[rows // 2:, 0] *= -1
+        out.append({"x": x, "y": torch.randn(rows, Routed.OUT, generator=g)})
+    return out

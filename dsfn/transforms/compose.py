@@ -20,6 +20,7 @@ import torch
 from dsfn import tree
 from dsfn.errors import LeafTypeError, StackError
 from dsfn.runtime import env
+from dsfn.runtime.mesh import ensure_ready
 from dsfn.state.layout import gather_tree
 from dsfn.transforms.core import Transform, activate, bind, check_stack, register_step_class
 
@@ -51,6 +52,7 @@ class Step:
 
     def place(self, state: Any) -> Any:
         """Logical state -> this rank's physical state."""
+        ensure_ready(self.stack)     # under torchrun: init the process group; mesh axes exist
         with activate(self.stack):
             for t in reversed(self.stack):
                 state = t.place(state)
@@ -69,6 +71,7 @@ class Step:
         default is `tx.init(params)`. Full parameters are still needed once, on every
         rank, as `params`.
         """
+        ensure_ready(self.stack)
         from dsfn.state.train_state import TrainState
         state = TrainState.create(params, tx, seed=seed, extra=extra, init_optimizer=False)
         state = self.place(state)
@@ -82,6 +85,7 @@ class Step:
         The layouts on the leaves are gathered first; then each transform undoes the
         structural changes its `place` made, outermost first (the reverse of `place`).
         """
+        ensure_ready(self.stack)
         state = gather_tree(state)
         with activate(self.stack):
             for t in self.stack:
@@ -89,6 +93,7 @@ class Step:
         return state
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+        ensure_ready(self.stack)
         _check_batch(batch)
         with activate(self.stack):
             new_state, metrics = self._wrapped(state, batch)
@@ -102,6 +107,7 @@ class Step:
         dropped (states are immutable, so `state` is unchanged); the runtime's counters
         give each collective's calls and bytes per (axis, op).
         """
+        ensure_ready(self.stack)
         from dsfn.runtime import collectives as C
         from dsfn.state.layout import Placed, is_placed, layout_of
         before = C.counters.snapshot()

@@ -47,7 +47,7 @@ from dsfn import tree
 from dsfn.errors import ConfigError, StackError
 from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import ShardReducer, all_gather_full, map_whole
-from dsfn.runtime.mesh import current_mesh
+from dsfn.runtime.mesh import current_mesh, grad_channel
 from dsfn.state.layout import (
     FlatShard,
     Layout,
@@ -95,6 +95,8 @@ class ShardZero(DataParallel):
         self.units = tuple(units) if units is not None else None
         self.prefetch = prefetch
         self._reducer: ShardReducer | None = None
+        self._gatherers: list[UnitGatherer] = []     # stage 3: this round's forwards, for backward's end
+        self._expect: dict[str, list] = {}            # stage 3: key -> [gradients still due, their sum]
 
     # -- stack rules -------------------------------------------------------------------
     def check_stack(self, stack, index):
@@ -154,7 +156,11 @@ class ShardZero(DataParallel):
                 full = _zero_layout(x.layout).shape if self._mine(x) else tuple(_data(x).shape)
                 named.append((path, torch.empty(full, dtype=_data(x).dtype, device="meta")))
                 devices[path] = _data(x).device
-            reducer = ShardReducer(self.axis, self.reduce_bucket_size, "avg", self._reduce_dtype, named, devices)
+            # stage 3 reduce-scatters on a channel of their own: its all-gathers are issued on
+            # demand during backward, so the two sequences interleave differently on ranks
+            # whose data reached different units; each channel's own order is the same
+            axis = grad_channel(self.axis) if self.stage == 3 else self.axis
+            reducer = ShardReducer(axis, self.reduce_bucket_size, "avg", self._reduce_dtype, named, devices)
         else:
             reducer = outer
         self._reducer = reducer
@@ -162,10 +168,14 @@ class ShardZero(DataParallel):
             if self.stage == 2:
                 fn = tap_gradients(fn, reducer.add)
             if outer is None and self.stage >= 2:
-                fn = _rounds(fn, reducer)          # each forward (micro-batch) is a round of buckets
+                fn = self._rounds(fn, reducer)     # each forward (micro-batch) is a round of buckets
             value, grads = call_next(fn, params, args, kwargs, has_aux)
+            if outer is None:
+                self._end_backward()
         finally:
             self._reducer = outer
+            if outer is None:
+                self._gatherers, self._expect = [], {}
         if outer is not None:      # nested call: the outermost call reduces
             return value, grads
         # reducer keys are leaf paths; stage 1 reduces everything after backward, in order
@@ -187,6 +197,42 @@ class ShardZero(DataParallel):
             layout = self._shard_layout(x)
             out.append(Placed(shards[path], layout))   # zeros where this rank's loss did not reach it
         return value, tree.unflatten(tree.structure(params, is_leaf=is_placed), out)
+
+    def _rounds(self, fn, reducer: ShardReducer):
+        """`fn` that, at each call (each forward of the step: a micro-batch), first closes the
+        previous one's backward: its units' remaining gathers and its buckets."""
+        def wrapped(*args, **kwargs):
+            self._end_backward()
+            reducer.new_round()
+            return fn(*args, **kwargs)
+        return wrapped
+
+    def _end_backward(self) -> None:
+        for g in self._gatherers:
+            g.finish_backward()
+        self._gatherers = []
+        for key, (_, partial) in sorted(self._expect.items()):    # uses whose gradient never came
+            if partial is not None:
+                self._reducer.add(key, partial)
+        self._expect = {}
+
+    # A stage-3 parameter gathered n times in a forward (a loss calling apply_fn twice, a
+    # re-used unit) gets n gradients in backward; they are summed here and handed to the
+    # reducer once, as one key per round, when the last one arrives (or at backward's end).
+    def _gather_made(self, key: str) -> None:
+        rec = self._expect.setdefault(key, [0, None])
+        rec[0] += 1
+
+    def _grad_arrived(self, key: str, grad: torch.Tensor) -> None:
+        rec = self._expect.get(key)
+        if rec is None:                       # not counted (no grad mode at its forward): pass on
+            self._reducer.add(key, grad)
+            return
+        rec[0] -= 1
+        rec[1] = grad if rec[1] is None else rec[1] + grad
+        if rec[0] == 0:
+            del self._expect[key]
+            self._reducer.add(key, rec[1])
 
     # -- update ----------------------------------------------------------------------------
     def handle_apply_gradients(self, call_next, state, grads):
@@ -258,6 +304,8 @@ class ShardZero(DataParallel):
         if self.stage != 3 or not any(self._mine(v) for v in params.values()):
             return call_next(apply_fn, params, args, kwargs)
         gatherer = UnitGatherer(apply_fn.module, params, self)
+        if self._reducer is not None:           # inside value_and_grad: its backward ends the sequence
+            self._gatherers.append(gatherer)
         with gatherer:
             return call_next(apply_fn, gatherer.call_params, args, kwargs)
 
@@ -287,14 +335,6 @@ def _zero_layout(layout: Layout) -> FlatShard | None:
     if isinstance(layout, Nested):
         layout = layout.outer
     return layout if isinstance(layout, FlatShard) else None
-
-
-def _rounds(fn, reducer: ShardReducer):
-    """`fn` that opens a new round of the reducer's buckets at each call (each forward)."""
-    def wrapped(*args, **kwargs):
-        reducer.new_round()
-        return fn(*args, **kwargs)
-    return wrapped
 
 
 def _inner_piece(x: Placed, piece: torch.Tensor) -> Any:
@@ -404,9 +444,19 @@ class UnitGatherer:
         self._storage: dict[int, int] = {}                    # storage ptr -> index, for pack
         self._live: set[int] = set()
         self._hooks: list[Any] = []
-        self._order = list(range(len(self.units)))
+        self._fw_next = 0                                     # next unit forward launches
+        self._bw_seq = [0] + list(range(len(self.units) - 1, 0, -1))   # backward's gather order
+        self._bw_pos = {u: k for k, u in enumerate(self._bw_seq)}
+        self._bw_next = 0
 
     # -- gathering -------------------------------------------------------------------------------
+    # Every rank issues the same all-gathers in the same order, whatever units its data
+    # reaches (a routed expert, a skipped layer): forward launches units strictly in
+    # registration order, so calling unit u first launches every earlier unit not launched
+    # yet ("catch-up"; one this rank skipped is gathered and dropped), and the forward's
+    # end launches the rest. Backward does the same over its fixed sequence: the root,
+    # then the last unit down to the first. A unit called again after it was released
+    # (re-use within one forward) is gathered again: ranks must re-use units alike.
     def _launch(self, u: int) -> None:
         if u in self._pending or u in self._live or not self.unit_params[u]:
             return
@@ -418,12 +468,35 @@ class UnitGatherer:
         self._live.add(u)
         _gauge_live(self._live)
 
+    def _launch_upto(self, u: int) -> None:
+        """Launch units `_fw_next .. u` (registration order) that are not launched yet."""
+        while self._fw_next <= min(u, len(self.units) - 1):
+            self._launch(self._fw_next)
+            self._fw_next += 1
+
+    def _drop_skipped(self, before: int) -> None:
+        """Units launched ahead of `before` that this rank never ran: wait for their gathers
+        (the ranks that run them need the collective) and free them."""
+        for v in [v for v in self._pending if 0 < v < before]:
+            self._pending.pop(v).wait()
+            self._live.discard(v)
+        _gauge_live(self._live)
+
     def _materialize(self, u: int) -> None:
-        self._launch(u)
+        if u >= self._fw_next:
+            self._launch_upto(u)
+        elif u not in self._pending and u not in self._live:
+            self._launch(u)                   # re-use after release: gathered again
+        self._drop_skipped(u)
         handle = self._pending.pop(u, None)
         if handle is not None:
             for i, t in zip(self.unit_params[u], handle.wait()):
                 self._full[i] = t
+
+    def finish_forward(self) -> None:
+        """The forward is over: launch the units this rank never reached, and drop them."""
+        self._launch_upto(len(self.units) - 1)
+        self._drop_skipped(len(self.units))
 
     def full(self, i: int) -> torch.Tensor:
         t = self._full[i]
@@ -436,9 +509,10 @@ class UnitGatherer:
     def _pre(self, u: int):
         def hook(mod, args):
             self._materialize(u)
-            for nxt in range(u + 1, min(u + 1 + self.zero.prefetch, len(self.units))):
-                self._launch(nxt)      # prefetch: its all-gather overlaps this unit's compute
+            self._launch_upto(u + self.zero.prefetch)   # prefetch: overlaps this unit's compute
             for i in self.unit_params[u]:
+                if torch.is_grad_enabled() and self.zero._reducer is not None:
+                    self.zero._gather_made(self.names[i])
                 full = _Gather.apply(self.shards[i], self, i)
                 for owner, attr in self.slots[i]:
                     owner._parameters[attr] = full
@@ -476,22 +550,39 @@ class UnitGatherer:
         return all_gather_full([self.shards[j] for j in ids], [self.layouts[j].shape for j in ids],
                                self.zero.axis, self.zero.allgather_bucket_size, async_op=True)
 
-    def _gather_for_backward(self, u: int) -> None:
-        """Re-gather unit u for backward and prefetch the unit backward reaches next.
+    def _bw_launch_upto(self, pos: int) -> None:
+        """Launch the backward sequence's units up to position `pos` not launched yet."""
+        while self._bw_next <= min(pos, len(self._bw_seq) - 1):
+            v = self._bw_seq[self._bw_next]
+            if self.unit_params[v]:
+                self._bw_pending[v] = self._gather_async(v)
+            self._bw_next += 1
 
-        Backward runs the forward order in reverse: the root's head first, then the last
-        unit down to the first; so after unit u comes u - 1 (after the root, the last)."""
+    def _gather_for_backward(self, u: int) -> None:
+        """Re-gather unit u for backward (after every unit before it in the backward sequence:
+        the root, then the last unit down to the first), drop units this rank's backward
+        passed without using, and prefetch the next ones."""
+        p = self._bw_pos[u]
+        if p >= self._bw_next:
+            self._bw_launch_upto(p)
         handle = self._bw_pending.pop(u, None) or self._gather_async(u)
+        for v in [v for v in self._bw_pending if v != 0 and self._bw_pos[v] < p]:
+            self._bw_pending.pop(v).wait()        # a unit this rank skipped: its gather, dropped
         for j, t in zip(self.unit_params[u], handle.wait()):
             self._bw.setdefault(j, t)
-        nxt = len(self.units) - 1 if u == 0 else u - 1
-        if self.zero.prefetch and 1 <= nxt != u and nxt not in self._bw_pending and self.unit_params[nxt] \
-                and any(j not in self._bw for j in self.unit_params[nxt]):
-            self._bw_pending[nxt] = self._gather_async(nxt)
+        self._bw_launch_upto(p + self.zero.prefetch)
+
+    def finish_backward(self) -> None:
+        """Backward is over: gather (and drop) the units this rank's backward never reached,
+        so every rank has issued the whole backward sequence."""
+        self._bw_launch_upto(len(self._bw_seq) - 1)
+        for v in list(self._bw_pending):
+            self._bw_pending.pop(v).wait()
+        self._bw.clear()
 
     def grad_ready(self, i: int, grad: torch.Tensor) -> None:
         self._bw.pop(i, None)                 # every use of the weight in backward is done
-        self.zero._reducer.add(self.names[i], grad)
+        self.zero._grad_arrived(self.names[i], grad)
 
     # -- context -----------------------------------------------------------------------------------
     def __enter__(self):
@@ -507,6 +598,8 @@ class UnitGatherer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if exc[0] is None:
+            self.finish_forward()
         self._pending.clear()
         self._live.clear()
         _gauge_live(self._live)

@@ -92,3 +92,40 @@ def test_initialised_group_in_ranks(world_size):
     out = spawn(_inside_rank, world_size, timeout=60)
     assert out == [(True, r, world_size, r, world_size, "cpu", "gloo", False, 0, 1)
                    for r in range(world_size)]
+
+
+def test_ensure_distributed_does_nothing_without_a_launcher(single_process, monkeypatch):
+    assert env.ensure_distributed() is False
+    monkeypatch.setenv("WORLD_SIZE", "1")        # torchrun --nproc-per-node 1: nothing to join
+    monkeypatch.setenv("RANK", "0")
+    assert env.ensure_distributed() is False
+    assert not env.is_distributed()
+
+
+@pytest.mark.parametrize("present", [("WORLD_SIZE",), ("WORLD_SIZE", "RANK", "MASTER_PORT"),
+                                     ("WORLD_SIZE", "RANK", "MASTER_ADDR")])
+def test_ensure_distributed_names_what_a_launch_lacks(single_process, monkeypatch, present):
+    values = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for var in present:
+        monkeypatch.setenv(var, values[var])
+    with pytest.raises(DistributedError) as info:
+        env.ensure_distributed()
+    msg = str(info.value)
+    assert "WORLD_SIZE=2" in msg and "torchrun" in msg
+    for var in env.REQUIRED_VARS:
+        assert (var in msg.split(" says ")[1].split(" so ")[0]) is (var not in present)
+    assert not env.is_distributed()
+
+
+def test_ensure_distributed_rejects_a_bad_world_size(single_process, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(DistributedError, match="WORLD_SIZE='two'"):
+        env.ensure_distributed()
+
+
+def _ensure_inside_rank():
+    return env.ensure_distributed(), env.world_size()
+
+
+def test_ensure_distributed_keeps_an_existing_group():
+    assert spawn(_ensure_inside_rank, 2, timeout=60) == [(True, 2), (True, 2)]

@@ -45,3 +45,67 @@ def test_single_process_mesh_and_bad_axis_names():
         mesh.size("pp")
     with pytest.raises(MeshError, match="positive"):
         init_mesh(dp=0)
+
+
+def _stack_error(mesh_axes, make_stack):
+    """The MeshError message of a Step's first use (place) on this rank, or "ok"."""
+    import dsfn
+    from dsfn.runtime import reset_mesh
+    from dsfn.testing.models import make_mlp
+
+    reset_mesh()
+    if mesh_axes is not None:
+        init_mesh(**mesh_axes)
+    model = make_mlp([4, 8, 2])
+    apply_fn, params = dsfn.functionalize(model)
+    step = dsfn.compose(*make_stack(model))(lambda s, b: (s, {}))
+    try:
+        step.place(dsfn.TrainState.create(params, dsfn.optim.sgd(lr=0.1)))
+    except MeshError as e:
+        return str(e)
+    return "ok"
+
+
+def _tp(model):
+    from dsfn.transforms import tensor_parallel
+    return (tensor_parallel({"layers.0": "colwise", "layers.1": "rowwise"}, model=model),)
+
+
+def _sp(model):
+    from dsfn.transforms import sequence_parallel
+    return (sequence_parallel(),)
+
+
+def test_tp_over_a_mesh_without_tp_names_the_init_mesh_fix():
+    # init_mesh(dp=2) on 2 ranks, then tensor_parallel: tp would be a silent size-1 axis
+    msgs = run_on_ranks(_stack_error, 2, {"dp": 2}, _tp, timeout=60)
+    for m in msgs:
+        assert "tensor_parallel(axis='tp')" in m and "dsfn.runtime.mesh.init_mesh(dp=..., tp=...)" in m
+    # naming tp=1 says "on purpose": no error from the mesh check
+    assert run_on_ranks(_stack_error, 2, {"dp": 2, "tp": 1}, _tp, timeout=60) == ["ok", "ok"]
+
+
+def test_sp_with_the_default_all_dp_mesh_is_an_error_on_two_ranks():
+    msgs = run_on_ranks(_stack_error, 2, None, _sp, timeout=60)
+    for m in msgs:
+        assert "sequence_parallel(axis='sp')" in m and "dsfn.runtime.mesh.init_mesh(dp=..., sp=...)" in m
+        assert "'dp': 2" in m
+
+
+def _default_mesh():
+    from dsfn.runtime import current_mesh, reset_mesh
+    reset_mesh()
+    mesh = current_mesh()
+    return mesh.axes, mesh.named
+
+
+def test_default_mesh_over_a_world_of_two_is_all_dp():
+    assert run_on_ranks(_default_mesh, 2, timeout=60) == [({"dp": 2, "sp": 1, "tp": 1}, ("dp",))] * 2
+
+
+def test_a_transform_over_an_axis_the_mesh_lacks_names_the_fix():
+    from dsfn.transforms import data_parallel
+    msg = _stack_error({"dp": 1}, lambda m: (data_parallel(axis="model"),))
+    assert "no such axis" in msg and "dsfn.runtime.mesh.init_mesh(dp=..., model=...)" in msg
+    # single process: tp/sp of size 1 are fine (nothing is silently left out)
+    assert _stack_error(None, _tp) == "ok"
