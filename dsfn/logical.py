@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dsfn import tree
-from dsfn.effects import bind
+from dsfn.effects import active_stack, bind
 from dsfn.errors import LayoutError
 from dsfn.state.layout import Placed, is_placed
 
@@ -99,8 +99,10 @@ def reduce_leaves(partials: Sequence[torch.Tensor], pieces: Sequence[Any], op: s
     if len(partials) != len(pieces):
         raise LayoutError(f"reduce_leaves: {len(partials)} partials for {len(pieces)} leaves")
     pending = [split_axes(x) for x in pieces]
-    if not any(pending):
+    if not any(pending) and not active_stack():
         return list(partials)
+    # through the handlers even for whole tensors: a transform that hands the optimizer
+    # something other than whole leaves (zenflow's column selections) refuses here
     return bind("reduce_leaves", _unanswered_reduce, list(partials), pending, op)
 
 
@@ -123,7 +125,7 @@ def map_whole(fn: Callable[[int, torch.Tensor], torch.Tensor], pieces: Sequence[
     when any piece is split.
     """
     pieces = list(pieces)
-    if not any(isinstance(x, Placed) for x in pieces):
+    if not any(isinstance(x, Placed) for x in pieces) and not active_stack():
         return [fn(i, x) for i, x in enumerate(pieces)]
     return bind("map_whole", _whole_default, fn, pieces)
 
@@ -156,4 +158,6 @@ def global_norm(t: Any) -> torch.Tensor:
     if any(isinstance(x, Placed) and x.layout.axes() for x in xs):
         sq = reduce_leaves([n.double().square() for n in norms], xs, "sum")
         norms = [s.sqrt().to(n.dtype) for s, n in zip(sq, norms)]
+    elif active_stack():
+        reduce_leaves([n.square() for n in norms], xs, "sum")    # whole leaves: the transforms may refuse
     return torch.linalg.vector_norm(torch.stack(norms), 2)

@@ -139,7 +139,7 @@ from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
 from dsfn.runtime.host import copy_to_host
 from dsfn.state.layout import Offloaded, Placed, Replicated, is_placed
-from dsfn.transforms.core import Transform, active_stack, make_transform, with_role
+from dsfn.transforms.core import Transform, activate, active_stack, make_transform, with_role
 
 KEY = "zenflow"
 HOST = torch.device("cpu")
@@ -340,12 +340,12 @@ class ZenFlow(Transform):
         # 2. device path: the non-matrix parameters, and (after warm-up) the selected columns
         new_P = dict(P)
         dense = [n for n in names if n not in mats]
-        out, new_dense = optim_step(tx, {n: G[n] for n in dense}, _with_count(ost.dense, c), {n: P[n] for n in dense})
+        out, new_dense = _step(tx, {n: G[n] for n in dense}, _with_count(ost.dense, c), {n: P[n] for n in dense})
         new_P.update(out)
         new_cols = None
         if rel >= 0:
             gc, pc = _compact(mats, sel, G, P, dev)
-            new_cols, cols = optim_step(tx, gc, _with_count(cols, c), pc)
+            new_cols, cols = _step(tx, gc, _with_count(cols, c), pc)
 
         # 3. host path: warm-up updates everything; then gradients accumulate, flushed every u updates
         stage = _Staging()
@@ -498,8 +498,28 @@ def _cast_like(means: dict, grads: dict) -> dict:
 
 def _host_update(tx, grads: dict, host: Any, params: dict, count: int) -> tuple[dict, Any]:
     """The host path's optimizer step on the matrices (a pure function of its inputs)."""
+    return _step(tx, grads, _with_count(host, count), params)
+
+
+class _PartsOnly:
+    """Active around zenflow's optimizer calls: they see the non-matrix parameters, the
+    selected columns and the host matrices in separate calls, so a value of the whole
+    gradient asked from inside the optimizer (`dsfn.logical`: clip_by_global_norm's norm,
+    Muon's matrices) cannot be answered — refused, never computed on a part."""
+
+    def _refuse(self, call_next, *args):
+        raise StackError("zenflow hands the optimizer the selected columns, the host matrices and the other "
+                         "parameters in separate updates, so a value of the whole gradient inside the optimizer "
+                         "(clip_by_global_norm, Muon) cannot be right there. Clip in the stack instead: "
+                         "compose(..., clip_grad_norm(max_norm), zenflow(...)) with an elementwise optimizer")
+
+    handle_reduce_leaves = handle_map_whole = _refuse
+
+
+def _step(tx, grads, state, params):
     from dsfn.optim.base import step as optim_step
-    return optim_step(tx, grads, _with_count(host, count), params)
+    with activate([_PartsOnly()]):
+        return optim_step(tx, grads, state, params)
 
 
 def _host_update_thread(kernel, tx, grads, host, params, count):

@@ -553,3 +553,19 @@ def test_overlap_bad_input():
     async_step = compose(zenflow(topk_ratio=0.5, update_interval=2, overlap=True))(grad_step)
     with pytest.raises(ConfigError, match="placed with overlap=False"):
         async_step(state, {"gb": torch.ones(3), "gw": torch.ones(3, 4)})
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_whole_gradient_value_inside_the_optimizer_is_refused(overlap):
+    """zenflow hands the optimizer parts of each matrix in separate calls; a clip in the chain
+    would clip each part by its own norm. It raises (on the host thread too, with overlap),
+    while the stack's clip_grad_norm keeps working."""
+    tx = lambda: dsfn.optim.chain(dsfn.optim.clip_by_global_norm(0.1), ADAMW())   # noqa: E731
+    batches = regression_batches(6, 8, SIZES[0], SIZES[-1])
+    with pytest.raises(StackError, match="clip_grad_norm"):
+        run_training(lambda: make_mlp(SIZES, 0), tx, batches,
+                     (zenflow(topk_ratio=0.5, update_interval=2, full_warm_up_rounds=0, overlap=overlap),))
+    res = run_training(lambda: make_mlp(SIZES, 0), ADAMW, batches,
+                       (clip_grad_norm(0.1), zenflow(topk_ratio=0.5, update_interval=2, full_warm_up_rounds=0,
+                                                     overlap=overlap)))
+    assert all(math.isfinite(x) for x in res.losses)
