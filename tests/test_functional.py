@@ -33,7 +33,8 @@ def test_tied_weight_is_one_logical_parameter_and_frozen_stay_out():
     apply_fn, params = dsfn.functionalize(m)
     assert "embed.weight" in params and "head.weight" not in params
     assert not any(k.startswith("frozen.") for k in params)
-    assert set(apply_fn.constants) == {"frozen.weight", "frozen.bias", "scale"}
+    assert set(apply_fn.constants) == {"frozen.weight", "frozen.bias"}
+    assert set(apply_fn.buffers) == {"scale"}          # a persistent buffer is state (tests/test_buffers.py)
 
 
 def test_value_and_grad_equals_module_backward_including_tied_gradient():

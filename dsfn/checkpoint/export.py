@@ -29,6 +29,7 @@ from dsfn.checkpoint.errors import CheckpointError
 __all__ = ["MASTER_PREFIX", "convert", "export", "parse_dtype"]
 
 MASTER_PREFIX = "opt_state.master."      # mixed_precision's full-precision master weights
+BUFFERS_PREFIX = "buffers."               # TrainState.buffers: the model's persistent buffers
 
 _DTYPE_ALIASES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
                   "float16": torch.float16, "half": torch.float16, "fp32": torch.float32,
@@ -101,7 +102,9 @@ def export(path: str | os.PathLike, out: str | os.PathLike, format: str = "hf",
     only; "bf16", "fp16", "fp32" or a torch dtype), and written under `<name>` (the prefix
     stripped: for a functionalized HF model, `model.layers.0.self_attn.q_proj.weight`).
     With `prefix="params."` and mixed precision, the full-precision master weights
-    (`opt_state.master.<name>`) are exported instead of the low-precision params.
+    (`opt_state.master.<name>`) are exported instead of the low-precision params; the
+    state's persistent buffers (`buffers.<name>`) are written under `<name>` too, so the
+    file is the model's whole state dict.
 
     format="hf": `out/model.safetensors`, no pickle, written streaming: peak host memory is
         the largest tensor + one stored slice. `config` (a dict, or an object with
@@ -122,6 +125,9 @@ def export(path: str | os.PathLike, out: str | os.PathLike, format: str = "hf",
     dt = parse_dtype(dtype)
     manifest = F.read_manifest(path)
     names = _select(manifest, prefix, prefer_master=(prefix == "params."))
+    if prefix == "params.":     # a model's state dict holds its persistent buffers too (BatchNorm statistics)
+        names = sorted(names + [(p[len(BUFFERS_PREFIX):], p) for p, d in manifest.leaves.items()
+                                if p.startswith(BUFFERS_PREFIX) and "value" not in d])
     out = os.path.abspath(os.fspath(out))
     os.makedirs(out, exist_ok=True)
     reader = R._Reader(manifest, verify)

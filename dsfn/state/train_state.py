@@ -5,6 +5,11 @@ Fields (children unless noted):
 - `params`: pytree of parameter tensors (usually `dict[str, Tensor]` from `functionalize`).
 - `opt_state`: the optimizer's state pytree (moments, counts, lr).
 - `rng`: int64 tensor [2] = (seed, draws); `rng_generator` derives torch generators from it.
+- `buffers`: dict name -> tensor of the model's persistent buffers (BatchNorm's running
+  statistics, anything a forward updates): `TrainState.create(..., buffers=apply_fn.buffers)`.
+  A Step feeds them to the forwards and puts the updated values in the new state
+  (see dsfn.functional); they are replicated tensors, synced over data parallel by
+  broadcast from dp rank 0 at the end of every step, and saved by checkpoints.
 - `extra`: dict for more state owned by transforms and users (loss scale, data cursor, ...).
 - `tx` (static): the `GradientTransformation` that owns `opt_state`.
 
@@ -29,25 +34,29 @@ class TrainState:
     params: Any
     opt_state: Any
     rng: torch.Tensor
+    buffers: dict = tree.field(default_factory=dict)
     extra: dict = tree.field(default_factory=dict)
     tx: Any = tree.static_field(default=None)
 
     @classmethod
     def create(cls, params: Any, tx: Any, seed: int = 0, extra: dict | None = None,
-               init_optimizer: bool = True) -> "TrainState":
-        """A fresh state: step 0, `tx.init(params)`, rng from `seed`.
+               init_optimizer: bool = True, buffers: dict | None = None) -> "TrainState":
+        """A fresh state: step 0, `tx.init(params)`, rng from `seed`, the model's persistent
+        `buffers` (`apply_fn.buffers`; the state holds these tensors, the step never changes them).
 
         `init_optimizer=False` leaves `opt_state` None, for `Step.init_state`, which
         makes the optimizer state after the layout is known (only this rank's shard).
         """
         check_tensor_leaves(params, "params")
+        buffers = check_buffers(buffers)
         if tx is None or not (hasattr(tx, "init") and hasattr(tx, "update")):
             from dsfn.errors import ConfigError
             raise ConfigError("TrainState.create needs tx=a dsfn optimizer (e.g. dsfn.optim.adamw(lr=1e-3)), "
                               f"got {tx!r}")
         return cls(step=torch.zeros((), dtype=torch.int64), params=params,
                    opt_state=tx.init(params) if init_optimizer else None,
-                   rng=torch.tensor([int(seed), 0], dtype=torch.int64), extra=dict(extra or {}), tx=tx)
+                   rng=torch.tensor([int(seed), 0], dtype=torch.int64), buffers=buffers,
+                   extra=dict(extra or {}), tx=tx)
 
     def replace(self, **changes: Any) -> "TrainState":
         return tree.replace(self, **changes)
@@ -74,6 +83,19 @@ def _apply_gradients(state: TrainState, grads: Any) -> TrainState:
                             f"(grads: {tree.structure(grads)}, params: {tree.structure(state.params)})")
     params, opt_state = optim_step(state.tx, grads, state.opt_state, state.params)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+
+
+def check_buffers(buffers: Any) -> dict:
+    """`buffers` as a flat dict name -> tensor (None: empty), or a LeafTypeError."""
+    if buffers is None:
+        return {}
+    if not isinstance(buffers, dict):
+        raise LeafTypeError(f"buffers must be a dict name -> tensor (apply_fn.buffers), got {type(buffers).__name__}")
+    for name, t in buffers.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise LeafTypeError(f"buffers[{name!r}] is a {type(t).__name__}; buffers map names to tensors "
+                                "(pass apply_fn.buffers from dsfn.functionalize)")
+    return dict(buffers)
 
 
 def check_tensor_leaves(t: Any, what: str) -> None:

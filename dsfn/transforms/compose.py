@@ -10,6 +10,10 @@
 Inside `step(state, batch)` the transforms are active (they handle primitives), each
 transform's `wrap_step` wraps the function (the outermost runs first), and the metrics
 go through the "reduce_metrics" primitive. Metrics come back as detached 0-dim tensors.
+`train_step` runs in a buffer scope over `state.buffers` (dsfn.functional): the
+forwards' updates of persistent buffers go into the new state's `buffers`, which then
+go through the "sync_buffers" primitive (data parallel: broadcast from dp rank 0) —
+inside every `wrap_step`, so a checkpoint taken at the step boundary holds them.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import torch
 
 from dsfn import tree
 from dsfn.errors import LeafTypeError, StackError
+from dsfn.functional import buffer_scope
 from dsfn.runtime import env
 from dsfn.runtime.mesh import ensure_ready
 from dsfn.state.layout import gather_tree
@@ -44,10 +49,15 @@ class Step:
         self._wrapped = wrapped
 
     def _call_inner(self, state: Any, batch: Any) -> tuple[Any, dict]:
-        out = self.fn(state, batch)
+        held = getattr(state, "buffers", None)
+        held = held if isinstance(held, dict) else {}
+        with buffer_scope(held) as scope:
+            out = self.fn(state, batch)
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
             raise StackError("train_step must return (new_state, metrics: dict); got "
                              f"{type(out).__name__}")
+        if held:
+            out = (_new_buffers(state, out[0], scope), out[1])
         return out
 
     def place(self, state: Any) -> Any:
@@ -62,10 +72,11 @@ class Step:
                     state = after(state)
         return state
 
-    def init_state(self, params: Any, tx: Any, seed: int = 0, extra: dict | None = None) -> Any:
+    def init_state(self, params: Any, tx: Any, seed: int = 0, extra: dict | None = None,
+                   buffers: dict | None = None) -> Any:
         """This rank's physical state for fresh training, without the full optimizer state.
 
-        Equals `self.place(TrainState.create(params, tx, seed, extra))`, but the
+        Equals `self.place(TrainState.create(params, tx, seed, extra, buffers=buffers))`, but the
         optimizer state is made only for what the optimizer will see on this rank (ZeRO
         shards, mixed precision's master weights): the "init_optimizer" primitive, whose
         default is `tx.init(params)`. Full parameters are still needed once, on every
@@ -73,7 +84,7 @@ class Step:
         """
         ensure_ready(self.stack)
         from dsfn.state.train_state import TrainState
-        state = TrainState.create(params, tx, seed=seed, extra=extra, init_optimizer=False)
+        state = TrainState.create(params, tx, seed=seed, extra=extra, init_optimizer=False, buffers=buffers)
         state = self.place(state)
         with activate(self.stack):
             opt_state = bind("init_optimizer", lambda s: s.tx.init(s.params), state)
@@ -172,6 +183,18 @@ def compose(*transforms: Transform) -> Callable[[StepFn], Step]:
         return Step(fn, stack)
 
     return apply
+
+
+def _new_buffers(state: Any, new_state: Any, scope: Any) -> Any:
+    """`new_state` with the scope's buffers (entries `train_step` replaced itself stay its
+    own), after the "sync_buffers" primitive (default: as they are)."""
+    held, out = state.buffers, getattr(new_state, "buffers", None)
+    if not isinstance(out, dict) or set(out) != set(held):
+        raise StackError("train_step returned a state whose buffers have other names than its input's "
+                         f"({sorted(set(held) ^ set(out or {}))[:5]}); keep the structure of state.buffers")
+    current = scope.buffers
+    merged = {n: (current[n] if out[n] is held[n] else out[n]) for n in held}
+    return tree.replace(new_state, buffers=bind("sync_buffers", lambda b: b, merged))
 
 
 def _check_batch(batch: Any) -> None:

@@ -11,6 +11,7 @@ change. Each primitive has a default meaning (what a single process does); while
 | "reduce_metrics"   | (metrics: dict[str, 0-dim tensor])         | identity                     |
 | "apply_module"     | (apply_fn, params, args, kwargs)           | the module's forward         |
 | "init_optimizer"   | (placed state with opt_state unset)        | `tx.init(state.params)`      |
+| "sync_buffers"     | (buffers: dict name -> tensor)             | as they are (end of a step)  |
 
 A transform handles primitive P by defining `handle_P(self, call_next, *args)`; it may
 change the arguments, call `call_next(*args)` (the transforms further in, and finally

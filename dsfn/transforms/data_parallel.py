@@ -11,6 +11,15 @@
   inside, once after the last micro-batch. For a loss that is a mean over equally
   sized per-rank batches this equals the single-process gradient of the global batch.
 - `reduce_metrics`: metrics are averaged over dp.
+- `sync_buffers` (persistent buffers a forward updates, e.g. BatchNorm statistics; see
+  dsfn.functional): at the end of every step each rank's updated buffers are replaced
+  by dp rank 0's (one bucketed broadcast), so after a step every replica holds rank 0's
+  values — each rank's own batch statistics are dropped, not averaged. This is DDP's
+  default rule (`broadcast_buffers=True`), which broadcasts rank 0's buffers at the
+  start of every forward: dsfn's state after step k equals DDP's rank-0 buffers after
+  step k, i.e. what every DDP rank's forward of step k+1 reads. (DDP's other ranks
+  hold their own update until that next forward; dsfn's replicas never disagree, so
+  a checkpoint or an evaluation on any rank sees rank 0's values.)
 """
 from __future__ import annotations
 
@@ -91,6 +100,14 @@ class DataParallel(Transform):
 
     def handle_reduce_metrics(self, call_next, metrics):
         return call_next(average_metrics(metrics, self.axis))
+
+    def handle_sync_buffers(self, call_next, buffers):
+        """Every replica takes dp rank 0's buffers (DDP's broadcast_buffers rule; module docstring)."""
+        if current_mesh().size(self.axis) == 1 or not buffers:
+            return call_next(buffers)
+        names = list(buffers)
+        synced = all_reduce_buckets([buffers[n] for n in names], self.axis, int(self.bucket_mb * 2**20), op=None)
+        return call_next(dict(zip(names, synced)))
 
     def handle_reduce_leaves(self, call_next, partials, pending, op):
         """Leaves split over this transform's axis (ZeRO's shards) are combined over it."""

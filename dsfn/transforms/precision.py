@@ -15,8 +15,10 @@ Gradients come back in `param_dtype` and are reduced in `reduce_dtype` (default:
 `param_dtype`); the update casts them to `master_dtype`, runs the optimizer on the
 master weights, and casts the result back to `param_dtype`. Floating inputs of the
 differentiated function are cast to `param_dtype` (`cast_inputs`), and so are the
-module's frozen parameters and floating buffers (`apply_fn.constants`, cast once and
-cached). Place it inside the
+module's frozen parameters and non-persistent floating buffers (`apply_fn.constants`,
+cast once and cached). Persistent buffers (`state.buffers`, e.g. BatchNorm statistics)
+keep their dtype in the state; the forward sees them in `param_dtype` and its updates
+are stored back (rounded to `param_dtype`). Place it inside the
 parallel transform: `compose(shard_zero(s), mixed_precision(...))`.
 """
 from __future__ import annotations
@@ -94,7 +96,7 @@ class MixedPrecision(Transform):
             return cached[2]
         from dsfn.functional import ApplyFn
         consts = {k: (v.to(self.param_dtype) if v.is_floating_point() else v) for k, v in apply_fn.constants.items()}
-        cast = ApplyFn(apply_fn.module, consts, apply_fn.param_names)
+        cast = ApplyFn(apply_fn.module, consts, apply_fn.param_names, apply_fn.buffers, self.param_dtype)
         self._cast_cache = (apply_fn, apply_fn.constants, cast)
         return cast
 
