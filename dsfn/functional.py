@@ -43,6 +43,7 @@ change how gradients are computed and reduced.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from typing import Any, Callable, Iterator
@@ -52,6 +53,8 @@ from torch import nn
 
 from dsfn import tree
 from dsfn.errors import ConfigError, LeafTypeError
+from torch.nn.utils.stateless import _reparametrize_module
+
 from dsfn.effects import bind
 
 
@@ -215,8 +218,12 @@ def _checked_call(apply_fn: ApplyFn, params: dict, buffers: dict, foreign: dict,
     buffer the scope does not hold) in place."""
     watched = {**apply_fn.constants, **foreign}
     before = {n: _version_of(t) for n, t in watched.items()}
-    out = torch.func.functional_call(apply_fn.module, {**apply_fn.constants, **foreign, **buffers, **params},
-                                     args, kwargs, tie_weights=True, strict=False)
+    tensors = {**apply_fn.constants, **foreign, **buffers, **params}
+    # the module holds the step's tensors until backward is over: a recompute in backward
+    # (torch.utils.checkpoint, HF's gradient checkpointing) then sees them, not its own
+    with until_backward(_reparametrize_module(apply_fn.module, tensors, tie_weights=True, strict=False)), \
+            until_backward(_non_reentrant_checkpointing(apply_fn.module)):
+        out = apply_fn.module(*args, **kwargs)
     changed = [n for n, t in watched.items() if before[n] is not None and _version_of(t) != before[n]]
     if changed:
         lost = [n for n in changed if n in foreign]
@@ -231,6 +238,26 @@ def _checked_call(apply_fn: ApplyFn, params: dict, buffers: dict, foreign: dict,
                           "a tensor the forward updates as a persistent buffer (module.register_buffer(name, "
                           "tensor)) so that it lives in state.buffers, or make the forward stop changing it")
     return out
+
+
+@contextlib.contextmanager
+def _non_reentrant_checkpointing(module: nn.Module) -> Iterator[None]:
+    """Hugging Face layers with gradient checkpointing on run it non-reentrant (their
+    `_gradient_checkpointing_func` with use_reentrant=False) for the duration: the same
+    gradients, and the only mode whose recompute hands gradients to `autograd.grad`."""
+    swapped = []
+    for m in module.modules():
+        fn = getattr(m, "_gradient_checkpointing_func", None)
+        if getattr(m, "gradient_checkpointing", False) and isinstance(fn, functools.partial) \
+                and fn.keywords.get("use_reentrant", True):
+            swapped.append((m, fn))
+            m._gradient_checkpointing_func = functools.partial(fn.func, *fn.args,
+                                                               **{**fn.keywords, "use_reentrant": False})
+    try:
+        yield
+    finally:
+        for m, fn in swapped:
+            m._gradient_checkpointing_func = fn
 
 
 def functionalize(module: nn.Module, release: bool = False) -> tuple[ApplyFn, dict[str, torch.Tensor]]:
@@ -261,6 +288,47 @@ def functionalize(module: nn.Module, release: bool = False) -> tuple[ApplyFn, di
     return ApplyFn(module, constants, tuple(params), buffers), params
 
 
+# ---------------------------------------------------------------------------------------------
+# what lives until backward is over
+
+_lifetime = threading.local()
+
+
+@contextlib.contextmanager
+def backward_lifetime() -> Iterator[contextlib.ExitStack]:
+    """Opened by value_and_grad's default around forward and backward: contexts handed to
+    `until_backward` inside it are exited when it closes (in reverse order)."""
+    stack = _lifetime.__dict__.setdefault("stack", [])
+    with contextlib.ExitStack() as exits:
+        stack.append(exits)
+        try:
+            yield exits
+        finally:
+            stack.pop()
+
+
+@contextlib.contextmanager
+def until_backward(cm: Any) -> Iterator[Any]:
+    """Enter `cm`; exit it when the running value_and_grad's backward is over (or at the end
+    of the `with` block when no value_and_grad runs, e.g. an evaluation forward).
+
+    What a forward sets up for the model — the step's tensors bound to the module,
+    tensor parallel's forwards, ZeRO-3's unit hooks, Ulysses attention — must still be
+    in place when backward re-runs part of the forward (activation checkpointing's
+    recompute), so the recompute computes what the forward did."""
+    stack = getattr(_lifetime, "stack", None)
+    if not stack:
+        with cm as value:
+            yield value
+        return
+    yield stack[-1].enter_context(cm)
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs backward on this thread (e.g. during a recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def value_and_grad(fn: Callable[..., Any], has_aux: bool = False) -> Callable[..., Any]:
     """`value_and_grad(fn)(params, *args, **kwargs) -> (value, grads)`.
 
@@ -284,7 +352,7 @@ def autograd_value_and_grad(fn: Callable[..., Any], params: Any, args: tuple, kw
             raise LeafTypeError(f"value_and_grad differentiates floating-point tensor leaves; params leaf "
                                 f"{path or '<root>'!r} is {kind}. Keep integer tensors and constants out of "
                                 "the differentiated argument")
-    with torch.enable_grad():
+    with torch.enable_grad(), backward_lifetime():
         inputs = [x.detach().requires_grad_(True) for x in leaves]
         out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
         value, aux = out if has_aux else (out, None)
@@ -292,7 +360,15 @@ def autograd_value_and_grad(fn: Callable[..., Any], params: Any, args: tuple, kw
             raise LeafTypeError("the function given to value_and_grad must return a scalar floating tensor"
                                 f"{' as the first element of (value, aux)' if has_aux else ''}; got "
                                 f"{type(value).__name__}{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}")
-        grads = torch.autograd.grad(value.reshape(()), inputs, allow_unused=True)
+        try:
+            grads = torch.autograd.grad(value.reshape(()), inputs, allow_unused=True)
+        except RuntimeError as e:
+            if "use_reentrant" not in str(e):
+                raise
+            raise ConfigError("the model calls torch.utils.checkpoint with use_reentrant=True, whose recompute "
+                              "runs its own backward and cannot hand dsfn the parameters' gradients. Pass "
+                              "use_reentrant=False to that checkpoint call (the same math; Hugging Face's "
+                              "gradient_checkpointing_enable() in either mode is handled by dsfn)") from None
     grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
     value = value.detach().reshape(())
     if has_aux:

@@ -7,10 +7,11 @@ on `world` gloo ranks, and compares:
 
 - losses at every step (fp32: rtol 1e-5; mixed precision: rtol 2e-2);
 - the final logical state (params and optimizer state) where the optimizer keeps
-  reduction-order bits where they are (SGD-momentum, and every optimizer at world 1):
-  fp32 rtol 1e-5. Adam-like optimizers divide each element by its own second moment,
-  which turns reduction-order bits near eps into visible differences at world >= 2;
-  there only the losses are compared (stated per optimizer in `OPTIMIZERS`).
+  reduction-order bits where they are (SGD-momentum and its variants): fp32 rtol 1e-5.
+  Adam-like optimizers divide each element by its own second moment, which turns
+  reduction-order bits near eps into visible differences (at world >= 2; and even at
+  world 1 for a bias feeding BatchNorm, whose gradient is all eps-level noise); for them
+  only the losses are compared (stated per optimizer in `OPTIMIZERS`).
 
 A case that cannot work is listed in `REFUSALS` — one place — with the dsfn error it
 must raise and why; `run_case` then checks the stack raises exactly that. `cases()`
@@ -32,7 +33,7 @@ from torch import nn
 import dsfn
 from dsfn.errors import ConfigError, DsfnError, ShapeError, StackError
 from dsfn.testing.asserts import assert_trees_close
-from dsfn.testing.models import Routed, make_mlp, make_tiny_causal_lm, regression_batches, routed_batches, \
+from dsfn.testing.models import BatchNormMLP, Routed, make_mlp, make_tiny_causal_lm, regression_batches, routed_batches, \
     token_batches
 from dsfn.testing.ranks import run_on_ranks
 
@@ -66,6 +67,12 @@ def _gpt_plan(model):
     return tp_plan()
 
 
+def _hf_ckpt(reentrant: bool) -> nn.Module:
+    m = make_tiny_causal_lm("llama")
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    return m.train()
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     make: Callable[[], nn.Module]
@@ -73,6 +80,8 @@ class ModelSpec:
     loss: Callable
     attention: bool = False          # sequence parallel applies
     tp: str | None = None            # "auto" (HF plan) | "gpt" (dsfn's plan) | None (no plan)
+    batch_stats: bool = False        # normalises by batch statistics (BatchNorm): see `_reference`
+    reference_make: Callable[[], nn.Module] | None = None   # the reference's model, when it differs
 
 
 def _tokens():
@@ -83,10 +92,17 @@ MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec(lambda: make_mlp([6, 10, 3], seed=1), lambda: regression_batches(STEPS, 8, 6, 3, seed=3),
                      _mse_loss),
     "routed": ModelSpec(lambda: Routed(True, seed=1), lambda: routed_batches(STEPS, 8), _mse_loss),
+    "batchnorm": ModelSpec(lambda: BatchNormMLP(seed=1), lambda: regression_batches(STEPS, 8, 6, 3, seed=3), _mse_loss,
+                           batch_stats=True),
     "gpt": ModelSpec(_gpt, _tokens, _lm_loss, attention=True, tp="gpt"),
     "llama": ModelSpec(lambda: make_tiny_causal_lm("llama"), _tokens, _lm_loss, attention=True, tp="auto"),
     "qwen2": ModelSpec(lambda: make_tiny_causal_lm("qwen2"), _tokens, _lm_loss, attention=True, tp="auto"),
     "gemma2": ModelSpec(lambda: make_tiny_causal_lm("gemma2"), _tokens, _lm_loss, attention=True, tp="auto"),
+    # the activation-checkpointing axis: HF's own checkpointing, compared with the model without it
+    "llama+hf_ckpt": ModelSpec(lambda: _hf_ckpt(False), _tokens, _lm_loss, attention=True, tp="auto",
+                               reference_make=lambda: make_tiny_causal_lm("llama")),
+    "llama+hf_ckpt_reentrant": ModelSpec(lambda: _hf_ckpt(True), _tokens, _lm_loss, attention=True, tp="auto",
+                                         reference_make=lambda: make_tiny_causal_lm("llama")),
 }
 
 
@@ -97,7 +113,7 @@ MODELS: dict[str, ModelSpec] = {
 @dataclasses.dataclass(frozen=True)
 class OptSpec:
     make: Callable[[], Any]
-    state_at_scale: bool            # compare the final state at world >= 2 (else losses only)
+    compare_state: bool             # compare the final state (else losses only: see the module docstring)
 
 
 def _groups():
@@ -224,6 +240,20 @@ def cases() -> list[Case]:
 # running a case
 
 
+def _reference(case: Case) -> list:
+    """The reference's transforms. A model that normalises by batch statistics (BatchNorm)
+    sees, under data parallel, each rank's rows as its batch (DDP's semantics): its
+    single-process reference is gradient accumulation over `world` micro-batches (times any
+    accumulation in the stack), which normalises each rank's rows alone and averages the
+    gradients. Buffers follow DDP's rule (rank 0's), compared in tests/test_buffers.py."""
+    ref = list(STACKS[case.stack].reference())
+    if not MODELS[case.model].batch_stats or case.world == 1:
+        return ref
+    T = _T()
+    n = next((t.n for t in ref if isinstance(t, T.accumulate(1).__class__)), 1)
+    return [t for t in ref if not isinstance(t, T.accumulate(1).__class__)] + [T.accumulate(n * case.world)]
+
+
 def _train(case: Case, tmpdir: str, transforms: bool) -> tuple[list[float], Any]:
     """Train on this rank: the stack (transforms=True) or the reference; (losses, logical state)."""
     from dsfn.runtime import init_mesh
@@ -231,11 +261,11 @@ def _train(case: Case, tmpdir: str, transforms: bool) -> tuple[list[float], Any]
     spec, sspec, ospec = MODELS[case.model], STACKS[case.stack], OPTIMIZERS[case.optimizer]
     if transforms and case.world > 1:
         init_mesh(**sspec.mesh(case.world))
-    model = spec.make()
+    model = spec.make() if transforms or spec.reference_make is None else spec.reference_make()
     apply_fn, params = dsfn.functionalize(model)
-    make = (lambda: sspec.make(model, spec, tmpdir)) if transforms else sspec.reference
+    make = (lambda: sspec.make(model, spec, tmpdir)) if transforms else (lambda: _reference(case))
     step = dsfn.compose(*make())(train_step_for(apply_fn, spec.loss))
-    state = step.place(dsfn.TrainState.create(params, ospec.make(), seed=0))
+    state = step.place(dsfn.TrainState.create(params, ospec.make(), seed=0, buffers=apply_fn.buffers))
     losses = []
     batches = spec.batches()
     for i, b in enumerate(batches):
@@ -246,7 +276,8 @@ def _train(case: Case, tmpdir: str, transforms: bool) -> tuple[list[float], Any]
                 if hasattr(t, "wait"):
                     t.wait()
             # resume: a fresh state (as a restarted job builds it) loaded from the checkpoint
-            fresh = step.place(dsfn.TrainState.create(dsfn.functionalize(spec.make())[1], ospec.make(), seed=0))
+            fresh_fn, fresh_params = dsfn.functionalize(spec.make())
+            fresh = step.place(dsfn.TrainState.create(fresh_params, ospec.make(), seed=0, buffers=fresh_fn.buffers))
             state = dsfn.checkpoint.load(os.path.join(tmpdir, "ckpt"), like=fresh)
     full = step.gather(state)
     for t in step.stack:
@@ -275,7 +306,7 @@ def run_case(case: Case, tmpdir: str | None = None, timeout: float = 240.0) -> s
         torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
                                    torch.tensor(ref_losses, dtype=torch.float64), rtol=sspec.rtol, atol=sspec.atol,
                                    msg=lambda m: f"{case}: rank {r} losses {losses} vs reference {ref_losses}: {m}")
-        if case.world == 1 or ospec.state_at_scale:
+        if ospec.compare_state:
             assert_trees_close(state, ref_state, rtol=max(sspec.rtol, 1e-5), atol=max(sspec.atol, 1e-6),
                                msg=f"{case}: rank {r} final state vs reference")
     return "passed"

@@ -127,3 +127,18 @@ def routed_batches(n_batches: int, rows: int, seed: int = 0) -> list[dict]:
         x[rows // 2:, 0] *= -1
         out.append({"x": x, "y": torch.randn(rows, Routed.OUT, generator=g)})
     return out
+
+
+class BatchNormMLP(nn.Module):
+    """Linear -> BatchNorm1d -> tanh -> Linear: a model with mutable buffers (running stats)
+    whose training forward normalises by each batch's own statistics. Shapes: x [B, 6] -> [B, 3]."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(6, 10)
+        self.norm = nn.BatchNorm1d(10)
+        self.out = nn.Linear(10, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.norm(self.inp(x))))

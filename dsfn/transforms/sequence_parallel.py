@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from dsfn import tree
+from dsfn.functional import until_backward
 from dsfn.errors import ConfigError, MeshError, ShapeError, StackError
 from dsfn.runtime import collectives as C
 from dsfn.runtime.buckets import all_reduce_buckets
@@ -342,11 +343,11 @@ class SequenceParallel(Transform):
                                   "the model uses no positions (or gets them another way)")
         from dsfn.integrations import hf
         if hf.is_hf_model(module):
-            with hf.ulysses_attention(module, self.axis):
+            with until_backward(hf.ulysses_attention(module, self.axis)):   # recomputes attend alike
                 return call_next(apply_fn, params, args, kwargs)
         if not self.auto:       # the model calls ulysses_sdpa itself
             return call_next(apply_fn, params, args, kwargs)
-        with _UlyssesSDPA(self.axis):
+        with until_backward(_UlyssesSDPA(self.axis)):
             return call_next(apply_fn, params, args, kwargs)
 
 

@@ -67,6 +67,7 @@ import torch
 from torch import nn
 
 from dsfn import tree
+from dsfn.functional import until_backward
 from dsfn.errors import ConfigError, DistributedError, MeshError, StackError
 from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
@@ -424,7 +425,9 @@ class TensorParallel(Transform):
             return call_next(apply_fn, params, args, kwargs)
         if self._resolved is None:
             self._resolved = self.module_styles(module)
-        with _TPForwards(module, self._resolved, self.axis, n):
+        # installed until backward is over: a recompute (activation checkpointing) re-issues
+        # the same collectives
+        with until_backward(_TPForwards(module, self._resolved, self.axis, n)):
             return call_next(apply_fn, params, args, kwargs)
 
     # -- values of the whole (dsfn.logical) -------------------------------------------------------

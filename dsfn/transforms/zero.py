@@ -28,6 +28,16 @@ ModuleList); the parameters outside every unit form a root unit, live for the wh
 forward. Parameters with at most `param_persistence_threshold` elements stay
 replicated (their gradients are all-reduced), as in DeepSpeed.
 
+Ranks whose data reach different parameters (MoE routing, a skipped branch) issue the same
+collectives: gradients are reduce-scattered in a fixed bucket plan over every parameter
+(`dsfn.runtime.buckets.FixedBuckets`; zeros for a parameter this rank's loss did not
+reach), stage 3 gathers units in a fixed order whatever a rank's forward calls (a unit it
+skips is gathered and dropped), and its reduce-scatters travel on the axis's gradient
+channel (`grad_channel`), so the on-demand gathers of backward cannot interleave with them
+differently on different ranks. Activation checkpointing (Hugging Face's, a user's
+`torch.utils.checkpoint`): the unit hooks stay until backward is over, and a recompute
+re-gathers its unit in backward's order, then frees it (`zero3.backward_units` gauge).
+
 Communication per step (Ψ = parameter elements, N = dp size, counted by the runtime):
 stages 1-2 reduce-scatter Ψ and all-gather Ψ (2Ψ(N-1)/N moved per rank); stage 3
 all-gathers Ψ in forward and again in backward and reduce-scatters Ψ (3Ψ(N-1)/N).
@@ -36,6 +46,7 @@ choice: only shards are ever held).
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +56,7 @@ from torch import nn
 
 from dsfn import tree
 from dsfn.errors import ConfigError, StackError
+from dsfn.functional import until_backward
 from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import ShardReducer, all_gather_full, map_whole
 from dsfn.runtime.mesh import current_mesh, grad_channel
@@ -306,7 +318,9 @@ class ShardZero(DataParallel):
         gatherer = UnitGatherer(apply_fn.module, params, self)
         if self._reducer is not None:           # inside value_and_grad: its backward ends the sequence
             self._gatherers.append(gatherer)
-        with gatherer:
+        # unit hooks stay until backward is over, so a recompute (activation checkpointing)
+        # re-gathers its unit in backward's fixed order; saved-tensor hooks cover the forward
+        with until_backward(gatherer.module_hooks()), gatherer:
             return call_next(apply_fn, gatherer.call_params, args, kwargs)
 
 
@@ -444,6 +458,14 @@ class UnitGatherer:
         self._storage: dict[int, int] = {}                    # storage ptr -> index, for pack
         self._live: set[int] = set()
         self._hooks: list[Any] = []
+        self._phase = "forward"                               # "backward" once the forward returned
+        self._installed: dict[tuple[int, str], torch.Tensor] = {}   # recompute: slot -> what we put there
+        # modules owning sharded parameters directly: (module, indices), for recompute hooks
+        owners: dict[int, tuple[nn.Module, list[int]]] = {}
+        for i, slots in enumerate(self.slots):
+            for owner, _ in slots:
+                owners.setdefault(id(owner), (owner, []))[1].append(i)
+        self._owners = [(m, sorted(set(ids))) for m, ids in owners.values()]
         self._fw_next = 0                                     # next unit forward launches
         self._bw_seq = [0] + list(range(len(self.units) - 1, 0, -1))   # backward's gather order
         self._bw_pos = {u: k for k, u in enumerate(self._bw_seq)}
@@ -508,6 +530,9 @@ class UnitGatherer:
 
     def _pre(self, u: int):
         def hook(mod, args):
+            if self._phase == "backward":      # a recompute of the unit (activation checkpointing)
+                self._install_for_recompute(self.unit_params[u])
+                return
             self._materialize(u)
             self._launch_upto(u + self.zero.prefetch)   # prefetch: overlaps this unit's compute
             for i in self.unit_params[u]:
@@ -520,6 +545,9 @@ class UnitGatherer:
 
     def _post(self, u: int):
         def hook(mod, args, out):
+            if self._phase == "backward":
+                self._restore(self.unit_params[u])
+                return
             for i in self.unit_params[u]:
                 t = self._full.pop(i, None)
                 if t is not None:
@@ -571,6 +599,8 @@ class UnitGatherer:
         for j, t in zip(self.unit_params[u], handle.wait()):
             self._bw.setdefault(j, t)
         self._bw_launch_upto(p + self.zero.prefetch)
+        # units held for backward besides the root (gathered, or in flight): stays bounded
+        C.gauge("zero3.backward_units", len(({self.unit_of[j] for j in self._bw} | set(self._bw_pending)) - {0}))
 
     def finish_backward(self) -> None:
         """Backward is over: gather (and drop) the units this rank's backward never reached,
@@ -585,25 +615,77 @@ class UnitGatherer:
         self.zero._grad_arrived(self.names[i], grad)
 
     # -- context -----------------------------------------------------------------------------------
-    def __enter__(self):
+    @contextlib.contextmanager
+    def module_hooks(self):
+        """The units' forward hooks, and each parameter-owning module's hooks for a recompute
+        in backward (Hugging Face checkpoints a layer's `forward`, past the layer's own
+        hooks; its submodules' calls still pass theirs). Kept until backward is over."""
+        hooks = []
         for u, m in enumerate(self.units):
-            self._hooks.append(m.register_forward_pre_hook(self._pre(u)))
-            self._hooks.append(m.register_forward_hook(self._post(u)))
+            hooks.append(m.register_forward_pre_hook(self._pre(u)))
+            hooks.append(m.register_forward_hook(self._post(u)))
+        for m, ids in self._owners:
+            hooks.append(m.register_forward_pre_hook(self._leaf_pre(ids)))
+            hooks.append(m.register_forward_hook(self._leaf_post(ids)))
+        try:
+            yield self
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def __enter__(self):
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saved.__enter__()
         return self
 
     def __exit__(self, *exc):
         self._saved.__exit__(*exc)
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
         if exc[0] is None:
             self.finish_forward()
         self._pending.clear()
         self._live.clear()
         _gauge_live(self._live)
+        self._phase = "backward"
         return False
+
+    # -- recompute in backward (activation checkpointing) -------------------------------------------
+    def _install_for_recompute(self, ids: list[int]) -> None:
+        for u in sorted({self.unit_of[i] for i in ids}, key=lambda v: self._bw_pos[v]):
+            if any(j not in self._bw for j in self.unit_params[u]):
+                self._gather_for_backward(u)
+        for i in ids:
+            # a slot someone else filled for its own recompute (tiled compute puts in the
+            # weights it saved) is left alone: only a shard is replaced
+            slots = [(o, a) for o, a in self.slots[i] if o._parameters.get(a) is self.shards[i]]
+            if not slots:
+                continue
+            # through _Gather, as in the forward: the recompute must save what the forward
+            # saved (autograd saves a weight only when it requires grad)
+            self._full[i] = self._bw[i]
+            full = _Gather.apply(self.shards[i], self, i)
+            for owner, attr in slots:
+                owner._parameters[attr] = full
+                self._installed[(id(owner), attr)] = full
+
+    def _restore(self, ids: list[int]) -> None:
+        for i in ids:
+            self._full.pop(i, None)
+            for owner, attr in self.slots[i]:
+                mine = self._installed.pop((id(owner), attr), None)
+                if mine is not None and owner._parameters.get(attr) is mine:
+                    owner._parameters[attr] = self.shards[i]
+
+    def _leaf_pre(self, ids: list[int]):
+        def hook(mod, args):
+            if self._phase == "backward":
+                self._install_for_recompute(ids)
+        return hook
+
+    def _leaf_post(self, ids: list[int]):
+        def hook(mod, args, out):
+            if self._phase == "backward":
+                self._restore(ids)
+        return hook
 
 
 def _gauge_live(live: set[int]) -> None:

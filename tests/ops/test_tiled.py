@@ -85,7 +85,10 @@ def test_matches_untiled(b, t, d, tiles, kind, seed):
     y_ref, g_ref = grads_of(mlp, x, params, gy)
     y, g_tiled = grads_of(tiled, x, params, gy)
     torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-6)
-    assert_close_all(g_tiled, g_ref)
+    # a weight gradient is a sum over every token: tiles add per-tile partial sums, one
+    # matmul adds them in another order; with up to 57 tokens of O(1) terms that moves a
+    # result by a few 1e-6 (2.1e-6 measured, seed 14549), so atol 1e-5 here
+    assert_close_all(g_tiled, g_ref, atol=1e-5)
 
 
 @pytest.mark.parametrize("dim", [0, 1, -2])
