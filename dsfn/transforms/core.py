@@ -12,6 +12,12 @@ change. Each primitive has a default meaning (what a single process does); while
 | "apply_module"     | (apply_fn, params, args, kwargs)           | the module's forward         |
 | "init_optimizer"   | (placed state with opt_state unset)        | `tx.init(state.params)`      |
 | "sync_buffers"     | (buffers: dict name -> tensor)             | as they are (end of a step)  |
+| "reduce_leaves"    | (partials, pending axes per leaf, op)      | LayoutError if any axis left |
+| "map_whole"        | (fn, pieces)                               | fn on whole tensors          |
+
+The last two are how code inside the step (an optimizer, a mask, a user's function) asks
+for a value of the *whole* (`dsfn.logical`): the transforms owning a leaf's mesh axes
+(ZeRO and data parallel: dp; tensor parallel: tp) answer for that axis.
 
 A transform handles primitive P by defining `handle_P(self, call_next, *args)`; it may
 change the arguments, call `call_next(*args)` (the transforms further in, and finally
