@@ -622,6 +622,16 @@ def _tp_forward(mod: nn.Module, style: Any, copy: _SharedCopy, n: int) -> Any:
     return None      # "replicate": unchanged
 
 
+def batch_fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """[7] int64 on t's device: numel, the first 4 dims (0-padded), the byte sum and a
+    position-weighted byte sum. Computed where `t` lives (a CUDA batch stays on the GPU)."""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+    w = torch.arange(b.numel(), dtype=torch.int64, device=b.device) % 65521 + 1
+    head = torch.tensor([t.numel(), *t.shape[:4], *([0] * (4 - min(t.dim(), 4)))], dtype=torch.int64,
+                        device=b.device)
+    return torch.cat([head, torch.stack([b.sum(), (b * w).sum()])])
+
+
 def check_same_batch(batch: Any, axis: str) -> None:
     """Raise DistributedError (on every rank) unless all ranks along `axis` hold identical batches."""
     mesh = current_mesh()
@@ -629,12 +639,7 @@ def check_same_batch(batch: Any, axis: str) -> None:
     if n == 1:
         return
     leaves = tree.leaves_with_path(batch)
-    rows = []
-    for _, t in leaves:
-        b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
-        w = torch.arange(b.numel(), dtype=torch.int64) % 65521 + 1
-        rows.append(torch.tensor([t.numel(), *t.shape[:4], *([0] * (4 - min(t.dim(), 4))),
-                                  int(b.sum()), int((b * w).sum())], dtype=torch.int64))
+    rows = [batch_fingerprint(t).cpu() for _, t in leaves]      # one copy to the host per tensor, first step only
     mine = torch.stack(rows) if rows else torch.zeros(0, 7, dtype=torch.int64)
     counts = C.all_gather(torch.tensor([mine.shape[0]]), axis)
     if bool((counts != counts[0]).any()):

@@ -369,3 +369,15 @@ def _tiled_llama():
 def test_tiled_mlps_under_tp_equal_reference():
     check_against_reference(_tiled_llama, lambda m: (shard_zero(3), tensor_parallel("auto", model=m)),
                             {"dp": 2, "tp": 2})
+
+
+def test_batch_fingerprint_is_computed_where_the_batch_lives():
+    """The first-step batch check hashes each batch tensor on its own device (a CPU `arange`
+    times CUDA bytes failed every tp > 1 GPU run at step 1); `meta` stands in for CUDA here."""
+    from dsfn.transforms.tensor_parallel import batch_fingerprint
+    meta = batch_fingerprint(torch.empty(3, 5, dtype=torch.int64, device="meta"))
+    assert meta.device.type == "meta" and meta.shape == (7,)
+    ids = torch.arange(15).reshape(3, 5)
+    fp = batch_fingerprint(ids)
+    assert fp[:3].tolist() == [15, 3, 5] and int(fp[5]) == int(ids.view(torch.uint8).long().sum())
+    assert not torch.equal(fp, batch_fingerprint(ids.flip(1)))      # the weighted sum sees the order
