@@ -3,7 +3,8 @@
 `ulysses_attention(model, axis)` is a context: while it is active the model's attention
 implementation (`config._attn_implementation`) is "dsfn_ulysses", registered with
 transformers' `AttentionInterface` (and a mask function that builds no mask: the causal
-mask is over the whole sequence, which no rank's slice can describe). "dsfn_ulysses"
+mask is over the whole sequence, which no rank's slice can describe; "dsfn_ulysses"
+builds it after the all-to-all, over all T, with the layer's sliding window if any). "dsfn_ulysses"
 turns q, k, v [B, H, T/sp, d] into [B, H/sp, T, d] (all-to-all over `axis`), calls the
 model's own implementation — sdpa (causal flag), eager (an explicit causal mask; keeps
 e.g. Gemma2's logit soft-capping), flash_attention_2/3 when installed — and turns the
@@ -62,9 +63,27 @@ def _ulysses_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     q, k, v = (seq_to_heads(t, axis) for t in (query, key, value))
     t = q.shape[2]
     mask = None
-    if impl in (None, "eager"):       # eager adds the mask to the scores: a causal one over all T
-        mask = torch.full((t, t), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device).triu(1)[None, None]
-    kwargs = {k_: v_ for k_, v_ in kwargs.items() if k_ not in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k")}
+    window = kwargs.get("sliding_window")        # this layer's window (Mistral, Gemma2's sliding layers)
+    windowed = window is not None and window < t
+    if windowed and impl not in (None, "eager", "sdpa") and not str(impl).startswith("flash_attention"):
+        raise ConfigError(f"sequence_parallel: {type(module).__name__} has a sliding window ({window}) and attention "
+                          f"implementation {impl!r}; dsfn's Ulysses attention applies the window over the whole "
+                          "sequence for 'eager', 'sdpa' and flash attention only")
+    if impl in (None, "eager") or (impl == "sdpa" and windowed):
+        # the model's mask over the whole sequence: causal, and within the window (HF's
+        # sliding_window_overlay: kv > q - window); eager adds it to the scores, sdpa takes
+        # it as a boolean mask. (Flash attention gets sliding_window itself, over all T.)
+        i = torch.arange(t, device=q.device)
+        allowed = i[None, :] <= i[:, None]
+        if windowed:
+            allowed = allowed & (i[None, :] > i[:, None] - window)
+        if impl == "sdpa":
+            mask = allowed[None, None]
+        else:
+            mask = torch.zeros((t, t), dtype=q.dtype, device=q.device).masked_fill(
+                ~allowed, torch.finfo(q.dtype).min)[None, None]
+    kwargs = {k_: v_ for k_, v_ in kwargs.items() if k_ not in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+                                                                 "labels", "shift_labels", "num_items_in_batch")}
     out, _ = _inner_forward(module, impl)(module, q, k, v, mask, **kwargs)      # [B, T, H/sp, d]
     out = heads_to_seq(out.transpose(1, 2).contiguous(), axis)                  # [B, H, T/sp, d]
     return out.transpose(1, 2), None
@@ -93,3 +112,54 @@ def ulysses_attention(model: nn.Module, axis: str) -> Iterator[None]:
             c._attn_implementation_internal = s
         _AXIS.pop()
         _INNER.pop()
+
+
+def _labels_passed(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    import inspect
+    if kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None:
+        return True
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return bool(args)        # cannot tell: a positional argument may be the labels
+    return bound.arguments.get("labels") is not None
+
+
+@contextlib.contextmanager
+def own_loss(model: nn.Module, make_loss, args: tuple, kwargs: dict) -> Iterator[None]:
+    """While the model runs under sequence parallelism, its `loss_function` is
+    `make_loss(inner, model)` (dsfn.transforms.sequence_parallel: labels shifted over the whole
+    sequence, normalised over the group), where `inner` is HF's `ForCausalLMLoss`. A model
+    given labels whose loss is anything else, or that computes its loss without
+    `loss_function`, is an error: its loss would be over this rank's slice only."""
+    if not _labels_passed(model, args, kwargs):
+        yield
+        return
+    from transformers.loss.loss_utils import LOSS_MAPPING
+    causal = LOSS_MAPPING["ForCausalLM"]
+    name = type(model).__name__
+    current = getattr(model, "loss_function", None)
+    if current is not causal:
+        raise ConfigError(f"sequence_parallel: {name} was given labels and its loss_function is "
+                          f"{getattr(current, '__name__', current)!r}; under sequence parallelism dsfn can make only "
+                          "HF's causal-LM loss (ForCausalLMLoss) exact over the whole sequence. Compute the loss "
+                          "in the train step from the logits instead (the transform weights it by token count)")
+    calls = []
+
+    def loss(*a: Any, **k: Any) -> torch.Tensor:
+        calls.append(1)
+        return make_loss(causal, model)(*a, **k)
+    had = "_loss_function" in model.__dict__
+    saved = model.__dict__.get("_loss_function")
+    model._loss_function = loss
+    try:
+        yield
+    finally:
+        if had:
+            model._loss_function = saved
+        else:
+            del model._loss_function
+    if not calls:
+        raise ConfigError(f"sequence_parallel: {name} was given labels but did not compute its loss with its "
+                          "loss_function, so dsfn cannot shift them over the whole sequence: its loss would be over "
+                          "this rank's slice only. Compute the loss in the train step from the logits instead")

@@ -45,6 +45,23 @@ rank's loss (a mean over its valid tokens) is weighted by n_rank / n_group (coun
 sp. A rank whose slice has no valid label (all padding) still runs (attention needs
 every rank): one of its labels is made valid and its weight is 0, so it adds exactly 0.
 
+A Hugging Face causal LM's own loss (`model(input_ids=..., labels=...).loss`, with or
+without `shift_labels=`): while the model runs, its `loss_function` is HF's
+`ForCausalLMLoss` given (a) `shift_labels`: `labels` shifted over the whole sequence (the
+target of a slice's last token is the next rank's first label, one small all-gather over
+sp; targets in sp padding ignored), or the `shift_labels=` the caller passed when the batch
+held them before it was split (`shift_labels=True` or a 'shift_labels' key; otherwise they
+were shifted inside the slice: an error); (b) `num_items_in_batch` = the valid targets of
+the whole batch over sp and the data-parallel axes inside / dp (the caller's
+`num_items_in_batch`, if given, / dp), so this rank's loss is dp * its sum / the global
+count: summed over sp (weight 1) and averaged over dp it is the single-process loss, a
+token mean over the whole batch (HF Trainer's `average_tokens_across_devices`; a loss the
+train step computes itself keeps DDP's mean of the dp ranks' means). A model given labels
+whose `loss_function` is not ForCausalLMLoss, that does not call it, or whose logits or
+labels do not cover this rank's slice is an error. Outside `value_and_grad` (an eval
+metric) the model's loss is the whole group's value, not differentiable. Every slice
+handed to the model is contiguous.
+
 Stack: outermost (only `async_checkpoint` may sit outside): its gradient sum over sp
 runs after ZeRO's reduce-scatter over dp (the sum is linear, so it commutes).
 """
@@ -189,6 +206,13 @@ class SequenceParallel(Transform):
         self.bucket_mb = 25
         self._positions: torch.Tensor | None = None     # this step's global positions of local tokens
         self._weight: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._dp_axes: list[str] = []          # data-parallel axes inside (they average over their axis)
+        self._batch_shifted = False            # this step's batch holds whole-sequence `shift_labels`
+        self._local_len: int | None = None     # this rank's slice length, this step
+        self._real_len: int | None = None      # the batch's sequence length before padding to sp
+        self._unpatched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id(label patched by _weigh) -> original
+        self._in_grad = 0                      # inside handle_value_and_grad
+        self._hf_losses = 0                    # HF model losses this transform normalised (see _hf_loss)
 
     def check_stack(self, stack, index):
         outside = [t for t in stack[:index] if "checkpoint" not in t.roles]
@@ -196,6 +220,8 @@ class SequenceParallel(Transform):
             raise StackError(f"sequence_parallel must be the outermost transform (async_checkpoint may sit outside); "
                              f"{outside[0].name} is outside it: write compose(sequence_parallel(), "
                              f"{outside[0].name}(...), ...)")
+        from dsfn.transforms.core import with_role
+        self._dp_axes = [t.axis for t in with_role(stack[index + 1:], "data_parallel")]
 
     def explain_note(self) -> str:
         return f"sequence_parallel over {self.axis!r} (size {current_mesh().size(self.axis)}): Ulysses all-to-all"
@@ -235,16 +261,21 @@ class SequenceParallel(Transform):
             lab = batch[self.labels_key]
             batch["shift_labels"] = torch.cat([lab[:, 1:], lab.new_full((b, 1), self.ignore_index)], dim=1)
         n = current_mesh().size(self.axis)
+        self._real_len = t          # before padding: labels the model is given are cut there
         if t % n:
             if not self.seq_length_is_variable:
                 raise ShapeError(f"sequence_parallel: the fixed seq_length {t} is not divisible by sp={n}")
             batch = self._pad(batch, t, -(-t // n) * n)
             t = batch[self.seq_key].shape[1]
         r, c = current_mesh().local_rank(self.axis), t // n
+        self._batch_shifted = isinstance(batch.get("shift_labels"), torch.Tensor)
+        self._local_len = c
         # global positions of this rank's tokens, [1, T/sp] (broadcast over rows, which ZeRO may
         # split further); a batch's own position_ids are taken from the batch the loss sees
         self._positions = torch.arange(r * c, (r + 1) * c, device=ids.device)[None]
-        out = {k: (x[:, r * c:(r + 1) * c] if isinstance(x, torch.Tensor) and x.dim() >= 2 else x)
+        # contiguous: the model may .view() them (HF's loss does, which a column slice of a
+        # batch of several rows does not allow)
+        out = {k: (x[:, r * c:(r + 1) * c].contiguous() if isinstance(x, torch.Tensor) and x.dim() >= 2 else x)
                for k, x in batch.items()}
         return out
 
@@ -285,11 +316,27 @@ class SequenceParallel(Transform):
         args, kwargs, weight = self._weigh(args, kwargs)
 
         def weighted(p, *a, **k):
+            before = self._hf_losses
             out = fn(p, *a, **k)
             value, aux = out if has_aux else (out, None)
-            value = value * weight.to(value.dtype)
+            if self._hf_losses > before:
+                # the model's own loss, already sum / (the group's count): the sp sum is the mean
+                w = 1.0
+            elif weight is None:
+                raise ConfigError(f"sequence_parallel: the differentiated function's batch argument has no "
+                                  f"{self.loss_labels_key!r}; the loss is weighted by each rank's count of valid "
+                                  f"labels (set labels_key=...), or use a Hugging Face model's own loss (labels=)")
+            else:
+                w = weight.to(value.dtype)
+            value = value * w
             return (value, aux) if has_aux else value
-        value, grads = call_next(weighted, params, args, kwargs, has_aux)
+        self._in_grad += 1
+        try:
+            value, grads = call_next(weighted, params, args, kwargs, has_aux)
+        finally:
+            self._in_grad -= 1
+            if not self._in_grad:
+                self._unpatched = {}
         if has_aux:
             value, aux = value
         value = C.all_reduce(value.reshape(1), self.axis, "sum").reshape(())
@@ -298,18 +345,21 @@ class SequenceParallel(Transform):
         return ((value, aux) if has_aux else value), tree.unflatten(
             spec, all_reduce_buckets(leaves, self.axis, self.bucket_mb * 2**20, op="sum"))
 
-    def _weigh(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, torch.Tensor]:
+    def _weigh(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, torch.Tensor | None]:
         """The local loss's weight n_rank / n_group, from the labels in the step's batch (the
         first dict argument holding `loss_labels_key`); a rank without valid labels gets one
-        made valid and weight 0."""
+        made valid and weight 0. None when the batch has no such labels (then the loss must
+        be a Hugging Face model's own, see `_hf_loss`)."""
         key = self.loss_labels_key
         args, kwargs = list(args), dict(kwargs)
         slots = [(args, i) for i in range(len(args))] + [(kwargs, k) for k in kwargs]
         found = next(((box, i) for box, i in slots
                       if isinstance(box[i], dict) and isinstance(box[i].get(key), torch.Tensor)), None)
         if found is None:
-            raise ConfigError(f"sequence_parallel: the differentiated function's batch argument has no {key!r}; the "
-                              f"loss is weighted by each rank's count of valid labels (set labels_key=...)")
+            batch = next((box[i] for box, i in slots if isinstance(box[i], dict)), {})
+            if isinstance(batch.get("position_ids"), torch.Tensor):
+                self._positions = batch["position_ids"]
+            return tuple(args), kwargs, None
         box, i = found
         batch = box[i]
         if isinstance(batch.get("position_ids"), torch.Tensor):
@@ -323,10 +373,93 @@ class SequenceParallel(Transform):
                              f"{self.ignore_index}); the token-weighted loss is undefined")
         weight = n_local / n_group
         if int(n_local) == 0:      # keep the local mean finite: one valid label, weight 0
+            original = labels
             labels = labels.clone()
             labels.reshape(-1)[0] = 0
             box[i] = {**batch, key: labels}
+            self._unpatched[id(labels)] = (labels, original)    # a HF model's own loss sees the original
         return tuple(args), kwargs, weight.float()
+
+    # -- a Hugging Face model's own loss ------------------------------------------------------------
+    def _hf_loss(self, inner, module):
+        """The model's `loss_function` while it runs under sp: HF's ForCausalLMLoss given the
+        labels shifted over the whole sequence (`shift_labels`, so it does not shift inside the
+        slice) and `num_items_in_batch` = the valid targets of the whole sp x dp batch / dp, so
+        this rank's loss is dp * (its sum) / (the global count): summed over sp and averaged
+        over dp (by the data-parallel transforms inside) it is the global token mean."""
+        axis = self.axis
+
+        def loss(logits, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
+                 shift_labels=None, **kw):
+            labels = self._original(labels)
+            shift_labels = self._original(shift_labels)
+            c = logits.shape[1] if logits.dim() >= 2 else None
+            if shift_labels is not None:
+                if not self._batch_shifted:
+                    raise ConfigError(
+                        f"sequence_parallel: {type(module).__name__} got shift_labels=, but the batch had none "
+                        "before it was split over sp (sequence_parallel(shift_labels=False) and no "
+                        "'shift_labels' key), so these labels were shifted inside this rank's slice and the "
+                        "target of its last token is lost. Pass only labels= (the transform shifts them over the "
+                        "whole sequence), or use sequence_parallel(shift_labels=True) and pass "
+                        "shift_labels=batch['shift_labels']")
+                target = shift_labels
+            elif labels is not None:
+                target = self._shift_over_sp(labels, ignore_index, module)
+            else:
+                return inner(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                             ignore_index=ignore_index, shift_labels=shift_labels, **kw)
+            if target.dim() != 2 or target.shape[1] != self._local_len or c != self._local_len:
+                raise ShapeError(
+                    f"sequence_parallel: {type(module).__name__}'s loss got labels of shape {tuple(target.shape)} "
+                    f"and logits of shape {tuple(logits.shape)}; under sp both must cover this rank's slice "
+                    f"[batch, {self._local_len}] of the batch's sequences (pass the batch's labels, or tensors "
+                    "made from its slices; no logits_to_keep)")
+            target = target.contiguous()
+            if num_items_in_batch is None:
+                n = (target != ignore_index).sum().to(torch.float64)
+                n = C.all_reduce(n.reshape(1), axis, "sum")
+                for ax in self._dp_axes:
+                    n = C.all_reduce(n, ax, "sum")
+                n = n.reshape(())
+            else:       # the caller's count of the whole batch (e.g. over accumulated micro-batches)
+                n = torch.as_tensor(num_items_in_batch, dtype=torch.float64)
+            dp = 1
+            for ax in self._dp_axes:
+                dp *= current_mesh().size(ax)
+            items = (n / dp).to(logits.device, torch.float32)      # the loss stays fp32 (HF upcasts logits)
+            if not self._in_grad:
+                # outside a gradient (evaluation): the value of the whole sp group (averaged over dp
+                # by the metrics of data-parallel transforms), not differentiable
+                with torch.no_grad():
+                    part = inner(logits, None, vocab_size, num_items_in_batch=items,
+                                 ignore_index=ignore_index, shift_labels=target, **kw)
+                    return C.all_reduce(part.detach().reshape(1), axis, "sum").reshape(())
+            self._hf_losses += 1
+            return inner(logits, None, vocab_size, num_items_in_batch=items,
+                         ignore_index=ignore_index, shift_labels=target, **kw)
+        return loss
+
+    def _original(self, t):
+        got = self._unpatched.get(id(t)) if t is not None else None
+        return got[1] if got is not None and got[0] is t else t
+
+    def _shift_over_sp(self, labels: torch.Tensor, ignore_index: int, module) -> torch.Tensor:
+        """labels [B, T/sp] (this rank's slice) -> the next token's label of every position, over
+        the whole sequence: the last one is the next rank's first (ignore_index on the last rank)."""
+        if labels.dim() != 2 or labels.shape[1] != self._local_len:
+            raise ShapeError(f"sequence_parallel: {type(module).__name__} got labels of shape {tuple(labels.shape)}; "
+                             f"under sp they must be this rank's slice [batch, {self._local_len}] of the batch's "
+                             "sequences, which the transform shifts over the whole sequence")
+        mesh = current_mesh()
+        n, r = mesh.size(self.axis), mesh.local_rank(self.axis)
+        firsts = C.all_gather(labels[:, :1].contiguous(), self.axis).reshape(n, labels.shape[0], 1)
+        nxt = firsts[r + 1] if r + 1 < n else labels.new_full((labels.shape[0], 1), ignore_index)
+        out = torch.cat([labels[:, 1:], nxt.to(labels.device, labels.dtype)], dim=1)
+        # targets in the padding (labels made from the padded input_ids) are not the batch's
+        c = self._local_len
+        pos = torch.arange(r * c + 1, (r + 1) * c + 1, device=out.device)
+        return out.masked_fill((pos >= self._real_len)[None], ignore_index)
 
     # -- attention and positions ----------------------------------------------------------------
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
@@ -343,8 +476,9 @@ class SequenceParallel(Transform):
                                   "the model uses no positions (or gets them another way)")
         from dsfn.integrations import hf
         if hf.is_hf_model(module):
-            with until_backward(hf.ulysses_attention(module, self.axis)):   # recomputes attend alike
-                return call_next(apply_fn, params, args, kwargs)
+            with hf.own_loss(module, self._hf_loss, args, kwargs):
+                with until_backward(hf.ulysses_attention(module, self.axis)):   # recomputes attend alike
+                    return call_next(apply_fn, params, args, kwargs)
         if not self.auto:       # the model calls ulysses_sdpa itself
             return call_next(apply_fn, params, args, kwargs)
         with until_backward(_UlyssesSDPA(self.axis)):
