@@ -31,6 +31,35 @@ def add_optim_and_data_args(p: Any, defaults: dict[str, Any]) -> None:
     p.add_argument("--max-bytes", type=int, default=defaults["max_bytes"], help="corpus size cap")
 
 
+def add_remat_args(p: Any) -> None:
+    """--remat, --remat-offload, --remat-policy: activation checkpointing of the model's blocks
+    (the `remat` transform)."""
+    p.add_argument("--remat", action="store_true",
+                   help="activation checkpointing: keep only each block's input, recompute the block in backward "
+                        "(dsfn.transforms.remat)%(default).0s")
+    p.add_argument("--remat-offload", action="store_true",
+                   help="as --remat, with the kept block inputs in host memory (remat(offload='cpu'))%(default).0s")
+    p.add_argument("--remat-policy", default="nothing", choices=("nothing", "matmuls"),
+                   help="what --remat saves besides the block inputs: nothing, or the matmul outputs too")
+
+
+def remat_transforms(run: dict[str, Any]) -> list[Any]:
+    """[remat(...)] when run["remat"] or run["remat_offload"] asks for it, else []."""
+    if not (run.get("remat") or run.get("remat_offload")):
+        return []
+    from dsfn.transforms import remat
+    return [remat(policy=run.get("remat_policy", "nothing"), offload="cpu" if run.get("remat_offload") else None)]
+
+
+def remat_name(run: dict[str, Any]) -> list[str]:
+    """`remat_transforms(run)` in words."""
+    if not (run.get("remat") or run.get("remat_offload")):
+        return []
+    opts = [f"policy={run.get('remat_policy', 'nothing')}"] if run.get("remat_policy", "nothing") != "nothing" else []
+    opts += ["offload=cpu"] if run.get("remat_offload") else []
+    return [f"remat({', '.join(opts)})"]
+
+
 def launch(train_fn: Callable[..., dict[str, Any]], train_data: torch.Tensor, val_data: torch.Tensor,
            run: dict[str, Any], launched: bool) -> dict[str, Any]:
     """Run `train_fn(train_data, val_data, run)` on run["world_size"] ranks; return rank 0's result.

@@ -6,6 +6,7 @@
     python -m dsfn.launch --nproc 2 examples/train_gpt.py   # or torchrun: ranks started outside
     python examples/train_gpt.py --steps 400 --resume # continue from the last checkpoint
     python examples/train_gpt.py --zero 3 --offload nvme --zenflow   # ZeRO-3, state in files, ZenFlow
+    python examples/train_gpt.py --remat-offload      # activation checkpointing, block inputs on the host
 
 The model sees bytes (vocab 256) of the stdlib's *.py files (see `corpus.py`); the last
 5% of the files are held out for validation. The training step is written once, for
@@ -18,6 +19,10 @@ cpu|nvme` keeps the optimizer state in host memory or in files under OUT/nvme (t
 runs on the host), `--zenflow` adds ZenFlow's selective updates (top 10% of columns on the
 device every step, the rest from the host every 4 steps); with it the gradient clipping
 moves from the optimizer to the `clip_grad_norm` transform, which sees the whole gradient.
+`--remat` adds `remat()` (activation checkpointing: each Block keeps only its input and is
+recomputed in backward; the same losses, less activation memory, ~1 more forward per step),
+`--remat-offload` `remat(offload="cpu")` (the kept inputs in host memory), `--remat-policy
+matmuls` saves the matmul outputs too.
 
 Checkpoints: `async_checkpoint` saves the whole training state (params, AdamW moments,
 step, every rank's RNG) to --out/ckpt every --ckpt-every steps in the background, keeping
@@ -73,6 +78,9 @@ DEFAULTS: dict[str, Any] = dict(
     zero=0,               # 0: data_parallel(); 1-3: shard_zero(N)
     offload="none",       # "cpu" | "nvme": optimizer state on the host / in files
     zenflow=False,
+    remat=False,          # activation checkpointing of the Blocks (remat())
+    remat_offload=False,  # ... with their inputs in host memory (remat(offload="cpu"))
+    remat_policy="nothing",
 )
 
 
@@ -85,7 +93,9 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
          sample_tokens: int = DEFAULTS["sample_tokens"],
          temperature: float = DEFAULTS["temperature"], ckpt_every: int = DEFAULTS["ckpt_every"],
          resume: bool = DEFAULTS["resume"], zero: int = DEFAULTS["zero"], offload: str = DEFAULTS["offload"],
-         zenflow: bool = DEFAULTS["zenflow"], progress: bool = True, verbose: bool = True) -> dict[str, Any]:
+         zenflow: bool = DEFAULTS["zenflow"], remat: bool = DEFAULTS["remat"],
+         remat_offload: bool = DEFAULTS["remat_offload"], remat_policy: str = DEFAULTS["remat_policy"],
+         progress: bool = True, verbose: bool = True) -> dict[str, Any]:
     """Train, write metrics.jsonl / loss.png / summary.json under `out`, return the summary.
 
     `batch_size` is the global batch (sequences per step, over all ranks); it must be a
@@ -102,6 +112,8 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
         raise ValueError(f"offload must be 'none', 'cpu' or 'nvme', got {offload!r}")
     if ckpt_every < 0:
         raise ValueError(f"ckpt_every must be >= 0 (0 = no checkpoints), got {ckpt_every}")
+    if remat_policy not in ("nothing", "matmuls"):
+        raise ValueError(f"remat_policy must be 'nothing' or 'matmuls', got {remat_policy!r}")
     if resume and checkpoint.latest_step(Path(out) / "ckpt") is None:
         raise ValueError(f"--resume: no checkpoint under {Path(out) / 'ckpt'}; run without --resume first")
     launched = dsfn.runtime.init_distributed()          # False unless started by a launcher
@@ -123,6 +135,7 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
                eval_batches=eval_batches, prompt=prompt, sample_tokens=sample_tokens,
                temperature=temperature, ckpt_every=ckpt_every, resume=resume,
                zero=zero, offload=offload, zenflow=zenflow,
+               remat=remat, remat_offload=remat_offload, remat_policy=remat_policy,
                progress=progress, corpus_bytes=len(data))
 
     result = runner.launch(_train, train_data, val_data, run, launched)
@@ -200,8 +213,9 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
 
 
 def stack_of(run: dict[str, Any]) -> list[Any]:
-    """The transforms --zero / --offload / --zenflow ask for, in dsfn's canonical order."""
+    """The transforms --zero / --remat / --offload / --zenflow ask for, in dsfn's canonical order."""
     stack: list[Any] = [shard_zero(run["zero"]) if run["zero"] else data_parallel()]
+    stack += runner.remat_transforms(run)        # inside data parallel / ZeRO
     if run["offload"] != "none":
         stack.append(offload(run["offload"], path=Path(run["out"]) / "nvme") if run["offload"] == "nvme"
                      else offload("cpu"))
@@ -213,6 +227,7 @@ def stack_of(run: dict[str, Any]) -> list[Any]:
 def _stack_name(run: dict[str, Any]) -> str:
     """`stack_of(run)` in words (without making the transforms)."""
     names = [f"shard_zero({run['zero']})" if run["zero"] else "data_parallel"]
+    names += runner.remat_name(run)
     names += [f"offload({run['offload']})"] if run["offload"] != "none" else []
     names += ["clip_grad_norm", "zenflow"] if run["zenflow"] else []
     return " + ".join(names)
@@ -274,6 +289,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="optimizer state and master weights in host memory or in files under OUT/nvme")
     p.add_argument("--zenflow", action="store_true",
                    help="ZenFlow selective updates (top 10%% columns on the device, the rest every 4 steps)")
+    runner.add_remat_args(p)
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="hide the progress bar%(default).0s")
     return p.parse_args(argv)

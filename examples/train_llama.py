@@ -9,6 +9,7 @@ export it as a HF model.
     python examples/train_llama.py --sp 2 --tp 2 --zero 1 --tiled-mlp 2   # 4 ranks: Ulysses sp x tp
     python examples/train_llama.py --tp 1 --sp 2 --seq-len 4096 --batch-size 1 --steps 3  # long context
     python -m dsfn.launch --nproc 4 examples/train_llama.py --tp 2 --dp 2   # ranks started outside
+    python examples/train_llama.py --tp 1 --seq-len 1024 --batch-size 2 --remat-offload   # activation checkpointing
 
 The model is `transformers.LlamaForCausalLM` built from a `LlamaConfig` with random weights
 (nothing is downloaded): byte-level, vocab 256, on the same corpus as `train_gpt.py` (see
@@ -29,7 +30,9 @@ token-weighted mean over the sp group. sp*tp must divide the query and key/value
 `--tiled-mlp N` runs every decoder layer's MLP over N sequence tiles, recomputed in backward
 (`dsfn.ops.tile_mlps`), so its activation memory does not grow with the sequence length.
 `--seq-len` sets the training length (and the config's max_position_embeddings, so the
-exported model accepts it).
+exported model accepts it). `--remat` checkpoints every decoder layer with the `remat()`
+transform (inside tensor_parallel: the recompute re-issues tp's collectives), `--remat-offload`
+keeps the layers' saved inputs in host memory, `--remat-policy matmuls` also saves matmul outputs.
 
 At the end the training state is saved with `dsfn.checkpoint.save` (sharded, one file per
 rank) and exported with `dsfn.checkpoint.export(..., format="hf", config=model.config)` to a
@@ -102,6 +105,9 @@ DEFAULTS: dict[str, Any] = dict(
     prompt="def ",
     sample_tokens=120,
     temperature=0.8,
+    remat=False,          # activation checkpointing of the decoder layers (remat())
+    remat_offload=False,  # ... with their inputs in host memory (remat(offload="cpu"))
+    remat_policy="nothing",
 )
 
 
@@ -151,7 +157,8 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"], tp: int
          out: str | Path = DEFAULTS["out"], max_bytes: int = DEFAULTS["max_bytes"],
          eval_batches: int = DEFAULTS["eval_batches"], prompt: str = DEFAULTS["prompt"],
          sample_tokens: int = DEFAULTS["sample_tokens"], temperature: float = DEFAULTS["temperature"],
-         progress: bool = True, verbose: bool = True) -> dict[str, Any]:
+         remat: bool = DEFAULTS["remat"], remat_offload: bool = DEFAULTS["remat_offload"],
+         remat_policy: str = DEFAULTS["remat_policy"], progress: bool = True, verbose: bool = True) -> dict[str, Any]:
     """Train on dp*tp*sp ranks, write metrics.jsonl / loss.png / summary.json / ckpt / hf under
     `out`, return the summary.
 
@@ -175,6 +182,8 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"], tp: int
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     if batch_size % dp:
         raise ValueError(f"batch_size={batch_size} must be a multiple of dp={dp}")
+    if remat_policy not in ("nothing", "matmuls"):
+        raise ValueError(f"remat_policy must be 'nothing' or 'matmuls', got {remat_policy!r}")
     cfg = llama_config(model, seq_len)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     if heads % (tp * sp) or kv_heads % (tp * sp):
@@ -202,6 +211,7 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"], tp: int
                zero=zero, tiled_mlp=tiled_mlp, seq_len=seq_len, batch_size=batch_size, lr=lr, warmup=warmup,
                weight_decay=weight_decay, seed=seed, out=str(out), eval_batches=eval_batches, prompt=prompt,
                sample_tokens=sample_tokens, temperature=temperature, progress=progress,
+               remat=remat, remat_offload=remat_offload, remat_policy=remat_policy,
                corpus_bytes=len(data))
 
     result = runner.launch(_train, train_data, val_data, run, launched)
@@ -251,7 +261,8 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
         loss, grads = dsfn.value_and_grad(loss_fn)(state.params, batch)
         return state.apply_gradients(grads), {"loss": loss}
 
-    transforms = [shard_zero(run["zero"]), tensor_parallel("auto", model=model), clip_grad_norm(1.0)]
+    transforms = [shard_zero(run["zero"]), tensor_parallel("auto", model=model),
+                  *runner.remat_transforms(run), clip_grad_norm(1.0)]
     if run["sp"] > 1:                 # outermost: it splits the batch before ZeRO sees it
         transforms.insert(0, sequence_parallel(labels_key="labels", shift_labels=False, ignore_index=-100))
     step = compose(*transforms)(train_step)
@@ -302,6 +313,7 @@ def _summary(result: dict[str, Any], metrics: list[dict[str, Any]], run: dict[st
     return {
         "model": run["preset"], "num_params": result["num_params"], "tp": run["tp"], "dp": run["dp"],
         "sp": run["sp"], "zero": run["zero"], "tiled_mlp": run["tiled_mlp"], "world_size": run["world_size"],
+        "remat": " ".join(runner.remat_name(run)) or None,
         "steps": run["steps"],
         "global_batch": run["batch_size"], "seq_len": seq_len, "seed": run["seed"],
         "corpus_bytes": run["corpus_bytes"],
@@ -319,6 +331,7 @@ def format_summary(s: dict[str, Any]) -> str:
     header = (f"== train_llama: '{s['model']}' Llama, {s['num_params'] / 1e6:.2f}M params, tp {s['tp']} x dp "
               f"{s['dp']} x sp {s['sp']} = {s['world_size']} rank(s), ZeRO-{s['zero']}"
               + (f", MLP in {s['tiled_mlp']} tiles" if s["tiled_mlp"] else "")
+              + (f", {s['remat']}" if s.get("remat") else "")
               + f", {s['steps']} steps of {s['global_batch']}x{s['seq_len']} tokens")
     return runner.format_report(s, header, [
         (f"  files       {Path(s['files']['metrics.jsonl']).parent}/{{metrics.jsonl, loss.png, summary.json}}; "
@@ -350,6 +363,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-tokens", type=int, default=DEFAULTS["sample_tokens"], help="bytes to generate")
     p.add_argument("--temperature", type=float, default=DEFAULTS["temperature"],
                    help="sampling temperature of the sample text (0 = greedy)")
+    runner.add_remat_args(p)
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="hide the progress bar%(default).0s")
     return p.parse_args(argv)

@@ -1,7 +1,7 @@
 """Transforms: each module holds one; `compose` stacks them around a train step.
 
 Canonical order, outermost first: compose(sequence_parallel(), shard_zero(s) | data_parallel(),
-tensor_parallel(plan), accumulate(n),
+tensor_parallel(plan), remat(...), accumulate(n),
 offload(...), mixed_precision(...), loss_scale(), clip_grad_norm(c), zenflow(...)); async_checkpoint
 may sit anywhere.
 """
@@ -14,11 +14,12 @@ from dsfn.transforms.data_parallel import data_parallel
 from dsfn.transforms.loss_scale import loss_scale
 from dsfn.transforms.offload import offload
 from dsfn.transforms.precision import mixed_precision
+from dsfn.transforms.remat import remat
 from dsfn.transforms.sequence_parallel import sequence_parallel
 from dsfn.transforms.tensor_parallel import packed, tensor_parallel
 from dsfn.transforms.zenflow import zenflow
 from dsfn.transforms.zero import shard_zero
 
 __all__ = ["Step", "Transform", "accumulate", "async_checkpoint", "bind", "clip_grad_norm", "compose",
-           "data_parallel", "loss_scale", "mixed_precision", "offload", "packed",
+           "data_parallel", "loss_scale", "mixed_precision", "offload", "packed", "remat",
            "sequence_parallel", "shard_zero", "tensor_parallel", "zenflow"]

@@ -163,3 +163,26 @@ def test_zero_offload_zenflow_stack_trains_comparably(tmp_path: Path) -> None:
     assert not any((tmp_path / "zf" / "nvme").rglob("*.bin"))
     with pytest.raises(ValueError, match="zero"):
         train_gpt.main(out=tmp_path / "bad", zero=4, **kw)
+
+
+@pytest.mark.parametrize("flags", [dict(remat=True), dict(remat_offload=True),
+                                   dict(remat=True, remat_policy="matmuls")],
+                         ids=["remat", "remat-offload", "remat-matmuls"])
+def test_remat_gives_the_same_losses(tmp_path: Path, flags: dict) -> None:
+    """--remat / --remat-offload (activation checkpointing of the Blocks) change memory, not math."""
+    kw = dict(model="tiny", steps=4, world_size=2, batch_size=8, lr=3e-3, warmup=1, max_bytes=200_000,
+              eval_batches=1, sample_tokens=4, ckpt_every=0, progress=False, verbose=False)
+    plain = train_gpt.main(out=tmp_path / "plain", **kw)
+    got = train_gpt.main(out=tmp_path / "remat", **kw, **flags)
+    l0 = [json.loads(x)["loss"] for x in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+    l1 = [json.loads(x)["loss"] for x in (tmp_path / "remat" / "metrics.jsonl").read_text().splitlines()]
+    assert len(l0) == len(l1) == 4
+    assert l1 == pytest.approx(l0, rel=1e-5, abs=1e-6)
+    assert got["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-5)
+    assert "remat" in got["stack"] and "remat" not in plain["stack"]
+
+
+def test_parse_args_remat_flags() -> None:
+    args = train_gpt.parse_args(["--remat-offload", "--remat-policy", "matmuls"])
+    assert (args.remat, args.remat_offload, args.remat_policy) == (False, True, "matmuls")
+    assert train_gpt._stack_name(vars(args)) == "data_parallel + remat(policy=matmuls, offload=cpu)"

@@ -144,3 +144,25 @@ def test_parse_args_defaults() -> None:
     args = train_llama.parse_args(["--sp", "2", "--tiled-mlp", "4", "--seq-len", "4096", "--batch-size", "1"])
     assert (args.sp, args.tiled_mlp, args.seq_len, args.batch_size) == (2, 4, 4096, 1)
     assert set(vars(args)) <= set(train_llama.main.__code__.co_varnames)
+
+
+@pytest.mark.parametrize("flags", [dict(remat=True), dict(remat_offload=True)], ids=["remat", "remat-offload"])
+def test_remat_gives_the_same_losses(tmp_path: Path, flags: dict) -> None:
+    """--remat / --remat-offload checkpoint every decoder layer (inside tensor_parallel on tp 2):
+    the same losses and gradient norms as without."""
+    def records(out, **kw) -> list[tuple[float, float]]:
+        train_llama.main(model="tiny", steps=3, tp=2, dp=1, zero=1, batch_size=8, warmup=1, out=out,
+                         max_bytes=MAX_BYTES, eval_batches=1, sample_tokens=4, progress=False, verbose=False, **kw)
+        return [(r["loss"], r["grad_norm"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    plain, got = records(tmp_path / "plain"), records(tmp_path / "remat", **flags)
+    assert len(plain) == len(got) == 3
+    for a, b in zip(plain, got):
+        assert b == pytest.approx(a, rel=1e-5)
+    summary = json.loads((tmp_path / "remat" / "summary.json").read_text())
+    assert summary["remat"].startswith("remat")
+
+
+def test_parse_args_remat_flags() -> None:
+    args = train_llama.parse_args(["--remat"])
+    assert (args.remat, args.remat_offload, args.remat_policy) == (True, False, "nothing")
+    assert set(vars(args)) <= set(train_llama.main.__code__.co_varnames)

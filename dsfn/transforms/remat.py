@@ -1,0 +1,518 @@
+"""`remat(modules=None, policy="nothing", offload=None)`: activation checkpointing as a transform.
+
+JAX's `jax.checkpoint` / DeepSpeed's activation checkpointing for a model that does not
+checkpoint itself. Each selected module's forward runs under non-reentrant
+`torch.utils.checkpoint.checkpoint`: autograd keeps the module's inputs (and, by policy,
+some of its intermediates) instead of every intermediate activation, and backward re-runs
+the module's forward ("recompute") to get the rest. The gradients are the ones without
+remat (the same ops on the same values; RNG state, e.g. dropout, is replayed); the cost is
+one more forward of each selected module per step.
+
+- `modules`: which modules to checkpoint. None (default): the model's repeated blocks,
+  found as ZeRO-3 finds its units (`dsfn.transforms.zero.find_units`: a Hugging Face
+  `_no_split_modules` class, else the children of the model's largest `ModuleList`; e.g.
+  `blocks.0 .. blocks.N-1` of `dsfn.models.GPT`, `model.layers.*` of a HF Llama). Or
+  dotted-name patterns (`fnmatch`, as zero's `units=`), e.g. `["blocks.*.mlp"]`. A module
+  nested in another selected one is dropped (the outer checkpoint covers it). Modules that
+  Hugging Face's own `gradient_checkpointing_enable()` already checkpoints are skipped.
+- `policy`: what the checkpoint saves besides the module's inputs.
+  * "nothing" (default; JAX's `nothing_saveable`): everything inside is recomputed.
+  * "matmuls" or "dots" (JAX's `dots_saveable`): the outputs of matrix products are saved
+    as well, so backward recomputes only the cheap elementwise ops between them: aten's
+    mm, addmm, bmm, baddbmm and the fused attention kernels (scaled_dot_product_*: the
+    attention's two products). This is torch's selective activation checkpointing
+    (`create_selective_checkpoint_contexts` with `CheckpointPolicy.MUST_SAVE`, passed as
+    the checkpoint's `context_fn`), through remat's own pair of dispatch modes
+    (`_policy_contexts`): torch's refuses any op in the recompute that the forward of the
+    region did not run, and ZeRO-3's re-gather for the recompute runs such ops.
+  * a list of aten `OpOverload`s to save, or a callable `policy(ctx, op, *args, **kwargs)`
+    returning a `torch.utils.checkpoint.CheckpointPolicy` (or a bool: True = save), as
+    torch's `create_selective_checkpoint_contexts` takes. The policy decides in forward
+    (`ctx.is_recompute` is False).
+- `offload`: None, or "cpu": the saved module inputs that require grad (the residual
+  stream between blocks) are kept in host memory — pinned, copied on a side CUDA stream
+  so the copy overlaps the next module's compute — and brought back to the device for the
+  recompute, the next one (backward runs the modules in reverse) prefetched on the side
+  stream while the current one recomputes (DeepSpeed's `cpu_checkpointing`). Inputs that
+  do not require grad (masks, rotary tables: shared by every block and alive anyway) stay
+  where they are. On a CPU device host memory *is* the device memory: nothing is copied
+  and nothing overlaps; the bytes are still counted. With a selective policy the saved
+  matmul outputs stay on the device.
+
+Gauges (dsfn.runtime.collectives, shown by `step.explain`): "remat.modules" (modules
+checkpointed in the last forward), "remat.offloaded_bytes" (module inputs held on the host
+by `offload`), "remat.policy_saved_bytes" (op outputs a selective policy saved); both count
+one value_and_grad so far, their peak is the `gauge_max`.
+
+Mechanism. remat handles the "apply_module" primitive: for the forward it replaces each
+selected module's `forward` (an instance attribute, as tensor parallel installs its
+forwards) with one that calls `checkpoint(original_forward, ..., use_reentrant=False,
+context_fn=<policy>)` — the module's own hooks (ZeRO-3's unit gathers) stay outside the
+checkpoint, as with Hugging Face's checkpointing — and keeps that installed until
+value_and_grad's backward is over (`dsfn.functional.until_backward`; a checkpoint of the
+model's own around a remat'd module recomputes through the wrapper, so its recompute saves
+what its forward saved), as every other part of the forward's set-up is kept (the step's
+parameters bound to the module, ZeRO-3's unit and recompute hooks, tensor parallel's
+forwards, Ulysses attention). So the recompute runs on the step's parameters, ZeRO-3
+re-gathers the unit's shards for it, and tensor / sequence parallel re-issue their
+collectives. Torch-function modes active in the forward (sequence parallel's AutoSP
+attention for non-HF models) are re-entered for the recompute, since autograd's engine
+does not run backward under them. A layer's KV cache (`cache`, `past_key_values`, ...) is
+turned off while it is checkpointed, as Hugging Face does (a recompute would append to it
+again). Outside value_and_grad (no grad) nothing is wrapped.
+
+Stack position: inside `shard_zero` / `data_parallel`, `tensor_parallel` and
+`sequence_parallel` (`compose(shard_zero(3), tensor_parallel(...), remat(), ...)`): their
+set-up for the forward is installed first and remat wraps what they installed, so one
+order is tested and documented; anything else is a StackError naming the fix. Its place
+relative to `accumulate`, `offload`, `mixed_precision`, `loss_scale`, `clip_grad_norm`,
+`zenflow` does not matter (they do not touch the forward's modules).
+
+Not done: DeepSpeed's `partition_activations` (each tp rank keeping 1/tp of a checkpointed
+input that is replicated over the tp group, all-gathered for the recompute). Under
+`tensor_parallel` every tp rank keeps the whole input.
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import functools
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, checkpoint
+
+from dsfn.errors import ConfigError, StackError
+from dsfn.functional import until_backward
+from dsfn.runtime import collectives as C
+from dsfn.runtime.host import copy_to_host
+from dsfn.transforms.core import Transform, make_transform, with_role
+from dsfn.transforms.zero import find_units
+
+POLICIES = ("nothing", "matmuls", "dots")
+
+# aten ops whose outputs "matmuls" / "dots" saves (what autograd's dispatch sees of Linear,
+# matmul, einsum and F.scaled_dot_product_attention)
+_MATMUL_OP_NAMES = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
+                    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+MATMUL_OPS = frozenset(getattr(torch.ops.aten, n).default for n in _MATMUL_OP_NAMES if hasattr(torch.ops.aten, n))
+
+# the roles whose set-up for the forward remat must find already installed (outside it)
+_OUTSIDE_ROLES = ("sequence_parallel", "data_parallel", "tensor_parallel")
+
+
+class Remat(Transform):
+    name = "remat"
+    roles = frozenset({"remat"})
+
+    def __init__(self, modules: Sequence[str] | None = None, policy: Any = "nothing", offload: str | None = None):
+        if isinstance(modules, str):
+            modules = (modules,)
+        if modules is not None:
+            modules = tuple(modules)
+            if not modules or not all(isinstance(p, str) and p for p in modules):
+                raise ConfigError(f"remat(modules={modules!r}): give module-name patterns (e.g. ['blocks.*']) or "
+                                  "None for the model's repeated blocks")
+        if isinstance(policy, str):
+            if policy not in POLICIES:
+                raise ConfigError(f"remat(policy={policy!r}): use one of {list(POLICIES)}, a list of aten "
+                                  "OpOverloads to save, or a callable (ctx, op, *args, **kwargs) -> CheckpointPolicy")
+        elif isinstance(policy, (list, tuple)):
+            bad = [op for op in policy if not isinstance(op, torch._ops.OpOverload)]
+            if bad:
+                raise ConfigError(f"remat(policy=[...]): {bad[:3]} are not aten OpOverloads; write e.g. "
+                                  "torch.ops.aten.mm.default (not torch.ops.aten.mm)")
+            policy = tuple(policy)
+        elif not callable(policy):
+            raise ConfigError(f"remat(policy={policy!r}): use one of {list(POLICIES)}, a list of aten OpOverloads "
+                              "or a callable")
+        if offload not in (None, "cpu"):
+            raise ConfigError(f"remat(offload={offload!r}): use None (saved inputs stay on the device) or 'cpu' "
+                              "(kept in host memory, brought back for the recompute)")
+        self.modules = modules
+        self.policy = policy
+        self.offload = offload
+        # id(model) -> (model, (targets, skipped names))
+        self._selected: dict[int, tuple[nn.Module, tuple[list[tuple[str, nn.Module]], list[str]]]] = {}
+        self._last: tuple[list[str], list[str]] | None = None                             # names, skipped names
+
+    # -- stack ---------------------------------------------------------------------------------
+    def check_stack(self, stack, index):
+        for role in _OUTSIDE_ROLES:
+            for t in with_role(stack[index + 1:], role):
+                raise StackError(f"remat must sit inside {t.name}: write compose({t.name}(...), remat(...)) — "
+                                 f"{t.name} installs its part of the forward (gathers, collectives, hooks) first, "
+                                 "and remat checkpoints the modules with that in place, so the recompute in backward "
+                                 "re-runs it")
+
+    def explain_note(self) -> str:
+        what = {"nothing": "only their inputs are saved (everything inside is recomputed in backward)",
+                "matmuls": "their inputs and matmul/attention outputs are saved (the rest is recomputed)",
+                "dots": "their inputs and matmul/attention outputs are saved (the rest is recomputed)"}
+        saved = what.get(self.policy, "saved per the given policy") if isinstance(self.policy, str) \
+            else "saved per the given policy"
+        where = "; inputs held in host memory (offload='cpu')" if self.offload else ""
+        if self._last is None:
+            which = (f"modules matching {list(self.modules)}" if self.modules is not None
+                     else "the model's repeated blocks")
+            return f"remat(policy={self._policy_name()!r}): checkpoints {which}: {saved}{where}"
+        names, skipped = self._last
+        shown = ", ".join(names[:3]) + (f", ... {names[-1]}" if len(names) > 3 else "")
+        skip = (f"; {len(skipped)} skipped (the model checkpoints them itself: {', '.join(skipped[:2])}"
+                f"{', ...' if len(skipped) > 2 else ''})" if skipped else "")
+        return (f"remat(policy={self._policy_name()!r}): checkpoints {len(names)} modules ({shown}): "
+                f"{saved}{where}{skip}")
+
+    def _policy_name(self) -> str:
+        return self.policy if isinstance(self.policy, str) else "custom"
+
+    # -- forward ---------------------------------------------------------------------------------
+    def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
+        if not torch.is_grad_enabled():          # nothing is saved for a backward: run as it is
+            return call_next(apply_fn, params, args, kwargs)
+        targets, skipped = self._targets(apply_fn.module)
+        self._last = ([n for n, _ in targets], skipped)
+        C.gauge("remat.modules", len(targets))
+        with until_backward(_Installed(targets, self._save_rule(), _HostStash() if self.offload else None)):
+            return call_next(apply_fn, params, args, kwargs)
+
+    def _targets(self, model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+        cached = self._selected.get(id(model))
+        if cached is not None and cached[0] is model:
+            return cached[1]
+        named = list(model.named_modules())
+        if self.modules is not None:
+            found = [(n, m) for n, m in named if n and any(fnmatch.fnmatchcase(n, p) for p in self.modules)]
+            if not found:
+                raise ConfigError(f"remat(modules={list(self.modules)}) matches no module of "
+                                  f"{type(model).__name__}; module names look like {[n for n, _ in named[1:6]]}")
+            names = [n for n, _ in found]
+            found = [(n, m) for n, m in found if not any(n != o and n.startswith(o + ".") for o in names)]
+        else:
+            found = find_units(model, None)
+            if not found:
+                raise ConfigError(f"remat(): {type(model).__name__} has no repeated blocks to checkpoint (no Hugging "
+                                  "Face _no_split_modules, no nn.ModuleList); name the modules: "
+                                  f"remat(modules=[...]), e.g. among {[n for n, _ in named[1:6]]}")
+        # a Hugging Face layer with gradient_checkpointing_enable() on checkpoints itself
+        skipped = [n for n, m in found if getattr(m, "gradient_checkpointing", False) is True]
+        targets = [(n, m) for n, m in found if n not in skipped]
+        self._selected[id(model)] = (model, (targets, skipped))
+        return targets, skipped
+
+    def _save_rule(self) -> Callable[[Any, tuple, dict], bool] | None:
+        """Whether a call of aten op `op` inside a checkpoint saves its output (None: never)."""
+        policy = self.policy
+        if policy == "nothing":
+            return None
+        if isinstance(policy, str) or isinstance(policy, tuple):
+            ops = MATMUL_OPS if isinstance(policy, str) else frozenset(policy)
+            return lambda op, args, kwargs: op in ops
+        user = policy
+
+        def rule(op, args, kwargs):
+            out = user(SelectiveCheckpointContext(is_recompute=False), op, *args, **kwargs)
+            if isinstance(out, bool):
+                return out
+            return out in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+        return rule
+
+
+def remat(*args: Any, **kwargs: Any) -> Remat:
+    """`remat(modules=None, policy="nothing", offload=None)`; see the module docstring."""
+    return make_transform(Remat, "remat", args, kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# the installed wrapping (one per forward, kept until backward is over)
+
+class _Installed:
+    """Replaces each target's `forward` by a checkpointed one; restores on exit. A module
+    already wrapped by remat (a second forward in the same value_and_grad) is left as it is."""
+
+    def __init__(self, targets: list[tuple[str, nn.Module]], rule: Callable | None, stash: "_HostStash | None"):
+        self.targets, self.stash = targets, stash
+        self.saved_bytes = _ByteCount("remat.policy_saved_bytes") if rule is not None else None
+        self.context_fn = None if rule is None else functools.partial(_policy_contexts, rule, self.saved_bytes)
+        self.saved: list[tuple[nn.Module, Any]] = []
+
+    def __enter__(self):
+        for _, m in self.targets:
+            prev = m.__dict__.get("forward")
+            if getattr(prev, "_dsfn_remat", False):
+                continue
+            wrapped = functools.partial(_checkpointed, m, m.forward, self.context_fn, self.stash)
+            wrapped._dsfn_remat = True
+            self.saved.append((m, prev))
+            m.forward = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        for m, prev in reversed(self.saved):
+            if prev is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = prev
+        self.saved.clear()
+        if self.stash is not None:
+            self.stash.close()
+        if self.saved_bytes is not None:
+            self.saved_bytes.reset()
+        return False
+
+
+# keyword arguments through which a Hugging Face layer reads and *appends to* a KV cache
+_CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
+
+
+def _checkpointed(module: nn.Module, forward: Callable, context_fn: Callable | None, stash: "_HostStash | None",
+                  *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    # A layer that appends to a KV cache would append again in the recompute (and attend over
+    # the longer cache): as Hugging Face's own checkpointing, run it without the cache
+    dropped = [k for k in _CACHE_KWARGS if kwargs.get(k) is not None]
+    if dropped and getattr(module, "_can_checkpoint_with_cache", False):
+        dropped = []
+    if dropped or kwargs.get("use_cache"):
+        kwargs = {**kwargs, **{k: None for k in dropped}, **({"use_cache": False} if "use_cache" in kwargs else {})}
+        if dropped:
+            warnings.warn(f"remat: {type(module).__name__} runs without its KV cache ({', '.join(dropped)}) under "
+                          "activation checkpointing, as with Hugging Face's gradient checkpointing: a recompute "
+                          "would update the cache a second time. Train with use_cache=False to silence this",
+                          stacklevel=3)
+    # tensor keyword arguments travel as positional ones, so the checkpoint saves them as it
+    # saves its inputs (and offload sees them); the rest stay keyword arguments
+    tkeys = tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    rest = {k: v for k, v in kwargs.items() if k not in tkeys}
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+    # torch-function modes active now (sequence parallel's AutoSP attention) are not active while
+    # autograd runs backward: the recompute re-enters them, so it computes what the forward did
+    modes = tuple(m for m in _get_current_function_mode_stack() if not isinstance(m, DeviceContext))
+    call = functools.partial(_call, forward, len(args), tkeys, modes)
+    flat = (*args, *(kwargs[k] for k in tkeys))
+    if stash is None:
+        return checkpoint(call, *flat, use_reentrant=False, **extra, **rest)
+    with torch.autograd.graph.saved_tensors_hooks(stash.pack, stash.unpack):
+        return checkpoint(call, *flat, use_reentrant=False, **extra, **rest)
+
+
+def _call(forward: Callable, n_args: int, tkeys: tuple[str, ...], modes: tuple, *flat: Any, **rest: Any) -> Any:
+    active = _get_current_function_mode_stack()
+    missing = [m for m in modes if not any(m is a for a in active)]
+    with contextlib.ExitStack() as stack:
+        for m in missing:
+            stack.enter_context(m)
+        return forward(*flat[:n_args], **dict(zip(tkeys, flat[n_args:])), **rest)
+
+
+# ---------------------------------------------------------------------------------------------
+# selective policies: save some ops' outputs in forward, hand them back in the recompute
+
+class _ByteCount:
+    """Bytes of distinct storages counted during one value_and_grad, published as a gauge."""
+
+    def __init__(self, gauge: str):
+        self.gauge, self.seen, self.bytes = gauge, set(), 0
+
+    def add(self, t: torch.Tensor) -> None:
+        s = t.untyped_storage()
+        key = (s.data_ptr(), s.nbytes())
+        if key not in self.seen:
+            self.seen.add(key)
+            self.bytes += s.nbytes()
+            C.gauge(self.gauge, self.bytes)
+
+    def reset(self) -> None:
+        self.seen.clear()
+        self.bytes = 0
+        C.gauge(self.gauge, 0)
+
+
+_USED = object()
+
+
+def _policy_contexts(rule: Callable, count: _ByteCount) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+    """`context_fn` for torch's checkpoint: (forward mode, recompute mode) over one store.
+
+    Like torch's selective checkpointing (`create_selective_checkpoint_contexts`), with one
+    difference: the recompute hands back the saved output of an op kind the policy saved
+    (matched by call index within that op) and *runs* every other op, also ops the forward of
+    the region did not run. Those come from the transforms' hooks, which run inside the
+    recompute but ran outside the checkpoint in forward (ZeRO-3 re-gathers a unit's shards
+    for the recompute: slicing, reshapes, collectives; never a saved matmul). Torch's version
+    refuses any op the forward did not see."""
+    store: dict[Any, list] = {}
+    return _SaveOutputs(rule, store, count), _ReplayOutputs(store)
+
+
+class _Saved:
+    """An op output the policy saved, with its version counter at that time."""
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor, self.version = t.detach(), t._version
+
+
+class _SaveOutputs(TorchDispatchMode):
+    def __init__(self, rule, store, count):
+        super().__init__()
+        self.rule, self.store, self.count = rule, store, count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _NEVER_SAVED:
+            return out
+        entry = None                         # None: recomputed
+        if self.rule(func, args, kwargs):
+            def keep(x):
+                if not isinstance(x, torch.Tensor):
+                    return x
+                self.count.add(x)
+                return _Saved(x)
+            entry = tree_map(keep, out)
+        self.store.setdefault(func, []).append(entry)
+        return out
+
+
+class _ReplayOutputs(TorchDispatchMode):
+    def __init__(self, store):
+        super().__init__()
+        self.store = store
+        self.calls: dict[Any, int] = {}
+        self.saving: set = set()
+
+    def __enter__(self):
+        self.calls = {}
+        self.saving = {f for f, entries in self.store.items() if any(e is not None for e in entries)}
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self.saving:          # an op kind the policy saved no call of: run it
+            return func(*args, **kwargs)
+        entries = self.store[func]
+        i = self.calls.get(func, 0)
+        self.calls[func] = i + 1
+        if i >= len(entries):
+            raise RuntimeError(f"remat: the recompute called {func} more often than the forward did ({len(entries)} "
+                               "times); its saved outputs cannot be matched. The checkpointed module must compute "
+                               "the same ops in backward's recompute as in forward (use policy='nothing' otherwise)")
+        entry = entries[i]
+        if entry is None:
+            return func(*args, **kwargs)
+        if entry is _USED:
+            raise RuntimeError("remat: a second backward through a module checkpointed with a selective policy; its "
+                               "saved outputs were handed to the first one (use policy='nothing')")
+        entries[i] = _USED                   # freed once the recompute has it
+
+        def give(x):
+            if not isinstance(x, _Saved):
+                return x
+            if x.tensor._version != x.version:
+                raise RuntimeError(f"remat: the output of {func} saved by the policy was changed in place after "
+                                   "it was saved; save another op or use policy='nothing'")
+            return x.tensor
+        return tree_map(give, entry)
+
+
+# ops that only read metadata or alias (torch's SAC ignores them too)
+_NEVER_SAVED = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
+
+
+# ---------------------------------------------------------------------------------------------
+# offload="cpu": the checkpoints' saved inputs in host memory
+
+_side_streams: dict[Any, Any] = {}
+
+
+def _side_stream(device: torch.device):
+    s = _side_streams.get(device)
+    if s is None:
+        s = _side_streams[device] = torch.cuda.Stream(device=device)
+    return s
+
+
+class _Held:
+    """A saved input held on the host: `host` (and, on CUDA, the event of its copy); the
+    device copy made for the recompute (`back`, ready at `back_ready`) until it is used."""
+    __slots__ = ("host", "ready", "device", "index", "back", "back_ready", "__weakref__")
+
+    def __init__(self, host, ready, device, index):
+        self.host, self.ready, self.device, self.index = host, ready, device, index
+        self.back = self.back_ready = None
+
+
+class _HostStash:
+    """Saved-tensor hooks around the checkpoint calls of one forward: pack moves a saved
+    input that requires grad to host memory, unpack brings it back (prefetching the one the
+    next recompute needs). Publishes the host bytes as the gauge "remat.offloaded_bytes"."""
+
+    def __init__(self):
+        # CUDA inputs in pack order (weak: an input lives as long as the checkpoint that saved it)
+        self.items: list[weakref.ref] = []
+        self.storages: dict[tuple[int, int], int] = {}       # dedup for the byte count
+        self.bytes = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if not t.requires_grad or t.device.type == "meta":
+            return t
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in self.storages:
+            self.storages[key] = 1
+            self.bytes += t.untyped_storage().nbytes()
+            C.gauge("remat.offloaded_bytes", self.bytes)
+        if t.device.type != "cuda":
+            # host memory is this device's memory: keep the tensor (nothing to copy or overlap)
+            return _Held(t.detach(), None, t.device, -1)
+        side = _side_stream(t.device)
+        side.wait_stream(torch.cuda.current_stream(t.device))    # t is computed
+        with torch.cuda.stream(side):
+            host, ready = copy_to_host(t.detach(), pin=True, non_blocking=True)
+        t.record_stream(side)               # its memory is not reused before the copy has read it
+        item = _Held(host, ready, t.device, len(self.items))
+        self.items.append(weakref.ref(item))
+        return item
+
+    def unpack(self, item: Any) -> torch.Tensor:
+        if not isinstance(item, _Held):
+            return item
+        if item.device.type != "cuda":
+            return item.host
+        if item.back is None:
+            self._fetch(item)
+        current = torch.cuda.current_stream(item.device)
+        current.wait_event(item.back_ready)
+        t, item.back, item.back_ready = item.back, None, None
+        t.record_stream(current)
+        # backward recomputes the modules in reverse order: bring the previous input now
+        if 0 < item.index <= len(self.items):
+            prev = self.items[item.index - 1]()
+            if prev is not None and prev.back is None:
+                self._fetch(prev)
+        return t
+
+    def _fetch(self, item: _Held) -> None:
+        side = _side_stream(item.device)
+        with torch.cuda.stream(side):
+            if item.ready is not None:
+                side.wait_event(item.ready)
+            item.back = item.host.to(item.device, non_blocking=True)
+            item.back_ready = torch.cuda.Event()
+            item.back_ready.record(side)
+
+    def close(self) -> None:
+        self.items.clear()
+        self.storages.clear()
+        self.bytes = 0
+        C.gauge("remat.offloaded_bytes", 0)
