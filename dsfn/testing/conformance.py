@@ -184,6 +184,8 @@ STACKS: dict[str, StackSpec] = {
                           mesh=lambda w: {"dp": w // 2, "sp": 2}, worlds=(2, 4)),
     "zero1+tp+offload_cpu": StackSpec(lambda m, s, d: [_T().shard_zero(1), _tp(m, s), _T().offload("cpu")],
                                       mesh=lambda w: {"dp": w // 2, "tp": 2}, worlds=(2, 4)),
+    "zero3+remat": StackSpec(lambda m, s, d: [_T().shard_zero(3), _T().remat()]),
+    "zero2+remat_offload": StackSpec(lambda m, s, d: [_T().shard_zero(2), _T().remat(offload="cpu")]),
     "zero2+async_checkpoint+resume": StackSpec(
         lambda m, s, d: [_T().shard_zero(2), _T().async_checkpoint(os.path.join(d, "ckpt"), every=2)], resume=True),
 }
@@ -202,6 +204,8 @@ class Refusal:
 
 
 REFUSALS: list[Refusal] = [
+    Refusal(lambda s, o, m: "remat" in s and m == "batchnorm", ConfigError, "no repeated blocks to checkpoint",
+            "remat's default picks the model's repeated blocks; this model has none (name them: modules=[...])"),
     Refusal(lambda s, o, m: s == "zero1+tp+offload_cpu", StackError, "tensor_parallel does not compose with offload",
             "tp pieces are not offloaded yet (dsfn/transforms/tensor_parallel.py)"),
     Refusal(lambda s, o, m: s in ("tp", "zero1+tp") and MODELS[m].tp is None, ConfigError,
