@@ -2,6 +2,7 @@
 
     python benchmarks/conformance.py                 # a seeded sample of 40 cases + the step-time check
     python benchmarks/conformance.py --cases 0       # the step-time check only
+    python benchmarks/conformance.py --steps 0       # the matrix sample only
     python benchmarks/conformance.py --all           # every case of the matrix (an hour or more)
     python benchmarks/conformance.py --baseline-src /path/to/older/checkout   # step time vs that tree
 
@@ -102,8 +103,9 @@ def main() -> None:
     p.add_argument("--cases", type=int, default=40, help="sampled cases (0: skip the matrix)")
     p.add_argument("--all", action="store_true", help="run every case of the matrix")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per stack")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per stack (0: skip the step-time part)")
     p.add_argument("--baseline-src", type=Path, default=None, help="an older source tree to time against")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of this tree and the baseline")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     report: dict = {}
@@ -114,15 +116,28 @@ def main() -> None:
               f"{m['refused']} refused with their listed error, {m['failed']} failed; {m['wall_s']:.0f} s")
         for f in m["failures"]:
             print("  FAILED", f)
-    now = step_times(ROOT, args.steps)
-    report["step_s"] = now
-    base = step_times(args.baseline_src.resolve(), args.steps) if args.baseline_src else None
-    print("step time, example GPT (4 layers, d 128, seq 128, batch 8), 2 gloo ranks, median:")
-    for k, v in now.items():
-        extra = f"   baseline {base[k] * 1e3:7.1f} ms   ratio {v / base[k]:.3f}" if base else ""
-        print(f"  {k:14s} {v * 1e3:7.1f} ms{extra}")
-    if base:
-        report["baseline_step_s"] = base
+    if args.steps == 0:
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2))
+        return
+    # this tree and the baseline alternate, round by round, so drifts of the machine's speed
+    # hit both alike; the ratio reported is the median of the per-round ratios
+    rounds = []
+    for _ in range(args.rounds if args.baseline_src else 1):
+        now = step_times(ROOT, args.steps)
+        base = step_times(args.baseline_src.resolve(), args.steps) if args.baseline_src else None
+        rounds.append((now, base))
+    report["rounds"] = rounds
+    print(f"step time, example GPT (4 layers, d 128, seq 128, batch 8), 2 gloo ranks, median of {args.steps} steps"
+          + (f"; {len(rounds)} alternating rounds" if args.baseline_src else "") + ":")
+    for k in rounds[0][0]:
+        now_ms = statistics.median(r[0][k] for r in rounds) * 1e3
+        extra = ""
+        if args.baseline_src:
+            ratios = sorted(r[0][k] / r[1][k] for r in rounds)
+            extra = (f"   baseline {statistics.median(r[1][k] for r in rounds) * 1e3:7.1f} ms   ratio (median of "
+                     f"rounds) {statistics.median(ratios):.3f}   per round {', '.join(f'{x:.3f}' for x in ratios)}")
+        print(f"  {k:14s} {now_ms:7.1f} ms{extra}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

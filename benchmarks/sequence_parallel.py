@@ -75,7 +75,7 @@ from dsfn.transforms import compose, sequence_parallel
 
 MiB = 2 ** 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3        # glibc mallopt parameters
-PARTS = ("memory", "tiled", "time")
+PARTS = ("memory", "tiled", "remat", "time")
 
 
 # --------------------------------------------------------------------------- the model and step
@@ -108,7 +108,9 @@ def _build(sp: int, seq: int, tiles: int, a: dict, mark: dict | None = None):
         loss, grads = dsfn.value_and_grad(loss_fn)(state.params, batch)
         return state.apply_gradients(grads), {"loss": loss}
 
-    step = (compose(sequence_parallel()) if sp > 1 else compose())(train_step)
+    from dsfn.transforms import remat
+    stack = ([sequence_parallel()] if sp > 1 else []) + ([remat()] if a.get("remat") else [])
+    step = compose(*stack)(train_step)
     state = step.init_state(params, dsfn.optim.adamw(lr=1e-3), seed=a["seed"])
     return step, state
 
@@ -293,15 +295,16 @@ def main() -> None:
     def log(s: str) -> None:
         print(s, flush=True)
 
-    res: dict = {"memory": {}, "tiled": {}, "time": {}}
-    for part in ("memory", "tiled"):
+    res: dict = {"memory": {}, "tiled": {}, "remat": {}, "time": {}}
+    for part in ("memory", "tiled", "remat"):
         if part not in parts:
             continue
         tiles = a.tiles if part == "tiled" else 0
         log(f"\n{part}: longest sequence with step peak <= {a.cap_mib:g} MiB/rank"
-            + (f" (tile_mlps, {tiles} tiles)" if tiles else ""))
+            + (f" (tile_mlps, {tiles} tiles)" if tiles else "") + (" (remat(): every layer checkpointed)"
+                                                                    if part == "remat" else ""))
         for sp in sps:
-            res[part][sp] = _search(sp, tiles, args, log)
+            res[part][sp] = _search(sp, tiles, {**args, "remat": part == "remat"}, log)
 
     if "time" in parts:
         log(f"\ntime: seq {a.time_seq}, batch {B}, {a.warmup} warm-up + {a.steps} timed steps")
@@ -316,12 +319,12 @@ def main() -> None:
             log(f"    sp={sp}: step {res['time'][sp]['step_median_s']:.3f} s  loss {r0['losses'][-1]:.4f}")
 
     # ---- tables
-    for part in ("memory", "tiled"):
+    for part in ("memory", "tiled", "remat"):
         rows = res[part]
         if not rows:
             continue
         base = rows.get(1) or rows[min(rows)]
-        title = "MLPs untiled" if part == "memory" else f"tile_mlps({a.tiles})"
+        title = {"memory": "MLPs untiled", "tiled": f"tile_mlps({a.tiles})", "remat": "remat()"}[part]
         print(f"\nlongest sequence under {a.cap_mib:g} MiB/rank step peak ({title}; multiples of sp*64; "
               f"peak = VmHWM - VmRSS of a step, max over "
               f"{a.mem_steps} steps and the ranks)")
@@ -335,6 +338,10 @@ def main() -> None:
             parts_txt = ", ".join(f"sp={sp} {r['seq'] / res['memory'][sp]['seq']:.2f}x"
                                   for sp, r in rows.items() if sp in res["memory"] and res["memory"][sp]["seq"])
             print(f"  tiled vs untiled longest seq: {parts_txt}")
+        if part == "remat" and res["memory"]:
+            parts_txt = ", ".join(f"sp={sp} {r['seq'] / res['memory'][sp]['seq']:.2f}x"
+                                  for sp, r in rows.items() if sp in res["memory"] and res["memory"][sp]["seq"])
+            print(f"  remat vs no checkpointing, longest seq: {parts_txt} (target >= 2x)")
 
     if res["time"]:
         rows = res["time"]
@@ -376,7 +383,8 @@ def main() -> None:
           "before, VmHWM after); the max over steps and ranks counts. glibc's mmap threshold is fixed at 64 KiB (trim "
           "128 KiB) in the ranks so that RSS follows the live tensors (dsfn's default keeps freed memory in the "
           "process). Repeated probes agree within ~+-2 MiB: the longest length is good to ~2 multiples of sp*64.")
-    if any(not p["hwm_reset"] for rows in (res["memory"], res["tiled"]) for r in rows.values() for p in r["probes"]):
+    if any(not p["hwm_reset"] for rows in (res["memory"], res["tiled"], res["remat"]) for r in rows.values()
+           for p in r["probes"]):
         print("  - WARNING: /proc/self/clear_refs was not writable here: the peaks are VmHWM after the step minus "
               "VmRSS before it, with the high-water mark of model building and the warm-up step not reset (valid "
               "only where the probed step's peak exceeds those).")

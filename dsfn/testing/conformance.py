@@ -85,14 +85,15 @@ class ModelSpec:
 
 
 def _tokens():
-    return token_batches(STEPS, 4, 12, VOCAB, seed=1)
+    return token_batches(STEPS, 8, 12, VOCAB, seed=1)     # rows divisible by world 4 x accumulate 2
 
 
 MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec(lambda: make_mlp([6, 10, 3], seed=1), lambda: regression_batches(STEPS, 8, 6, 3, seed=3),
                      _mse_loss),
     "routed": ModelSpec(lambda: Routed(True, seed=1), lambda: routed_batches(STEPS, 8), _mse_loss),
-    "batchnorm": ModelSpec(lambda: BatchNormMLP(seed=1), lambda: regression_batches(STEPS, 8, 6, 3, seed=3), _mse_loss,
+    # 16 rows: at world 4 with accumulate(2) each BatchNorm batch still has 2 rows
+    "batchnorm": ModelSpec(lambda: BatchNormMLP(seed=1), lambda: regression_batches(STEPS, 16, 6, 3, seed=3), _mse_loss,
                            batch_stats=True),
     "gpt": ModelSpec(_gpt, _tokens, _lm_loss, attention=True, tp="gpt"),
     "llama": ModelSpec(lambda: make_tiny_causal_lm("llama"), _tokens, _lm_loss, attention=True, tp="auto"),

@@ -91,7 +91,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, checkpoint
 
 from dsfn.errors import ConfigError, StackError
-from dsfn.functional import until_backward
+from dsfn.functional import in_backward, until_backward
 from dsfn.runtime import collectives as C
 from dsfn.runtime.host import copy_to_host
 from dsfn.transforms.core import Transform, make_transform, with_role
@@ -298,7 +298,7 @@ def _checkpointed(module: nn.Module, forward: Callable, context_fn: Callable | N
     # torch-function modes active now (sequence parallel's AutoSP attention) are not active while
     # autograd runs backward: the recompute re-enters them, so it computes what the forward did
     modes = tuple(m for m in _get_current_function_mode_stack() if not isinstance(m, DeviceContext))
-    call = functools.partial(_call, forward, len(args), tkeys, modes)
+    call = functools.partial(_call, module, forward, len(args), tkeys, modes)
     flat = (*args, *(kwargs[k] for k in tkeys))
     if stash is None:
         return checkpoint(call, *flat, use_reentrant=False, **extra, **rest)
@@ -306,13 +306,27 @@ def _checkpointed(module: nn.Module, forward: Callable, context_fn: Callable | N
         return checkpoint(call, *flat, use_reentrant=False, **extra, **rest)
 
 
-def _call(forward: Callable, n_args: int, tkeys: tuple[str, ...], modes: tuple, *flat: Any, **rest: Any) -> Any:
+def _call(module: nn.Module, forward: Callable, n_args: int, tkeys: tuple[str, ...], modes: tuple, *flat: Any,
+          **rest: Any) -> Any:
     active = _get_current_function_mode_stack()
     missing = [m for m in modes if not any(m is a for a in active)]
+    args = flat[:n_args]
+    # the recompute runs `forward` alone: hooks marked for it (ZeRO-3's, which install a
+    # module's re-gathered parameters when it owns some directly) run around it here
+    marked = in_backward()
     with contextlib.ExitStack() as stack:
         for m in missing:
             stack.enter_context(m)
-        return forward(*flat[:n_args], **dict(zip(tkeys, flat[n_args:])), **rest)
+        if marked:
+            for h in list(module._forward_pre_hooks.values()):
+                if getattr(h, "_dsfn_recompute", False):
+                    h(module, args)
+        out = forward(*args, **dict(zip(tkeys, flat[n_args:])), **rest)
+        if marked:
+            for h in list(module._forward_hooks.values()):
+                if getattr(h, "_dsfn_recompute", False):
+                    h(module, args, out)
+        return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -679,13 +679,21 @@ class UnitGatherer:
         def hook(mod, args):
             if self._phase == "backward":
                 self._install_for_recompute(ids)
-        return hook
+        return recompute_hook(hook)
 
     def _leaf_post(self, ids: list[int]):
         def hook(mod, args, out):
             if self._phase == "backward":
                 self._restore(ids)
-        return hook
+        return recompute_hook(hook)
+
+
+def recompute_hook(hook):
+    """Mark a module hook that must also run around a recompute of the module's `forward`
+    alone (`remat` checkpoints `forward`, past the module's hooks, as Hugging Face does):
+    ZeRO-3's hooks install the unit's re-gathered parameters for it."""
+    hook._dsfn_recompute = True
+    return hook
 
 
 def _gauge_live(live: set[int]) -> None:
