@@ -7,7 +7,7 @@ export it as a HF model.
     python examples/train_llama.py --tp 1 --dp 2 --zero 3   # 2 ranks, ZeRO-3 only
     python examples/train_llama.py --model tiny --steps 50
     python examples/train_llama.py --sp 2 --tp 2 --zero 1 --tiled-mlp 2   # 4 ranks: Ulysses sp x tp
-    python examples/train_llama.py --tp 1 --sp 2 --seq-len 4096 --batch-size 1 --steps 3  # long context
+    python examples/train_llama.py --tp 1 --sp 2 --seq-len 4096 --batch-size 1 --steps 3 --remat  # long context
     python -m dsfn.launch --nproc 4 examples/train_llama.py --tp 2 --dp 2   # ranks started outside
     python examples/train_llama.py --tp 1 --seq-len 1024 --batch-size 2 --remat-offload   # activation checkpointing
 
