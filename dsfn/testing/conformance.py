@@ -82,6 +82,7 @@ class ModelSpec:
     tp: str | None = None            # "auto" (HF plan) | "gpt" (dsfn's plan) | None (no plan)
     batch_stats: bool = False        # normalises by batch statistics (BatchNorm): see `_reference`
     reference_make: Callable[[], nn.Module] | None = None   # the reference's model, when it differs
+    rtol: float = 1e-5               # a model's own floor (see BatchNorm's)
 
 
 def _tokens():
@@ -92,9 +93,12 @@ MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec(lambda: make_mlp([6, 10, 3], seed=1), lambda: regression_batches(STEPS, 8, 6, 3, seed=3),
                      _mse_loss),
     "routed": ModelSpec(lambda: Routed(True, seed=1), lambda: routed_batches(STEPS, 8), _mse_loss),
-    # 16 rows: at world 4 with accumulate(2) each BatchNorm batch still has 2 rows
+    # 16 rows: at world 4 with accumulate(2) each BatchNorm batch still has 2 rows. rtol 5e-5:
+    # normalising by the statistics of 2 rows divides by |x1 - x2|, which turns reduction-order
+    # bits into ~2e-5 relative in the momentum (measured: 1 element of 60 at 1.7e-5, the whole
+    # matrix run's only two misses at 1e-5)
     "batchnorm": ModelSpec(lambda: BatchNormMLP(seed=1), lambda: regression_batches(STEPS, 16, 6, 3, seed=3), _mse_loss,
-                           batch_stats=True),
+                           batch_stats=True, rtol=5e-5),
     "gpt": ModelSpec(_gpt, _tokens, _lm_loss, attention=True, tp="gpt"),
     "llama": ModelSpec(lambda: make_tiny_causal_lm("llama"), _tokens, _lm_loss, attention=True, tp="auto"),
     "qwen2": ModelSpec(lambda: make_tiny_causal_lm("qwen2"), _tokens, _lm_loss, attention=True, tp="auto"),
@@ -308,10 +312,11 @@ def run_case(case: Case, tmpdir: str | None = None, timeout: float = 240.0) -> s
     ref_losses, ref_state = _train(case, tmpdir + "-ref", False)
     results = run_on_ranks(_train, case.world, case, tmpdir, True, timeout=timeout)
     for r, (losses, state) in enumerate(results):
+        rtol = max(sspec.rtol, MODELS[case.model].rtol)
         torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
-                                   torch.tensor(ref_losses, dtype=torch.float64), rtol=sspec.rtol, atol=sspec.atol,
+                                   torch.tensor(ref_losses, dtype=torch.float64), rtol=rtol, atol=sspec.atol,
                                    msg=lambda m: f"{case}: rank {r} losses {losses} vs reference {ref_losses}: {m}")
         if ospec.compare_state:
-            assert_trees_close(state, ref_state, rtol=max(sspec.rtol, 1e-5), atol=max(sspec.atol, 1e-6),
+            assert_trees_close(state, ref_state, rtol=rtol, atol=max(sspec.atol, 1e-6),
                                msg=f"{case}: rank {r} final state vs reference")
     return "passed"
