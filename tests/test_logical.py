@@ -65,19 +65,9 @@ def _stack(kind: str, local: bool = False):
 def _tp_run(local: bool):
     def fn():
         init_mesh(tp=2)
-        torch.manual_seed(0)
-        model = make_model()
-        apply_fn, params = dsfn.functionalize(model)
-        from dsfn.testing.reference import train_step_for
-        stack = ([LocalOnly()] if local else []) + [tensor_parallel(TP_PLAN, model=model)]
-        step = dsfn.compose(*stack)(train_step_for(apply_fn))
-        state = step.place(dsfn.TrainState.create(params, clipped_sgd()))
-        losses = []
-        for b in BATCHES:
-            state, m = step(state, b)
-            losses.append(float(m["loss"]))
-        full = step.gather(state)
-        return losses, full.params
+        res = run_training(make_model, clipped_sgd, BATCHES, lambda model: ([LocalOnly()] if local else [])
+                           + [tensor_parallel(TP_PLAN, model=model)])
+        return res.losses, res.state.params
     return fn
 
 

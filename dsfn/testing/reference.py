@@ -52,10 +52,16 @@ class RunResult:
 
 
 def run_training(make_model: Callable[[], nn.Module], make_tx: Callable[[], Any], batches: Sequence[dict],
-                 transforms: Sequence[Any] = (), loss_fn: LossFn = mse_loss, seed: int = 0) -> RunResult:
-    """Train on this process/rank with `transforms`; returns losses and the gathered state."""
+                 transforms: Sequence[Any] | Callable[[nn.Module], Sequence[Any]] = (), loss_fn: LossFn = mse_loss,
+                 seed: int = 0) -> RunResult:
+    """Train on this process/rank with `transforms` (a sequence, or `f(model) -> transforms`
+    for transforms that need the model, e.g. tensor_parallel); returns losses and the
+    gathered state."""
     torch.manual_seed(seed)
-    apply_fn, params = dsfn.functionalize(make_model())
+    model = make_model()
+    apply_fn, params = dsfn.functionalize(model)
+    if callable(transforms):
+        transforms = transforms(model)
     step = dsfn.compose(*transforms)(train_step_for(apply_fn, loss_fn))
     state = step.place(dsfn.TrainState.create(params, make_tx(), seed=seed))
     losses, metrics = [], []

@@ -223,11 +223,15 @@ def test_third_party_elementwise_optimizer_passes_the_probe_and_matches():
     _assert_state_matches(s, ref_s)
 
 
-class GradWritingSGD(torch.optim.Optimizer):
-    """Elementwise, but writes the gradient: scales `p.grad` in place before using it."""
+class _LrOnly(torch.optim.Optimizer):
+    """Base of the test optimizers below: one hyper-parameter, `lr`."""
 
     def __init__(self, params, lr=1e-2):
         super().__init__(params, dict(lr=lr))
+
+
+class GradWritingSGD(_LrOnly):
+    """Elementwise, but writes the gradient: scales `p.grad` in place before using it."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -237,11 +241,8 @@ class GradWritingSGD(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-group["lr"])
 
 
-class GradKeepingSGD(torch.optim.Optimizer):
+class GradKeepingSGD(_LrOnly):
     """Elementwise, but keeps the gradient tensor itself as its state."""
-
-    def __init__(self, params, lr=1e-2):
-        super().__init__(params, dict(lr=lr))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -349,11 +350,8 @@ def test_refuses_known_non_elementwise(name):
         from_torch(cls, lr=1e-3)
 
 
-class NormalizedSGD(torch.optim.Optimizer):
+class NormalizedSGD(_LrOnly):
     """Not elementwise: each parameter's step is its gradient divided by that gradient's norm."""
-
-    def __init__(self, params, lr=1e-2):
-        super().__init__(params, dict(lr=lr))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -362,11 +360,8 @@ class NormalizedSGD(torch.optim.Optimizer):
                 p.add_(p.grad / (p.grad.norm() + 1e-12), alpha=-group["lr"])
 
 
-class GlobalNormSGD(torch.optim.Optimizer):
+class GlobalNormSGD(_LrOnly):
     """Not elementwise across parameters: every step is scaled by the norm over all gradients."""
-
-    def __init__(self, params, lr=1e-2):
-        super().__init__(params, dict(lr=lr))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -376,11 +371,8 @@ class GlobalNormSGD(torch.optim.Optimizer):
             p.add_(p.grad / norm, alpha=-self.param_groups[0]["lr"])
 
 
-class FactoredRMS(torch.optim.Optimizer):
+class FactoredRMS(_LrOnly):
     """Adafactor-like: a matrix keeps row and column means of the squared gradient."""
-
-    def __init__(self, params, lr=1e-2):
-        super().__init__(params, dict(lr=lr))
 
     @torch.no_grad()
     def step(self, closure=None):
