@@ -12,7 +12,11 @@
 - Frozen parameters (`requires_grad=False`) and non-persistent buffers
   (`register_buffer(..., persistent=False)`: rotary caches, masks) are *constants*: they
   stay out of the state and are held by `apply_fn.constants` (dict name -> tensor),
-  which `apply_fn` passes to the module on every call. A forward that changes a
+  which `apply_fn` passes to the module on every call. `apply_fn.frozen` names the
+  frozen parameters among them: `shard_zero(3)` stores those sharded (a LoRA base model
+  costs 1/N per rank), replacing their entries by `Placed` shards at the Step's first
+  forward (or at `dsfn.state.init.init_sharded`); such an apply_fn then runs only inside
+  a Step with that transform. A forward that changes a
   constant in place (an op autograd sees, such as `add_` or `copy_`) raises ConfigError:
   register such a tensor as a persistent buffer.
 - `apply_fn(params, *args, **kwargs)` runs the module's forward with those tensors; the
@@ -49,7 +53,10 @@ import warnings
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
 
 from dsfn import tree
 from dsfn.errors import ConfigError, LeafTypeError
@@ -68,13 +75,16 @@ class ApplyFn:
 
     def __init__(self, module: nn.Module, constants: dict[str, torch.Tensor], param_names: tuple[str, ...],
                  buffers: dict[str, torch.Tensor] | None = None, buffer_dtype: torch.dtype | None = None,
-                 _bound: bool = False):
+                 _bound: bool = False, frozen: tuple[str, ...] = ()):
         self.module = module
         self.constants = constants
         self.param_names = param_names
         self.buffers = dict(buffers or {})
         self.buffer_dtype = buffer_dtype
         self._bound = _bound
+        # the names in `constants` that are frozen parameters (the rest: non-persistent
+        # buffers); shard_zero(3) stores these sharded (Placed entries of `constants`)
+        self.frozen = tuple(frozen)
 
     def __call__(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         """A primitive ("apply_module"): ZeRO-3 gathers sharded parameters unit by unit."""
@@ -104,7 +114,7 @@ class ApplyFn:
             if not isinstance(t, torch.Tensor):
                 raise LeafTypeError(f"with_buffers: buffers[{name!r}] is a {type(t).__name__}, not a tensor")
         return ApplyFn(self.module, self.constants, self.param_names, {**self.buffers, **buffers},
-                       self.buffer_dtype, _bound=True)
+                       self.buffer_dtype, _bound=True, frozen=self.frozen)
 
 
 # -- buffer scopes ------------------------------------------------------------------------------
@@ -184,6 +194,12 @@ def call_module(apply_fn: ApplyFn, params: dict[str, torch.Tensor], args: tuple,
         if not isinstance(x, torch.Tensor):
             raise LeafTypeError(f"apply_fn: params[{name!r}] is a {type(x).__name__}, not a tensor. Sharded "
                                 "parameters (Placed) can only be used inside the Step whose transforms placed them")
+    placed = [n for n, t in apply_fn.constants.items() if not isinstance(t, torch.Tensor)]
+    if placed:
+        raise LeafTypeError(f"apply_fn: frozen parameter(s) {placed[:5]} are stored sharded (shard_zero(3) placed "
+                            "them), so the module can only run inside a Step with that shard_zero(3). Evaluate "
+                            "through a Step (an eval step that returns the state unchanged), or rebuild the model "
+                            "for single-process use")
     if not apply_fn.buffers:
         return _checked_call(apply_fn, params, {}, {}, args, kwargs)
     scope = current_buffer_scope()
@@ -222,7 +238,8 @@ def _checked_call(apply_fn: ApplyFn, params: dict, buffers: dict, foreign: dict,
     # the module holds the step's tensors until backward is over: a recompute in backward
     # (torch.utils.checkpoint, HF's gradient checkpointing) then sees them, not its own
     with until_backward(_reparametrize_module(apply_fn.module, tensors, tie_weights=True, strict=False)), \
-            until_backward(_non_reentrant_checkpointing(apply_fn.module)):
+            until_backward(_non_reentrant_checkpointing(apply_fn.module)), \
+            until_backward(_recompute_under_forward_modes()):
         out = apply_fn.module(*args, **kwargs)
     changed = [n for n, t in watched.items() if before[n] is not None and _version_of(t) != before[n]]
     if changed:
@@ -260,6 +277,46 @@ def _non_reentrant_checkpointing(module: nn.Module) -> Iterator[None]:
             m._gradient_checkpointing_func = fn
 
 
+@contextlib.contextmanager
+def _recompute_under_forward_modes() -> Iterator[None]:
+    """A checkpoint (torch.utils.checkpoint, non-reentrant) called while torch-function modes
+    are active re-enters them for its recompute.
+
+    Autograd's engine runs backward with no torch-function mode active, so a recompute would
+    otherwise compute something else than its forward did: sequence parallel's AutoSP
+    attention (a mode that turns scaled_dot_product_attention into Ulysses attention) would
+    attend over this rank's slice only — a CheckpointError, or worse. Torch gives no hook for
+    it; the checkpoint's frame (`_CheckpointFrame`, which holds the recompute function) is
+    wrapped while the forward and its backward run. (`torch.device` contexts are left out:
+    the recompute's inputs carry their devices.)"""
+    frame = getattr(torch.utils.checkpoint, "_CheckpointFrame", None)
+    init = getattr(frame, "__init__", None)
+    if init is None or getattr(init, "_dsfn_modes", False):      # absent in this torch, or already wrapped
+        yield
+        return
+
+    def wrapped_init(self, recompute_fn, *args, **kwargs):
+        modes = tuple(m for m in _get_current_function_mode_stack() if not isinstance(m, DeviceContext))
+        if modes:
+            recompute_fn = functools.partial(_under_modes, recompute_fn, modes)
+        init(self, recompute_fn, *args, **kwargs)
+    wrapped_init._dsfn_modes = True
+    frame.__init__ = wrapped_init
+    try:
+        yield
+    finally:
+        frame.__init__ = init
+
+
+def _under_modes(fn: Callable[..., Any], modes: tuple, *args: Any, **kwargs: Any) -> Any:
+    active = _get_current_function_mode_stack()
+    with contextlib.ExitStack() as stack:
+        for m in modes:
+            if not any(m is a for a in active):
+                stack.enter_context(m)
+        return fn(*args, **kwargs)
+
+
 def functionalize(module: nn.Module, release: bool = False) -> tuple[ApplyFn, dict[str, torch.Tensor]]:
     """Split `module` into a pure `apply_fn` and its trainable `params` (see module docstring).
 
@@ -273,9 +330,11 @@ def functionalize(module: nn.Module, release: bool = False) -> tuple[ApplyFn, di
     """
     if not isinstance(module, nn.Module):
         raise LeafTypeError(f"functionalize expects a torch.nn.Module, got {type(module).__name__}")
-    params, constants, buffers = {}, {}, {}
+    params, constants, buffers, frozen = {}, {}, {}, []
     for name, p in module.named_parameters(remove_duplicate=True):
         (params if p.requires_grad else constants)[name] = p.detach()
+        if not p.requires_grad:
+            frozen.append(name)
     for name, b in module.named_buffers(remove_duplicate=True):
         owner_name, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
@@ -285,7 +344,7 @@ def functionalize(module: nn.Module, release: bool = False) -> tuple[ApplyFn, di
         for p in module.parameters():
             if p.requires_grad:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    return ApplyFn(module, constants, tuple(params), buffers), params
+    return ApplyFn(module, constants, tuple(params), buffers, frozen=tuple(frozen)), params
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,8 +56,9 @@ parameters bound to the module, ZeRO-3's unit and recompute hooks, tensor parall
 forwards, Ulysses attention). So the recompute runs on the step's parameters, ZeRO-3
 re-gathers the unit's shards for it, and tensor / sequence parallel re-issue their
 collectives. Torch-function modes active in the forward (sequence parallel's AutoSP
-attention for non-HF models) are re-entered for the recompute, since autograd's engine
-does not run backward under them. A layer's KV cache (`cache`, `past_key_values`, ...) is
+attention for non-HF models) are re-entered for the recompute by `dsfn.functional`, as
+for a model's own checkpoint calls, since autograd's engine does not run backward under
+them. A layer's KV cache (`cache`, `past_key_values`, ...) is
 turned off while it is checkpointed, as Hugging Face does (a recompute would append to it
 again). Outside value_and_grad (no grad) nothing is wrapped.
 
@@ -68,13 +69,19 @@ order is tested and documented; anything else is a StackError naming the fix. It
 relative to `accumulate`, `offload`, `mixed_precision`, `loss_scale`, `clip_grad_norm`,
 `zenflow` does not matter (they do not touch the forward's modules).
 
-Not done: DeepSpeed's `partition_activations` (each tp rank keeping 1/tp of a checkpointed
-input that is replicated over the tp group, all-gathered for the recompute). Under
-`tensor_parallel` every tp rank keeps the whole input.
+- `partition_activations` (DeepSpeed's key of that name): under `tensor_parallel`, a
+  checkpointed module's saved inputs that require grad (the residual stream) are the same on
+  every rank of the tp group; each rank keeps only its 1/tp of them (flattened, split in
+  equal contiguous pieces, the last padded) and the recompute all-gathers them over the tp
+  axis first. Saved bytes per rank fall by the tp degree for one all-gather of the input per
+  recomputed module; with `offload="cpu"` the piece is what goes to host memory. The
+  premise (the input is whole and equal on the tp ranks) is checked once per model, on its
+  first step, by comparing the inputs' sums over the tp group (a LayoutError if a plan hands
+  the blocks tp-local inputs); with tp of size 1 nothing is split. Requires tensor_parallel
+  in the stack (StackError otherwise). Gauge "remat.partitioned_bytes": the pieces kept.
 """
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import functools
 import warnings
@@ -84,8 +91,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import _get_current_function_mode_stack
-from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, checkpoint
@@ -114,7 +119,8 @@ class Remat(Transform):
     name = "remat"
     roles = frozenset({"remat"})
 
-    def __init__(self, modules: Sequence[str] | None = None, policy: Any = "nothing", offload: str | None = None):
+    def __init__(self, modules: Sequence[str] | None = None, policy: Any = "nothing", offload: str | None = None,
+                 partition_activations: bool = False):
         if isinstance(modules, str):
             modules = (modules,)
         if modules is not None:
@@ -138,9 +144,15 @@ class Remat(Transform):
         if offload not in (None, "cpu"):
             raise ConfigError(f"remat(offload={offload!r}): use None (saved inputs stay on the device) or 'cpu' "
                               "(kept in host memory, brought back for the recompute)")
+        if not isinstance(partition_activations, bool):
+            raise ConfigError(f"remat(partition_activations={partition_activations!r}): True (each tp rank keeps "
+                              "1/tp of the saved inputs) or False")
         self.modules = modules
         self.policy = policy
         self.offload = offload
+        self.partition_activations = partition_activations
+        self._tp_axis: str | None = None
+        self._partition_checked: set[int] = set()          # id(model) whose premise was checked
         # id(model) -> (model, (targets, skipped names))
         self._selected: dict[int, tuple[nn.Module, tuple[list[tuple[str, nn.Module]], list[str]]]] = {}
         self._last: tuple[list[str], list[str]] | None = None                             # names, skipped names
@@ -153,6 +165,13 @@ class Remat(Transform):
                                  f"{t.name} installs its part of the forward (gathers, collectives, hooks) first, "
                                  "and remat checkpoints the modules with that in place, so the recompute in backward "
                                  "re-runs it")
+        if self.partition_activations:
+            tp = list(with_role(stack[:index], "tensor_parallel"))
+            if not tp:
+                raise StackError("remat(partition_activations=True) splits the saved inputs over the tensor parallel "
+                                 "group: add tensor_parallel(...) outside it (compose(tensor_parallel(...), "
+                                 "remat(partition_activations=True))) or drop partition_activations")
+            self._tp_axis = tp[0].axis
 
     def explain_note(self) -> str:
         what = {"nothing": "only their inputs are saved (everything inside is recomputed in backward)",
@@ -161,6 +180,8 @@ class Remat(Transform):
         saved = what.get(self.policy, "saved per the given policy") if isinstance(self.policy, str) \
             else "saved per the given policy"
         where = "; inputs held in host memory (offload='cpu')" if self.offload else ""
+        if self.partition_activations:
+            where += f"; each {self._tp_axis} rank keeps 1/{self._tp_axis} of them (partition_activations)"
         if self._last is None:
             which = (f"modules matching {list(self.modules)}" if self.modules is not None
                      else "the model's repeated blocks")
@@ -182,7 +203,16 @@ class Remat(Transform):
         targets, skipped = self._targets(apply_fn.module)
         self._last = ([n for n, _ in targets], skipped)
         C.gauge("remat.modules", len(targets))
-        with until_backward(_Installed(targets, self._save_rule(), _HostStash() if self.offload else None)):
+        hooks = []
+        if self.partition_activations:
+            from dsfn.runtime.mesh import current_mesh
+            if current_mesh().size(self._tp_axis) > 1:
+                first = id(apply_fn.module) not in self._partition_checked
+                self._partition_checked.add(id(apply_fn.module))
+                hooks.append(_TpPartition(self._tp_axis, check=first))
+        if self.offload:
+            hooks.append(_HostStash())
+        with until_backward(_Installed(targets, self._save_rule(), _Chain(hooks) if hooks else None)):
             return call_next(apply_fn, params, args, kwargs)
 
     def _targets(self, model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[str]]:
@@ -239,7 +269,7 @@ class _Installed:
     """Replaces each target's `forward` by a checkpointed one; restores on exit. A module
     already wrapped by remat (a second forward in the same value_and_grad) is left as it is."""
 
-    def __init__(self, targets: list[tuple[str, nn.Module]], rule: Callable | None, stash: "_HostStash | None"):
+    def __init__(self, targets: list[tuple[str, nn.Module]], rule: Callable | None, stash: "_Chain | None"):
         self.targets, self.stash = targets, stash
         self.saved_bytes = _ByteCount("remat.policy_saved_bytes") if rule is not None else None
         self.context_fn = None if rule is None else functools.partial(_policy_contexts, rule, self.saved_bytes)
@@ -274,7 +304,7 @@ class _Installed:
 _CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
 
 
-def _checkpointed(module: nn.Module, forward: Callable, context_fn: Callable | None, stash: "_HostStash | None",
+def _checkpointed(module: nn.Module, forward: Callable, context_fn: Callable | None, stash: "_Chain | None",
                   *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
@@ -295,10 +325,9 @@ def _checkpointed(module: nn.Module, forward: Callable, context_fn: Callable | N
     tkeys = tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
     rest = {k: v for k, v in kwargs.items() if k not in tkeys}
     extra = {} if context_fn is None else {"context_fn": context_fn}
-    # torch-function modes active now (sequence parallel's AutoSP attention) are not active while
-    # autograd runs backward: the recompute re-enters them, so it computes what the forward did
-    modes = tuple(m for m in _get_current_function_mode_stack() if not isinstance(m, DeviceContext))
-    call = functools.partial(_call, module, forward, len(args), tkeys, modes)
+    # (torch-function modes active now, e.g. sequence parallel's AutoSP attention, are re-entered
+    # for the recompute by dsfn.functional, as for any checkpoint called inside a step's forward)
+    call = functools.partial(_call, module, forward, len(args), tkeys)
     flat = (*args, *(kwargs[k] for k in tkeys))
     if stash is None:
         return checkpoint(call, *flat, use_reentrant=False, **extra, **rest)
@@ -306,27 +335,22 @@ def _checkpointed(module: nn.Module, forward: Callable, context_fn: Callable | N
         return checkpoint(call, *flat, use_reentrant=False, **extra, **rest)
 
 
-def _call(module: nn.Module, forward: Callable, n_args: int, tkeys: tuple[str, ...], modes: tuple, *flat: Any,
+def _call(module: nn.Module, forward: Callable, n_args: int, tkeys: tuple[str, ...], *flat: Any,
           **rest: Any) -> Any:
-    active = _get_current_function_mode_stack()
-    missing = [m for m in modes if not any(m is a for a in active)]
     args = flat[:n_args]
     # the recompute runs `forward` alone: hooks marked for it (ZeRO-3's, which install a
     # module's re-gathered parameters when it owns some directly) run around it here
     marked = in_backward()
-    with contextlib.ExitStack() as stack:
-        for m in missing:
-            stack.enter_context(m)
-        if marked:
-            for h in list(module._forward_pre_hooks.values()):
-                if getattr(h, "_dsfn_recompute", False):
-                    h(module, args)
-        out = forward(*args, **dict(zip(tkeys, flat[n_args:])), **rest)
-        if marked:
-            for h in list(module._forward_hooks.values()):
-                if getattr(h, "_dsfn_recompute", False):
-                    h(module, args, out)
-        return out
+    if marked:
+        for h in list(module._forward_pre_hooks.values()):
+            if getattr(h, "_dsfn_recompute", False):
+                h(module, args)
+    out = forward(*args, **dict(zip(tkeys, flat[n_args:])), **rest)
+    if marked:
+        for h in list(module._forward_hooks.values()):
+            if getattr(h, "_dsfn_recompute", False):
+                h(module, args, out)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,9 +502,15 @@ class _HostStash:
         self.storages: dict[tuple[int, int], int] = {}       # dedup for the byte count
         self.bytes = 0
 
-    def pack(self, t: torch.Tensor) -> Any:
-        if not t.requires_grad or t.device.type == "meta":
+    def pack(self, t: Any) -> Any:
+        if isinstance(t, _Piece):               # partition_activations' piece of an input: hold the piece
+            t.piece = self._hold(t.piece)
             return t
+        if not isinstance(t, torch.Tensor) or not t.requires_grad or t.device.type == "meta":
+            return t
+        return self._hold(t)
+
+    def _hold(self, t: torch.Tensor) -> Any:
         key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
         if key not in self.storages:
             self.storages[key] = 1
@@ -498,7 +528,10 @@ class _HostStash:
         self.items.append(weakref.ref(item))
         return item
 
-    def unpack(self, item: Any) -> torch.Tensor:
+    def unpack(self, item: Any) -> Any:
+        if isinstance(item, _Piece):
+            item.piece = self.unpack(item.piece)
+            return item
         if not isinstance(item, _Held):
             return item
         if item.device.type != "cuda":
@@ -530,3 +563,85 @@ class _HostStash:
         self.storages.clear()
         self.bytes = 0
         C.gauge("remat.offloaded_bytes", 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# saved-input hooks: partition over tp, then offload; undone in reverse for the recompute
+
+class _Chain:
+    """Saved-tensor hooks applied in order on pack and in reverse order on unpack."""
+
+    def __init__(self, hooks: list):
+        self.hooks = hooks
+
+    def pack(self, t: torch.Tensor) -> Any:
+        for h in self.hooks:
+            t = h.pack(t)
+        return t
+
+    def unpack(self, item: Any) -> torch.Tensor:
+        for h in reversed(self.hooks):
+            item = h.unpack(item)
+        return item
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.close()
+
+
+class _Piece:
+    """This tp rank's piece of a saved input: flat elements [r*c, (r+1)*c) of the input
+    (c = ceil(numel / tp), the last piece zero-padded), with the input's shape."""
+    __slots__ = ("piece", "shape", "numel")
+
+    def __init__(self, piece: torch.Tensor, shape: torch.Size, numel: int):
+        self.piece, self.shape, self.numel = piece, shape, numel
+
+
+class _TpPartition:
+    """partition_activations: keep 1/tp of each saved input that requires grad, all-gather it
+    back over `axis` for the recompute (every tp rank recomputes the same modules in the same
+    order, so the gathers match)."""
+
+    def __init__(self, axis: str, check: bool):
+        from dsfn.runtime.mesh import current_mesh
+        mesh = current_mesh()
+        self.axis, self.check = axis, check
+        self.n, self.rank = mesh.size(axis), mesh.local_rank(axis)
+        self.bytes = 0
+
+    def pack(self, t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or not t.requires_grad or t.device.type == "meta" or t.numel() < self.n:
+            return t
+        flat = t.detach().reshape(-1)
+        if self.check:
+            self._check_equal(flat)
+        c = -(-flat.numel() // self.n)
+        piece = flat[self.rank * c:(self.rank + 1) * c].clone()     # its own storage: the whole can be freed
+        if piece.numel() < c:
+            piece = torch.cat([piece, piece.new_zeros(c - piece.numel())])
+        self.bytes += piece.numel() * piece.element_size()
+        C.gauge("remat.partitioned_bytes", self.bytes)
+        return _Piece(piece, t.shape, flat.numel())
+
+    def unpack(self, item: Any) -> Any:
+        if not isinstance(item, _Piece):
+            return item
+        whole = C.all_gather(item.piece, self.axis)
+        return whole[:item.numel].view(item.shape)
+
+    def _check_equal(self, flat: torch.Tensor) -> None:
+        # the premise: the tp group holds this input whole and equal (a sum differs if not)
+        from dsfn.errors import LayoutError
+        w = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64) / flat.numel()
+        sig = torch.stack([flat.double().sum(), (flat.double() * w).sum()]).reshape(1, 2)
+        sigs = C.all_gather(sig, self.axis)
+        if not bool((sigs == sigs[0]).all()):
+            raise LayoutError(f"remat(partition_activations=True): a checkpointed module's input (shape "
+                              f"{tuple(flat.shape)} flattened) differs across the {self.axis!r} group, so it cannot be "
+                              "split over it and gathered back; the tensor parallel plan hands the module tp-local "
+                              "inputs. Drop partition_activations")
+
+    def close(self) -> None:
+        self.bytes = 0
+        C.gauge("remat.partitioned_bytes", 0)

@@ -12,6 +12,7 @@ so the recompute runs on the module's own stale weights: the run must differ.
 from __future__ import annotations
 
 import contextlib
+import functools
 from unittest import mock
 
 import pytest
@@ -21,7 +22,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import dsfn
 import dsfn.functional as functional
-from dsfn.errors import ConfigError
+from dsfn.errors import ConfigError, RankFailure
 from dsfn.runtime import init_mesh
 from dsfn.testing import run_on_ranks
 from dsfn.testing.asserts import assert_trees_close
@@ -150,6 +151,43 @@ def test_users_own_checkpoint_calls_equal_no_checkpointing(how, stack):
     got = [_blocks_run(how, make)] if stack == "none" else run_on_ranks(_blocks_run, 2, how, make)
     for params in got:
         assert_trees_close(params, ref, rtol=1e-5, atol=1e-6)
+
+
+def _gpt_run(ckpt, make_stack, mesh=None):
+    """The example GPT (AutoSP attention: a torch-function mode) with each block run through the
+    user's own `checkpoint(...)` call (or not), 3 SGD-momentum steps."""
+    from dsfn.models.gpt import GPT, GPTConfig
+    from dsfn.testing.models import token_batches
+    if mesh:
+        init_mesh(**mesh)
+    model = GPT(GPTConfig(vocab_size=97, seq_len=16, n_layer=3, n_head=4, d_model=32), seed=0)
+    if ckpt:
+        for b in model.blocks:
+            b.forward = functools.partial(checkpoint, b.forward, use_reentrant=False)
+    apply_fn, params = dsfn.functionalize(model)
+    step = dsfn.compose(*make_stack())(train_step_for(apply_fn, lm_loss))
+    state = step.place(dsfn.TrainState.create(params, dsfn.optim.sgd(0.5, momentum=0.9)))
+    for b in token_batches(3, 4, 16, 97, seed=3):
+        state, _ = step(state, b)
+    return step.gather(state).params
+
+
+def _gpt_run_without_mode_reentry(*args):
+    with mock.patch.object(functional, "_recompute_under_forward_modes", contextlib.nullcontext):
+        return _gpt_run(*args)
+
+
+def test_users_own_checkpoint_under_autosp_equals_no_checkpointing():
+    """A non-HF model's own checkpoint under sequence_parallel: the recompute re-enters the
+    AutoSP attention mode, so it attends over the whole sequence as the forward did."""
+    ref = _gpt_run(False, lambda: [])
+    for params in run_on_ranks(_gpt_run, 2, True, lambda: [sequence_parallel()], {"sp": 2}, timeout=180):
+        assert_trees_close(params, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_negative_control_without_reentering_the_mode_the_recompute_differs():
+    with pytest.raises(RankFailure, match="CheckpointError"):
+        run_on_ranks(_gpt_run_without_mode_reentry, 2, True, lambda: [sequence_parallel()], {"sp": 2}, timeout=180)
 
 
 def test_users_reentrant_checkpoint_is_a_config_error_naming_the_fix():

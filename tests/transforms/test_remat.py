@@ -149,6 +149,96 @@ def test_sequence_parallel_outside_remat_equals_no_remat(family):
     _check(family, lambda m: [sequence_parallel(), remat(offload="cpu")], 2, {"sp": 2})
 
 
+def _tp_plan(family, m):
+    if family == "llama":
+        return tensor_parallel("auto", model=m)
+    from dsfn.models.gpt import tp_plan
+    return tensor_parallel(tp_plan(), model=m)
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"], ids=["device", "offload"])
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_partition_activations_under_tensor_parallel_equals_no_remat(family, offload):
+    """DeepSpeed's partition_activations: each tp rank keeps 1/tp of a block's input and the
+    recompute all-gathers it back; the run equals the one without remat."""
+    if family == "llama":
+        pytest.importorskip("transformers")
+    _check(family, lambda m: [_tp_plan(family, m), remat(partition_activations=True, offload=offload)], 2,
+           {"tp": 2})
+
+
+def _train_with_own_piece_only(*args):
+    """Negative control: the recompute gets this rank's piece repeated instead of the gathered input."""
+    import sys
+    remat_mod = sys.modules["dsfn.transforms.remat"]
+
+    def unpack(self, item):
+        if not isinstance(item, remat_mod._Piece):
+            return item
+        return torch.cat([item.piece] * self.n)[:item.numel].view(item.shape)
+    with mock.patch.object(remat_mod._TpPartition, "unpack", unpack):
+        return _train(*args)
+
+
+def test_negative_control_partitioned_inputs_not_gathered_differ():
+    runs = run_on_ranks(_train_with_own_piece_only, 2, "gpt",
+                        lambda m: [_tp_plan("gpt", m), remat(partition_activations=True)], {"tp": 2}, timeout=180)
+    ref = _reference("gpt")
+    for losses, _ in runs:
+        assert losses[0] == pytest.approx(ref[0][0], rel=1e-6)        # the first forward is not recomputed
+        assert max(abs(a - b) for a, b in zip(losses[1:], ref[0][1:])) > 1e-3, (losses, ref[0])
+
+
+def _partitioned_and_offloaded_bytes(kw):
+    init_mesh(tp=2)
+    from dsfn.models.gpt import tp_plan
+    cfg = GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=32)
+    model = GPT(cfg, seed=0)
+    apply_fn, params = dsfn.functionalize(model)
+    step = dsfn.compose(tensor_parallel(tp_plan(), model=model), remat(**kw))(train_step_for(apply_fn, lm_loss))
+    state = step.place(dsfn.TrainState.create(params, dsfn.optim.sgd(0.1)))
+    C.reset_gauges()
+    step(state, token_batches(1, 2, 64, 256, seed=0)[0])
+    return C.gauge_max.get("remat.partitioned_bytes", 0), C.gauge_max.get("remat.offloaded_bytes", 0)
+
+
+def test_partition_activations_keeps_one_tp_share_of_the_saved_inputs():
+    inputs = 4 * 2 * 64 * 32 * 4                # 4 blocks x [2, 64, 32] fp32, whole on each tp rank
+    whole = run_on_ranks(_partitioned_and_offloaded_bytes, 2, dict(offload="cpu"), timeout=120)
+    split = run_on_ranks(_partitioned_and_offloaded_bytes, 2, dict(offload="cpu", partition_activations=True),
+                         timeout=120)
+    for (p0, h0), (p1, h1) in zip(whole, split):
+        assert (p0, h0) == (0, inputs)          # without: every rank holds every input
+        assert (p1, h1) == (inputs // 2, inputs // 2)    # with: its half, and only that goes to the host
+
+
+def _differing_inputs():
+    init_mesh(tp=2)
+    from dsfn.transforms.remat import _TpPartition
+    part = _TpPartition("tp", check=True)
+    x = torch.full((4, 3), float(torch.distributed.get_rank()), requires_grad=True)
+    try:
+        part.pack(x * 1)
+    except Exception as e:                       # noqa: BLE001 - the type and message are the result
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_partition_activations_refuses_inputs_that_differ_across_the_tp_group():
+    for r in run_on_ranks(_differing_inputs, 2, timeout=60):
+        assert r is not None and r[0] == "LayoutError" and "differs across the 'tp' group" in r[1], r
+
+
+def test_partition_activations_needs_tensor_parallel():
+    with pytest.raises(StackError, match="partition_activations=True.*add tensor_parallel"):
+        dsfn.compose(shard_zero(3), remat(partition_activations=True))
+    with pytest.raises(ConfigError, match="partition_activations"):
+        remat(partition_activations="tp")
+    r = remat(partition_activations=True)
+    dsfn.compose(tensor_parallel({"x": "colwise"}), r)             # the documented stack is accepted
+    assert "each tp rank keeps 1/tp of them (partition_activations)" in r.explain_note()
+
+
 def test_custom_policies_and_module_patterns():
     save_mm = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default]
     for r in (remat(policy=save_mm), remat(policy=lambda ctx, op, *a, **k: op in save_mm),
