@@ -167,6 +167,14 @@ def test_partition_activations_under_tensor_parallel_equals_no_remat(family, off
            {"tp": 2})
 
 
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_dp2_x_tp2_with_zero3_and_partitioned_remat_equals_no_remat(family):
+    if family == "llama":
+        pytest.importorskip("transformers")
+    _check(family, lambda m: [shard_zero(3), _tp_plan(family, m), remat(partition_activations=True)], 4,
+           {"dp": 2, "tp": 2})
+
+
 def _train_with_own_piece_only(*args):
     """Negative control: the recompute gets this rank's piece repeated instead of the gathered input."""
     import sys
