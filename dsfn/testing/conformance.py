@@ -211,9 +211,7 @@ class Refusal:
 REFUSALS: list[Refusal] = [
     Refusal(lambda s, o, m: "remat" in s and m == "batchnorm", ConfigError, "no repeated blocks to checkpoint",
             "remat's default picks the model's repeated blocks; this model has none (name them: modules=[...])"),
-    Refusal(lambda s, o, m: s == "zero1+tp+offload_cpu", StackError, "tensor_parallel does not compose with offload",
-            "tp pieces are not offloaded yet (dsfn/transforms/tensor_parallel.py)"),
-    Refusal(lambda s, o, m: s in ("tp", "zero1+tp") and MODELS[m].tp is None, ConfigError,
+    Refusal(lambda s, o, m: s in ("tp", "zero1+tp", "zero1+tp+offload_cpu") and MODELS[m].tp is None, ConfigError,
             "declares no tp plan", "tensor parallel needs a plan; the model has none (pass plan=...)"),
     Refusal(lambda s, o, m: s == "sp+zero3" and not MODELS[m].attention, ShapeError,
             "the batch must be a dict with 'input_ids' [batch, seq]",

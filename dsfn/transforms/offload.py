@@ -8,7 +8,8 @@ Place it inside the parallel transform and outside mixed precision:
 Where state lives. Every optimizer-state leaf that mirrors a parameter (Adam's moments,
 mixed precision's `master` weights; the same rule as ZeRO's sharding) becomes
 `Placed(data, Offloaded(inner, device, home))`, `inner` being the layout it had (a ZeRO
-`FlatShard`, or `Replicated`); scalars (step counts, lr) stay where they are.
+`FlatShard`, a tensor parallel `DimShard` / `PackedDimShard`, ZeRO over tp `Nested`, or
+`Replicated`); scalars (step counts, lr) stay where they are.
 - `device="cpu"`: `data` is a host tensor (pinned when CUDA is available and
   `pin_memory`). On a CPU-only machine this is a placement no-op that still runs the
   offload code path.
@@ -76,7 +77,6 @@ from dsfn.ops import dispatch
 from dsfn.runtime import flat, nvme
 from dsfn.runtime.host import copy_to_host
 from dsfn.state.layout import (
-    DimShard,
     FlatShard,
     Layout,
     Offloaded,
@@ -498,12 +498,8 @@ def _move(x: Any, device: torch.device) -> Any:
 
 def _logical_shape(x: Any) -> tuple[int, ...] | None:
     if isinstance(x, Placed):
-        base = x.layout
-        while isinstance(base, Offloaded):
-            base = base.inner
-        if isinstance(base, (FlatShard, DimShard, Replicated)):
-            return tuple(base.shape)
-        return None
+        shape = getattr(x.layout, "shape", None)     # every layout knows its logical shape
+        return None if shape is None else tuple(shape)
     return tuple(x.shape) if isinstance(x, torch.Tensor) else None
 
 

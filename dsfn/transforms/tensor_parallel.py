@@ -53,8 +53,17 @@ every rank if not.
 Composition: inside `shard_zero` / `data_parallel` (ZeRO shards the tp shards over dp:
 `Nested(DimShard("tp"), FlatShard("dp"))`), with `mixed_precision`, `accumulate`,
 `loss_scale`, `clip_grad_norm` (the norm sums each piece once over every axis it is
-split on) and checkpoints (tp layouts are described in the manifest; any tp/dp/ZeRO
-layout loads any checkpoint).
+split on), `offload("cpu" | "nvme")` (the optimizer state and master weights of the tp
+pieces, `Offloaded(DimShard)` / `Offloaded(Nested(...))`, live in host memory or files and
+the host optimizer updates this rank's piece) and checkpoints (tp layouts are described in
+the manifest; any tp/dp/ZeRO layout loads any checkpoint).
+
+Refused: `zenflow` (a StackError). ZenFlow picks the top-k columns of each *whole* matrix
+by gradient magnitude and updates those on the device; a tp plan splits matrices by rows
+(colwise: each rank sees part of every column's magnitude) or by columns (rowwise: each
+rank sees some columns), so the selection would need a cross-rank top-k and the compact
+column updates tp collectives that zenflow does not make. `offload` gives the host
+optimizer under tensor_parallel.
 """
 from __future__ import annotations
 
@@ -381,8 +390,12 @@ class TensorParallel(Transform):
         for t in with_role(stack[index + 1:], "data_parallel"):
             raise StackError(f"{t.name} must be outside tensor_parallel (it shards the tp shards over dp): "
                              f"write compose({t.name}(...), tensor_parallel(...), ...)")
-        for t in with_role(stack, "offload") + with_role(stack, "zenflow"):
-            raise StackError(f"tensor_parallel does not compose with {t.name} yet; remove one of them")
+        for t in with_role(stack, "zenflow"):
+            raise StackError("tensor_parallel does not compose with zenflow: zenflow picks the top-k columns of "
+                             "each whole matrix, and a tp plan splits matrices by rows (colwise) or by columns "
+                             "(rowwise), so the selection and the column updates would need tp collectives zenflow "
+                             "does not make. Use offload('cpu') for the host optimizer under tensor_parallel, or "
+                             "zenflow without tensor_parallel")
 
     def explain_note(self) -> str:
         n = current_mesh().size(self.axis)
