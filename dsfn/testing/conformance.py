@@ -52,6 +52,11 @@ def _lm_loss(apply_fn, params, batch):
                            ignore_index=-100)
 
 
+def _hf_labels_loss(apply_fn, params, batch):
+    """A Hugging Face user's train step: the model's own loss (`labels=`: it shifts them)."""
+    return apply_fn(params, input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+
 def _mse_loss(apply_fn, params, batch):
     return F.mse_loss(apply_fn(params, batch["x"]).float(), batch["y"])
 
@@ -103,6 +108,12 @@ MODELS: dict[str, ModelSpec] = {
     "llama": ModelSpec(lambda: make_tiny_causal_lm("llama"), _tokens, _lm_loss, attention=True, tp="auto"),
     "qwen2": ModelSpec(lambda: make_tiny_causal_lm("qwen2"), _tokens, _lm_loss, attention=True, tp="auto"),
     "gemma2": ModelSpec(lambda: make_tiny_causal_lm("gemma2"), _tokens, _lm_loss, attention=True, tp="auto"),
+    # the loss axis: Hugging Face's own loss (labels=), sequence parallel shifting the labels
+    # over the whole sequence
+    "llama+labels": ModelSpec(lambda: make_tiny_causal_lm("llama"), _tokens, _hf_labels_loss, attention=True,
+                              tp="auto"),
+    "qwen2+labels": ModelSpec(lambda: make_tiny_causal_lm("qwen2"), _tokens, _hf_labels_loss, attention=True,
+                              tp="auto"),
     # the activation-checkpointing axis: HF's own checkpointing, compared with the model without it
     "llama+hf_ckpt": ModelSpec(lambda: _hf_ckpt(False), _tokens, _lm_loss, attention=True, tp="auto",
                                reference_make=lambda: make_tiny_causal_lm("llama")),

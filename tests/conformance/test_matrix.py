@@ -31,10 +31,12 @@ def test_a_sample_of_the_matrix_equals_the_reference(case, tmp_path_factory):
 
 
 @pytest.mark.parametrize("stack,model", [("zero3", "routed"), ("zero1+tp", "gpt"), ("sp+zero3", "llama"),
-                                         ("zero2+async_checkpoint+resume", "gpt")])
+                                         ("zero2+async_checkpoint+resume", "gpt"), ("sp+zero3", "llama+labels"),
+                                         ("zero1+tp+offload_cpu", "qwen2+labels")])
 def test_the_hard_rows_with_the_users_optimizer(stack, model, tmp_path):
     """Rows that broke before: the clip in the optimizer chain on sharded gradients, data-dependent
-    parameter use, and resume from an async checkpoint."""
+    parameter use, resume from an async checkpoint, Hugging Face's own loss (labels=) under
+    sequence parallel, tensor parallel with offload."""
     assert K.run_case(K.Case(stack, "clip+sgd", model, 2), str(tmp_path)) == "passed"
 
 
