@@ -1,112 +1,201 @@
 #!/usr/bin/env bash
-# One prepared run of dsfn's GPU checks, for a lent CUDA machine (written for one H200).
+# dsfn's GPU checks: one prepared run for a lent CUDA machine, sized for one H200 and one
+# 10-minute command (every section has a cap; together they stay under ~9.5 minutes).
 #
-#   bash benchmarks/gpu_checks.sh            # from anywhere; ~2-5 minutes, hard cap ~6
+#   bash benchmarks/gpu_checks.sh --fetch-wheels   # here, once: wheels of what the GPU image lacks
+#   bash benchmarks/gpu_checks.sh --dry-run        # here: the CPU-checkable parts, and the plan
+#   bash benchmarks/gpu_checks.sh                  # on the GPU machine (benchmarks/wheels travels with the tree)
 #
-#   (i)  the kernel tests of tests/ops on CUDA: the tests that compare the Triton kernels
-#        (fused AdamW, tiled cross-entropy, RMSNorm) with their torch references, run on
-#        device="cuda" with compiled kernels. They are selected by tests/ops/conftest.py with
-#        DSFN_TEST_DEVICE=cuda; the CPU/interpreter-specific tests there are skipped.
-#        TRITON_INTERPRET=0 is exported *before* pytest starts: tests/conftest.py only sets
-#        TRITON_INTERPRET=1 as a default (os.environ.setdefault), and triton.jit reads it when
-#        dsfn's kernels are decorated, so it must be off before anything imports dsfn.
-#   (ii) python benchmarks/kernels.py --cuda-only: the GPU figures and their targets (fused
-#        AdamW vs torch fused and copy bandwidth, tiled CE peak memory at vocab 128k, Muon vs
-#        AdamW step time, gram vs standard NS), with DSFN_KERNELS=triton so nothing falls
-#        back to torch silently.
+# Sections (each logs to $LOGS/<name>.log and prints PASS/FAIL lines):
+#   (a) ops      tests/ops on CUDA with compiled Triton (DSFN_TEST_DEVICE=cuda TRITON_INTERPRET=0;
+#                pytest-xdist workers when it is installed, else sequential)
+#   (b) index    benchmarks/gpu_index_math.py: AdamW, RMSNorm and cross-entropy tiles on tensors
+#                past 2**31 elements, slices checked against the torch references
+#   (c) e2e      torchrun --nproc-per-node 1 benchmarks/gpu_e2e.py: ZeRO-3 + bf16 + clipping,
+#                fp16 + loss scaling, ZeRO-2 + offload("cpu", overlap=True) + async checkpoint
+#                through the host cache reloaded bitwise; the host syncs of one step each
+#   (d) kernels  benchmarks/kernels.py --cuda-only: fused AdamW >= 85% of copy bandwidth and >=
+#                torch.optim.AdamW(fused=True); tiled cross-entropy peak <= 1/4 of the
+#                materialised logits at vocab 128k; RMSNorm and Muon figures
+#   (e) nccl     torchrun --nproc-per-node min(GPUs, 2) benchmarks/gpu_nccl_probe.py: MoE-style
+#                routing (ranks touching different parameters) under NCCL vs the single process
 #
-# The machine cannot reach a package index: nothing is installed. The script looks for a
-# Python that already has torch (with CUDA) and triton ($PYTHON first, then the checkout's
-# .venv, python3, python) and says what is missing otherwise. Logs: $OUT (the device
-# runner's output folder) or $TMPDIR/dsfn_gpu_checks. Exit status: 0 when both parts passed.
+# Wheels: the GPU machine reaches no package index, and its image lacks optree (dsfn needs
+# it; pytest, hypothesis, pytest-xdist, einops, numpy are there). `--fetch-wheels` runs
+# `pip download` here for CPython 3.12 / manylinux x86_64 (the image's Python) into
+# benchmarks/wheels/. The optree wheel there is committed (0.5 MiB), so it travels with the
+# working tree to the device machine with no `carry`; fetch again only to change versions
+# (a fetched wheel not yet committed travels too: untracked files that git does not ignore
+# are copied). On the GPU machine the script installs the wheels of the
+# modules that are missing into a private --target folder (nothing system-wide) and puts it
+# on PYTHONPATH. DSFN_WHEELS="optree other==1.2" overrides what is fetched.
+#
+# Exit status: 0 when every section passed; the logs are in $OUT (the device runner's output
+# folder) or $TMPDIR/dsfn_gpu_checks.
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 2
+WHEELS="$ROOT/benchmarks/wheels"
 LOGS="${OUT:-${TMPDIR:-/tmp}/dsfn_gpu_checks}"
-mkdir -p "$LOGS"
-TEST_CAP_S=200          # (i) and (ii) together stay under ~6 minutes even when both hit their cap
-BENCH_CAP_S=140
+NEED_MODULES="numpy optree einops pytest hypothesis"
+# caps in seconds: (a)+(b)+(c)+(d)+(e) = 530 s, leaving time for start-up under a 600 s limit
+CAP_OPS=160 CAP_INDEX=70 CAP_E2E=100 CAP_KERNELS=140 CAP_NCCL=60
 
-pick_python() {
-    local c
-    for c in "${PYTHON:-}" "$ROOT/.venv/bin/python" python3 python; do
+MODE=run
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run) MODE=dry ;;
+        --fetch-wheels) MODE=fetch ;;
+        -h|--help) sed -n '2,35p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        *) echo "gpu_checks: unknown argument $arg (use --dry-run, --fetch-wheels or nothing)"; exit 2 ;;
+    esac
+done
+mkdir -p "$LOGS"
+
+# The commands the CUDA run executes, in order: "name|cap|command" (printed by --dry-run).
+plan() {
+    local xdist="" per_test=""
+    "$PY" -c 'import xdist' >/dev/null 2>&1 && xdist=" -n 4"
+    "$PY" -c 'import pytest_timeout' >/dev/null 2>&1 && per_test=" --timeout=150"   # first calls compile
+    echo "ops|$CAP_OPS|DSFN_TEST_DEVICE=cuda TRITON_INTERPRET=0 $PY -m pytest tests/ops -p no:cacheprovider -q -rfE$xdist$per_test"
+    echo "index|$CAP_INDEX|$PY benchmarks/gpu_index_math.py"
+    echo "e2e|$CAP_E2E|$PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_e2e.py"
+    echo "kernels|$CAP_KERNELS|DSFN_KERNELS=triton $PY benchmarks/kernels.py --cuda-only"
+    echo "nccl|$CAP_NCCL|$PY -m torch.distributed.run --standalone --nproc-per-node \$(min(GPUs, 2)) benchmarks/gpu_nccl_probe.py"
+}
+
+pick_python() {       # a Python with torch (with CUDA for a real run): $PYTHON, python3, python, .venv
+    local c want="$1"
+    for c in "${PYTHON:-}" python3 python "$ROOT/.venv/bin/python"; do
         [ -n "$c" ] || continue
         command -v "$c" >/dev/null 2>&1 || [ -x "$c" ] || continue
-        if "$c" -c 'import torch, triton, sys; sys.exit(0 if torch.cuda.is_available() else 3)' >/dev/null 2>&1; then
-            echo "$c"
-            return 0
+        if [ "$want" = cuda ]; then
+            "$c" -c 'import torch, triton, sys; sys.exit(0 if torch.cuda.is_available() else 3)' >/dev/null 2>&1 \
+                && { echo "$c"; return 0; }
+        else
+            "$c" -c 'import torch' >/dev/null 2>&1 && { echo "$c"; return 0; }
         fi
     done
     return 1
 }
 
-if ! PY="$(pick_python)"; then
-    echo "gpu_checks: no Python here has torch with CUDA and triton (tried \$PYTHON, $ROOT/.venv/bin/python, python3, python)."
-    for c in "${PYTHON:-}" "$ROOT/.venv/bin/python" python3 python; do
-        [ -n "$c" ] && command -v "$c" >/dev/null 2>&1 || continue
-        echo "  $c: $("$c" -c 'import sys
-try:
-    import torch
-    t = f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}"
-except Exception as e:
-    t = f"torch missing ({e.__class__.__name__}: {e})"
-try:
-    import triton
-    r = f"triton {triton.__version__}"
-except Exception as e:
-    r = f"triton missing ({e.__class__.__name__}: {e})"
-print(t + "; " + r)' 2>&1)"
-    done
-    echo "  pip cannot reach an index on this machine: point PYTHON=/path/to/python at an environment that has them."
-    exit 2
-fi
-
-# dsfn's own dependencies and the test tools: say which are missing instead of a traceback later
-MISSING="$("$PY" - <<'EOF'
-import importlib.util
-need = ["numpy", "optree", "einops", "pytest", "hypothesis"]
-print(" ".join(m for m in need if importlib.util.find_spec(m) is None))
+missing_modules() {
+    "$PY" - $NEED_MODULES <<'EOF'
+import importlib.util, sys
+print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))
 EOF
-)"
-if [ -n "$MISSING" ]; then
-    echo "gpu_checks: $PY lacks: $MISSING (dsfn needs numpy, optree, einops; the tests pytest and hypothesis)."
-    echo "  They cannot be installed here (no package index); use a Python environment that has them (PYTHON=...)."
-    exit 2
+}
+
+# ------------------------------------------------------------------------------------------------
+if [ "$MODE" = fetch ]; then
+    PY="$(pick_python any)" || { echo "gpu_checks: no Python with torch here"; exit 2; }
+    PKGS="${DSFN_WHEELS:-}"
+    if [ -z "$PKGS" ]; then       # optree at the version this checkout is developed with
+        V="$("$PY" -c 'import importlib.metadata as m; print(m.version("optree"))' 2>/dev/null)"
+        PKGS="optree${V:+==$V}"
+    fi
+    mkdir -p "$WHEELS"
+    echo "== fetching wheels for CPython 3.12 manylinux x86_64 into $WHEELS: $PKGS"
+    # shellcheck disable=SC2086
+    "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d "$WHEELS" $PKGS || exit 1
+    ls -l "$WHEELS"
+    echo "== benchmarks/wheels travels with the working tree (commit a changed wheel)"
+    exit 0
 fi
 
+# ------------------------------------------------------------------------------------------------
+if [ "$MODE" = dry ]; then
+    PY="$(pick_python any)" || { echo "gpu_checks: no Python with torch here"; exit 2; }
+    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    export DSFN_FORCE_CPU=1
+    echo "== gpu_checks --dry-run with $PY: the CPU-checkable parts (logs in $LOGS)"
+    RC=0
+    step() {       # name, command...
+        local name="$1"; shift
+        local t0=$SECONDS
+        "$@" >"$LOGS/dry_$name.log" 2>&1
+        local rc=$?
+        [ $rc = 0 ] || RC=1
+        echo "  dry $name: $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)") in $((SECONDS - t0))s"
+        grep -E "PASS|FAIL" "$LOGS/dry_$name.log" | sed 's/^/    /'
+        [ $rc = 0 ] || tail -20 "$LOGS/dry_$name.log" | sed 's/^/    | /'
+    }
+    step syntax bash -c "bash -n '$ROOT/benchmarks/gpu_checks.sh' && '$PY' -m py_compile benchmarks/gpu_index_math.py benchmarks/gpu_e2e.py benchmarks/gpu_nccl_probe.py benchmarks/kernels.py"
+    step index "$PY" benchmarks/gpu_index_math.py --small --device cpu
+    step e2e "$PY" benchmarks/gpu_e2e.py --device cpu --steps 3
+    step nccl "$PY" benchmarks/gpu_nccl_probe.py --dry-run
+    MISSING="$(missing_modules)"
+    echo "  wheels: $(ls "$WHEELS"/*.whl 2>/dev/null | xargs -r -n1 basename | tr '\n' ' ' || true)"
+    echo "          (none found: run --fetch-wheels here; the GPU image lacks optree)" \
+        | { ls "$WHEELS"/*.whl >/dev/null 2>&1 || cat; }
+    echo "  modules missing in $PY: ${MISSING:-none}"
+    echo "== on CUDA it would run (name | cap s | command):"
+    plan | sed 's/^/  /'
+    echo "== dry run: $([ $RC = 0 ] && echo 'all PASS' || echo FAIL)"
+    exit $RC
+fi
+
+# ------------------------------------------------------------------------------------------------
+# The real run, on the GPU machine.
+PY="$(pick_python cuda)" || {
+    echo "gpu_checks: no Python here has torch with CUDA and triton (tried \$PYTHON, python3, python, .venv)"
+    exit 2
+}
+MISSING="$(missing_modules)"
+if [ -n "$MISSING" ]; then
+    SITE="${TMPDIR:-/tmp}/dsfn_site"
+    if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+        echo "== installing the carried wheels for: $MISSING (into $SITE)"
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+            "$WHEELS"/*.whl || { echo "gpu_checks: installing $WHEELS/*.whl failed"; exit 2; }
+        export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    MISSING="$(missing_modules)"
+    if [ -n "$MISSING" ]; then
+        echo "gpu_checks: $PY lacks: $MISSING. The machine has no package index: run"
+        echo "  bash benchmarks/gpu_checks.sh --fetch-wheels   (where pip works), and commit benchmarks/wheels"
+        exit 2
+    fi
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"    # the checkout's dsfn, not an installed one
-export TRITON_INTERPRET=0
-unset DSFN_KERNELS
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+unset DSFN_KERNELS DSFN_FORCE_CPU
 echo "== gpu_checks: $PY; logs in $LOGS"
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L
 "$PY" -c 'import torch, triton
 major, minor = torch.cuda.get_device_capability()
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, "
-      f"{torch.cuda.get_device_name()} (compute capability {major}.{minor})")'
+      f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}), {torch.cuda.device_count()} GPU(s)")'
+NGPU="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
+NCCL_WORLD=$(( NGPU >= 2 ? 2 : 1 ))
 
-# (i) kernel tests on CUDA. pytest-timeout (if present) gets a longer per-test limit: the first
-# examples of each test compile their Triton specializations.
-PER_TEST=()
-"$PY" -c 'import pytest_timeout' >/dev/null 2>&1 && PER_TEST=(--timeout=180)
-echo
-echo "== (i) tests/ops on CUDA: DSFN_TEST_DEVICE=cuda TRITON_INTERPRET=0 (cap ${TEST_CAP_S}s)"
-T0=$SECONDS
-DSFN_TEST_DEVICE=cuda timeout --kill-after=10 "$TEST_CAP_S" \
-    "$PY" -m pytest tests/ops -p no:cacheprovider -q -rfE --durations=8 ${PER_TEST[@]+"${PER_TEST[@]}"} 2>&1 \
-    | tee "$LOGS/gpu_tests.log"
-TESTS_RC=${PIPESTATUS[0]}
-echo "== (i) exit $TESTS_RC after $((SECONDS - T0))s$([ "$TESTS_RC" = 124 ] && echo ' (TIMED OUT)')"
+declare -A RCS
+section() {      # name, cap, command (a string for bash -c)
+    local name="$1" cap="$2" cmd="$3" t0=$SECONDS
+    echo
+    echo "== ($name) cap ${cap}s: $cmd"
+    timeout --kill-after=10 "$cap" bash -c "$cmd" 2>&1 | tee "$LOGS/$name.log"
+    local rc=${PIPESTATUS[0]}
+    RCS[$name]=$rc
+    echo "== ($name) exit $rc after $((SECONDS - t0))s$([ "$rc" = 124 ] && echo ' (TIMED OUT)')"
+}
 
-# (ii) the GPU figures
-echo
-echo "== (ii) benchmarks/kernels.py --cuda-only (cap ${BENCH_CAP_S}s)"
-T0=$SECONDS
-timeout --kill-after=10 "$BENCH_CAP_S" "$PY" benchmarks/kernels.py --cuda-only 2>&1 | tee "$LOGS/gpu_bench.log"
-BENCH_RC=${PIPESTATUS[0]}
-echo "== (ii) exit $BENCH_RC after $((SECONDS - T0))s$([ "$BENCH_RC" = 124 ] && echo ' (TIMED OUT)')"
+while IFS='|' read -r name cap cmd; do
+    cmd="${cmd//\$(min(GPUs, 2))/$NCCL_WORLD}"
+    section "$name" "$cap" "$cmd"
+done < <(plan)
 
 echo
-echo "== summary: tests exit $TESTS_RC, benchmark exit $BENCH_RC; targets:"
-grep -E "PASS|FAIL|implementation of" "$LOGS/gpu_bench.log" || echo "  (no target lines: see $LOGS/gpu_bench.log)"
-[ "$TESTS_RC" = 0 ] && [ "$BENCH_RC" = 0 ]
+echo "== summary"
+ALL=0
+for name in ops index e2e kernels nccl; do
+    rc="${RCS[$name]:-missing}"
+    [ "$rc" = 0 ] || ALL=1
+    echo "  ($name) exit $rc"
+done
+echo "== PASS/FAIL lines:"
+grep -hE "PASS|FAIL|passed|failed" "$LOGS"/{index,e2e,kernels,nccl}.log "$LOGS"/ops.log 2>/dev/null | sed 's/^/  /'
+exit $ALL

@@ -1,6 +1,7 @@
 """Sequence parallelism (DeepSpeed Ulysses, `sequence_parallel()`) on a small HF Llama.
 
-    python benchmarks/sequence_parallel.py            # Llama 4 layers, d256, cap 128 MiB/rank (~3 min, 2 cores)
+    python benchmarks/sequence_parallel.py            # Llama 4 layers, d256, cap 128 MiB/rank: memory, gqa, time
+    python benchmarks/sequence_parallel.py --parts alst --sp 1,2    # tile_mlps + remat (long sequences: slow)
     python benchmarks/sequence_parallel.py --quick    # 2 layers, cap 64 MiB, step times at seq 1024 (~1 min)
     python benchmarks/sequence_parallel.py --cap-mib 256 --tiles 16 --parts memory --json out.json
 
@@ -36,6 +37,11 @@ Parts (`--parts`, default all):
    gradients + new parameters + new moments, 4-5x the parameter bytes) the peak is close
    to linear in the length (the CPU sdpa kernel is a flash kernel: no [T, T] scores), so
    this takes ~4-6 probes per line.
+   `remat` does it with `remat()` (every decoder layer checkpointed), `alst` with both
+   `tile_mlps` and `remat()` (DeepSpeed ALST's recipe, less its offload), and `gqa` with
+   the untiled model given `--gqa-kv-heads` (2) key/value heads: at sp=4 Ulysses
+   replicates them (x2, `kv_replication`). Each memory table prints the sp=2 and sp=4
+   lengths against sp=1's with the targets (>= 1.8x, >= 3.5x).
 2. `time`: median step time (slowest rank, barrier before each step, `--warmup` untimed
    steps then `--steps` timed) at the same global tokens (`--time-seq`, batch 1) for each
    sp, ratio vs sp=1, and the summed process CPU time of the ranks; the losses of all sp
@@ -44,14 +50,19 @@ Parts (`--parts`, default all):
    (runtime counters: an all-to-all counts the tensor this rank sends), split into
    forward / backward by a counter snapshot taken where the forward ends (in the loss).
    Ulysses theory per attention layer, per rank: forward all-to-alls q and out
-   (B*T/sp*H*d*4 bytes each) and k and v (B*T/sp*Hkv*d*4 each); backward the same 4
-   (their adjoints): 8 calls, 2*(2H + 2Hkv)*d*4*B*T/sp bytes per layer per step.
+   (B*T/sp*H*d*4 bytes each) and k and v (B*T/sp*Hkv*f*d*4 each, f the kv replication
+   factor sp / gcd(Hkv, sp)); backward the same 4 (their adjoints): 8 calls,
+   2*(2H + 2Hkv*f)*d*4*B*T/sp bytes per layer per step.
+
+The `alst` part at sp=4 probes sequences of ~20K+ tokens (minutes per probe on 2 cores):
+`--parts memory,gqa,time` (default set below) stays near 5 minutes on 2 idle cores.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import json
+import math
 import os
 import statistics
 import sys
@@ -75,7 +86,7 @@ from dsfn.transforms import compose, sequence_parallel
 
 MiB = 2 ** 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3        # glibc mallopt parameters
-PARTS = ("memory", "tiled", "remat", "time")
+PARTS = ("memory", "tiled", "remat", "alst", "gqa", "time")
 
 
 # --------------------------------------------------------------------------- the model and step
@@ -93,6 +104,8 @@ def _build(sp: int, seq: int, tiles: int, a: dict, mark: dict | None = None):
     init_mesh(sp=sp)
     torch.manual_seed(a["seed"])
     model = transformers.LlamaForCausalLM(llama_config(a, seq))
+    if a.get("remat"):
+        model.config.use_cache = False      # remat runs the layers without a cache anyway (and would warn)
     if tiles:
         dsfn.ops.tile_mlps(model, tiles)
     apply_fn, params = dsfn.functionalize(model)
@@ -116,6 +129,14 @@ def _build(sp: int, seq: int, tiles: int, a: dict, mark: dict | None = None):
 
 
 # --------------------------------------------------------------------------- part 1: memory
+
+MEMORY_PARTS = ("memory", "tiled", "remat", "alst", "gqa")
+
+
+def _kv_factor(kv_heads: int, sp: int) -> int:
+    """Ulysses' key/value replication at `sp` (dsfn.transforms.sequence_parallel.kv_replication)."""
+    return sp // math.gcd(kv_heads, sp)
+
 
 
 def _vm() -> dict[str, int]:
@@ -255,7 +276,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="global batch rows (every sp rank sees all of them)")
     ap.add_argument("--sp", default="1,2,4", help="comma-separated sp degrees (each must divide heads and kv heads)")
     ap.add_argument("--cap-mib", type=float, default=128.0, help="memory cap per rank for the step's peak (MiB)")
-    ap.add_argument("--tiles", type=int, default=8, help="tiles of tile_mlps in the `tiled` part")
+    ap.add_argument("--tiles", type=int, default=8, help="tiles of tile_mlps in the `tiled` and `alst` parts")
+    ap.add_argument("--gqa-kv-heads", type=int, default=2,
+                    help="kv heads of the `gqa` part's model (fewer than sp: Ulysses replicates them)")
     ap.add_argument("--max-probes", type=int, default=12, help="most probes per search line")
     ap.add_argument("--mem-steps", type=int, default=2,
                     help="measured steps per probe (each from its own baseline); a probe's memory is their max")
@@ -263,7 +286,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {list(PARTS)}")
+    ap.add_argument("--parts", default="memory,gqa,time",
+                    help=f"comma-separated subset of {list(PARTS)} (default memory,gqa,time; tiled, remat and "
+                         "alst probe long sequences: minutes each on 2 cores)")
     ap.add_argument("--quick", action="store_true",
                     help="2 layers, cap 64 MiB, time at seq 1024 with 1 warm-up + 3 steps (~1 min)")
     ap.add_argument("--json", type=Path)
@@ -277,9 +302,11 @@ def main() -> None:
     bad = [p for p in parts if p not in PARTS]
     if bad:
         ap.error(f"unknown parts {bad}; choose from {list(PARTS)}")
-    badsp = [s for s in sps if s < 1 or a.heads % s or a.kv_heads % s]
+    badsp = [s for s in sps if s < 1 or a.heads % s]
     if badsp:
-        ap.error(f"sp {badsp} must divide --heads {a.heads} and --kv-heads {a.kv_heads}")
+        ap.error(f"sp {badsp} must divide --heads {a.heads} (kv heads fewer than sp are replicated)")
+    if a.heads % a.kv_heads or a.heads % a.gqa_kv_heads:
+        ap.error(f"--kv-heads {a.kv_heads} and --gqa-kv-heads {a.gqa_kv_heads} must divide --heads {a.heads}")
     if "time" in parts and any(a.time_seq % s for s in sps):
         ap.error(f"--time-seq {a.time_seq} must be divisible by every sp {sps}")
     args = {k: getattr(a, k) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "batch",
@@ -295,16 +322,23 @@ def main() -> None:
     def log(s: str) -> None:
         print(s, flush=True)
 
-    res: dict = {"memory": {}, "tiled": {}, "remat": {}, "time": {}}
-    for part in ("memory", "tiled", "remat"):
+    res: dict = {"memory": {}, "tiled": {}, "remat": {}, "alst": {}, "gqa": {}, "time": {}}
+    for part in MEMORY_PARTS:
         if part not in parts:
             continue
-        tiles = a.tiles if part == "tiled" else 0
+        tiles = a.tiles if part in ("tiled", "alst") else 0
+        remat = part in ("remat", "alst")
+        part_args = {**args, "remat": remat}
+        if part == "gqa":
+            part_args["kv_heads"] = a.gqa_kv_heads
         log(f"\n{part}: longest sequence with step peak <= {a.cap_mib:g} MiB/rank"
             + (f" (tile_mlps, {tiles} tiles)" if tiles else "") + (" (remat(): every layer checkpointed)"
-                                                                    if part == "remat" else ""))
+                                                                    if remat else "")
+            + (f" ({a.heads} query / {a.gqa_kv_heads} kv heads; kv replicated x"
+               + "/".join(str(_kv_factor(a.gqa_kv_heads, sp)) for sp in sps) + f" at sp {sps})"
+               if part == "gqa" else ""))
         for sp in sps:
-            res[part][sp] = _search(sp, tiles, {**args, "remat": part == "remat"}, log)
+            res[part][sp] = _search(sp, tiles, part_args, log)
 
     if "time" in parts:
         log(f"\ntime: seq {a.time_seq}, batch {B}, {a.warmup} warm-up + {a.steps} timed steps")
@@ -319,12 +353,15 @@ def main() -> None:
             log(f"    sp={sp}: step {res['time'][sp]['step_median_s']:.3f} s  loss {r0['losses'][-1]:.4f}")
 
     # ---- tables
-    for part in ("memory", "tiled", "remat"):
+    targets = []
+    for part in MEMORY_PARTS:
         rows = res[part]
         if not rows:
             continue
         base = rows.get(1) or rows[min(rows)]
-        title = {"memory": "MLPs untiled", "tiled": f"tile_mlps({a.tiles})", "remat": "remat()"}[part]
+        title = {"memory": "MLPs untiled", "tiled": f"tile_mlps({a.tiles})", "remat": "remat()",
+                 "alst": f"tile_mlps({a.tiles}) + remat()",
+                 "gqa": f"GQA {a.heads} query / {a.gqa_kv_heads} kv heads, MLPs untiled"}[part]
         print(f"\nlongest sequence under {a.cap_mib:g} MiB/rank step peak ({title}; multiples of sp*64; "
               f"peak = VmHWM - VmRSS of a step, max over "
               f"{a.mem_steps} steps and the ranks)")
@@ -342,6 +379,17 @@ def main() -> None:
             parts_txt = ", ".join(f"sp={sp} {r['seq'] / res['memory'][sp]['seq']:.2f}x"
                                   for sp, r in rows.items() if sp in res["memory"] and res["memory"][sp]["seq"])
             print(f"  remat vs no checkpointing, longest seq: {parts_txt} (target >= 2x)")
+        if part == "alst" and res["memory"]:
+            parts_txt = ", ".join(f"sp={sp} {r['seq'] / res['memory'][sp]['seq']:.2f}x"
+                                  for sp, r in rows.items() if sp in res["memory"] and res["memory"][sp]["seq"])
+            print(f"  tile_mlps + remat vs neither, longest seq: {parts_txt}")
+        if 1 in rows and rows[1]["seq"]:
+            for sp, goal in ((2, 1.8), (4, 3.5)):
+                if sp in rows:
+                    ratio = rows[sp]["seq"] / rows[1]["seq"]
+                    ok = ratio >= goal
+                    targets.append((title, sp, ratio, goal, ok))
+                    print(f"  sp={sp} vs sp=1: {ratio:.2f}x (target >= {goal}x: {'PASS' if ok else 'FAIL'})")
 
     if res["time"]:
         rows = res["time"]
@@ -366,7 +414,7 @@ def main() -> None:
                 continue
             tl = B * a.time_seq // sp
             q = tl * a.heads * d * 4
-            kv = tl * a.kv_heads * d * 4
+            kv = tl * a.kv_heads * _kv_factor(a.kv_heads, sp) * d * 4     # replicated kv heads travel too
             theory = 2 * (2 * q + 2 * kv)
             c = r["comm"].get("sp/all_to_all", {"calls": 0, "bytes": 0, "fwd_calls": 0, "fwd_bytes": 0})
             ar = r["comm"].get("sp/all_reduce", {"calls": 0, "bytes": 0})
@@ -383,7 +431,7 @@ def main() -> None:
           "before, VmHWM after); the max over steps and ranks counts. glibc's mmap threshold is fixed at 64 KiB (trim "
           "128 KiB) in the ranks so that RSS follows the live tensors (dsfn's default keeps freed memory in the "
           "process). Repeated probes agree within ~+-2 MiB: the longest length is good to ~2 multiples of sp*64.")
-    if any(not p["hwm_reset"] for rows in (res["memory"], res["tiled"], res["remat"]) for r in rows.values()
+    if any(not p["hwm_reset"] for part in MEMORY_PARTS for r in res[part].values()
            for p in r["probes"]):
         print("  - WARNING: /proc/self/clear_refs was not writable here: the peaks are VmHWM after the step minus "
               "VmRSS before it, with the high-water mark of model building and the warm-up step not reset (valid "
@@ -399,6 +447,9 @@ def main() -> None:
     print("  - all-to-all bytes are what a rank sends (its tensor); (sp-1)/sp of it leaves the rank. The sp "
           "all-reduce sums the gradients over sp (every sp rank holds all parameters): params bytes, plus the "
           "loss's token counts and value.")
+    if targets:
+        print("  - targets (longest sequence vs sp=1: >= 1.8x at sp=2, >= 3.5x at sp=4): "
+              + "; ".join(f"{t} sp={sp} {r:.2f}x {'PASS' if ok else 'FAIL'}" for t, sp, r, _, ok in targets))
     print(f"total time {time.perf_counter() - t_start:.0f} s")
     if a.json:
         a.json.write_text(json.dumps({"args": args, "results": res}, indent=2, default=str))

@@ -12,6 +12,8 @@ from dsfn.state import TrainState, gather_tree as gather
 from dsfn.transforms import compose
 
 from dsfn import optim, runtime, transforms  # noqa: E402  (after the core names)
+from dsfn.estimate import estimate_memory  # noqa: E402
+from dsfn.migrate import from_ds_config  # noqa: E402
 
 
 def __getattr__(name: str):
@@ -21,6 +23,6 @@ def __getattr__(name: str):
         return importlib.import_module("dsfn.launch")
     raise AttributeError(f"module 'dsfn' has no attribute {name!r}")
 
-__all__ = ["TrainState", "compose", "errors", "functionalize", "gather", "launch", "optim", "runtime",
-           "transforms", "tree", "value_and_grad"]
+__all__ = ["TrainState", "compose", "errors", "estimate_memory", "from_ds_config", "functionalize", "gather", "launch",
+           "optim", "runtime", "transforms", "tree", "value_and_grad"]
 __version__ = "0.1.0"

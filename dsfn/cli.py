@@ -4,6 +4,8 @@
     dsfn ckpt verify  DIR [--all]               every byte vs the manifest's checksums (exit 1: bad)
     dsfn ckpt export  DIR --out OUT [--format hf|torch] [--dtype bf16|fp16|fp32] [--prefix P]
     dsfn ckpt convert DIR --out OUT             consolidate into a world-size-1 replicated checkpoint
+    dsfn ckpt convert --from-deepspeed DS_DIR --out OUT --trust-pickle [--tag T]
+                                                a DeepSpeed ZeRO 0-3 or universal checkpoint -> dsfn
 
 DIR is a checkpoint root (its latest committed step) or a step directory. Exit status:
 0 success, 1 verification failed, 2 bad input (missing directory, no committed
@@ -103,6 +105,15 @@ def cmd_export(a) -> int:
 
 
 def cmd_convert(a) -> int:
+    if a.from_deepspeed:
+        from dsfn.errors import ConfigError
+        from dsfn.migrate.ds_checkpoint import convert_deepspeed
+        try:      # DeepSpeed's files are pickles: refused unless --trust-pickle says so
+            print(convert_deepspeed(a.dir, a.out, trust_pickle=a.trust_pickle, tag=a.tag))
+        except ConfigError as e:
+            print(f"dsfn: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     from dsfn.checkpoint.export import convert
     print(convert(a.dir, a.out))
     return 0
@@ -128,9 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
     s.add_argument("--prefix", default="params.")
     s.set_defaults(fn=cmd_export)
-    s = cs.add_parser("convert", help="consolidate into a world-size-1 replicated checkpoint")
+    s = cs.add_parser("convert", help="consolidate into a world-size-1 replicated checkpoint, or convert a "
+                      "DeepSpeed checkpoint (--from-deepspeed)")
     s.add_argument("dir")
     s.add_argument("--out", required=True)
+    s.add_argument("--from-deepspeed", action="store_true",
+                   help="DIR is a DeepSpeed checkpoint (root with `latest`, global_stepN, or ds_to_universal output)")
+    s.add_argument("--trust-pickle", action="store_true",
+                   help="allow reading DeepSpeed's pickle files (they can run code: only for trusted sources)")
+    s.add_argument("--tag", default=None, help="with --from-deepspeed: the tag to read instead of `latest`")
     s.set_defaults(fn=cmd_convert)
     return p
 

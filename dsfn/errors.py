@@ -52,3 +52,8 @@ class RankFailure(DsfnError, RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.reason = reason
+
+
+class DonatedStateError(DsfnError, RuntimeError):
+    """A state that was donated to a step (`donate=True`) was used again: its buffers now hold
+    the returned state's values (see `dsfn.state.donation`)."""

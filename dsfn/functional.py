@@ -90,6 +90,8 @@ class ApplyFn:
         """A primitive ("apply_module"): ZeRO-3 gathers sharded parameters unit by unit."""
         if not isinstance(params, dict):
             raise LeafTypeError(f"apply_fn expects the params dict from functionalize, got {type(params).__name__}")
+        for seen in getattr(_scopes, "recorders", ()):
+            seen.setdefault(id(self.constants), self)
         missing = [n for n in self.param_names if n not in params]
         if missing:
             raise LeafTypeError(f"apply_fn: params lack {missing[:5]}{'...' if len(missing) > 5 else ''}; pass the "
@@ -156,6 +158,19 @@ class BufferScope:
         """Names whose clone an in-place op autograd sees has changed (a lower bound: kernels
         such as batch_norm update running statistics without bumping the version)."""
         return [n for n, t in self._own.items() if _version_of(t) != self._version[n]]
+
+
+@contextlib.contextmanager
+def recording_apply_fns() -> Iterator[dict[int, ApplyFn]]:
+    """Collect the apply_fns called inside the block (one per constants dict): `explain`
+    lists their constants (frozen parameters, non-persistent buffers) as this rank's bytes."""
+    seen: dict[int, ApplyFn] = {}
+    prev = getattr(_scopes, "recorders", ())
+    _scopes.recorders = prev + (seen,)
+    try:
+        yield seen
+    finally:
+        _scopes.recorders = prev
 
 
 def current_buffer_scope() -> BufferScope | None:

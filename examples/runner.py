@@ -31,6 +31,46 @@ def add_optim_and_data_args(p: Any, defaults: dict[str, Any]) -> None:
     p.add_argument("--max-bytes", type=int, default=defaults["max_bytes"], help="corpus size cap")
 
 
+def add_device_arg(p: Any) -> None:
+    """--device: where the model, batches and state live (default: the runtime's choice)."""
+    p.add_argument("--device", default="auto",
+                   help="compute device: auto (dsfn.runtime.device(): cuda:LOCAL_RANK under a launcher on GPUs, "
+                        "else cpu), cpu, cuda or cuda:N")
+
+
+def compute_device(run: dict[str, Any]) -> torch.device:
+    """This rank's device for run["device"] ("auto" -> `dsfn.runtime.device()`, which picks the
+    rank's GPU under torchrun; "cuda" -> that GPU too, or cuda:0 without a launcher)."""
+    want = str(run.get("device", "auto"))
+    if want == "auto":
+        return dsfn.runtime.device()
+    dev = torch.device(want)
+    if dev.type == "cuda" and dev.index is None:
+        rt = dsfn.runtime.device()
+        return rt if rt.type == "cuda" else torch.device("cuda", 0)
+    return dev
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A batch's tensors on `device` (non-blocking from the host: no wait for the GPU)."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def check_device(run: dict[str, Any]) -> None:
+    """ValueError for a --device this process cannot use (before any rank starts)."""
+    want = str(run.get("device", "auto"))
+    if want == "auto":
+        return
+    try:
+        dev = torch.device(want)
+    except RuntimeError:
+        raise ValueError(f"--device {want!r}: use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {want}: CUDA is not available here; use --device cpu (or auto)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {want}: the examples run on cpu or cuda")
+
+
 def add_remat_args(p: Any) -> None:
     """--remat, --remat-offload, --remat-policy: activation checkpointing of the model's blocks
     (the `remat` transform)."""
@@ -100,10 +140,11 @@ def train_loop(step: Callable, state: Any, data_iter: Iterator[dict[str, torch.T
     """
     log = _metrics_log(Path(run["out"]) / "metrics.jsonl", keep_through=first) if rank == 0 else None
     bar = _progress_bar(run, first) if rank == 0 else None
+    device = compute_device(run)
     start = time.perf_counter()
     try:
         for i in range(first, run["steps"]):
-            batch = next(data_iter)
+            batch = to_device(next(data_iter), device)
             t = time.perf_counter()
             state, metrics = step(state, batch)
             dt = time.perf_counter() - t
@@ -150,9 +191,10 @@ def _metrics_log(path: Path, keep_through: int = 0):
 @torch.no_grad()
 def evaluate(logits_fn, data: torch.Tensor, seq_len: int, batch_size: int, n_batches: int,
              seed: int) -> float:
-    """Mean loss over `n_batches` fixed random windows of `data` (uint8[N])."""
+    """Mean loss over `n_batches` fixed random windows of `data` (uint8[N]); `logits_fn` takes
+    host ids (it moves them to its device) and its logits may live anywhere."""
     it = corpus.batches(data, batch_size, seq_len, seed=seed)
-    losses = [gpt_loss(logits_fn(b["input_ids"]), b["labels"]).item() for b, _ in zip(it, range(n_batches))]
+    losses = [gpt_loss(logits_fn(b["input_ids"]).cpu(), b["labels"]).item() for b, _ in zip(it, range(n_batches))]
     return sum(losses) / len(losses)
 
 

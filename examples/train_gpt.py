@@ -81,6 +81,7 @@ DEFAULTS: dict[str, Any] = dict(
     remat=False,          # activation checkpointing of the Blocks (remat())
     remat_offload=False,  # ... with their inputs in host memory (remat(offload="cpu"))
     remat_policy="nothing",
+    device="auto",        # "auto": dsfn.runtime.device() (this rank's GPU under torchrun), "cpu", "cuda[:N]"
 )
 
 
@@ -95,7 +96,7 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
          resume: bool = DEFAULTS["resume"], zero: int = DEFAULTS["zero"], offload: str = DEFAULTS["offload"],
          zenflow: bool = DEFAULTS["zenflow"], remat: bool = DEFAULTS["remat"],
          remat_offload: bool = DEFAULTS["remat_offload"], remat_policy: str = DEFAULTS["remat_policy"],
-         progress: bool = True, verbose: bool = True) -> dict[str, Any]:
+         device: str = DEFAULTS["device"], progress: bool = True, verbose: bool = True) -> dict[str, Any]:
     """Train, write metrics.jsonl / loss.png / summary.json under `out`, return the summary.
 
     `batch_size` is the global batch (sequences per step, over all ranks); it must be a
@@ -103,7 +104,10 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
     local gloo processes (`dsfn.launch.spawn`). When this process is already one rank of
     a launched job (torchrun or `python -m dsfn.launch` set RANK, WORLD_SIZE, ...), it
     trains as that rank and `world_size` is the job's; ranks other than 0 return {}.
+    `device` ("auto": `dsfn.runtime.device()`, the rank's GPU under torchrun on GPUs) is where
+    the model, batches and state live.
     """
+    runner.check_device({"device": device})
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if zero not in (0, 1, 2, 3):
@@ -136,7 +140,7 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
                temperature=temperature, ckpt_every=ckpt_every, resume=resume,
                zero=zero, offload=offload, zenflow=zenflow,
                remat=remat, remat_offload=remat_offload, remat_policy=remat_policy,
-               progress=progress, corpus_bytes=len(data))
+               device=device, progress=progress, corpus_bytes=len(data))
 
     result = runner.launch(_train, train_data, val_data, run, launched)
     if not result:                                      # ranks other than 0
@@ -166,7 +170,8 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
     """
     cfg: GPTConfig = run["cfg"]
     rank = dsfn.runtime.rank()
-    model = GPT(cfg, seed=run["seed"])
+    device = runner.compute_device(run)
+    model = GPT(cfg, seed=run["seed"]).to(device)          # on the GPU before functionalize
     apply_fn, params = dsfn.functionalize(model)
     # zenflow's optimizer sees column compacts and host pieces: the clip goes into the stack
     tx = make_optimizer(run["lr"], run["warmup"], run["steps"], run["weight_decay"], clip=not run["zenflow"])
@@ -202,7 +207,7 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
     if rank != 0:
         return {}
     model.eval()
-    logits_fn = lambda ids: apply_fn(final.params, ids)
+    logits_fn = lambda ids: apply_fn(final.params, ids.to(device)).cpu()
     val_loss = runner.evaluate(logits_fn, val_data, cfg.seq_len, run["batch_size"], run["eval_batches"],
                                seed=run["seed"] + 1)
     prompt = corpus.encode(run["prompt"])[None]          # [1, T0]
@@ -290,6 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zenflow", action="store_true",
                    help="ZenFlow selective updates (top 10%% columns on the device, the rest every 4 steps)")
     runner.add_remat_args(p)
+    runner.add_device_arg(p)
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="hide the progress bar%(default).0s")
     return p.parse_args(argv)

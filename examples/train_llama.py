@@ -108,6 +108,7 @@ DEFAULTS: dict[str, Any] = dict(
     remat=False,          # activation checkpointing of the decoder layers (remat())
     remat_offload=False,  # ... with their inputs in host memory (remat(offload="cpu"))
     remat_policy="nothing",
+    device="auto",        # "auto": dsfn.runtime.device() (this rank's GPU under torchrun), "cpu", "cuda[:N]"
 )
 
 
@@ -158,7 +159,8 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"], tp: int
          eval_batches: int = DEFAULTS["eval_batches"], prompt: str = DEFAULTS["prompt"],
          sample_tokens: int = DEFAULTS["sample_tokens"], temperature: float = DEFAULTS["temperature"],
          remat: bool = DEFAULTS["remat"], remat_offload: bool = DEFAULTS["remat_offload"],
-         remat_policy: str = DEFAULTS["remat_policy"], progress: bool = True, verbose: bool = True) -> dict[str, Any]:
+         remat_policy: str = DEFAULTS["remat_policy"], device: str = DEFAULTS["device"], progress: bool = True,
+         verbose: bool = True) -> dict[str, Any]:
     """Train on dp*tp*sp ranks, write metrics.jsonl / loss.png / summary.json / ckpt / hf under
     `out`, return the summary.
 
@@ -168,8 +170,10 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"], tp: int
     dp*tp*sp == 1 trains in this process; more ranks run as local gloo processes
     (`dsfn.launch.spawn`). When this process is already one rank of a launched job (torchrun
     or `python -m dsfn.launch`), it trains as that rank and the job's world size must be
-    dp*tp*sp; ranks other than 0 return {}.
+    dp*tp*sp; ranks other than 0 return {}. `device` ("auto": `dsfn.runtime.device()`, the
+    rank's GPU under torchrun on GPUs) is where the model, batches and state live.
     """
+    runner.check_device({"device": device})
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if tp < 1 or dp < 1 or sp < 1:
@@ -212,7 +216,7 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"], tp: int
                weight_decay=weight_decay, seed=seed, out=str(out), eval_batches=eval_batches, prompt=prompt,
                sample_tokens=sample_tokens, temperature=temperature, progress=progress,
                remat=remat, remat_offload=remat_offload, remat_policy=remat_policy,
-               corpus_bytes=len(data))
+               device=device, corpus_bytes=len(data))
 
     result = runner.launch(_train, train_data, val_data, run, launched)
     if not result:                                      # ranks other than 0
@@ -241,7 +245,8 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
     cfg = run["cfg"]
     init_mesh(dp=run["dp"], tp=run["tp"], sp=run["sp"])   # every rank builds the same mesh
     rank = dsfn.runtime.rank()
-    model = build_model(cfg, run["seed"])
+    device = runner.compute_device(run)
+    model = build_model(cfg, run["seed"]).to(device)       # on the GPU before functionalize
     if run["tiled_mlp"]:
         # Each decoder layer's .mlp runs over sequence tiles, recomputed tile by tile in
         # backward: at most one tile's [B, T/tiles, intermediate] activations are alive.
@@ -287,10 +292,11 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
 
     model.eval()
     with torch.no_grad():
-        logits_fn = lambda ids: apply_fn(final.params, ids).logits
+        logits_fn = lambda ids: apply_fn(final.params, ids.to(device)).logits.cpu()
         val_loss = runner.evaluate(logits_fn, val_data, seq_len, run["batch_size"], run["eval_batches"],
                                    seed=run["seed"] + 1)
-        check_loss = float(loss_fn(final.params, _check_batch(val_data, seq_len, run["seed"])))
+        check_loss = float(loss_fn(final.params, runner.to_device(_check_batch(val_data, seq_len, run["seed"]),
+                                                                  device)))
         prompt = corpus.encode(run["prompt"])[None]
         sample = generate(logits_fn, prompt, run["sample_tokens"], seq_len, temperature=run["temperature"],
                           generator=torch.Generator().manual_seed(run["seed"]))
@@ -364,6 +370,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=DEFAULTS["temperature"],
                    help="sampling temperature of the sample text (0 = greedy)")
     runner.add_remat_args(p)
+    runner.add_device_arg(p)
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="hide the progress bar%(default).0s")
     return p.parse_args(argv)

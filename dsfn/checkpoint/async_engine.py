@@ -25,6 +25,13 @@ failure is kept and re-raised as `CheckpointError` (its cause chained and in `.c
 `check()` (non-blocking), `wait()` and the next `submit`; an `atexit` hook flushes the
 last save and reports a failure on stderr and in the exit status (1), so nothing is lost
 silently.
+
+Donation (`step(state, batch, donate=True)`, `dsfn.state.donation`): a donated step writes
+the new values into its input state's tensors, i.e. into what a capture by reference still
+holds. The saver is a registered reader: before a donated step writes, it waits for the
+in-flight save when that save references state tensors (`settle_for_donation`). A capture
+that copied every tensor (`HostCache` with `capture="copy"` and room for the state) holds
+no references, so a donated step never waits for it.
 """
 from __future__ import annotations
 
@@ -62,6 +69,9 @@ class AsyncSaver:
         self.saves_started = 0
         self.saves_committed = 0
         self._atexit_registered = False
+        self._holds_references = False    # the in-flight save reads tensors of a live state
+        from dsfn.state import donation
+        donation.register_reader(self)
 
     # -- public ------------------------------------------------------------------------------
     @property
@@ -97,12 +107,19 @@ class AsyncSaver:
         staged = None
         if self.cache is not None:
             state, staged, self.last_stage = self.cache.stage(state)
+        self._holds_references = self.cache is None or self.last_stage.referenced_bytes > 0
         self.saves_started += 1
         th = threading.Thread(target=self._run, args=(directory, state, kwargs, step, staged),
                               name="dsfn-async-checkpoint", daemon=True)
         self._thread = th
         th.start()
         return time.perf_counter() - t0
+
+    def settle_for_donation(self) -> None:
+        """Before a donated step overwrites state buffers: wait for the in-flight save if it
+        reads them by reference (its failure, if any, is raised here)."""
+        if self._holds_references and self.busy:
+            self.wait()
 
     def check(self) -> None:
         """Raise the failure of a finished background save (once); never blocks."""

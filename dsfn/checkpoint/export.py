@@ -26,7 +26,7 @@ from dsfn.checkpoint import reader as R
 from dsfn.checkpoint import sfio
 from dsfn.checkpoint.errors import CheckpointError
 
-__all__ = ["MASTER_PREFIX", "convert", "export", "parse_dtype"]
+__all__ = ["MASTER_PREFIX", "convert", "export", "export_state", "parse_dtype"]
 
 MASTER_PREFIX = "opt_state.master."      # mixed_precision's full-precision master weights
 BUFFERS_PREFIX = "buffers."               # TrainState.buffers: the model's persistent buffers
@@ -149,6 +149,63 @@ def export(path: str | os.PathLike, out: str | os.PathLike, format: str = "hf",
         F.write_json_durably(os.path.join(out, "config.json"), cfg)
     F.fsync_dir(out)
     return final
+
+
+def export_state(state: Any, out: str | os.PathLike, apply_fn: Any = None, dtype: str | torch.dtype | None = None,
+                 config: Any = None, rank: int = 0) -> str | None:
+    """A live placed state (any layout: ZeRO shards, tp pieces, offloaded) -> `out/model.safetensors`
+    on `rank`, without gathering the whole model anywhere: collective, every rank calls it.
+
+    Tensors are rebuilt one at a time (`unplace`: the collectives of its layout), written by
+    `rank` with the streaming writer and dropped: peak per rank = its shard + the largest
+    tensor. Written: `params.<name>` (mixed precision's fp32 masters instead, when present),
+    `buffers.<name>`, and with `apply_fn` its frozen parameters (a LoRA base: sharded by
+    shard_zero(3) in `apply_fn.constants`), so the file is the model's whole state dict.
+    Returns the file written on `rank`, None elsewhere.
+    """
+    from dsfn import tree
+    from dsfn.runtime.mesh import current_mesh
+    from dsfn.state.layout import Placed, is_placed, unplace
+    dt = parse_dtype(dtype)
+    leaves = dict(tree.leaves_with_path(state, is_leaf=is_placed))
+    items: dict[str, Any] = {}
+    for path, x in leaves.items():
+        for prefix in ("params.", "buffers."):
+            if path.startswith(prefix):
+                name = path[len(prefix):]
+                items[name] = leaves.get(MASTER_PREFIX + name, x) if prefix == "params." else x
+    if apply_fn is not None:
+        for name in apply_fn.frozen:
+            items.setdefault(name, apply_fn.constants[name])
+    names = sorted(items)
+
+    def logical(x: Any) -> tuple[torch.dtype, tuple[int, ...]]:
+        t = x.data if isinstance(x, Placed) else x
+        shape = tuple(x.layout.shape) if isinstance(x, Placed) else tuple(t.shape)
+        return (dt if dt is not None and t.is_floating_point() else t.dtype), shape
+    me = current_mesh().rank == rank
+    final = os.path.join(os.path.abspath(os.fspath(out)), "model.safetensors")
+    w = None
+    if me:
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        w = sfio.Writer(_tmp_name(final), [(n, *logical(items[n])) for n in names], {"format": "pt"})
+    try:
+        for n in names:
+            t = unplace(items[n])            # collective: every rank, same order
+            if w is not None:
+                w.write(n, _cast(t, dt))
+            del t                            # free this tensor before the next one is rebuilt
+        if w is not None:
+            w.close()
+            os.replace(_tmp_name(final), final)
+    except BaseException:
+        if w is not None:
+            w.abort()
+        raise
+    if me and config is not None:
+        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        F.write_json_durably(os.path.join(os.path.dirname(final), "config.json"), cfg)
+    return final if me else None
 
 
 def _stream_safetensors(final: str, entries, items: Iterable[tuple[str, str]], manifest: F.Manifest,

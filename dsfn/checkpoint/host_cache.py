@@ -18,12 +18,21 @@ Policy (`capture`):
 - `"copy"`: every tensor is copied (a snapshot).
 - `"reference"`: nothing is copied.
 
-`capacity` bounds the cache in bytes (None: as large as what the policy copies). Tensors
-are taken in the state's leaf order; the first that does not fit and every later one are
-captured by reference, so a bound trades host memory for held device memory, never
-correctness. The buffer is one flat byte tensor, allocated once (grown up to the bound when a
-larger state comes) and reused by every save: one save is in flight at a time, and `stage`
-is only called once the previous save has finished (`AsyncSaver.submit` waits first).
+`capacity` bounds the cache in bytes. The default (None) is DeepSpeed DataStates'
+`host_cache_size` of 16 GiB of pinned host memory per process, lowered to a quarter of the
+host's physical memory shared by the node's ranks (`default_capacity()`): pinned memory is
+page-locked, so an unbounded cache as large as a rank's device state can starve the host.
+`capacity=sys.maxsize` removes the bound. Tensors are taken in the
+state's leaf order; the first that does not fit and every later one are captured by
+reference, so a bound trades host memory for held device memory, never correctness. The
+buffer is one flat byte tensor, allocated once (grown up to the bound when a larger state
+comes, the old block handed back to the driver rather than kept by torch's caching host
+allocator) and reused by every save: one save is in flight at a time, and `stage` is only
+called once the previous save has finished (`AsyncSaver.submit` waits first).
+
+Pinning (`pin=None`): the buffer is pinned only when what it stages lives on a CUDA device
+(the copies are then asynchronous on a side stream of *that* device); a CPU or other
+device's state gets ordinary memory, whatever `torch.cuda.is_available()` says.
 
 Layout of the buffer: each copied tensor occupies `nbytes` rounded up to `ALIGN` bytes, in
 leaf order; a staged tensor is a contiguous view of its slot with the source's dtype and
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -45,6 +55,21 @@ __all__ = ["CAPTURE_POLICIES", "HostCache", "StageReport"]
 
 CAPTURE_POLICIES = ("auto", "copy", "reference")
 ALIGN = 64          # bytes: every slot starts aligned for any dtype's view (and for vector loads)
+DATASTATES_HOST_CACHE_BYTES = 16 << 30     # DataStates' documented host_cache_size (16 GB per process)
+
+
+def default_capacity() -> int:
+    """The default bound in bytes: 16 GiB (DataStates), at most a quarter of the host's
+    physical memory divided by the ranks on this node (LOCAL_WORLD_SIZE)."""
+    try:
+        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return DATASTATES_HOST_CACHE_BYTES
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return min(DATASTATES_HOST_CACHE_BYTES, phys // (4 * local))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,13 +90,14 @@ class HostCache:
             raise CheckpointError(f"HostCache(capacity={capacity!r}): a byte count >= 0, or None for unbounded")
         if capture not in CAPTURE_POLICIES:
             raise CheckpointError(f"HostCache(capture={capture!r}): use one of {list(CAPTURE_POLICIES)}")
-        self.capacity = capacity
+        self.capacity = default_capacity() if capacity is None else capacity
         self.capture = capture
-        # pinned host memory only where there is a device to copy from (pinning needs CUDA)
-        self.pin = torch.cuda.is_available() if pin is None else bool(pin)
+        # None: pinned exactly when the staged tensors are CUDA tensors (decided per stage)
+        self.pin = None if pin is None else bool(pin)
         self.buffer: torch.Tensor | None = None       # uint8 [allocated bytes]
+        self.pinned = False                           # whether `buffer` is page-locked
         self.allocations = 0                          # how often the buffer was (re)allocated
-        self._stream = None
+        self._streams: dict = {}                      # CUDA device -> its side stream
 
     def wants(self, t: torch.Tensor) -> bool:
         """Whether the policy copies tensor `t` (before the bound is applied)."""
@@ -100,23 +126,26 @@ class HostCache:
                 break                         # this one and every later one by reference
             plan[id(t)] = used
             used += size
-        self._ensure(used)
-        stream = self._side_stream() if any(t.is_cuda for t in tensors if id(t) in plan) else None
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())    # the step's kernels made these tensors
+        cuda = [t.device for t in tensors if id(t) in plan and t.is_cuda]
+        self._ensure(used, self.pin if self.pin is not None else bool(cuda))
+        # one side stream per CUDA device the tensors live on (not the current device's):
+        # each waits for its device's compute stream, which made the tensors
+        streams = {d: self._side_stream(d) for d in dict.fromkeys(cuda)}
+        for d, s in streams.items():
+            s.wait_stream(torch.cuda.current_stream(d))
         copied: dict[int, torch.Tensor] = {}
-        with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-            for t in tensors:
-                off = plan.get(id(t))
-                if off is None or id(t) in copied:
-                    continue
-                dst = self.buffer[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                with torch.no_grad():
-                    dst.copy_(t.detach(), non_blocking=stream is not None)
-                if stream is not None:
-                    t.record_stream(stream)    # its memory is not reused before the copy has run
-                copied[id(t)] = dst
-        event = StagedEvent(stream)
+        for t in tensors:
+            off = plan.get(id(t))
+            if off is None or id(t) in copied:
+                continue
+            stream = streams.get(t.device) if t.is_cuda else None
+            dst = self.buffer[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()), torch.no_grad():
+                dst.copy_(t.detach(), non_blocking=stream is not None and self.pinned)
+            if stream is not None:
+                t.record_stream(stream)    # its memory is not reused before the copy has run
+            copied[id(t)] = dst
+        event = StagedEvent(list(streams.values()))
         staged = tree.map(lambda x: copied.get(id(x), x) if isinstance(x, torch.Tensor) else x, state)
         n_ref = [t for t in tensors if id(t) not in copied]
         report = StageReport(copied_bytes=sum(c.numel() * c.element_size() for c in copied.values()),
@@ -126,37 +155,55 @@ class HostCache:
         return staged, event, report
 
     # -- internals -----------------------------------------------------------------------------
-    def _ensure(self, nbytes: int) -> None:
-        if nbytes == 0 or (self.buffer is not None and self.buffer.numel() >= nbytes):
+    def _ensure(self, nbytes: int, pin: bool) -> None:
+        if nbytes == 0:
             return
-        self.buffer = None                   # free the smaller one first
+        if self.buffer is not None and self.buffer.numel() >= nbytes and (self.pinned or not pin):
+            return                           # reuse (a pinned buffer serves host-only saves too)
+        if self.buffer is not None:
+            was_pinned, self.buffer = self.pinned, None    # free the smaller one first
+            if was_pinned:
+                _release_pinned()
         try:
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         except RuntimeError as e:            # out of (pinnable) host memory
             raise CheckpointError(
                 f"checkpoint host cache: could not allocate {nbytes / 2**20:.1f} MiB of "
-                f"{'pinned ' if self.pin else ''}host memory ({e}); bound it with "
+                f"{'pinned ' if pin else ''}host memory ({e}); bound it with "
                 "async_checkpoint(host_cache_size=BYTES) or capture by reference (capture='reference')") from e
+        self.pinned = pin
         self.allocations += 1
 
-    def _side_stream(self):
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        return self._stream
+    def _side_stream(self, device: torch.device):
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = torch.cuda.Stream(device=device)
+        return s
+
+
+def _release_pinned() -> None:
+    """Return freed pinned blocks to the driver: torch's caching host allocator otherwise
+    keeps every block it ever pinned, so a buffer grown n times would hold n blocks."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 class StagedEvent:
     """Completion of a stage's copies: `wait()` blocks the calling thread until they landed."""
 
-    def __init__(self, stream) -> None:
-        self._event = None
-        if stream is not None:
-            self._event = torch.cuda.Event()
-            self._event.record(stream)
+    def __init__(self, streams=()) -> None:
+        if streams is not None and not isinstance(streams, (list, tuple)):
+            streams = [streams]              # a single stream (older callers)
+        self._events = []
+        for stream in streams or ():
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._events.append(event)
 
     def wait(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
+        for event in self._events:
+            event.synchronize()
 
 
 def _slot(t: torch.Tensor) -> int:

@@ -10,6 +10,15 @@ model's own implementation — sdpa (causal flag), eager (an explicit causal mas
 e.g. Gemma2's logit soft-capping), flash_attention_2/3 when installed — and turns the
 output back. `dsfn.transforms.sequence_parallel` enters it around every forward, so an
 HF model trains under sequence parallelism unchanged.
+
+Supported inside "dsfn_ulysses": grouped-query attention whose key/value heads sp does
+not divide (they are repeated by `kv_replication`'s factor in `repeat_kv`'s order, and the
+module's `num_key_value_groups` is lowered to match while its own implementation runs);
+sliding windows; packed rows (position_ids restarting at each document: all-gathered
+once per forward, a block-diagonal causal mask over the whole sequence for eager/sdpa,
+the whole position_ids for flash attention). Refused (ConfigError): a window or packed
+documents with an implementation other than eager, sdpa or flash attention; query heads
+sp does not divide (MeshError).
 """
 from __future__ import annotations
 
@@ -24,8 +33,6 @@ from torch import nn
 from dsfn.errors import ConfigError
 
 NAME = "dsfn_ulysses"
-_AXIS: list[str] = []          # the sp axis of the active context (innermost last)
-_INNER: list[str] = []         # the model's own implementation, to call on full sequences
 
 
 def is_hf_model(module: Any) -> bool:
@@ -52,46 +59,111 @@ def _inner_forward(module: nn.Module, impl: str):
     return ALL_ATTENTION_FUNCTIONS.get_interface(impl, None)
 
 
+class _Context:
+    """One active `ulysses_attention`: the sp axis, the model's own implementation, the
+    position_ids known to be consecutive (no documents: no all-gather needed), and the
+    documents found per position_ids tensor this forward (one all-gather per tensor, kept
+    for the recompute of a checkpointed layer)."""
+
+    def __init__(self, axis: str, inner: str | None, consecutive: torch.Tensor | None):
+        self.axis, self.inner, self.consecutive = axis, inner, consecutive
+        self.documents: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
+
+
+_ACTIVE: list[_Context] = []   # innermost last
+
+
+def _documents(ctx: _Context, position_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the whole sequence's position_ids [b, T], document ids [b, T]) from this rank's slice
+    [b, T/sp] (all-gathered over sp), or (None, None) when every row holds one document.
+    A new document starts where a position is not its predecessor + 1 — HF's
+    `find_packed_sequence_indices`, so packed rows (position_ids restarting at 0) are masked
+    as the single-process model masks them."""
+    if position_ids is None or position_ids is ctx.consecutive or position_ids.dim() not in (1, 2):
+        return None, None
+    got = ctx.documents.get(id(position_ids))
+    if got is not None and got[0] is position_ids:
+        return got[1], got[2]
+    from dsfn.runtime import collectives as C
+    from dsfn.runtime.mesh import current_mesh
+    pos = position_ids if position_ids.dim() == 2 else position_ids[None]
+    n = current_mesh().size(ctx.axis)
+    b, c = pos.shape
+    full = C.all_gather(pos.contiguous(), ctx.axis).reshape(n, b, c).permute(1, 0, 2).reshape(b, n * c)
+    full = full.to(position_ids.device)
+    diff = torch.diff(full, prepend=full[:, :1] - 1, dim=-1)
+    docs = (diff != 1).cumsum(-1)
+    if bool((docs[:, -1] == 0).all()):
+        full, docs = None, None
+    ctx.documents[id(position_ids)] = (position_ids, full, docs)
+    return full, docs
+
+
 def _ulysses_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """HF attention signature: q [B, H, T/sp, d], k/v [B, Hkv, T/sp, d] -> ([B, T/sp, H, d], None)."""
+    """HF attention signature: q [B, H, T/sp, d], k/v [B, Hkv, T/sp, d] -> ([B, T/sp, H, d], None).
+
+    Key/value heads fewer than sp (or not divisible by it) are first repeated by
+    `kv_replication`'s factor f (in `repeat_kv`'s order), and the module's
+    `num_key_value_groups` is H / (Hkv * f) while its own implementation runs."""
     from dsfn.runtime.mesh import current_mesh
-    from dsfn.transforms.sequence_parallel import check_heads, heads_to_seq, seq_to_heads
-    axis, impl = _AXIS[-1], _INNER[-1]
+    from dsfn.transforms.sequence_parallel import heads_to_seq, kv_replication, replicate_kv, seq_to_heads
+    ctx = _ACTIVE[-1]
+    axis, impl = ctx.axis, ctx.inner
     n = current_mesh().size(axis)
-    check_heads(query.shape[1], key.shape[1], n, type(module).__name__)
+    f = kv_replication(query.shape[1], key.shape[1], n, type(module).__name__)
+    key, value = replicate_kv(key, f), replicate_kv(value, f)
+    full_positions, docs = _documents(ctx, kwargs.get("position_ids"))
     q, k, v = (seq_to_heads(t, axis) for t in (query, key, value))
     t = q.shape[2]
     mask = None
     window = kwargs.get("sliding_window")        # this layer's window (Mistral, Gemma2's sliding layers)
     windowed = window is not None and window < t
-    if windowed and impl not in (None, "eager", "sdpa") and not str(impl).startswith("flash_attention"):
-        raise ConfigError(f"sequence_parallel: {type(module).__name__} has a sliding window ({window}) and attention "
-                          f"implementation {impl!r}; dsfn's Ulysses attention applies the window over the whole "
-                          "sequence for 'eager', 'sdpa' and flash attention only")
-    if impl in (None, "eager") or (impl == "sdpa" and windowed):
-        # the model's mask over the whole sequence: causal, and within the window (HF's
-        # sliding_window_overlay: kv > q - window); eager adds it to the scores, sdpa takes
-        # it as a boolean mask. (Flash attention gets sliding_window itself, over all T.)
+    flash = str(impl).startswith("flash_attention")
+    if (windowed or docs is not None) and impl not in (None, "eager", "sdpa") and not flash:
+        what = f"a sliding window ({window})" if windowed else "packed documents (position_ids restarting)"
+        raise ConfigError(f"sequence_parallel: {type(module).__name__} has {what} and attention implementation "
+                          f"{impl!r}; dsfn's Ulysses attention builds that mask over the whole sequence for "
+                          "'eager', 'sdpa' and flash attention only: load the model with one of those")
+    if impl in (None, "eager") or (impl == "sdpa" and (windowed or docs is not None)):
+        # the model's mask over the whole sequence: causal, within the window (HF's
+        # sliding_window_overlay: kv > q - window) and within each document (HF's packed
+        # sequence mask); eager adds it to the scores, sdpa takes it as a boolean mask.
+        # (Flash attention gets sliding_window and the whole position_ids itself.)
         i = torch.arange(t, device=q.device)
-        allowed = i[None, :] <= i[:, None]
+        allowed = (i[None, :] <= i[:, None])[None]                                # [1, T, T]
         if windowed:
             allowed = allowed & (i[None, :] > i[:, None] - window)
+        if docs is not None:
+            allowed = allowed & (docs[:, :, None] == docs[:, None, :]).to(q.device)  # [b, T, T]
         if impl == "sdpa":
-            mask = allowed[None, None]
+            mask = allowed[:, None]
         else:
-            mask = torch.zeros((t, t), dtype=q.dtype, device=q.device).masked_fill(
-                ~allowed, torch.finfo(q.dtype).min)[None, None]
-    kwargs = {k_: v_ for k_, v_ in kwargs.items() if k_ not in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
-                                                                 "labels", "shift_labels", "num_items_in_batch")}
-    out, _ = _inner_forward(module, impl)(module, q, k, v, mask, **kwargs)      # [B, T, H/sp, d]
+            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(
+                ~allowed, torch.finfo(q.dtype).min)[:, None]
+    drop = {"position_ids", "labels", "shift_labels", "num_items_in_batch"}
+    if not flash:
+        drop |= {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+    kwargs = {k_: v_ for k_, v_ in kwargs.items() if k_ not in drop}
+    if flash and docs is not None:
+        kwargs["position_ids"] = full_positions          # flash attention's own varlen path, over all T
+    groups = getattr(module, "num_key_value_groups", None)
+    if f > 1 and isinstance(groups, int):
+        module.num_key_value_groups = groups // f        # this rank's q heads per (replicated) kv head
+    try:
+        out, _ = _inner_forward(module, impl)(module, q, k, v, mask, **kwargs)  # [B, T, H/sp, d]
+    finally:
+        if f > 1 and isinstance(groups, int):
+            module.num_key_value_groups = groups
     out = heads_to_seq(out.transpose(1, 2).contiguous(), axis)                  # [B, H, T/sp, d]
     return out.transpose(1, 2), None
 
 
 @contextlib.contextmanager
-def ulysses_attention(model: nn.Module, axis: str) -> Iterator[None]:
-    """Make `model` (and its sub-configs) use Ulysses attention over `axis` inside the context."""
+def ulysses_attention(model: nn.Module, axis: str, consecutive: torch.Tensor | None = None) -> Iterator[None]:
+    """Make `model` (and its sub-configs) use Ulysses attention over `axis` inside the context.
+    `consecutive`: a position_ids tensor known to number every row's tokens consecutively
+    (the transform's own), for which no documents are looked for."""
     _register()
     configs = [c for c in {id(m.config): m.config for m in model.modules()
                            if hasattr(getattr(m, "config", None), "_attn_implementation_internal")}.values()]
@@ -101,8 +173,7 @@ def ulysses_attention(model: nn.Module, axis: str) -> Iterator[None]:
         raise ConfigError(f"sequence_parallel: the model's sub-configs use different attention implementations "
                           f"{saved}; Ulysses wraps one. Load the model with a single attn_implementation "
                           "(e.g. 'sdpa' for all parts)")
-    _AXIS.append(axis)
-    _INNER.append(inner.pop())
+    _ACTIVE.append(_Context(axis, inner.pop(), consecutive))
     try:
         for c in configs:
             c._attn_implementation_internal = NAME
@@ -110,8 +181,7 @@ def ulysses_attention(model: nn.Module, axis: str) -> Iterator[None]:
     finally:
         for c, s in zip(configs, saved):
             c._attn_implementation_internal = s
-        _AXIS.pop()
-        _INNER.pop()
+        _ACTIVE.pop()
 
 
 def _labels_passed(model: nn.Module, args: tuple, kwargs: dict) -> bool:

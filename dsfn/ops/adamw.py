@@ -106,13 +106,25 @@ def adamw_coefficients(lr: float | torch.Tensor, step: int | torch.Tensor, beta1
         t = float(step)
         bc1, bc2_sqrt = 1.0 - beta1 ** t, math.sqrt(1.0 - beta2 ** t)
         vals = [1.0 - lr * weight_decay, -(lr / bc1), bc2_sqrt]
-        return torch.tensor(vals, dtype=torch.float64).to(device=device, dtype=torch.float32)
+        # non_blocking: a blocking host-to-device copy synchronises the stream after it
+        return torch.tensor(vals, dtype=torch.float64).to(torch.float32).to(device, non_blocking=True)
     f64: dict[str, Any] = {"device": device, "dtype": torch.float64}
-    lr_t = lr.reshape(()).to(**f64) if isinstance(lr, torch.Tensor) else torch.tensor(float(lr), **f64)
-    t = step.reshape(()).to(**f64) if isinstance(step, torch.Tensor) else torch.tensor(float(step), **f64)
+    lr_t = _scalar_on(lr, f64)
+    t = _scalar_on(step, f64)
     bc1 = 1.0 - torch.pow(beta1, t)
     bc2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, t))
     return torch.stack([1.0 - lr_t * weight_decay, -(lr_t / bc1), bc2_sqrt]).to(torch.float32)
+
+
+def _scalar_on(x: float | int | torch.Tensor, f64: dict[str, Any]) -> torch.Tensor:
+    """0-dim float64 of `x` on f64["device"], with no blocking copy: a host tensor or number
+    is filled in by value, a tensor on another device is copied non-blocking."""
+    if not isinstance(x, torch.Tensor):
+        return torch.full((), float(x), **f64)
+    x = x.reshape(())
+    if x.device.type == "cpu" and torch.device(f64["device"]).type != "cpu":
+        return torch.full((), float(x), **f64)
+    return x.to(f64["dtype"]).to(f64["device"], non_blocking=True)
 
 
 def check_adam_operands(who: str, param, grad, exp_avg, exp_avg_sq,

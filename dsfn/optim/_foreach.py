@@ -70,7 +70,8 @@ def mul_scalar(tensors: list[torch.Tensor], s: float | torch.Tensor, *, promote:
         groups.setdefault((t.device, t.dtype), []).append(i)
     out: list[Any] = [None] * len(tensors)
     for (device, dtype), idx in groups.items():
-        sc = s.to(device=device) if promote else s.to(device=device, dtype=dtype)
+        # non_blocking: a blocking host-to-device copy would synchronise the stream
+        sc = s.to(device=device, non_blocking=True) if promote else s.to(dtype=dtype).to(device, non_blocking=True)
         for i, r in zip(idx, torch._foreach_mul([tensors[i] for i in idx], sc)):
             out[i] = r if r.dtype == dtype else r.to(dtype)
     return out

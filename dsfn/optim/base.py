@@ -11,7 +11,10 @@ A `GradientTransformation` is a pair of pure functions (optax's protocol):
   leaf i of `params`.
 - Purity: `update` never writes to `grads`, `state` or `params`; it returns new tensors
   (it may return an input tensor unchanged, e.g. `identity`). In-place ops are used only
-  on tensors a transform allocated itself in the same call.
+  on tensors a transform allocated itself in the same call. The exception is a donated
+  step (`dsfn.state.donation.may_alias()`): there `apply`/`apply_updates` and the state
+  updates of Adam and SGD momentum write their results into their inputs (the same
+  kernels, so the same values); `update`'s returned updates are never affected.
 - Every stateful transform keeps `count`, a 0-dim int64 tensor on the CPU, in its state:
   the number of updates it has made. It lives on the host, like `torch.optim`'s `step`,
   so reading it (bias corrections, schedules) never waits for a device.
@@ -24,6 +27,7 @@ import torch
 
 from dsfn import tree
 from dsfn.errors import ConfigError, LeafTypeError
+from dsfn.state.donation import writable
 
 PyTree = Any
 Params = Any
@@ -89,6 +93,10 @@ def apply_updates(params: Params, updates: Updates) -> Params:
         raise LeafTypeError(f"apply_updates: updates do not have the structure of params ({u_spec} vs {spec})")
     if not p_leaves:
         return params
+    if writable(p_leaves) and all(u.dtype == p.dtype for u, p in zip(u_leaves, p_leaves)):
+        with torch.no_grad():                   # a donated step: p + u written into p (same kernel)
+            torch._foreach_add_(p_leaves, u_leaves)
+        return tree.unflatten(spec, p_leaves)
     out = torch._foreach_add(p_leaves, u_leaves)
     out = [o if o.dtype == p.dtype else o.to(p.dtype) for o, p in zip(out, p_leaves)]
     return tree.unflatten(spec, out)

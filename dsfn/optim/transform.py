@@ -36,6 +36,7 @@ from dsfn.optim.base import (
     tensor_leaves,
     zero_count,
 )
+from dsfn.state.donation import donating, writable
 
 Schedule = Callable[[torch.Tensor], float | torch.Tensor]
 LearningRate = Union[float, torch.Tensor, Schedule]
@@ -162,13 +163,25 @@ def _adam_init(params: PyTree, amsgrad: bool) -> tuple[PyTree, PyTree, PyTree]:
 
 def _adam_moments(g: list[torch.Tensor], state: Any, spec: tree.TreeSpec, b1: float, b2: float,
                   amsgrad: bool) -> tuple[list, list, list | None]:
-    """torch.optim.Adam's moment updates (same kernels, so bitwise torch's), out of place."""
-    mu = torch._foreach_lerp(_flatten_like(state.mu, spec, "Adam state.mu"), g, 1.0 - b1)
-    nu = torch._foreach_mul(_flatten_like(state.nu, spec, "Adam state.nu"), b2)
+    """torch.optim.Adam's moment updates (same kernels, so bitwise torch's), out of place,
+    or into the input moments inside a donated step (`dsfn.state.donation`)."""
+    mu_in = _flatten_like(state.mu, spec, "Adam state.mu")
+    nu_in = _flatten_like(state.nu, spec, "Adam state.nu")
+    max_in = _flatten_like(state.nu_max, spec, "Adam state.nu_max") if amsgrad else []
+    if writable(mu_in + nu_in + max_in):
+        with torch.no_grad():
+            torch._foreach_lerp_(mu_in, g, 1.0 - b1)
+            torch._foreach_mul_(nu_in, b2)
+            torch._foreach_addcmul_(nu_in, g, g, value=1.0 - b2)
+            if amsgrad:
+                torch._foreach_maximum_(max_in, nu_in)
+        return mu_in, nu_in, (max_in if amsgrad else None)
+    mu = torch._foreach_lerp(mu_in, g, 1.0 - b1)
+    nu = torch._foreach_mul(nu_in, b2)
     torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)          # nu is ours: in place is pure
     nu_max = None
     if amsgrad:
-        nu_max = torch._foreach_maximum(_flatten_like(state.nu_max, spec, "Adam state.nu_max"), nu)
+        nu_max = torch._foreach_maximum(max_in, nu)
     return mu, nu, nu_max
 
 
@@ -243,7 +256,8 @@ def adam_step(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float =
         return AdamState(count, *_adam_init(params, amsgrad), lr=_lr_record(_lr_value(lr, count)))
 
     def update(updates: PyTree, state: AdamState, params: PyTree = None) -> tuple[PyTree, AdamState]:
-        new_p, p, spec, new = step(updates, state, params)
+        with donating(False):           # returns p' - p: p itself must stay as it was
+            new_p, p, spec, new = step(updates, state, params)
         if new_p is None:
             return updates, new
         torch._foreach_sub_(new_p, p)                               # exact: see the docstring
@@ -269,6 +283,12 @@ def adam_step(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float =
         if not amsgrad and _host_adamw_applies(p, g, state):
             return _host_adamw_step(g, p, state, spec, v, t, count, b1, b2, eps, wd, lr)
         bc1, bc2_sqrt = 1.0 - b1 ** t, (1.0 - b2 ** t) ** 0.5
+        donated = writable(p + tree.leaves(state.mu) + tree.leaves(state.nu))
+        if donated and not isinstance(v, torch.Tensor):
+            mu, nu, nu_max = _adam_in_place(g, p, state, spec, b1, b2, eps, wd, v, bc1, bc2_sqrt, amsgrad)
+            new = AdamState(count, tree.unflatten(spec, mu), tree.unflatten(spec, nu),
+                            tree.unflatten(spec, nu_max) if amsgrad else None, lr=_lr_record(v))
+            return p, p, spec, new
         mu, nu, nu_max = _adam_moments(g, state, spec, b1, b2, amsgrad)
         denom = torch._foreach_sqrt(nu_max if amsgrad else nu)
         torch._foreach_div_(denom, bc2_sqrt)
@@ -292,11 +312,53 @@ def adam_step(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float =
                 torch._foreach_addcdiv_(new_p, mu, denom, value=-step_size)
             else:
                 new_p = torch._foreach_addcdiv(p, mu, denom, value=-step_size)
+        if donated and new_p is not p:      # tensor lr: computed as above, then stored into p
+            with torch.no_grad():
+                torch._foreach_copy_(p, new_p)
+            new_p = p
         new = AdamState(count, tree.unflatten(spec, mu), tree.unflatten(spec, nu),
                         tree.unflatten(spec, nu_max) if amsgrad else None, lr=_lr_record(v))
         return new_p, p, spec, new
 
     return GradientTransformation(init, update, apply)
+
+
+# a donated Adam step's leaves are updated in groups of about this many bytes (of params),
+# so its one temporary (the denominator) is a group's, not the whole state's
+_IN_PLACE_GROUP_BYTES = 16 * 2**20
+
+
+def _adam_in_place(g, p, state, spec, b1, b2, eps, wd, lr: float, bc1, bc2_sqrt, amsgrad):
+    """A donated step's Adam (float lr): the kernels and order of `adam_step`'s foreach path,
+    writing m, v (v_max) and p' into the state's own tensors (`dsfn.state.donation`), group
+    by group. Elementwise, so bitwise the out-of-place result. Returns (mu, nu, nu_max) leaves."""
+    mu = _flatten_like(state.mu, spec, "Adam state.mu")
+    nu = _flatten_like(state.nu, spec, "Adam state.nu")
+    mx = _flatten_like(state.nu_max, spec, "Adam state.nu_max") if amsgrad else None
+    groups, cur, size = [], [], 0
+    for k, x in enumerate(p):
+        cur.append(k)
+        size += x.numel() * x.element_size()
+        if size >= _IN_PLACE_GROUP_BYTES:
+            groups.append(cur)
+            cur, size = [], 0
+    groups += [cur] if cur else []
+    with torch.no_grad():
+        for idx in groups:
+            gi, pi, mi, vi = ([xs[k] for k in idx] for xs in (g, p, mu, nu))
+            torch._foreach_lerp_(mi, gi, 1.0 - b1)
+            torch._foreach_mul_(vi, b2)
+            torch._foreach_addcmul_(vi, gi, gi, value=1.0 - b2)
+            if amsgrad:
+                xi = [mx[k] for k in idx]
+                torch._foreach_maximum_(xi, vi)
+            denom = torch._foreach_sqrt(xi if amsgrad else vi)
+            torch._foreach_div_(denom, bc2_sqrt)
+            torch._foreach_add_(denom, eps)
+            if wd != 0.0:
+                torch._foreach_mul_(pi, 1 - lr * wd)
+            torch._foreach_addcdiv_(pi, mi, denom, value=-(lr / bc1))
+    return mu, nu, mx
 
 
 def _fused_adamw_applies(p: list[torch.Tensor], state: AdamState, spec: tree.TreeSpec) -> bool:
@@ -363,7 +425,11 @@ def _host_adamw_groups(todo, g, p, mu_in, nu_in, new_p, mu, nu, plan, kw) -> Non
     outputs) are released, so resident memory stays about one sub-group."""
     from dsfn.ops.cpu_adam import cpu_adamw_multi_
 
+    in_place = plan is None and writable([x[k] for k in todo for x in (p, mu_in, nu_in)])
+
     def dest(x: torch.Tensor) -> torch.Tensor:
+        if in_place and x.is_contiguous():     # a donated step: the kernel updates the input
+            return x
         d = plan.out_for(x) if plan is not None else None
         if d is None:
             return x.clone(memory_format=torch.contiguous_format)
@@ -390,13 +456,38 @@ def _host_adamw_groups(todo, g, p, mu_in, nu_in, new_p, mu, nu, plan, kw) -> Non
             plan.release([x[k] for k in grp for x in (p, mu_in, nu_in)] + [x for o in outs for x in o])
 
 
+def _step_on(t: int, device: torch.device) -> torch.Tensor:
+    """The update number as a 0-dim int64 on `device`, filled in (no host-to-device copy)."""
+    return torch.full((), t, dtype=torch.int64, device=device)
+
+
+def _lr_on(v: float | torch.Tensor, device: torch.device) -> float | torch.Tensor:
+    """lr `v` as a 0-dim tensor on `device` without a blocking copy (a host tensor's value is
+    read on the host and filled in; a tensor on another device is copied non-blocking)."""
+    if not isinstance(v, torch.Tensor):
+        return torch.full((), float(v), dtype=torch.float64, device=device)
+    if v.device == device:
+        return v
+    if v.device.type == "cpu":
+        return torch.full((), float(v.reshape(())), dtype=v.dtype, device=device)
+    return v.to(device, non_blocking=True)
+
+
 def _fused_adamw_step(g, p, state: AdamState, spec, v, t: int, count, b1, b2, eps, wd):
     """One pass per leaf over (param, grad, m, v) in the Triton kernel (`dsfn.ops.adamw`)."""
     from dsfn.ops.adamw import adamw_update
     mu = _flatten_like(state.mu, spec, "Adam state.mu")
     nu = _flatten_like(state.nu, spec, "Adam state.nu")
-    step_t = torch.tensor(t, dtype=torch.int64)
-    outs = [adamw_update(pi, gi, mi, vi, lr=v, step=step_t, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+    # lr and step made on the params' device once per step, by fill kernels (host values are
+    # read where they live): a host tensor handed to every leaf's kernel would be one blocking
+    # host-to-device copy (a stream sync) per parameter tensor
+    dev = p[0].device
+    step_t = _step_on(t, dev)
+    v = _lr_on(v, dev)
+    # a donated step: each element is read and written by the same program, so out= may be the input
+    in_place = writable(p + mu + nu) and all(x.is_contiguous() for x in p + mu + nu)
+    outs = [adamw_update(pi, gi, mi, vi, lr=v, step=step_t, beta1=b1, beta2=b2, eps=eps, weight_decay=wd,
+                         out=(pi, mi, vi) if in_place else None)
             for pi, gi, mi, vi in zip(p, g, mu, nu)]
     new = AdamState(count, tree.unflatten(spec, [o.exp_avg for o in outs]),
                     tree.unflatten(spec, [o.exp_avg_sq for o in outs]), None, lr=_lr_record(v))
@@ -435,10 +526,20 @@ def trace(momentum: float, dampening: float = 0.0, nesterov: bool = False) -> Gr
         count = state.count + 1
         if not g:
             return updates, state._replace(count=count)
+        buf = _flatten_like(state.trace, spec, "trace state")
+        in_place = writable(buf)                    # a donated step: the buffer is updated in place
         if int(state.count) == 0:
-            buf = [x.detach().clone() for x in g]   # a copy: the state must not alias the caller's grads
+            if in_place:
+                with torch.no_grad():
+                    torch._foreach_copy_(buf, g)
+            else:
+                buf = [x.detach().clone() for x in g]   # a copy: the state must not alias the caller's grads
         else:
-            buf = torch._foreach_mul(_flatten_like(state.trace, spec, "trace state"), momentum)
+            if in_place:
+                with torch.no_grad():
+                    torch._foreach_mul_(buf, momentum)
+            else:
+                buf = torch._foreach_mul(buf, momentum)
             torch._foreach_add_(buf, g, alpha=1.0 - dampening)
         out = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
         return tree.unflatten(spec, out), TraceState(count=count, trace=tree.unflatten(spec, buf))

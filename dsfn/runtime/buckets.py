@@ -95,7 +95,7 @@ class FixedBuckets:
 
     def add(self, key: object, t: torch.Tensor) -> list[list[tuple[object, torch.Tensor]]]:
         prev = self._round.get(key)
-        if prev is not None and self.bucket_of[key] < self._next:    # its bucket already went this round
+        if key in self._round and self.bucket_of[key] < self._next:    # its bucket already went this round
             raise RuntimeError(f"gradient of {key!r} arrived after its bucket was reduced; it belongs to "
                                "the next round (end_round was not called between two backward passes)")
         self._round[key] = t if prev is None else prev + t
@@ -114,6 +114,8 @@ class FixedBuckets:
                 break
             like = next((self._round[k] for k in ks if k in self._round), None)
             out.append([(k, self._round[k] if k in self._round else self._zeros(k, like)) for k in ks])
+            for k in ks:         # launched: keep the key (a late arrival is an error), drop the tensor
+                self._round[k] = None
             self._next += 1
         return out
 

@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from dsfn.errors import DistributedError
+from dsfn.errors import ConfigError, DistributedError
 
 # Variables that together describe one rank of an env:// rendezvous.
 REQUIRED_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -60,10 +60,31 @@ def local_world_size() -> int:
 
 
 def device() -> torch.device:
-    """`cuda:{local_rank}` on CUDA, else `cpu`."""
+    """This process's compute device: `cuda:{i}` on CUDA, else `cpu`.
+
+    i is `LOCAL_RANK % device_count()`: torchrun shows every rank all of the node's GPUs
+    (i = LOCAL_RANK), while launchers that give each task its own GPU (SLURM's
+    `--gpus-per-task`, `CUDA_VISIBLE_DEVICES` set per rank) show each rank one device,
+    which is then `cuda:0` whatever LOCAL_RANK says.
+    """
     if use_cuda():
-        return torch.device("cuda", local_rank())
+        count = torch.cuda.device_count()
+        return torch.device("cuda", local_rank() % count if count > 1 else 0)
     return torch.device("cpu")
+
+
+def bind_device() -> torch.device:
+    """Make `device()` the current CUDA device (no-op on CPU); returns `device()`.
+
+    NCCL communicators, `torch.cuda.current_stream()` and new CUDA tensors without an index
+    all follow the current device, which is cuda:0 until someone sets it; a rank that never
+    binds runs every collective on GPU 0. Called by `init_distributed` and by
+    `ensure_distributed` for a group that someone else initialised. Idempotent and cheap.
+    """
+    dev = device()
+    if dev.type == "cuda" and torch.cuda.current_device() != dev.index:
+        torch.cuda.set_device(dev)
+    return dev
 
 
 def backend() -> str:
@@ -106,6 +127,7 @@ def init_distributed(timeout_s: float = 300) -> bool:
             inconsistent (rank out of range, not integers).
     """
     if is_distributed():
+        bind_device()          # a group someone else initialised: still compute on our device
         return True
     present = [v for v in REQUIRED_VARS if os.environ.get(v)]
     if not present:
@@ -126,9 +148,7 @@ def init_distributed(timeout_s: float = 300) -> bool:
     kwargs = {}
     if be == "nccl":
         # Bind the device before init so NCCL never guesses (all ranks on cuda:0).
-        dev = device()
-        torch.cuda.set_device(dev)
-        kwargs["device_id"] = dev
+        kwargs["device_id"] = bind_device()
     dist.init_process_group(backend=be, init_method="env://", rank=rank_, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     # a process that exits with the group still open can abort in gloo's teardown
@@ -153,6 +173,7 @@ def ensure_distributed() -> bool:
             missing (each missing one is named), or the values are inconsistent.
     """
     if is_distributed():
+        _bind_once()           # the group may come from the user or a library (HF Trainer, DeepSpeed)
         return True
     value = os.environ.get("WORLD_SIZE", "").strip()
     if not value:
@@ -175,8 +196,46 @@ def ensure_distributed() -> bool:
     return init_distributed()
 
 
+_bound = False       # bind_device() ran since the group was initialised (reset by shutdown)
+
+
+def _bind_once() -> None:
+    """`bind_device()` once per process group (ensure_distributed runs at every Step call)."""
+    global _bound
+    if not _bound:
+        bind_device()
+        _bound = True
+
+
+def backend_in_use() -> str | None:
+    """The initialised default group's backend ("nccl", "gloo", ...), or None without a group."""
+    return dist.get_backend() if is_distributed() else None
+
+
+def check_state_device(tensors, what: str = "the state") -> None:
+    """ConfigError when the process group runs NCCL but every tensor of `tensors` is a host
+    tensor: the collectives would stage everything through the GPU while all compute runs on
+    the CPU, silently (the usual cause: a model never moved with `.to(device)`).
+
+    Host tensors next to device ones are fine (offloaded state, step counters); tensors on
+    `meta` or any device count as on the device. Nothing is checked without a group, under
+    gloo, or with DSFN_FORCE_CPU set (then the backend is gloo anyway).
+    """
+    if backend_in_use() != "nccl":
+        return
+    ts = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    if ts and all(t.device.type == "cpu" for t in ts):
+        raise ConfigError(
+            f"the process group uses NCCL (GPUs), but {what} is on the CPU ({len(ts)} host tensors, none on a "
+            f"device): training would run on the CPU. Move the model before functionalize — "
+            f"`model.to(dsfn.runtime.device())` ({device()} on this rank) — and put batches there too; or "
+            f"set DSFN_FORCE_CPU=1 to train on the CPU with gloo")
+
+
 def shutdown() -> None:
     """Destroy the default process group if one is initialised (no-op otherwise)."""
+    global _bound
+    _bound = False
     if is_distributed():
         dist.destroy_process_group()
 

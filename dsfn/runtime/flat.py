@@ -55,7 +55,9 @@ class ShardReducer:
     step after the first is a new *round* (`new_round()`: a later micro-batch): the
     previous round's remaining buckets launch first, zero-filled. `finish()` does the same
     for the last round, waits, and returns {key: shard} (each [c] = ceil(numel / n),
-    reduced with `op` over `axis`, summed over rounds) for every key. Keys whose parameter
+    reduced with `op` over `axis`, summed over rounds) for every key. At most
+`MAX_INFLIGHT` buckets are in flight (each holds its input of full gradients until it is
+waited for), so the full gradients alive during backward stay a few buckets. Keys whose parameter
     took no part in this rank's loss contribute zeros, so every rank launches the same
     reduce-scatters in the same order whatever its data touched.
     """
@@ -93,14 +95,23 @@ class ShardReducer:
             bucket = torch.cat([rows for _, rows in items], dim=1) if len(items) > 1 else items[0][1]
             pending = C.reduce_scatter(bucket.reshape(-1), self.axis, self.op, async_op=True)
             self._inflight.append(([(k, rows.shape[1]) for k, rows in items], pending))
-        if buckets and _shard_listeners:
-            self._drain(block=False)
+            # an in-flight reduce-scatter holds its input, a bucket of full gradients: waiting
+            # for the oldest beyond MAX_INFLIGHT keeps that O(bucket), not O(model), during
+            # backward (a wait issues no collective, so every rank's sequence is unchanged)
+            if len(self._inflight) > self.MAX_INFLIGHT:
+                self._drain(block=False, keep=self.MAX_INFLIGHT)
+        if buckets:
+            self._drain(block=False)          # finished ones release their inputs now
 
-    def _drain(self, block: bool) -> None:
-        """Collect finished buckets, oldest first (all of them with `block`)."""
+    MAX_INFLIGHT = 2
+
+    def _drain(self, block: bool, keep: int | None = None) -> None:
+        """Collect finished buckets, oldest first (all of them with `block`; with `keep`,
+        wait until at most `keep` remain in flight)."""
         while self._inflight:
             items, pending = self._inflight[0]
-            if not block and not pending.done():
+            must = block or (keep is not None and len(self._inflight) > keep)
+            if not must and not pending.done():
                 return
             self._inflight.pop(0)
             row = pending.wait()

@@ -11,19 +11,21 @@ def copy_to_host(t: torch.Tensor, pin: bool = True, non_blocking: bool = False
     """`t` in host memory, and an event that completes when it is there (None: it already is).
 
     A CPU tensor is returned as it is. Otherwise a new host tensor of `t`'s shape and dtype
-    (pinned when `pin` and CUDA is available: only pinned memory copies asynchronously)
-    receives the copy. `non_blocking` on a CUDA tensor queues the copy on the current stream,
-    ordered after the kernels that made `t` and before later writes to its memory on that
-    stream; whoever reads the result waits for the returned event first (`event.synchronize()`,
-    from any thread). Otherwise the copy is done when this returns and the event is None.
+    (pinned when `pin` and `t` is a CUDA tensor: only pinned memory copies asynchronously,
+    and pinning for any other device only costs page-locked memory) receives the copy.
+    `non_blocking` on a CUDA tensor queues the copy on the current stream *of `t`'s device*
+    (the stream torch's copy uses, whatever the current device is), ordered after the kernels
+    that made `t` and before later writes to its memory on that stream; the returned event is
+    recorded on that same stream, and whoever reads the result waits for it first
+    (`event.synchronize()`, from any thread). Otherwise the copy is done when this returns and
+    the event is None.
     """
     if t.device.type == "cpu":
         return t, None
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and torch.cuda.is_available())
-    asynchronous = non_blocking and t.is_cuda
-    out.copy_(t, non_blocking=asynchronous)
-    if not asynchronous:
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and t.is_cuda)
+    out.copy_(t, non_blocking=non_blocking)       # a host tensor of another device: ordinary copy
+    if not (non_blocking and t.is_cuda):
         return out, None
     ready = torch.cuda.Event()
-    ready.record()
+    ready.record(torch.cuda.current_stream(t.device))
     return out, ready

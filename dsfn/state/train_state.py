@@ -15,7 +15,10 @@ Fields (children unless noted):
 
 States are never mutated: `replace` and `apply_gradients` return new states; the input
 state's tensors are unchanged after a step. Leaves may be `Placed` (sharded/offloaded
-pieces) after `Step.place`.
+pieces) after `Step.place`. The one exception is donation (`dsfn.state.donation`): a step
+called with `donate=True` writes the new values into the input state's tensors and
+invalidates the input state object — every later read of its fields raises
+`DonatedStateError`.
 """
 from __future__ import annotations
 
@@ -60,6 +63,14 @@ class TrainState:
 
     def replace(self, **changes: Any) -> "TrainState":
         return tree.replace(self, **changes)
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached when normal lookup fails: a donated state's fields were removed
+        # (dsfn.state.donation.mark_donated), so reading one names the problem
+        from dsfn.state import donation
+        if name != "__dict__" and donation.is_donated(self):
+            raise donation.donated_error(self, f"TrainState.{name}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def apply_gradients(self, grads: Any) -> "TrainState":
         """One optimizer update with `grads` (same structure as `params`); step += 1.

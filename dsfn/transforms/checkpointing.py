@@ -35,7 +35,8 @@ a side stream — so the captured state stops holding device memory once they la
 references host tensors (on a CPU-only machine nothing is copied: the state already lives in
 host memory). `capture="copy"` snapshots every tensor (for a state that something updates
 in place); `"reference"` never copies. `host_cache_size` bounds the buffer in bytes (None:
-as large as the policy needs): tensors are taken in leaf order until the next does not fit,
+DataStates' 16 GiB per process, at most a quarter of host memory over the node's ranks,
+`host_cache.default_capacity()`; pinned only for CUDA state): tensors are taken in leaf order until the next does not fit,
 the rest are captured by reference, so the bound trades memory for nothing but held memory.
 Multi-rank: a background failure is raised by every rank (the writer's protocol makes all
 ranks fail a save together), but each rank notices it at its own next step; a launcher

@@ -52,11 +52,17 @@ class ClipGradNorm(Transform):
         factor = (inv * torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)).float()
         leaves, spec = tree.flatten(grads)
         return call_next(state, tree.unflatten(
-            spec, torch._foreach_mul(leaves, factor.to(leaves[0].device)) if leaves else []))
+            spec, torch._foreach_mul(leaves, _to(factor, leaves[0].device)) if leaves else []))
 
     def handle_reduce_metrics(self, call_next, metrics):
         norm = self._norm if self._norm is not None else torch.tensor(float("nan"))
         return call_next({**metrics, "grad_norm": norm.reshape(())})
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`; non-blocking towards a device (a blocking copy syncs the stream), blocking
+    towards the host (a non-blocking copy into pageable memory could be read before it lands)."""
+    return t.to(device, non_blocking=device.type != "cpu")
 
 
 def clip_grad_norm(*args: Any, **kwargs: Any) -> ClipGradNorm:

@@ -6,6 +6,13 @@
     step.place(state)   logical -> this rank's physical state (innermost transform first)
     step.gather(state)  physical -> logical (layouts on the leaves, then each transform's gather)
     step(state, batch)  -> (new_state, metrics)
+    step(state, batch, donate=True)   the same values; the input state's buffers are reused
+
+Donation (`compose(..., donate=True)` for every call, or `donate=` per call; see
+`dsfn.state.donation`): the step may write the new parameters and optimizer state into
+the input state's tensors, and the input state is invalid afterwards (any use raises
+`DonatedStateError`). It removes the functional step's extra copy of the state from the
+peak memory; values are bitwise those of the non-donated step.
 
 Inside `step(state, batch)` the transforms are active (they handle primitives), each
 transform's `wrap_step` wraps the function (the outermost runs first), and the metrics
@@ -26,6 +33,7 @@ from dsfn.errors import LeafTypeError, StackError
 from dsfn.functional import buffer_scope
 from dsfn.runtime import env
 from dsfn.runtime.mesh import ensure_ready
+from dsfn.state import donation
 from dsfn.state.layout import gather_tree
 from dsfn.transforms.core import Transform, activate, bind, check_stack, register_step_class
 
@@ -35,14 +43,21 @@ StepFn = Callable[[Any, Any], tuple[Any, dict]]
 class Step:
     """A train step with a stack of transforms around it."""
 
-    def __init__(self, fn: StepFn, stack: tuple[Transform, ...] = ()):
+    def __init__(self, fn: StepFn, stack: tuple[Transform, ...] = (), donate: bool = False):
         if isinstance(fn, Step):
-            stack, fn = tuple(stack) + fn.stack, fn.fn
+            stack, fn, donate = tuple(stack) + fn.stack, fn.fn, donate or fn.donate
+        if not isinstance(donate, bool):
+            raise StackError(f"compose(..., donate={donate!r}): donate is True or False")
+        self.donate = donate
         if not callable(fn):
             raise StackError(f"compose(...) must be applied to a train_step function, got {fn!r}")
         self.fn = fn
         self.stack = check_stack(stack)
-        env.tune_host_allocator()      # a functional step reallocates its state every step
+        if not donate:
+            # a functional step reallocates its state every step: keep freed host memory for
+            # reuse. A donating step updates its state in place, so glibc's own policy (which
+            # returns large freed blocks) serves it with a lower peak (benchmarks/memory.py)
+            env.tune_host_allocator()
         wrapped = self._call_inner
         for t in reversed(self.stack):   # the innermost wraps first, so the outermost runs first
             wrapped = t.wrap_step(wrapped)
@@ -62,7 +77,9 @@ class Step:
 
     def place(self, state: Any) -> Any:
         """Logical state -> this rank's physical state."""
+        donation.check_live(state, "step.place(state)")
         ensure_ready(self.stack)     # under torchrun: init the process group; mesh axes exist
+        env.check_state_device(_computed_on(getattr(state, "params", state)), "the state's params")
         with activate(self.stack):
             for t in reversed(self.stack):
                 state = t.place(state)
@@ -83,6 +100,7 @@ class Step:
         rank, as `params`.
         """
         ensure_ready(self.stack)
+        env.check_state_device(_computed_on(params), "params")
         from dsfn.state.train_state import TrainState
         state = TrainState.create(params, tx, seed=seed, extra=extra, init_optimizer=False, buffers=buffers)
         state = self.place(state)
@@ -96,6 +114,7 @@ class Step:
         The layouts on the leaves are gathered first; then each transform undoes the
         structural changes its `place` made, outermost first (the reverse of `place`).
         """
+        donation.check_live(state, "step.gather(state)")
         ensure_ready(self.stack)
         state = gather_tree(state)
         with activate(self.stack):
@@ -103,12 +122,30 @@ class Step:
                 state = t.gather(state)
         return state
 
-    def __call__(self, state: Any, batch: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    def __call__(self, state: Any, batch: Any, *, donate: bool | None = None
+                 ) -> tuple[Any, dict[str, torch.Tensor]]:
+        """One step: `(new_state, metrics)`. `donate` (default: the Step's, from `compose`)
+        lets the step reuse `state`'s buffers for the new state; `state` is then invalid
+        (module docstring)."""
+        donation.check_live(state, "step(state, batch)")
+        donate = self.donate if donate is None else donate
+        if not isinstance(donate, bool):
+            raise StackError(f"step(state, batch, donate={donate!r}): donate is True, False or None")
         ensure_ready(self.stack)
         _check_batch(batch)
-        with activate(self.stack):
-            new_state, metrics = self._wrapped(state, batch)
-            metrics = bind("reduce_metrics", lambda m: m, _metrics_to_tensors(metrics))
+        if donate:
+            donation.check_donatable(state)
+            donation.settle_readers()      # background readers of the old buffers (async checkpoints)
+        new_state = None
+        try:
+            with activate(self.stack), donation.donating(donate):
+                new_state, metrics = self._wrapped(state, batch)
+                metrics = bind("reduce_metrics", lambda m: m, _metrics_to_tensors(metrics))
+        finally:
+            if donate and new_state is not state:   # also after a failure: buffers may be half-written
+                made = getattr(new_state, "step", None)
+                donation.mark_donated(state, "a step that failed part-way" if new_state is None
+                                      else lambda: f"the step that made step {_step_number(made)}")
         return new_state, _with_lr(metrics, new_state)
 
     def explain(self, state: Any, batch: Any) -> "Explanation":
@@ -123,7 +160,9 @@ class Step:
         from dsfn.state.layout import Placed, is_placed, layout_of
         before = C.counters.snapshot()
         C.reset_gauges()
-        self(state, batch)
+        from dsfn.functional import recording_apply_fns
+        with recording_apply_fns() as seen:
+            self(state, batch, donate=False)        # a dry run never consumes the state
         after = C.counters.snapshot()
         comm = {}
         for key, v in after.items():
@@ -136,8 +175,16 @@ class Step:
             t = x.data if isinstance(x, Placed) else x
             if isinstance(t, torch.Tensor):
                 leaves.append((path, layout_of(x), tuple(t.shape), t.dtype, t.numel() * t.element_size()))
+        for fn in seen.values():     # frozen parameters, non-persistent buffers: not state, still held here
+            for name, x in fn.constants.items():
+                t = x.data if isinstance(x, Placed) else x
+                leaves.append((f"constants.{name}", layout_of(x), tuple(t.shape), t.dtype,
+                               t.numel() * t.element_size()))
         notes = [getattr(t, "explain_note", t.describe)() for t in self.stack]
-        return Explanation(notes, leaves, comm, dict(C.gauge_max))
+        out = Explanation(notes, leaves, comm, dict(C.gauge_max))
+        from dsfn.estimate import explain_estimate     # dsfn.estimate_memory for this stack, beside the leaves
+        out.estimate = explain_estimate(self.stack, state)
+        return out
 
     def __repr__(self) -> str:
         inner = getattr(self.fn, "__name__", repr(self.fn))
@@ -148,10 +195,12 @@ class Step:
 
 class Explanation:
     """What a step does on this rank: `stack` notes, `leaves` (path, layout, local shape,
-    dtype, bytes), `collectives` {(axis, op): (calls, bytes)} per step, runtime `gauges`."""
+    dtype, bytes), `collectives` {(axis, op): (calls, bytes)} per step, runtime `gauges`,
+    `estimate` (`dsfn.estimate.MemoryEstimate` of the stack, or None)."""
 
     def __init__(self, stack: list[str], leaves: list[tuple], collectives: dict, gauges: dict):
         self.stack, self.leaves, self.collectives, self.gauges = stack, leaves, collectives, gauges
+        self.estimate = None
 
     @property
     def state_bytes(self) -> int:
@@ -167,6 +216,9 @@ class Explanation:
             lines.append(f"  {axis:4s} {op:15s} {calls:5d} calls {nbytes / 2**20:10.3f} MiB")
         for k, v in sorted(self.gauges.items()):
             lines.append(f"peak {k}: {v}")
+        if getattr(self, "estimate", None) is not None:
+            from dsfn.estimate import estimate_vs_measured
+            lines.append(estimate_vs_measured(self.estimate, self))
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -175,12 +227,16 @@ class Explanation:
 register_step_class(Step)
 
 
-def compose(*transforms: Transform) -> Callable[[StepFn], Step]:
-    """`compose(a, b, c)(f) == a(b(c(f)))`; the stack is validated now, not at the first step."""
+def compose(*transforms: Transform, donate: bool = False) -> Callable[[StepFn], Step]:
+    """`compose(a, b, c)(f) == a(b(c(f)))`; the stack is validated now, not at the first step.
+
+    `donate=True`: every call of the Step donates its input state (module docstring)."""
     stack = check_stack(transforms)
+    if not isinstance(donate, bool):
+        raise StackError(f"compose(..., donate={donate!r}): donate is True or False")
 
     def apply(fn: StepFn) -> Step:
-        return Step(fn, stack)
+        return Step(fn, stack, donate=donate)
 
     return apply
 
@@ -195,6 +251,14 @@ def _new_buffers(state: Any, new_state: Any, scope: Any) -> Any:
     current = scope.buffers
     merged = {n: (current[n] if out[n] is held[n] else out[n]) for n in held}
     return tree.replace(new_state, buffers=bind("sync_buffers", lambda b: b, merged))
+
+
+def _step_number(s: Any) -> str:
+    s = getattr(s, "data", s)
+    try:
+        return str(int(s))
+    except (TypeError, ValueError, RuntimeError):
+        return "?"
 
 
 def _check_batch(batch: Any) -> None:
@@ -227,3 +291,11 @@ def _with_lr(metrics: dict[str, torch.Tensor], state: Any) -> dict[str, torch.Te
         if lr is not None:
             return {**metrics, "lr": lr.detach().reshape(()).clone()}
     return metrics
+
+
+def _computed_on(params: Any) -> list[torch.Tensor]:
+    """The parameter tensors that compute where they live (offloaded pieces live on the host
+    by design and are left out of the device check)."""
+    from dsfn.state.layout import Offloaded, Placed, is_placed
+    return [x.data if isinstance(x, Placed) else x for x in tree.leaves(params, is_leaf=is_placed)
+            if not (isinstance(x, Placed) and isinstance(x.layout, Offloaded))]

@@ -58,9 +58,11 @@ class DataParallel(Transform):
         if mesh.size(self.axis) == 1:
             return state
         leaves, spec = tree.flatten(state)
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        # meta tensors (dsfn.state.init: layouts first, values later) hold nothing to broadcast
+        real = lambda x: isinstance(x, torch.Tensor) and not x.is_meta
+        tensors = [x for x in leaves if real(x)]
         synced = iter(all_reduce_buckets(tensors, self.axis, int(self.bucket_mb * 2**20), op=None))
-        return tree.unflatten(spec, [next(synced) if isinstance(x, torch.Tensor) else x for x in leaves])
+        return tree.unflatten(spec, [next(synced) if real(x) else x for x in leaves])
 
     def wrap_step(self, fn):
         if not self.split_batch:

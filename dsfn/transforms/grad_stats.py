@@ -29,7 +29,16 @@ def global_sq_norm(grads: Any) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float64)
     norms = torch._foreach_norm([x.data if isinstance(x, Placed) else x for x in xs], 2)
     parts = reduce_leaves([n.to(torch.float64).square() for n in norms], xs, "sum")
-    return torch.stack([p.cpu() for p in parts]).sum()
+    # summed on the device (host parts, e.g. offloaded leaves, are copied there non-blocking):
+    # reading each part on the host would be one device sync per leaf
+    home = _device_of(parts)
+    return torch.stack([p.reshape(()).to(home, non_blocking=True) for p in parts]).sum()
+
+
+def _device_of(ts: list[torch.Tensor]) -> torch.device:
+    """Where a reduction of `ts` runs without a host read: the first non-CPU device, else the CPU
+    (moving host values to a device never waits for it; the other way round would)."""
+    return next((t.device for t in ts if t.device.type != "cpu"), torch.device("cpu"))
 
 
 def reduce_over_axis(partials: list[torch.Tensor], pending: list[tuple[str, ...]], axis: str,
@@ -55,8 +64,14 @@ def reduce_over_axis(partials: list[torch.Tensor], pending: list[tuple[str, ...]
 def any_nonfinite_everywhere(grads: Any) -> bool:
     """True when any rank (over every mesh axis) holds an inf/NaN gradient element."""
     leaves = [t for t in tree.leaves(grads) if t.numel()]
-    local = any(not bool(torch.isfinite(n)) for n in torch._foreach_norm(leaves, float("inf"))) if leaves else False
-    flag = torch.tensor([1.0 if local else 0.0])
+    # one flag for all leaves, made and all-reduced on the device: a single host read per step
+    # (a bool() per leaf would wait for the device once per gradient tensor)
+    if leaves:
+        home = _device_of(leaves)
+        norms = [n.to(home, non_blocking=True) for n in torch._foreach_norm(leaves, float("inf"))]
+        flag = (~torch.stack(norms).isfinite()).any().to(torch.float32).reshape(1)
+    else:
+        flag = torch.zeros(1)
     mesh = current_mesh()
     for axis, size in mesh.axes.items():
         if size > 1:

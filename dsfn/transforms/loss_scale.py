@@ -110,7 +110,7 @@ class LossScale(Transform):
         if self._clip_inside() or KEY not in getattr(state, "extra", {}):
             return None
         inv = (1.0 / state.extra[KEY].scale.double()).float()
-        return lambda g: torch.mul(g, inv.to(g.device))     # elementwise as the _foreach_mul below
+        return lambda g: torch.mul(g, inv.to(g.device, non_blocking=True))   # elementwise as the _foreach_mul below
 
     def handle_apply_gradients(self, call_next, state, grads):
         ls: LossScaleState = state.extra[KEY]
@@ -130,7 +130,7 @@ class LossScale(Transform):
         else:
             leaves, spec = tree.flatten(grads)
             new = call_next(state, tree.unflatten(
-                spec, torch._foreach_mul(leaves, inv.to(leaves[0].device)) if leaves else []))
+                spec, torch._foreach_mul(leaves, inv.to(leaves[0].device, non_blocking=True)) if leaves else []))
         return new.replace(extra={**new.extra, KEY: new_ls})
 
     def _clip_inside(self) -> bool:

@@ -57,8 +57,9 @@ last ones, all of ZeRO-1's) are speculated after backward.
 DeepSpeed's `cpuadam_cores_perc` (leave cores to the training loop's own host work).
 
 `params=True` (with `shard_zero(3)`): ZeRO-3's parameter shards live in host memory or files
-too (`Offloaded(FlatShard)` / `NvmeOffloaded`); ZeRO's unit gatherer all-gathers them to
-the compute device just in time (the collectives stage host tensors for NCCL), the update
+too (`Offloaded(FlatShard)` / `NvmeOffloaded`); ZeRO's unit gatherer copies them to the
+compute device (the layout's `home`, non-blocking) and all-gathers them there just in time,
+so the forward gets device weights and autograd hands the host shards host gradients; the update
 runs on the host, and the new shards are stored the same way (a new file for "nvme"). The
 optimizer state is made from the parameters' host view, then offloaded like the rest.
 """
@@ -172,6 +173,24 @@ class Offload(Transform):
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         return copy_to_host(t, pin=self.pin_memory)[0]
 
+    def _trees_to_host(self, *trees: Any) -> list[Any]:
+        """Every tensor leaf of `trees` in host memory: device tensors are copied non-blocking
+        (into pinned memory) and waited for once per device at the end, rather than one
+        blocking copy, i.e. one device sync, per tensor."""
+        last: dict[torch.device, Any] = {}
+
+        def one(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            out, ready = copy_to_host(t, pin=self.pin_memory, non_blocking=True)
+            if ready is not None:
+                last[t.device] = ready        # one stream per device: its last copy ends them all
+            return out
+        outs = [tree.map(one, x) for x in trees]
+        for ready in last.values():
+            ready.synchronize()
+        return outs
+
     def _offload_tree(self, opt_state: Any, params: Any) -> Any:
         """Wrap the leaves of `opt_state` that mirror a parameter (see the module docstring)."""
         shapes = {p: _logical_shape(x) for p, x in tree.leaves_with_path(params, is_leaf=is_placed)}
@@ -259,15 +278,15 @@ class Offload(Transform):
             x = old[k]
             host_view[k] = _wrap(x.data.to("cpu"), x.layout.inner)
         host_opt = tree.unflatten(spec, host_view)
-        to_host = lambda t: self._to_host(t) if isinstance(t, torch.Tensor) else t
-        host_grads = tree.map(to_host, grads)
         p_leaves, p_spec = tree.flatten(state.params, is_leaf=is_placed)
         homes = [_data(x).device for x in p_leaves]
         params = state.params
         if self.params:      # offloaded parameter shards: the inner stack sees their host view
             params = self._params_view(params)
         if not isinstance(state.opt_state, MasterState):    # the optimizer reads the parameters
-            params = tree.map(to_host, params)
+            host_grads, params = self._trees_to_host(grads, params)
+        else:
+            host_grads, = self._trees_to_host(grads)
         session = self._session
         if session is not None:
             session.drain()                               # the updates started during backward

@@ -29,6 +29,7 @@ import torch
 
 from dsfn import tree
 from dsfn.errors import ConfigError, StackError
+from dsfn.state import donation
 from dsfn.state.master import MasterState  # noqa: F401  (re-exported: the state of this transform)
 from dsfn.transforms.core import Transform, make_transform, with_role
 
@@ -121,8 +122,13 @@ class MixedPrecision(Transform):
         new = call_next(inner, grads)
         if new.params is inner.params:   # the update was skipped (fp16 overflow): nothing to cast
             return state.replace(extra=new.extra)
-        return new.replace(params=tree.map(lambda m: m.to(self.param_dtype), new.params),
-                           opt_state=MasterState(master=new.params, inner=new.opt_state))
+        old = tree.leaves(state.params)
+        if donation.writable(old) and all(o.dtype == self.param_dtype for o in old):
+            with torch.no_grad():        # a donated step: the low-precision copy into the old one
+                params = tree.map(lambda o, m: o.copy_(m), state.params, new.params)
+        else:
+            params = tree.map(lambda m: m.to(self.param_dtype), new.params)
+        return new.replace(params=params, opt_state=MasterState(master=new.params, inner=new.opt_state))
 
 
 def _identity(g):

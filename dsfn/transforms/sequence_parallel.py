@@ -10,7 +10,14 @@ the loss) runs on the slice; attention needs the whole sequence, so it is wrappe
 
 (4 all-to-alls of the q/k/v/o activation size per attention layer in forward; their
 adjoints in backward.) Heads are those this rank computes (after tensor parallel's split,
-so heads are split over tp x sp); sp must divide the query and key/value head counts.
+so heads are split over tp x sp); sp must divide the query heads (else a MeshError naming
+the sp degrees that work). Grouped-query attention with key/value heads that sp does not
+divide (fewer than sp, e.g. 8 query / 2 kv heads at sp=4, or 1 kv head per tp rank at
+tp=2 x sp=2): k and v are first repeated by f = sp / gcd(Hkv, sp) (`kv_replication`,
+DeepSpeed's kv_replication_factor) in `repeat_kv`'s order (kv head j -> copies j*f ..
+j*f+f-1), so every rank receives the key/value heads its query heads use; the copies'
+gradients sum back through the repeat, and k, v travel with Hkv*f heads. Query heads that
+are not a multiple of the key/value heads (after tp's split) are a MeshError.
 
 Which attention is wrapped:
 - a Hugging Face model (`config._attn_implementation`): during the step the model's
@@ -29,7 +36,19 @@ caller did not pass them (RoPE and learned position embeddings see positions r*T
 ...); a model whose forward takes no `position_ids` is an error (it would count from 0
 on every rank) unless `require_position_ids=False`. Attention is causal over the whole sequence;
 right padding (attention_mask 1...1 0...0) is exact for the valid tokens; other masks
-are rejected.
+(left padding, holes) are rejected with a ShapeError: pack or right-pad such rows.
+
+Packed rows (several documents per row, a Hugging Face model given `position_ids` that
+restart at 0 at each document): inside Ulysses attention every rank holds the whole
+sequence for its heads, so `dsfn.integrations.hf` all-gathers the position_ids over sp
+(once per forward; not when they are the transform's own consecutive positions) and
+masks attention to each document (a document starts where a position is not its
+predecessor + 1, HF's `find_packed_sequence_indices`), together with the causal mask and
+any sliding window: eager and sdpa get that mask, flash attention the whole sequence's
+position_ids (its own varlen path) and the caller's `cu_seq_lens_q/k` as they are (they
+describe the whole sequence). Documents are separated whatever `use_cache` or an
+attention_mask say (single-process HF separates them only with use_cache=False and no
+attention_mask). AutoSP / `ulysses_sdpa` models (no mask) get no document masking.
 
 The batch (`wrap_step`, before the step sees it): every tensor with a sequence dim
 (dim 1, the length of `batch[seq_key]`) is split over sp; a tensor of dim >= 2 whose dim
@@ -68,6 +87,7 @@ runs after ZeRO's reduce-scatter over dp (the sum is linear, so it commutes).
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 import torch
@@ -128,24 +148,44 @@ class _AllToAll(torch.autograd.Function):
 
 def ulysses_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, axis: str = "sp",
                  **sdpa_kwargs: Any) -> torch.Tensor:
-    """Causal `F.scaled_dot_product_attention` of sequence-sharded q, k, v [B, H, T/sp, d]
-    as Ulysses attention over `axis` (the manual integration: call it in a model's
-    attention and use `sequence_parallel(auto=False)`). Returns [B, H, T/sp, d]."""
+    """Causal `F.scaled_dot_product_attention` of sequence-sharded q [B, H, T/sp, d] and k, v
+    [B, Hkv, T/sp, d] as Ulysses attention over `axis` (the manual integration: call it in a
+    model's attention and use `sequence_parallel(auto=False)`). Grouped-query attention
+    (Hkv < H) needs `enable_gqa=True`, as for sdpa itself; key/value heads fewer than sp are
+    replicated (`replicate_kv`). Returns [B, H, T/sp, d]."""
     n = current_mesh().size(axis)
     if n == 1:
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, **sdpa_kwargs)
-    check_heads(query.shape[1], key.shape[1], n, "ulysses_sdpa")
+    f = kv_replication(query.shape[1], key.shape[1], n, "ulysses_sdpa")
+    key, value = replicate_kv(key, f), replicate_kv(value, f)
     q, k, v = (seq_to_heads(t, axis) for t in (query, key, value))
     return heads_to_seq(F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa_kwargs), axis)
 
 
-def check_heads(heads: int, kv_heads: int, n: int, where: str) -> None:
-    """sp must divide the query and key/value heads this rank computes."""
-    if heads % n or kv_heads % n:
-        valid = [d for d in range(1, heads + 1) if heads % d == 0 and kv_heads % d == 0]
-        raise MeshError(f"sequence_parallel: sp={n} does not divide the attention heads of {where} ({heads} query, "
-                        f"{kv_heads} key/value heads on this rank, after any tensor-parallel split); Ulysses gives "
-                        f"each sp rank whole heads: valid sp degrees are {valid}")
+def kv_replication(heads: int, kv_heads: int, n: int, where: str) -> int:
+    """The factor f by which the key/value heads must be repeated so that n (sp) divides them:
+    f = n / gcd(kv_heads, n) (1 when n divides kv_heads; DeepSpeed Ulysses's
+    `kv_replication_factor`). n must divide the query heads (Ulysses gives each rank whole
+    heads), and the query heads must be a multiple of the key/value heads (GQA); then
+    kv_heads * f divides the query heads too, so each rank's H/n query heads need exactly
+    its kv_heads * f / n key/value heads (see `replicate_kv`)."""
+    if heads % n:
+        valid = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise MeshError(f"sequence_parallel: sp={n} does not divide the {heads} query heads of {where} (on this rank, "
+                        f"after any tensor-parallel split); Ulysses gives each sp rank whole query heads: valid sp "
+                        f"degrees are {valid}")
+    if kv_heads < 1 or heads % kv_heads:
+        raise MeshError(f"sequence_parallel: {where} has {heads} query heads and {kv_heads} key/value heads (on this "
+                        "rank); grouped-query attention needs the query heads to be a multiple of the key/value "
+                        "heads, which a tensor-parallel split must keep (choose tp dividing both)")
+    return n // math.gcd(kv_heads, n)
+
+
+def replicate_kv(x: torch.Tensor, f: int) -> torch.Tensor:
+    """[B, Hkv, T, d] -> [B, Hkv * f, T, d], head j repeated f times in place (j*f ... j*f+f-1):
+    HF's `repeat_kv` order, so query head h keeps its key/value head (h // (H / Hkv) before,
+    h // (H / (Hkv * f)) after, the same head). Autograd sums the copies' gradients back."""
+    return x if f == 1 else x.repeat_interleave(f, dim=1)
 
 
 class _UlyssesSDPA(TorchFunctionMode):
@@ -166,7 +206,8 @@ class _UlyssesSDPA(TorchFunctionMode):
                               "mask or is not causal; AutoSP handles causal attention without masks (is_causal=True)")
         q, k, v = a["query"], a["key"], a["value"]
         n = current_mesh().size(self.axis)
-        check_heads(q.shape[1], k.shape[1], n, "a scaled_dot_product_attention call")
+        f = kv_replication(q.shape[1], k.shape[1], n, "a scaled_dot_product_attention call")
+        k, v = replicate_kv(k, f), replicate_kv(v, f)
         q, k, v = (seq_to_heads(t, self.axis) for t in (q, k, v))
         rest = {key: a[key] for key in ("dropout_p", "scale", "enable_gqa") if key in a}
         out = func(q, k, v, is_causal=True, **rest)      # the mode is off inside its own handler
@@ -205,6 +246,7 @@ class SequenceParallel(Transform):
         self.require_position_ids = bool(require_position_ids)
         self.bucket_mb = 25
         self._positions: torch.Tensor | None = None     # this step's global positions of local tokens
+        self._arange: torch.Tensor | None = None        # the positions shard_batch made (no documents)
         self._weight: tuple[torch.Tensor, torch.Tensor] | None = None
         self._dp_axes: list[str] = []          # data-parallel axes inside (they average over their axis)
         self._batch_shifted = False            # this step's batch holds whole-sequence `shift_labels`
@@ -273,6 +315,7 @@ class SequenceParallel(Transform):
         # global positions of this rank's tokens, [1, T/sp] (broadcast over rows, which ZeRO may
         # split further); a batch's own position_ids are taken from the batch the loss sees
         self._positions = torch.arange(r * c, (r + 1) * c, device=ids.device)[None]
+        self._arange = self._positions      # known consecutive: Ulysses attention needs no all-gather of them
         # contiguous: the model may .view() them (HF's loss does, which a column slice of a
         # batch of several rows does not allow)
         out = {k: (x[:, r * c:(r + 1) * c].contiguous() if isinstance(x, torch.Tensor) and x.dim() >= 2 else x)
@@ -477,7 +520,7 @@ class SequenceParallel(Transform):
         from dsfn.integrations import hf
         if hf.is_hf_model(module):
             with hf.own_loss(module, self._hf_loss, args, kwargs):
-                with until_backward(hf.ulysses_attention(module, self.axis)):   # recomputes attend alike
+                with until_backward(hf.ulysses_attention(module, self.axis, self._arange)):   # recomputes alike
                     return call_next(apply_fn, params, args, kwargs)
         if not self.auto:       # the model calls ulysses_sdpa itself
             return call_next(apply_fn, params, args, kwargs)

@@ -38,7 +38,10 @@ the head's and the embedding's entries; Llama, Qwen2, Gemma2, ...); a user `plan
 
 Attention heads per rank follow from the sharded projections (the model's `view(...,
 -1, head_dim)` sees local heads); tp must divide the query and key/value head counts
-(GQA with fewer kv heads than tp is an error naming the degrees that work).
+(GQA with fewer kv heads than tp is an error naming the degrees that work: tp does not
+replicate k/v projections). Under tp x sp, sp then splits each tp rank's heads and
+replicates key/value heads it cannot divide (8 query / 2 kv heads at tp=2 x sp=2: 1 kv
+head per tp rank, repeated for its 2 sp ranks; see sequence_parallel).
 
 Uneven splits are padded (DimShard zero-pads the last chunks): a padded output
 feature of a colwise layer is exactly 0 (zero weight rows and bias), meets zero
@@ -367,8 +370,7 @@ class TensorParallel(Transform):
                 if planned:   # its forward would be rewritten while the state holds no piece of it
                     raise ConfigError(f"tensor_parallel: planned parameter {planned[0]!r} is not in the state's params "
                                       f"(they look like {list(shapes)[:3]}); pass model= the module that "
-                                      "dsfn.functionalize split into these params (frozen parameters cannot be "
-                                      "split yet: plan their modules 'replicate')")
+                                      "dsfn.functionalize split into these params")
                 continue
             choices = {}
             for alias in names:
@@ -416,7 +418,9 @@ class TensorParallel(Transform):
             return state
         shapes = {path: tuple(x.shape) for path, x in tree.leaves_with_path(state.params)
                   if isinstance(x, torch.Tensor)}
-        layouts = self.param_layouts(shapes)
+        # frozen parameters are constants, split by the plan too (handle_place_constants)
+        frozen = {n: tuple(p.shape) for n, p in self._module.named_parameters() if not p.requires_grad}
+        layouts = self.param_layouts({**frozen, **shapes})
         params = tree.map_with_path(lambda path, x: place(x, layouts[path]) if path in layouts else x, state.params)
 
         def mirror(path: str, x: Any) -> Any:
@@ -424,6 +428,35 @@ class TensorParallel(Transform):
             return place(x, layouts[owner]) if owner in layouts else x
         opt_state = state.opt_state if state.opt_state is None else tree.map_with_path(mirror, state.opt_state)
         return state.replace(params=params, opt_state=opt_state)
+
+    # -- frozen parameters ------------------------------------------------------------------------
+    def handle_place_constants(self, call_next, frozen):
+        """Frozen parameters of planned modules are split like trainable ones (their DimShard)."""
+        if current_mesh().size(self.axis) == 1 or self._module is None:
+            return call_next(frozen)
+        trainable = {n: tuple(p.shape) for n, p in self._module.named_parameters() if p.requires_grad}
+        layouts = self.param_layouts({**trainable, **{n: tuple(x.shape) for n, x in frozen.items()}})
+        return call_next({n: (place(x, layouts[n]) if n in layouts else x) for n, x in frozen.items()})
+
+    def _constants_view(self, apply_fn):
+        """`apply_fn` with its placed frozen parameters split by the plan (at the first forward),
+        as an ApplyFn whose constants are this rank's pieces (cached per apply_fn)."""
+        todo = {k: apply_fn.constants[k] for k in getattr(apply_fn, "frozen", ())
+                if isinstance(apply_fn.constants.get(k), torch.Tensor)}
+        if todo:
+            from dsfn.effects import bind
+            from dsfn.state.init import store_constants
+            store_constants(apply_fn, bind("place_constants", lambda c: c, todo))
+        if all(isinstance(v, torch.Tensor) for v in apply_fn.constants.values()):
+            return apply_fn
+        ids = tuple(map(id, apply_fn.constants.values()))
+        hit = getattr(self, "_view", None)
+        if hit is None or hit[0] is not apply_fn or hit[1] != ids:
+            from dsfn.functional import ApplyFn
+            consts = {k: (v.data if isinstance(v, Placed) else v) for k, v in apply_fn.constants.items()}
+            hit = self._view = (apply_fn, ids, ApplyFn(apply_fn.module, consts, apply_fn.param_names, apply_fn.buffers,
+                                                        apply_fn.buffer_dtype, frozen=apply_fn.frozen))
+        return hit[2]
 
     # -- forward --------------------------------------------------------------------------------
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
@@ -436,6 +469,7 @@ class TensorParallel(Transform):
         n = current_mesh().size(self.axis)
         if n == 1:
             return call_next(apply_fn, params, args, kwargs)
+        apply_fn = self._constants_view(apply_fn)
         if self._resolved is None:
             self._resolved = self.module_styles(module)
         # installed until backward is over: a recompute (activation checkpointing) re-issues

@@ -695,7 +695,11 @@ def _select(mats: dict[str, _Mat], G: dict, dev: torch.device) -> dict[str, torc
             v[c0:c1] += part
         sums[n] = v.to(dev)
     sums = _all_reduce_groups(sums, mats)
-    return {n: _top_k(sums[n].cpu(), m.k) if m.k else torch.zeros(m.cols, dtype=torch.bool)
+    # one device-to-host copy for all matrices (a `.cpu()` each would wait for the device each time)
+    names = list(sums)
+    flat = torch.cat([sums[n].reshape(-1) for n in names]).cpu() if names else None
+    host = dict(zip(names, flat.split([sums[n].numel() for n in names]))) if names else {}
+    return {n: _top_k(host[n], m.k) if m.k else torch.zeros(m.cols, dtype=torch.bool)
             for n, m in mats.items()}
 
 

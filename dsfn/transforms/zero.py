@@ -28,6 +28,17 @@ ModuleList); the parameters outside every unit form a root unit, live for the wh
 forward. Parameters with at most `param_persistence_threshold` elements stay
 replicated (their gradients are all-reduced), as in DeepSpeed.
 
+Frozen parameters (`requires_grad=False`: the base model of LoRA/PEFT fine-tuning) are
+not state but constants of the apply_fn (`apply_fn.frozen`); stage 3 stores them sharded
+too, as DeepSpeed ZeRO-3 and FSDP2 do: at the Step's first forward (or when
+`dsfn.state.init.init_sharded` builds the state) each entry of `apply_fn.constants` it
+names becomes this rank's `FlatShard` piece (`Placed`) and the module's own full tensor is
+released, so a frozen base costs 1/N per rank. They are gathered per unit with the
+trainable ones (same all-gathers, same saved-tensor re-gathers in backward), in mixed
+precision's compute dtype when one is inside, and never get gradients or optimizer state;
+a unit's frozen weights re-gathered for backward are dropped once backward moves to the
+next unit (trainable ones go when their gradient arrives).
+
 Ranks whose data reach different parameters (MoE routing, a skipped branch) issue the same
 collectives: gradients are reduce-scattered in a fixed bucket plan over every parameter
 (`dsfn.runtime.buckets.FixedBuckets`; zeros for a parameter this rank's loss did not
@@ -55,11 +66,13 @@ import torch
 from torch import nn
 
 from dsfn import tree
+from dsfn.effects import bind
 from dsfn.errors import ConfigError, StackError
 from dsfn.functional import until_backward
 from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import ShardReducer, all_gather_full, map_whole
 from dsfn.runtime.mesh import current_mesh, grad_channel
+from dsfn.state.init import store_constants
 from dsfn.state.layout import (
     FlatShard,
     Layout,
@@ -76,7 +89,6 @@ from dsfn.transforms.data_parallel import (
     DataParallel,
     all_reduce_buckets,
     registration_order,
-    stand_in_grad,
     tap_gradients,
 )
 
@@ -109,6 +121,8 @@ class ShardZero(DataParallel):
         self._reducer: ShardReducer | None = None
         self._gatherers: list[UnitGatherer] = []     # stage 3: this round's forwards, for backward's end
         self._expect: dict[str, list] = {}            # stage 3: key -> [gradients still due, their sum]
+        self._frozen_dtype: torch.dtype | None = None  # mixed precision's compute dtype (check_stack)
+        self._views: dict[int, tuple] = {}             # id(apply_fn) -> (apply_fn, constants' ids, view, cast)
 
     # -- stack rules -------------------------------------------------------------------
     def check_stack(self, stack, index):
@@ -117,6 +131,10 @@ class ShardZero(DataParallel):
             if type(t) is DataParallel:
                 raise StackError("shard_zero already does data parallelism over "
                                  f"{self.axis!r}; remove data_parallel() from the stack")
+        # frozen parameters are gathered in the compute dtype of a mixed precision inside
+        inner = stack[index + 1:]
+        self._frozen_dtype = next((t.param_dtype for t in inner if "mixed_precision" in getattr(t, "roles", ())
+                                   and getattr(t, "active", False)), None)
 
     def explain_note(self) -> str:
         if current_mesh().size(self.axis) == 1:
@@ -167,7 +185,7 @@ class ShardZero(DataParallel):
                     continue
                 full = _zero_layout(x.layout).shape if self._mine(x) else tuple(_data(x).shape)
                 named.append((path, torch.empty(full, dtype=_data(x).dtype, device="meta")))
-                devices[path] = _data(x).device
+                devices[path] = compute_device(x)     # zeros of an unused one: where grads are
             # stage 3 reduce-scatters on a channel of their own: its all-gathers are issued on
             # demand during backward, so the two sequences interleave differently on ranks
             # whose data reached different units; each channel's own order is the same
@@ -311,17 +329,61 @@ class ShardZero(DataParallel):
             return Nested(x.layout, FlatShard(self.axis, tuple(x.data.shape)))
         return FlatShard(self.axis, tuple(x.shape))
 
+    # -- stage 3: frozen parameters ---------------------------------------------------------------
+    def handle_place_constants(self, call_next, frozen):
+        """Frozen parameters (name -> tensor, or an inner transform's piece) -> this rank's
+        FlatShard pieces at stage 3 (meta tensors too: `init_sharded` fills them later)."""
+        frozen = call_next(frozen)
+        if self.stage != 3 or current_mesh().size(self.axis) == 1:
+            return frozen
+        return {n: (self._as_shard(x) if self._sharded(x) else x) for n, x in frozen.items()}
+
+    def shard_frozen(self, apply_fn: Any) -> None:
+        """Store `apply_fn`'s frozen parameters sharded, in place (see the module docstring):
+        their `constants` entries become Placed pieces; the module's full tensors are released."""
+        if self.stage != 3 or current_mesh().size(self.axis) == 1:
+            return
+        todo = {n: apply_fn.constants[n] for n in getattr(apply_fn, "frozen", ())
+                if isinstance(apply_fn.constants.get(n), torch.Tensor)}
+        if not todo:
+            return
+        placed = bind("place_constants", lambda c: c, todo)
+        store_constants(apply_fn, placed)
+
+    def _frozen_view(self, apply_fn: Any) -> tuple[Any, dict[str, tuple[torch.Tensor, FlatShard]]]:
+        """(an ApplyFn whose constants are plain tensors — a sharded frozen parameter's local
+        piece —, {name: (the piece to gather, in the compute dtype; its FlatShard)}); cached
+        per apply_fn."""
+        ids = tuple(map(id, apply_fn.constants.values()))
+        hit = self._views.get(id(apply_fn))
+        if hit is not None and hit[0] is apply_fn and hit[1] == ids:
+            return hit[2], hit[3]
+        from dsfn.functional import ApplyFn
+        dtype = self._frozen_dtype
+        pieces = {n: v.data for n, v in apply_fn.constants.items() if self._mine(v)}
+        cast = {n: (t.to(dtype) if dtype is not None and t.is_floating_point() else t,
+                    _zero_layout(apply_fn.constants[n].layout)) for n, t in pieces.items()}
+        consts = {n: _data(v) for n, v in apply_fn.constants.items()}
+        view = ApplyFn(apply_fn.module, consts, apply_fn.param_names, apply_fn.buffers, apply_fn.buffer_dtype,
+                       frozen=apply_fn.frozen)
+        self._views[id(apply_fn)] = (apply_fn, ids, view, cast)
+        return view, cast
+
     # -- stage 3: gather units just in time -----------------------------------------------------
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
-        if self.stage != 3 or not any(self._mine(v) for v in params.values()):
+        if self.stage != 3:
             return call_next(apply_fn, params, args, kwargs)
-        gatherer = UnitGatherer(apply_fn.module, params, self)
+        self.shard_frozen(apply_fn)
+        view, frozen = self._frozen_view(apply_fn)
+        if not frozen and not any(self._mine(v) for v in params.values()):
+            return call_next(apply_fn, params, args, kwargs)
+        gatherer = UnitGatherer(apply_fn.module, params, self, frozen)
         if self._reducer is not None:           # inside value_and_grad: its backward ends the sequence
             self._gatherers.append(gatherer)
         # unit hooks stay until backward is over, so a recompute (activation checkpointing)
         # re-gathers its unit in backward's fixed order; saved-tensor hooks cover the forward
         with until_backward(gatherer.module_hooks()), gatherer:
-            return call_next(apply_fn, gatherer.call_params, args, kwargs)
+            return call_next(view, gatherer.call_params, args, kwargs)
 
 
 def shard_zero(*args: Any, **kwargs: Any) -> ShardZero:
@@ -340,6 +402,17 @@ def shard_zero(*args: Any, **kwargs: Any) -> ShardZero:
 
 def _data(x: Any) -> torch.Tensor:
     return x.data if isinstance(x, Placed) else x
+
+
+def compute_device(x: Any) -> torch.device:
+    """Where leaf `x` is computed with: an offloaded piece's `home` (the device it came from,
+    e.g. cuda:0 for a shard kept in host memory), else the device its data is on."""
+    layout = x.layout if isinstance(x, Placed) else None
+    while isinstance(layout, Nested):
+        layout = layout.outer
+    if isinstance(layout, Offloaded):
+        return torch.device(layout.home)
+    return _data(x).device
 
 
 def _zero_layout(layout: Layout) -> FlatShard | None:
@@ -374,13 +447,16 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard, gatherer, index):
-        ctx.gatherer, ctx.index = gatherer, index
+        ctx.gatherer, ctx.index, ctx.shard_device = gatherer, index, shard.device
         return gatherer.full(index)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.gatherer.grad_ready(ctx.index, grad)
-        return stand_in_grad(grad, ctx.gatherer.shard_shape(ctx.index)), None, None
+        # autograd wants the input's device: an offloaded shard lives on the host while its
+        # gathered weight (and so `grad`) is on the compute device
+        stand_in = torch.zeros((), dtype=grad.dtype, device=ctx.shard_device)
+        return stand_in.expand(ctx.gatherer.shard_shape(ctx.index)), None, None
 
 
 def find_units(module: nn.Module, patterns: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
@@ -414,12 +490,23 @@ class UnitGatherer:
     "zero3.live_units" (current and max) for tests and explain.
     """
 
-    def __init__(self, module: nn.Module, params: dict[str, Any], zero: ShardZero):
+    def __init__(self, module: nn.Module, params: dict[str, Any], zero: ShardZero,
+                 frozen: dict[str, tuple[torch.Tensor, FlatShard]] | None = None):
         self.zero, self.module = zero, module
         self.names = [n for n, v in params.items() if zero._mine(v)]
-        self.index = {n: i for i, n in enumerate(self.names)}
         self.shards = [params[n].data for n in self.names]
         self.layouts = [_zero_layout(params[n].layout) for n in self.names]
+        # where each gathered weight must be (offload(params=True) keeps shards on the host)
+        self.homes = [compute_device(params[n]) for n in self.names]
+        # frozen parameters (`frozen`: name -> shard to gather) ride along: no gradients
+        self.frozen: set[int] = set()
+        for n, (piece, layout) in (frozen or {}).items():
+            self.frozen.add(len(self.names))
+            self.names.append(n)
+            self.shards.append(piece)
+            self.layouts.append(layout)
+            self.homes.append(piece.device)
+        self.index = {n: i for i, n in enumerate(self.names)}
         self.call_params = {n: (v.data if isinstance(v, Placed) else v) for n, v in params.items()}
         # every (owner module, attribute) slot through which a parameter is reached (tied ones too)
         by_obj: dict[int, list[str]] = {}
@@ -485,10 +572,16 @@ class UnitGatherer:
         ids = self.unit_params[u]
         shapes = [self.layouts[i].shape for i in ids]
         # one bucketed all-gather per unit; async so the next unit's gather overlaps compute
-        self._pending[u] = all_gather_full([self.shards[i] for i in ids], shapes, self.zero.axis,
+        self._pending[u] = all_gather_full([self._on_home(i) for i in ids], shapes, self.zero.axis,
                                            self.zero.allgather_bucket_size, async_op=True)
         self._live.add(u)
         _gauge_live(self._live)
+
+    def _on_home(self, i: int) -> torch.Tensor:
+        """Shard i on its compute device (a host shard is copied there non-blocking), so the
+        gathered weight lands where the forward runs, under gloo and NCCL alike."""
+        s = self.shards[i]
+        return s if s.device == self.homes[i] else s.to(self.homes[i], non_blocking=True)
 
     def _launch_upto(self, u: int) -> None:
         """Launch units `_fw_next .. u` (registration order) that are not launched yet."""
@@ -536,7 +629,7 @@ class UnitGatherer:
             self._materialize(u)
             self._launch_upto(u + self.zero.prefetch)   # prefetch: overlaps this unit's compute
             for i in self.unit_params[u]:
-                if torch.is_grad_enabled() and self.zero._reducer is not None:
+                if torch.is_grad_enabled() and self.zero._reducer is not None and i not in self.frozen:
                     self.zero._gather_made(self.names[i])
                 full = _Gather.apply(self.shards[i], self, i)
                 for owner, attr in self.slots[i]:
@@ -575,7 +668,7 @@ class UnitGatherer:
 
     def _gather_async(self, u: int):
         ids = self.unit_params[u]
-        return all_gather_full([self.shards[j] for j in ids], [self.layouts[j].shape for j in ids],
+        return all_gather_full([self._on_home(j) for j in ids], [self.layouts[j].shape for j in ids],
                                self.zero.axis, self.zero.allgather_bucket_size, async_op=True)
 
     def _bw_launch_upto(self, pos: int) -> None:
@@ -598,6 +691,10 @@ class UnitGatherer:
             self._bw_pending.pop(v).wait()        # a unit this rank skipped: its gather, dropped
         for j, t in zip(self.unit_params[u], handle.wait()):
             self._bw.setdefault(j, t)
+        # frozen weights of units backward has passed: no gradient will mark them done
+        for j in [j for j in self._bw if j in self.frozen and self.unit_of[j] not in (0, u)
+                  and self._bw_pos[self.unit_of[j]] < p]:
+            del self._bw[j]
         self._bw_launch_upto(p + self.zero.prefetch)
         # units held for backward besides the root (gathered, or in flight): stays bounded
         C.gauge("zero3.backward_units", len(({self.unit_of[j] for j in self._bw} | set(self._bw_pending)) - {0}))

@@ -31,6 +31,7 @@ def test_force_cpu_values(monkeypatch, value, expected):
 
 def test_cuda_when_visible_unless_forced(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.delenv("DSFN_FORCE_CPU", raising=False)
     assert env.device() == torch.device("cuda", 1) and env.backend() == "nccl"

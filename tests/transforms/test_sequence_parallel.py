@@ -191,7 +191,8 @@ def test_checkpoint_saved_at_sp2_loads_at_sp1(tmp_path):
 
 def _run_one(kind):
     init_mesh(sp=4 if kind == "heads" else 2)
-    model = make_tiny_causal_lm("llama", num_key_value_heads=2) if kind == "heads" else make_gpt()
+    model = (make_tiny_causal_lm("llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=2)
+             if kind == "heads" else make_gpt())      # 6 query heads: sp=4 cannot split them
     apply_fn, params = dsfn.functionalize(model)
     sp = sequence_parallel(seq_length=12, seq_length_is_variable=False) if kind == "fixed" else sequence_parallel()
     step = compose(sp)(train_step_for(apply_fn, loss_fn))
@@ -211,7 +212,7 @@ def _run_one(kind):
     ("shape", ShapeError, r"batch\['attention_mask'\] has shape \(4, 11\).*differs from batch\['input_ids'\]'s "
                           r"\(4, 12\)"),
     ("fixed", ShapeError, r"seq_length=12, seq_length_is_variable=False\): got a batch of length 10"),
-    ("heads", MeshError, r"sp=4 does not divide the attention heads .*valid sp degrees are \[1, 2\]"),
+    ("heads", MeshError, r"sp=4 does not divide the 6 query heads .*valid sp degrees are \[1, 2, 3, 6\]"),
     ("mask", ShapeError, "attention_mask must be right padding"),
 ])
 def test_bad_input_is_a_clear_error(kind, err, pattern):

@@ -1,0 +1,120 @@
+"""Host syncs per training step, counted on any machine (the `meta` device stands in for the GPU).
+
+    python benchmarks/host_syncs.py            # ~1 min on 2 CPU cores
+
+For each stack, one step of the example GPT with 2 and with 6 layers (29 vs 77 parameter
+tensors) runs on meta under `dsfn.runtime.syncs.count_host_syncs()`; dispatch is told that
+meta tensors take the fused (Triton on CUDA) AdamW path, whose kernel is replaced by the torch
+reference (the same argument preparation). Baseline, measured in the same run for the AdamW
+stacks: the code before issue 16 patched back in (the host lr and step copied to the device by
+each leaf's kernel call, blocking; the loss scale's overflow test reading one bool per
+gradient). Muon and offload have no baseline here ("-"). Prints syncs per step and the ratio
+to the baseline; on a GPU `benchmarks/gpu_e2e.py` counts them on CUDA.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "examples"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import torch  # noqa: E402
+
+import dsfn  # noqa: E402
+from dsfn.models import GPT, GPTConfig, gpt_loss  # noqa: E402
+from dsfn.ops import adamw as A  # noqa: E402
+from dsfn.ops import dispatch  # noqa: E402
+from dsfn.optim import transform as T  # noqa: E402
+from dsfn.runtime.syncs import count_host_syncs  # noqa: E402
+from dsfn.transforms import clip_grad_norm, loss_scale, mixed_precision, offload, shard_zero  # noqa: E402
+
+STACKS = {
+    "zero3+bf16 adamw": (lambda: [shard_zero(3), mixed_precision(torch.bfloat16)], "adamw"),
+    "zero3+bf16+clip adamw": (lambda: [shard_zero(3), mixed_precision(torch.bfloat16), clip_grad_norm(1.0)], "adamw"),
+    "zero2+fp16+loss_scale+clip": (lambda: [shard_zero(2), mixed_precision(torch.float16), loss_scale(),
+                                            clip_grad_norm(1.0)], "adamw"),
+    "zero3+offload(cpu)": (lambda: [shard_zero(3), offload("cpu")], "adamw"),
+    "zero3+bf16 muon": (lambda: [shard_zero(3), mixed_precision(torch.bfloat16)], "muon"),
+}
+
+
+@contextlib.contextmanager
+def patched(obj, name, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def _tx(kind: str):
+    if kind == "muon":
+        return dsfn.optim.muon(lr=0.02)
+    import train_gpt
+    return train_gpt.make_optimizer(1e-3, warmup=2, steps=100, weight_decay=0.1)
+
+
+def syncs_per_step(n_layer: int, stack, kind: str) -> int:
+    cfg = dataclasses.replace(GPTConfig.preset("tiny"), n_layer=n_layer)
+    apply_fn, params = dsfn.functionalize(GPT(cfg, seed=0).to("meta"))
+
+    def train_step(state, b):
+        loss, grads = dsfn.value_and_grad(lambda p, x: gpt_loss(apply_fn(p, x["input_ids"]), x["labels"]))(
+            state.params, b)
+        return state.apply_gradients(grads), {"loss": loss}
+    step = dsfn.compose(*stack())(train_step)
+    ids = torch.zeros(2, cfg.seq_len, dtype=torch.long, device="meta")
+    batch = {"input_ids": ids, "labels": ids}
+    with count_host_syncs():
+        state = step.place(dsfn.TrainState.create(params, tx=_tx(kind)))
+        state, _ = step(state, batch)
+    with count_host_syncs() as s:
+        step(state, batch)
+    return s.total
+
+
+def _old_preparation():
+    """The pre-fix optimizer preparation: per-leaf blocking copies of the host lr and step."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(patched(T, "_lr_on", lambda v, device: v))
+    stack.enter_context(patched(A, "_scalar_on", lambda x, f64: x.reshape(()).to(**f64)
+                                if isinstance(x, torch.Tensor) else torch.tensor(float(x), **f64)))
+    stack.enter_context(patched(T, "_step_on", lambda t, device: torch.tensor(t, dtype=torch.int64)))
+
+    def old_overflow(grads):
+        # the old test read one bool per gradient; on a finite step it reads them all. Meta reads
+        # are fake (False), so the reads are made and a finite step is reported
+        leaves = [t for t in dsfn.tree.leaves(grads) if t.numel()]
+        [bool(torch.isfinite(n)) for n in torch._foreach_norm(leaves, float("inf"))]
+        return False
+    LS = sys.modules["dsfn.transforms.loss_scale"]       # (the package attribute is the function)
+    stack.enter_context(patched(LS, "any_nonfinite_everywhere", old_overflow))
+    return stack
+
+
+def main() -> None:
+    fake = lambda *ts, dtypes=(): bool(ts) and all(t.device.type == "meta" for t in ts  # noqa: E731
+                                                   if isinstance(t, torch.Tensor))
+    with patched(dispatch, "use_triton", fake), patched(A, "adamw_update_triton", A.adamw_update_torch):
+        print("host syncs per step on the example GPT (meta standing in for CUDA), 2 vs 6 layers:")
+        print(f"  {'stack':30s} {'2 layers':>9s} {'6 layers':>9s}   baseline (before) 2 / 6   ratio at 6 layers")
+        for name, (stack, kind) in STACKS.items():
+            now = [syncs_per_step(n, stack, kind) for n in (2, 6)]
+            if kind == "adamw" and "offload" not in name:
+                with _old_preparation():
+                    base = [syncs_per_step(n, stack, kind) for n in (2, 6)]
+                ratio = f"{now[1] / base[1]:.3f}" if base[1] else "n/a"
+                was = f"{base[0]:6d} / {base[1]:<6d}"
+            else:
+                ratio, was = "-", f"{'-':>6s} / {'-':<6s}"
+            print(f"  {name:30s} {now[0]:9d} {now[1]:9d}   {was}        {ratio}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

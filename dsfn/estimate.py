@@ -1,0 +1,356 @@
+"""`estimate_memory(model, stack, world_size)`: per-rank bytes of a training state before launching it.
+
+    est = dsfn.estimate_memory(model_on_meta, [shard_zero(3), offload("cpu"), mixed_precision()],
+                               world_size=64, tx=dsfn.optim.adamw(3e-4))
+    print(est)                       # params / grads / optimizer / master / unit / buckets / host / nvme
+    est.deepspeed()                  # DeepSpeed's estimate_zero{2,3}_model_states_mem_needs formulas
+
+The model may live on the meta device (nothing is allocated), or be a parameter count
+(one flat tensor of that many elements). Per rank, with N = dp size, every tensor taken
+separately as dsfn lays it out (tp split first, then ZeRO's flat shard, padded to N):
+
+| field | what |
+|---|---|
+| `params` | the parameters on the compute device, in the compute dtype (mixed_precision's param_dtype): whole under ZeRO 0-2, a 1/N shard under ZeRO 3 (tensors with <= param_persistence_threshold elements whole) |
+| `grads` | the gradients that persist through backward: whole under ZeRO 0/1 (reduced after backward), a 1/N shard under ZeRO 2/3 |
+| `optimizer` | `tx.init`'s state on the device (run on meta tensors: exact leaves): the leaves mirroring a parameter are 1/N shards under ZeRO >= 1, scalars whole |
+| `master` | mixed precision's fp32 master weights on the device (1/N under ZeRO >= 1) |
+| `largest_unit` | ZeRO 3: the most bytes gathered at once (the largest unit — a repeated block — plus the root unit's parameters, which stay gathered through the forward) |
+| `buckets` | gradient-reduction buckets (reduce_bucket_size elements, at most the model) and, ZeRO 1/2, the all-gather bucket |
+| `host` / `nvme` | what `offload("cpu")` / `offload("nvme")` moves off the device: optimizer state and master weights, and ZeRO 3's parameter shards with `params=True` |
+
+`params + optimizer + master + host + nvme` is the state `Step.explain` measures on a rank
+(its leaves); `explain()` shows this estimate beside it. Gradients, units and buckets are
+transient (not state) and are estimated only.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from dsfn import tree
+from dsfn.errors import ConfigError
+
+__all__ = ["MemoryEstimate", "deepspeed_zero2_estimate", "deepspeed_zero3_estimate", "estimate_memory",
+           "measured_state_bytes"]
+
+_GiB = 2**30
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-rank bytes (see the module docstring for each field)."""
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    master: int = 0
+    largest_unit: int = 0
+    buckets: int = 0
+    host: int = 0
+    nvme: int = 0
+    num_params: int = 0
+    largest_layer: int = 0          # elements of the largest unit (DeepSpeed's largest_layer_params)
+    world_size: int = 1
+    mesh: dict = field(default_factory=dict)
+    stage: int = 0
+    offload: str | None = None
+    offload_params: bool = False
+
+    @property
+    def state(self) -> int:
+        """The state on this rank wherever it lives: what `Step.explain` measures."""
+        return self.params + self.optimizer + self.master + self.host + self.nvme
+
+    @property
+    def device(self) -> int:
+        """Peak device bytes of model states: state on the device + grads + largest unit + buckets."""
+        return self.params + self.optimizer + self.master + self.grads + self.largest_unit + self.buckets
+
+    def deepspeed(self, gpus_per_node: int = 8) -> dict[str, int]:
+        """DeepSpeed's published formulas for this model and dp size: {"gpu": per GPU, "cpu":
+        per node of `gpus_per_node`} (`estimate_zero2_model_states_mem_needs` for stages <= 2,
+        `estimate_zero3_model_states_mem_needs` for 3, whose largest layer is `largest_layer`)."""
+        n = self.mesh.get("dp", self.world_size)
+        per_node = min(gpus_per_node, n)
+        nodes = max(n // per_node, 1)
+        cpu = self.offload is not None
+        if self.stage == 3:
+            return deepspeed_zero3_estimate(self.num_params, self.largest_layer, per_node, nodes, cpu_offload=cpu,
+                                            cpu_offload_params=self.offload_params)
+        return deepspeed_zero2_estimate(self.num_params, per_node, nodes, cpu_offload=cpu)
+
+    def __str__(self) -> str:
+        g = _human
+        g = _human
+        lines = [f"memory estimate per rank ({self.num_params / 1e9:.3f}B params, world {self.world_size}, "
+                 f"mesh {self.mesh}, ZeRO {self.stage}{', offload ' + self.offload if self.offload else ''}):"]
+        for k in ("params", "grads", "optimizer", "master", "largest_unit", "buckets", "host", "nvme"):
+            lines.append(f"  {k:13s} {g(getattr(self, k))}")
+        lines.append(f"  {'device peak':13s} {g(self.device)}   (state on this rank: {g(self.state)})")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _human(b: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= size:
+            return f"{b / size:9.3f} {unit}"
+    return f"{b:9.0f} B  "
+
+
+def deepspeed_zero2_estimate(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1,
+                             cpu_offload: bool = False, additional_buffer_factor: float = 1.5) -> dict[str, int]:
+    """DeepSpeed's `estimate_zero2_model_states_mem_needs` (runtime/zero/stage_1_and_2.py, 0.19.8):
+    {"gpu": bytes per GPU, "cpu": bytes per node}. Without offload 2Ψ + 18Ψ/N per GPU (16-bit
+    params, then 16-bit and fp32 grads, fp32 params and Adam's two moments, sharded); with
+    CPU offload 2Ψ per GPU and Ψ·max(4N, 16)·1.5 per node."""
+    total_gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu = 2 * total_params
+        cpu = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        gpu = 2 * total_params + int(18 * total_params / total_gpus)
+        cpu = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return {"gpu": int(gpu), "cpu": int(cpu)}
+
+
+def deepspeed_zero3_estimate(total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1,
+                             num_nodes: int = 1, cpu_offload: bool = False, cpu_offload_params: bool = False,
+                             zero_init: bool = True, additional_buffer_factor: float = 1.5) -> dict[str, int]:
+    """DeepSpeed's `estimate_zero3_model_states_mem_needs` (runtime/zero/stage3.py, 0.19.8):
+    {"gpu": bytes per GPU, "cpu": bytes per node}; 4 bytes per element of the largest layer
+    on the GPU, plus 18Ψ/N (no offload) or 2Ψ/N (optimizer offload) or nothing (both offloaded)."""
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest = 4 * largest_layer_params
+    if cpu_offload:
+        if cpu_offload_params:
+            gpu = largest
+            cpu = total_params * (18 * gpus_factor if zero_init else max(4 * num_gpus_per_node, 18 * gpus_factor))
+        else:
+            gpu = largest + int(2 * total_params / total_gpus)
+            cpu = total_params * (16 * gpus_factor if zero_init else max(4 * num_gpus_per_node, 16 * gpus_factor))
+        cpu *= additional_buffer_factor
+    else:
+        gpu = largest + int(18 * total_params / total_gpus)
+        cpu = (largest_layer_params if zero_init else total_params) * 4 * num_gpus_per_node * additional_buffer_factor
+    return {"gpu": int(gpu), "cpu": int(cpu)}
+
+
+class _Mesh:
+    """Just enough of a Mesh for `Layout.local_shape`: axis sizes, no process group."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.sizes = sizes
+
+    def size(self, axis: str) -> int:
+        return self.sizes.get(axis, 1)
+
+
+def _stack_of(stack: Any) -> tuple:
+    if hasattr(stack, "stack") and hasattr(stack, "fn"):      # a Step
+        return tuple(stack.stack)
+    return tuple(stack or ())
+
+
+def _find(stack: tuple, name: str) -> Any:
+    return next((t for t in stack if getattr(t, "name", None) == name), None)
+
+
+def _params_of(model: Any) -> tuple[dict[str, tuple[int, ...]], nn.Module | None, torch.dtype]:
+    if isinstance(model, nn.Module):
+        seen, shapes, dtype = set(), {}, torch.float32
+        for n, p in model.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                shapes[n] = tuple(p.shape)
+                dtype = p.dtype
+        return shapes, model, dtype
+    if isinstance(model, int) and not isinstance(model, bool) and model > 0:
+        return {"params": (model,)}, None, torch.float32
+    if isinstance(model, dict) and model:       # {name: shape or tensor}
+        shapes = {n: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v) for n, v in model.items()}
+        first = next(iter(model.values()))
+        return shapes, None, first.dtype if isinstance(first, torch.Tensor) else torch.float32
+    raise ConfigError(f"estimate_memory(model={type(model).__name__}): pass an nn.Module (the meta device is "
+                      "enough), a dict {name: shape} or a parameter count (an int > 0)")
+
+
+def _unit_params(module: nn.Module | None, zero: Any, names: set[str]) -> tuple[int, int]:
+    """(elements of the largest unit, elements outside every unit) for ZeRO 3."""
+    if module is None:
+        return 0, 0
+    from dsfn.transforms.zero import find_units        # a helper, not a transform: the same units as ZeRO-3
+    units = find_units(module, getattr(zero, "units", None))
+    inside, largest = set(), 0
+    for uname, m in units:
+        n = 0
+        for pname, p in m.named_parameters(prefix=uname):
+            if pname in names and pname not in inside:
+                inside.add(pname)
+                n += p.numel()
+        largest = max(largest, n)
+    root = sum(p.numel() for n, p in module.named_parameters() if n in names and n not in inside)
+    return largest, root
+
+
+def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = (), world_size: int = 1, *,
+                    tx: Any = None, tp: int | None = None, sp: int | None = None,
+                    dtype: torch.dtype | None = None) -> MemoryEstimate:
+    """Per-rank bytes of parameters, gradients, optimizer state, master weights, the largest
+    gathered unit, buckets, host and NVMe (see the module docstring).
+
+    Args:
+        model: an nn.Module (meta device is enough), {name: shape} or a parameter count.
+        stack: the transforms (or a Step) the run will use.
+        world_size: ranks; dp = world / (tp * sp).
+        tx: the optimizer (default: `dsfn.optim.adamw`); its state is made on meta tensors.
+        tp, sp: mesh sizes (default: 2 if the stack has tensor_parallel / sequence_parallel
+            and world_size allows, else 1 — pass them for any other mesh).
+        dtype: the parameters' dtype without mixed precision (default: the model's, else fp32).
+    """
+    from dsfn.optim import adamw
+    stack = _stack_of(stack)
+    shapes, module, model_dtype = _params_of(model)
+    model_dtype = dtype or model_dtype
+    tx = tx if tx is not None else adamw(1e-3)
+    tp = tp if tp is not None else (2 if _find(stack, "tensor_parallel") and world_size % 2 == 0 else 1)
+    sp = sp if sp is not None else (2 if _find(stack, "sequence_parallel") and world_size % (2 * tp) == 0 else 1)
+    if world_size % (tp * sp):
+        raise ConfigError(f"estimate_memory: world_size {world_size} is not divisible by tp {tp} x sp {sp}")
+    dp = world_size // (tp * sp)
+    mesh = _Mesh({"dp": dp, "tp": tp, "sp": sp})
+    zero = _find(stack, "shard_zero")
+    stage = getattr(zero, "stage", 0) if zero is not None else 0
+    n_shard = dp if (zero is not None or _find(stack, "data_parallel") is not None) else 1
+    mp = _find(stack, "mixed_precision")
+    mp_active = mp is not None and mp.param_dtype != mp.master_dtype
+    pdtype = mp.param_dtype if mp_active else model_dtype
+    master_dtype = mp.master_dtype if mp_active else model_dtype
+    off = _find(stack, "offload")
+    threshold = getattr(zero, "param_persistence_threshold", 0) if zero is not None else 0
+
+    # tp: each planned parameter's local shape
+    local: dict[str, tuple[int, ...]] = dict(shapes)
+    tpt = _find(stack, "tensor_parallel")
+    if tpt is not None and tp > 1:
+        for name, layout in tpt.param_layouts(shapes).items():
+            try:
+                local[name] = tuple(layout.local_shape(mesh))
+            except Exception:   # noqa: BLE001  (a layout needing more of a mesh: count it whole)
+                pass
+    numel = {n: math.prod(s) for n, s in local.items()}
+    sharded = lambda n: stage == 3 and numel[n] > threshold
+    shard = lambda k: math.ceil(k / n_shard)
+    esize = lambda dt: torch.empty((), dtype=dt).element_size()
+
+    est = MemoryEstimate(num_params=sum(math.prod(s) for s in shapes.values()), world_size=world_size,
+                         mesh={"dp": dp, "tp": tp, "sp": sp}, stage=stage,
+                         offload=getattr(off, "device", None), offload_params=bool(getattr(off, "params", False)))
+    pb, gb = esize(pdtype), esize(pdtype)
+    param_bytes = sum((shard(k) if sharded(n) else k) * pb for n, k in numel.items())
+    if off is not None and est.offload_params and stage == 3:
+        moved = sum(shard(k) * pb for n, k in numel.items() if sharded(n))
+        param_bytes -= moved
+        setattr(est, "nvme" if est.offload == "nvme" else "host", moved)
+    est.params = param_bytes
+    total_local = sum(numel.values())
+    est.grads = sum((shard(k) if stage >= 2 else k) * gb for k in numel.values())
+
+    # optimizer state: tx.init on meta tensors of the local shapes in the master dtype
+    meta = {n: torch.empty(s, dtype=master_dtype, device="meta") for n, s in local.items()}
+    mirrored = scalars = 0
+    for path, x in tree.leaves_with_path(tx.init(meta)):
+        if not isinstance(x, torch.Tensor):
+            continue
+        mirrors = next((n for n in local if path.endswith(n) and tuple(x.shape) == local[n]), None)
+        if mirrors is None:
+            scalars += x.numel() * x.element_size()
+        else:
+            mirrored += (shard(x.numel()) if stage >= 1 else x.numel()) * x.element_size()
+    master_bytes = 0
+    if mp_active:
+        master_bytes = sum((shard(k) if stage >= 1 else k) * esize(master_dtype) for k in numel.values())
+    opt_bytes = mirrored + scalars
+    if off is not None:          # offload moves what mirrors a parameter; scalars (counts, lr) stay
+        where = "nvme" if est.offload == "nvme" else "host"
+        setattr(est, where, getattr(est, where) + mirrored + master_bytes)
+        opt_bytes, master_bytes = scalars, 0
+    est.optimizer, est.master = opt_bytes, master_bytes
+    if stage == 3:
+        largest, root = _unit_params(module, zero, set(shapes))
+        scale = lambda k: k if tpt is None or tp == 1 else math.ceil(k / tp)
+        est.largest_unit = (scale(largest) + scale(root)) * pb if module is not None else 0
+        est.largest_layer = largest
+    if zero is not None or _find(stack, "data_parallel") is not None:
+        rb = getattr(zero, "reduce_bucket_size", None)
+        if rb is None:
+            dpt = _find(stack, "data_parallel")
+            rb = int(getattr(dpt, "bucket_mb", 25.0) * 2**20) // gb
+        est.buckets = min(rb, total_local) * gb
+        if stage in (1, 2):
+            est.buckets += min(getattr(zero, "allgather_bucket_size", total_local), total_local) * pb
+    return est
+
+
+def measured_state_bytes(explanation: Any) -> dict[str, int]:
+    """`Step.explain`'s leaves summed as `MemoryEstimate` fields: params, optimizer, master
+    (on the device), host and nvme (offloaded leaves of any kind)."""
+    out = {"params": 0, "optimizer": 0, "master": 0, "host": 0, "nvme": 0}
+    for path, layout, _shape, _dtype, nbytes in explanation.leaves:
+        kind = type(layout).__name__
+        if "Offloaded" in kind:
+            out["nvme" if "Nvme" in kind else "host"] += nbytes
+        elif path.startswith("params."):
+            out["params"] += nbytes
+        elif path.startswith("opt_state.master."):
+            out["master"] += nbytes
+        elif path.startswith("opt_state."):
+            out["optimizer"] += nbytes
+    return out
+
+
+def explain_estimate(stack: Sequence[Any], state: Any) -> MemoryEstimate | None:
+    """`estimate_memory` for `Step.explain`: the logical shapes of `state.params` (a placed
+    state), the state's optimizer and the current mesh. None (with a warning) when the
+    stack holds something the estimate cannot read."""
+    import warnings
+    from dsfn.runtime import env
+    from dsfn.runtime.mesh import current_mesh
+    from dsfn.state.layout import Placed, is_placed
+    try:
+        shapes, dtype = {}, None
+        for path, x in tree.leaves_with_path(state.params, is_leaf=is_placed):
+            if isinstance(x, Placed):
+                shapes[path] = tuple(getattr(x.layout, "shape", x.data.shape))
+                dtype = dtype or x.data.dtype
+            elif isinstance(x, torch.Tensor):
+                shapes[path] = tuple(x.shape)
+                dtype = dtype or x.dtype
+        if not shapes or getattr(state, "tx", None) is None:
+            return None
+        mesh = current_mesh()
+        mp = _find(tuple(stack), "mixed_precision")
+        if mp is not None and mp.param_dtype != mp.master_dtype:
+            dtype = mp.master_dtype
+        return estimate_memory(shapes, stack, env.world_size(), tx=state.tx, tp=mesh.size("tp"),
+                               sp=mesh.size("sp"), dtype=dtype)
+    except Exception as e:    # noqa: BLE001  (explain still reports what it measured)
+        warnings.warn(f"explain: no memory estimate for this stack ({type(e).__name__}: {e})", stacklevel=3)
+        return None
+
+
+def estimate_vs_measured(est: MemoryEstimate, explanation: Any) -> str:
+    """The estimate's state fields beside `Step.explain`'s measured bytes, one line each."""
+    measured = measured_state_bytes(explanation)
+    lines = ["memory per rank (estimate | measured state leaves):"]
+    for k in ("params", "optimizer", "master", "host", "nvme"):
+        lines.append(f"  {k:13s} {_human(getattr(est, k))} | {_human(measured[k])}")
+    for k in ("grads", "largest_unit", "buckets"):
+        lines.append(f"  {k:13s} {_human(getattr(est, k))} | (transient, not measured)")
+    return "\n".join(lines)

@@ -1,0 +1,583 @@
+"""`from_ds_config(config, model=...)`: a DeepSpeed `ds_config.json` as a dsfn stack, optimizer and batch.
+
+    cfg = dsfn.from_ds_config("ds_config.json", model=model, world_size=8)
+    cfg.init_mesh()                                   # dp x sp x tp from the config and the world size
+    step = cfg.compose(train_step)                    # dsfn.compose(*cfg.transforms)(train_step)
+    state = step.init_state(params, cfg.tx)
+    for batch in loader(cfg.train_batch_size):        # the global batch: micro * accumulation * dp rows
+        state, metrics = step(state, batch)
+
+Keys and defaults are DeepSpeed 0.19's (`deepspeed/runtime/config.py`, `zero/config.py`,
+`zero/offload_config.py`, `precision_config.py`, `zenflow/zenflow_config.py`;
+/work/shared/reference/deepspeed_features.md). Mapping (stack in canonical order):
+
+| ds_config | dsfn |
+|---|---|
+| `sequence_parallel_size: N` (> 1) | `sequence_parallel()`, mesh sp = N |
+| `zero_optimization.stage` s (default 0) | `shard_zero(s, reduce_bucket_size, allgather_bucket_size, param_persistence_threshold)` (DeepSpeed's defaults 5e8, 5e8, 1e5 for stage 3) |
+| `tensor_parallel.autotp_size: N` (> 1) | `tensor_parallel("auto", model=model)`, mesh tp = N |
+| `activation_checkpointing.cpu_checkpointing` / `partition_activations` | `remat(offload="cpu")` / `remat(partition_activations=True)` |
+| `gradient_accumulation_steps: n` (> 1) | `accumulate(n)` |
+| `offload_optimizer.device` cpu / nvme (+ `offload_param` on the same device) | `offload(device, params=, path=nvme_path, pin_memory=, overlap=super_offload, cores=cpuadam_cores_perc)` |
+| `bf16.enabled` / `fp16.enabled` | `mixed_precision(torch.bfloat16 / torch.float16, reduce_dtype=communication_data_type)` |
+| `fp16` loss_scale, initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale | `loss_scale(init_scale=2**p, window, hysteresis, min_scale, static=loss_scale if > 0, consecutive_hysteresis)` |
+| `gradient_clipping` (default **1.0**; 0 disables) | `clip_grad_norm(c)` |
+| `zero_optimization.zenflow` | `zenflow(topk_ratio, update_interval, select_interval, full_warm_up_rounds, overlap=overlap_step)` |
+| `datastates_ckpt.host_cache_size` (GB), `checkpoint.writer.decoupled` | `async_checkpoint(dir, every, host_cache_size=bytes)` when `checkpoint_dir=` is given (else `cfg.checkpoint`) |
+| `optimizer` Adam / AdamW / Muon / SGD / other `torch.optim` types | `adamw` (Adam with `adam_w_mode` true, DeepSpeed's default) / `adam` / `muon` / `sgd` / `from_torch` |
+| `scheduler` | `dsfn.optim.schedules.from_config` as the lr |
+
+Batch sizes follow DeepSpeed's rule train_batch_size = micro * accumulation * dp world
+(dp world = world / (sp * tp)): any two give the third, all three must agree
+(`batch_sizes`). Keys dsfn does not reproduce raise one `ConfigError` listing all of them;
+keys that only tune performance or logging (bucket and prefetch tuning, aio, monitors, ...)
+are named in one `UserWarning` (`cfg.ignored` lists them). Defaults that differ from
+dsfn's own are DeepSpeed's here: gradient clipping 1.0, the optimizer's weight decay 0
+(FusedAdam / CPU Adam; torch's 0.01 with `torch_adam: true` for AdamW), Adam meaning AdamW.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from dsfn.errors import ConfigError
+
+__all__ = ["DsConfig", "batch_sizes", "from_ds_config"]
+
+# top-level keys that only tune speed, memory or logging: accepted, named in one warning
+_IGNORED_TOP = {
+    "steps_per_print": "logging", "wall_clock_breakdown": "logging", "memory_breakdown": "logging",
+    "flops_profiler": "profiling", "tensorboard": "logging", "wandb": "logging", "csv_monitor": "logging",
+    "comet": "logging", "comms_logger": "logging", "log_level": "logging", "dump_state": "logging",
+    "timers": "logging", "dataloader_drop_last": "data loading is the caller's",
+    "zero_allow_untested_optimizer": "dsfn runs any dsfn.optim optimizer under ZeRO",
+    "zero_force_ds_cpu_optimizer": "offload runs the host AdamW kernel by itself", "aio": "NVMe I/O tuning",
+    "prescale_gradients": "reduction tuning", "gradient_predivide_factor": "reduction tuning",
+    "seq_parallel_communication_data_type": "sp all-to-alls travel in the compute dtype",
+}
+_ZERO_PERF = {"contiguous_gradients", "reduce_scatter", "overlap_comm", "use_multi_rank_bucket_allreduce",
+              "allgather_partitions", "round_robin_gradients", "ignore_unused_parameters", "load_from_fp32_weights",
+              "sub_group_size", "stage3_prefetch_bucket_size", "prefetch_bucket_size", "stage3_max_live_parameters",
+              "stage3_max_reuse_distance", "stage3_model_persistence_threshold",
+              "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+              "stage3_module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params",
+              "stage3_allgather_sequential", "memory_efficient_linear", "override_module_apply", "elastic_checkpoint",
+              "save_muon_momentum_buffer_in_memory", "compute_grad_norm", "parameter_alignment",
+              "log_trace_cache_warnings"}
+_OFFLOAD_PERF = {"buffer_count", "buffer_size", "max_in_cpu", "fast_init", "pipeline_read", "pipeline_write",
+                 "pipeline"}
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class DsConfig:
+    """What a ds_config means in dsfn (see the module docstring).
+
+    `transforms`: the stack, outermost first (`compose(*transforms)`); `tx`: the optimizer
+    (its lr the scheduler when one is given); batch sizes per DeepSpeed's rule; `mesh`:
+    {"dp", "sp", "tp"} sizes for `dsfn.runtime.init_mesh`; `checkpoint`: async checkpoint
+    settings (`host_cache_size` in bytes, `engine`); `ignored`: performance/logging keys
+    accepted without effect.
+    """
+    transforms: tuple
+    tx: Any
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int
+    mesh: dict[str, int]
+    checkpoint: dict = field(default_factory=dict)
+    ignored: tuple[str, ...] = ()
+    config: dict = field(default_factory=dict)
+
+    def compose(self, train_step: Callable) -> Any:
+        """`dsfn.compose(*self.transforms)(train_step)`."""
+        from dsfn.transforms.compose import compose
+        return compose(*self.transforms)(train_step)
+
+    def init_mesh(self) -> Any:
+        """`dsfn.runtime.init_mesh(dp=, sp=, tp=)` with this config's sizes."""
+        from dsfn.runtime.mesh import init_mesh
+        return init_mesh(**{k: v for k, v in self.mesh.items() if v > 1 or k == "dp"})
+
+
+def batch_sizes(train_batch_size: int | None, micro_batch_size: int | None, gradient_accumulation_steps: int | None,
+                dp_world_size: int) -> tuple[int, int, int]:
+    """(train_batch_size, micro, accumulation) by DeepSpeed's rule (`DeepSpeedConfig._set_batch_related_parameters`).
+
+    train_batch_size = micro * accumulation * dp_world_size. Given all three they must
+    agree; given two the third is inferred (integer division, then checked); given
+    train_batch_size alone accumulation is 1; given micro alone accumulation is 1.
+    Raises ConfigError naming the sizes and DeepSpeed's meaning of each.
+    """
+    tb, mb, gas, w = train_batch_size, micro_batch_size, gradient_accumulation_steps, dp_world_size
+    for name, v in (("train_batch_size", tb), ("train_micro_batch_size_per_gpu", mb),
+                    ("gradient_accumulation_steps", gas)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"ds_config {name}={v!r}: batch sizes are ints >= 1")
+    if tb is None and mb is None:
+        raise ConfigError("ds_config: either train_batch_size (the global batch per optimizer step) or "
+                          "train_micro_batch_size_per_gpu (rows per rank per forward) needs to be provided")
+    if tb is not None and mb is not None and gas is None:
+        gas = max(tb // mb // w, 1)
+    elif tb is not None and gas is not None and mb is None:
+        mb = max(tb // w // gas, 1)
+    elif mb is not None and gas is not None and tb is None:
+        tb = mb * gas * w
+    elif tb is not None and mb is None:
+        gas, mb = 1, max(tb // w, 1)
+    elif mb is not None and tb is None:
+        gas, tb = 1, mb * w
+    if tb != mb * gas * w:
+        raise ConfigError(
+            f"ds_config batch sizes disagree: train_batch_size ({tb}, samples per optimizer step over all ranks) "
+            f"must equal train_micro_batch_size_per_gpu ({mb}, samples per rank per forward) x "
+            f"gradient_accumulation_steps ({gas}, forwards per optimizer step) x data-parallel world size ({w}, "
+            f"= world size / (sequence_parallel_size x autotp_size)): {mb} x {gas} x {w} = {mb * gas * w}. "
+            "Give two of the three and dsfn infers the third, or fix the one that is off")
+    return tb, mb, gas
+
+
+class _Collect:
+    """Collects unsupported keys (one ConfigError) and ignored ones (one warning)."""
+
+    def __init__(self) -> None:
+        self.unsupported: list[tuple[str, str]] = []
+        self.ignored: list[tuple[str, str]] = []
+
+    def no(self, key: str, why: str) -> None:
+        self.unsupported.append((key, why))
+
+    def ignore(self, key: str, why: str) -> None:
+        self.ignored.append((key, why))
+
+
+def _load(config: str | os.PathLike | Mapping) -> dict:
+    if isinstance(config, Mapping):
+        return json.loads(json.dumps(config))          # a private deep copy
+    if not os.path.isfile(config):
+        raise ConfigError(f"ds_config {config!r} is not a file; pass a path to ds_config.json or a dict")
+    with open(config) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"ds_config {config}: not valid JSON ({e})") from None
+
+
+def _disabled(block: Any) -> bool:
+    return isinstance(block, Mapping) and block.get("enabled", True) is False
+
+
+def _int(key: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (isinstance(v, float) and not v.is_integer()):
+        raise ConfigError(f"ds_config {key}={v!r}: expected a whole number >= 0 (e.g. 5e8)")
+    return int(v)
+
+
+def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world_size: int | None = None,
+                   checkpoint_dir: str | os.PathLike | None = None, save_every: int | None = None) -> DsConfig:
+    """The dsfn stack, optimizer and batch settings that reproduce a DeepSpeed run.
+
+    Args:
+        config: a path to ds_config.json, or the dict.
+        model: the nn.Module (needed for `tensor_parallel.autotp_size` and Muon's
+            `per_head_muon`).
+        world_size: ranks in the run (default: the current process group's, 1 without one);
+            the batch-size rule uses world / (sp * tp).
+        checkpoint_dir, save_every: with `datastates_ckpt` / `checkpoint.writer`, add
+            `async_checkpoint(checkpoint_dir, save_every, host_cache_size=...)`.
+    Raises:
+        ConfigError: one error listing every key dsfn does not reproduce, or a value or
+            batch-size combination DeepSpeed itself rejects.
+    """
+    from dsfn import transforms as T
+    cfg = _load(config)
+    raw = json.loads(json.dumps(cfg))
+    c = _Collect()
+    if world_size is None:
+        from dsfn.runtime import env
+        world_size = env.world_size()
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"from_ds_config(world_size={world_size!r}): the number of ranks, an int >= 1")
+
+    sp = _int("sequence_parallel_size", cfg.pop("sequence_parallel_size", 1) or 1)
+    tp_block = cfg.pop("tensor_parallel", None) or {}
+    tp = _tensor_parallel(tp_block, c)
+    if world_size % (sp * tp):
+        raise ConfigError(f"ds_config: world size {world_size} is not divisible by sequence_parallel_size ({sp}) x "
+                          f"tensor_parallel.autotp_size ({tp}); the data-parallel size is world / (sp x tp)")
+    dp = world_size // (sp * tp)
+    tb, mb, gas = batch_sizes(cfg.pop("train_batch_size", None), cfg.pop("train_micro_batch_size_per_gpu", None),
+                              cfg.pop("gradient_accumulation_steps", None), dp)
+
+    zero = cfg.pop("zero_optimization", None) or {}
+    if not isinstance(zero, Mapping):
+        raise ConfigError(f"ds_config zero_optimization={zero!r}: expected an object such as {{'stage': 2}}")
+    stage = zero.pop("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"ds_config zero_optimization.stage={stage!r}: DeepSpeed's stages are 0, 1, 2, 3")
+    zero_kw = dict(reduce_bucket_size=max(_int("zero_optimization.reduce_bucket_size",
+                                                   zero.pop("reduce_bucket_size", 5e8)), 1),
+                   allgather_bucket_size=max(_int("zero_optimization.allgather_bucket_size",
+                                                  zero.pop("allgather_bucket_size", 5e8)), 1))
+    threshold = zero.pop("stage3_param_persistence_threshold", zero.pop("param_persistence_threshold", 1e5))
+    if stage == 3:
+        zero_kw["param_persistence_threshold"] = _int("zero_optimization.stage3_param_persistence_threshold",
+                                                      threshold)
+    offload_t = _offload(zero, stage, c)
+    zenflow_t = _zenflow(zero.pop("zenflow", None), c)
+    _zero_rest(zero, c)
+
+    fp16, bf16 = cfg.pop("fp16", None) or {}, cfg.pop("bf16", None) or {}
+    half = None
+    if bf16.get("enabled", False) and fp16.get("enabled", False):
+        raise ConfigError("ds_config enables both fp16 and bf16; DeepSpeed (and dsfn) use one: keep one enabled")
+    comm = cfg.pop("communication_data_type", None)
+    if comm is not None and comm not in _DTYPES:
+        raise ConfigError(f"ds_config communication_data_type={comm!r}: use one of fp32, fp16, bf16 (or null)")
+    precision, scaler = [], []
+    for name, block in (("bf16", bf16), ("fp16", fp16)):
+        if not block.get("enabled", False):      # a disabled block's other keys do nothing, as in DeepSpeed
+            for k in block:
+                if k != "enabled":
+                    c.ignore(f"{name}.{k}", f"{name} is disabled")
+    if bf16.pop("enabled", False):
+        half = torch.bfloat16
+        for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+            if bf16.pop(k, False):
+                c.no(f"bf16.{k}", "dsfn keeps fp32 master weights and optimizer state with mixed_precision")
+        for k in ("immediate_grad_update", "check_grad_overflow"):
+            if k in bf16:
+                bf16.pop(k)
+                c.ignore(f"bf16.{k}", "bf16 steps are never skipped in dsfn")
+        for k in bf16:
+            c.no(f"bf16.{k}", "not a DeepSpeed 0.19 bf16 key")
+    if fp16.get("enabled", False):
+        fp16.pop("enabled")
+        half = torch.float16
+        scale = fp16.pop("loss_scale", 0)
+        kw = dict(init_scale=2.0 ** fp16.pop("initial_scale_power", 16),
+                  window=int(fp16.pop("loss_scale_window", 1000)),
+                  hysteresis=int(fp16.pop("hysteresis", 2)), min_scale=float(fp16.pop("min_loss_scale", 1)),
+                  consecutive_hysteresis=bool(fp16.pop("consecutive_hysteresis", False)))
+        if scale:
+            kw["static"] = float(scale)
+        scaler.append(T.loss_scale(**kw))
+        for k in ("auto_cast", "fp16_master_weights_and_grads"):
+            if fp16.pop(k, False):
+                c.no(f"fp16.{k}", "dsfn casts the whole model with mixed_precision and keeps fp32 masters")
+        for k in fp16:
+            c.no(f"fp16.{k}", "not a DeepSpeed 0.19 fp16 key")
+    if half is not None:
+        precision.append(T.mixed_precision(half, reduce_dtype=_DTYPES[comm] if comm else None))
+    elif comm not in (None, "fp32", "float32"):
+        c.no("communication_data_type", "without fp16/bf16 gradients are fp32 and reduced in fp32")
+
+    clip = cfg.pop("gradient_clipping", 1.0)
+    if not isinstance(clip, (int, float)) or clip < 0:
+        raise ConfigError(f"ds_config gradient_clipping={clip!r}: a max norm >= 0 (0 disables; DeepSpeed's "
+                          "default is 1.0)")
+    tx = _optimizer(cfg.pop("optimizer", None), cfg.pop("scheduler", None), model, c)
+    remat_t = _activation_checkpointing(cfg.pop("activation_checkpointing", None), c)
+    ckpt, ckpt_t = _checkpointing(cfg, c, checkpoint_dir, save_every)
+    _top_rest(cfg, c)
+
+    if c.unsupported:
+        lines = "\n".join(f"  - {k}: {why}" for k, why in c.unsupported)
+        raise ConfigError(f"ds_config has {len(c.unsupported)} setting(s) dsfn does not reproduce; remove them "
+                          f"(or change them as noted) and call from_ds_config again:\n{lines}")
+    if c.ignored:
+        warnings.warn("ds_config keys that only tune performance or logging are ignored by dsfn: "
+                      + ", ".join(f"{k} ({why})" for k, why in c.ignored), UserWarning, stacklevel=2)
+
+    stack: list = []
+    if sp > 1:
+        stack.append(T.sequence_parallel())
+    stack.append(T.shard_zero(stage, **zero_kw))
+    if tp > 1:
+        if model is None:
+            raise ConfigError("ds_config tensor_parallel.autotp_size > 1 needs the model: "
+                              "from_ds_config(config, model=model)")
+        stack.append(T.tensor_parallel("auto", model=model))
+    stack += remat_t
+    if gas > 1:
+        stack.append(T.accumulate(gas))
+    stack += offload_t + precision + scaler
+    if clip > 0:
+        stack.append(T.clip_grad_norm(float(clip)))
+    stack += zenflow_t + ckpt_t
+    return DsConfig(tuple(stack), tx, tb, mb, gas, world_size, {"dp": dp, "sp": sp, "tp": tp}, ckpt,
+                    tuple(k for k, _ in c.ignored), raw)
+
+
+def _tensor_parallel(block: Any, c: _Collect) -> int:
+    if not isinstance(block, Mapping):
+        raise ConfigError(f"ds_config tensor_parallel={block!r}: expected an object such as {{'autotp_size': 2}}")
+    block = dict(block)
+    tp = _int("tensor_parallel.autotp_size", block.pop("autotp_size", 0) or 0) or 1
+    if block.pop("tp_overlap_comm", False):
+        c.ignore("tensor_parallel.tp_overlap_comm", "communication overlap")
+    for k in ("preset_model", "partition_config"):
+        if block.pop(k, None) is not None:
+            c.no(f"tensor_parallel.{k}", "dsfn applies the model's Hugging Face tp plan (tensor_parallel('auto')); "
+                 "write a plan dict with tensor_parallel(plan) for other layouts")
+    for k in block:
+        c.no(f"tensor_parallel.{k}", "the legacy tp / tp_model_init settings are not read; use autotp_size")
+    return tp
+
+
+def _offload(zero: dict, stage: int, c: _Collect) -> list:
+    from dsfn import transforms as T
+    opt = zero.pop("offload_optimizer", None)
+    par = zero.pop("offload_param", None)
+    if zero.pop("cpu_offload", False):                    # deprecated alias
+        opt = opt or {"device": "cpu"}
+    if zero.pop("cpu_offload_param", False):
+        par = par or {"device": "cpu"}
+    opt, par = dict(opt or {}), dict(par or {})
+    dev = opt.pop("device", "none") or "none"
+    pdev = par.pop("device", "none") or "none"
+    for k in (_OFFLOAD_PERF & set(opt)):
+        opt.pop(k)
+        c.ignore(f"zero_optimization.offload_optimizer.{k}", "I/O tuning")
+    for k in (_OFFLOAD_PERF & set(par)):
+        par.pop(k)
+        c.ignore(f"zero_optimization.offload_param.{k}", "I/O tuning")
+    if dev not in ("none", "cpu", "nvme"):
+        raise ConfigError(f"ds_config zero_optimization.offload_optimizer.device={dev!r}: use none, cpu or nvme")
+    ratio = opt.pop("ratio", 1.0)
+    if ratio != 1.0:
+        c.no("zero_optimization.offload_optimizer.ratio", "partial (Twin-Flow) offload: dsfn offloads all of "
+             "the optimizer state; use 1.0")
+    super_offload = bool(opt.pop("super_offload", False))
+    cores = opt.pop("cpuadam_cores_perc", None)
+    path, pin = opt.pop("nvme_path", None), opt.pop("pin_memory", True)
+    ppath = par.pop("nvme_path", None)
+    par.pop("pin_memory", None)
+    for k in opt:
+        c.no(f"zero_optimization.offload_optimizer.{k}", "not a DeepSpeed 0.19 offload_optimizer key")
+    for k in par:
+        c.no(f"zero_optimization.offload_param.{k}", "not a DeepSpeed 0.19 offload_param key")
+    if pdev != "none":
+        if stage != 3:
+            c.no("zero_optimization.offload_param", "parameter offload needs ZeRO stage 3 (as in DeepSpeed)")
+        elif pdev != dev:
+            c.no("zero_optimization.offload_param", f"dsfn offloads parameters to where the optimizer state lives; "
+                 f"set offload_optimizer.device to {pdev!r} too")
+        elif pdev == "nvme" and ppath not in (None, path):
+            c.no("zero_optimization.offload_param.nvme_path", "one nvme_path for parameters and optimizer state")
+    if dev == "none":
+        return []
+    if dev == "nvme" and not path:
+        raise ConfigError("ds_config offload_optimizer.device='nvme' needs offload_optimizer.nvme_path "
+                          "(a directory on a fast local disk)")
+    return [T.offload(dev, params=pdev == dev and stage == 3, path=path if dev == "nvme" else None,
+                      pin_memory=bool(pin), overlap=super_offload, cores=cores)]
+
+
+def _zenflow(block: Any, c: _Collect) -> list:
+    from dsfn import transforms as T
+    if not block:
+        return []
+    z = dict(block)
+    kw = {"topk_ratio": z.pop("topk_ratio", 0.1), "full_warm_up_rounds": z.pop("full_warm_up_rounds", 0),
+          "overlap": bool(z.pop("overlap_step", False))}
+    for key, arg in (("update_interval", "update_interval"), ("select_interval", "select_interval")):
+        v = z.pop(key, "auto")
+        if v == "auto":
+            if key == "update_interval":
+                c.no("zero_optimization.zenflow.update_interval", "'auto' (adaptive) is not supported; give an int")
+        else:
+            kw[arg] = v
+    kw.setdefault("update_interval", 4)
+    strategy = z.pop("select_strategy", "auto")
+    if strategy != "step":
+        c.no("zero_optimization.zenflow.select_strategy", f"{strategy!r}: dsfn re-selects every select_interval "
+             "updates (DeepSpeed's 'step'); set 'step'")
+    z.pop("auto_ratio", None)
+    if z.pop("offload", False):
+        c.no("zero_optimization.zenflow.offload", "the selected columns' moments stay on the device")
+    if "pt_reserved_cores_perc" in z:
+        z.pop("pt_reserved_cores_perc")
+        c.ignore("zero_optimization.zenflow.pt_reserved_cores_perc", "core pinning")
+    for k in z:
+        c.no(f"zero_optimization.zenflow.{k}", "not a DeepSpeed 0.19 zenflow key")
+    return [T.zenflow(**kw)]
+
+
+def _zero_rest(zero: dict, c: _Collect) -> None:
+    for k in list(zero):
+        v = zero.pop(k)
+        if k in _ZERO_PERF:
+            c.ignore(f"zero_optimization.{k}", "communication / memory tuning")
+        elif k in ("zero_hpz_partition_size", "mics_shard_size") and v in (1, -1, 0, None):
+            continue
+        elif k in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
+                   "mics_hierarchical_params_gather") and not v:
+            continue
+        elif k == "leaf_module" and not v:
+            continue
+        elif k in ("zero_hpz_partition_size", "mics_shard_size", "zero_quantized_weights",
+                   "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
+            c.no(f"zero_optimization.{k}", "ZeRO++ / MiCS hierarchical or quantized communication")
+        elif k == "leaf_module":
+            c.no("zero_optimization.leaf_module", "use shard_zero(3, units=[module name patterns]) instead")
+        else:
+            c.no(f"zero_optimization.{k}", "not a DeepSpeed 0.19 zero_optimization key dsfn knows")
+
+
+def _optimizer(block: Any, sched: Any, model: Any, c: _Collect) -> Any:
+    from dsfn import optim
+    from dsfn.optim.schedules import from_config
+    if block is None:
+        raise ConfigError("ds_config has no 'optimizer' block; dsfn needs one (e.g. {'type': 'AdamW', 'params': "
+                          "{'lr': 3e-4}}) — a client optimizer passed to deepspeed.initialize becomes dsfn's tx")
+    kind = str(block.get("type", ""))
+    p = dict(block.get("params") or {})
+    if "max_grad_norm" in p:
+        raise ConfigError("ds_config optimizer.params.max_grad_norm is not supported (DeepSpeed rejects it too): "
+                          "use the top-level gradient_clipping")
+    lr_of = lambda base: from_config(sched, optimizer_lr=base) if sched else base
+    low = kind.lower()
+    if low in ("adam", "adamw"):
+        torch_adam = bool(p.pop("torch_adam", False))
+        w_mode = low == "adamw" or bool(p.pop("adam_w_mode", True))
+        p.pop("adam_w_mode", None)
+        p.pop("fp32_optimizer_states", None)
+        p.pop("foreach", None)
+        if not p.pop("bias_correction", True):
+            c.no("optimizer.params.bias_correction", "false: dsfn's Adam always corrects the bias")
+        lr = float(p.pop("lr", 1e-3))
+        wd = float(p.pop("weight_decay", 0.01 if (torch_adam and w_mode) else 0.0))
+        kw = dict(betas=tuple(p.pop("betas", (0.9, 0.999))), eps=float(p.pop("eps", 1e-8)), weight_decay=wd,
+                  amsgrad=bool(p.pop("amsgrad", False)))
+        for k in p:
+            c.no(f"optimizer.params.{k}", f"not a parameter of DeepSpeed's {kind}")
+        return (optim.adamw if w_mode else optim.adam)(lr_of(lr), **kw)
+    if low == "muon":
+        p.pop("adam_w_mode", None)
+        lr = p.pop("lr", None)
+        kw: dict = {}
+        for src, dst in (("momentum", "momentum"), ("weight_decay", "weight_decay"), ("ns_method", "ns_method"),
+                         ("betas", "adam_betas"), ("eps", "adam_eps")):
+            if src in p:
+                kw[dst] = tuple(p.pop(src)) if src == "betas" else p.pop(src)
+        for k in ("muon_lr", "adam_lr"):
+            if k in p:
+                kw[k] = lr_of(float(p.pop(k)))
+        if p.pop("per_head_muon", False):
+            conf = getattr(model, "config", None)
+            heads = getattr(conf, "num_attention_heads", None)
+            if heads is None:
+                c.no("optimizer.params.per_head_muon", "needs from_ds_config(..., model=a Hugging Face model) to "
+                     "read num_attention_heads")
+            else:
+                kw["num_heads"] = heads
+                kw["num_kv_heads"] = getattr(conf, "num_key_value_heads", None) or heads
+        for k in p:
+            c.no(f"optimizer.params.{k}", "not a parameter of DeepSpeed's Muon")
+        return optim.muon(lr_of(float(lr)) if lr is not None else (lr_of(0.02) if sched else None), **kw)
+    if low == "sgd":
+        lr = float(p.pop("lr", 1e-3))
+        kw = {k: p.pop(k) for k in ("momentum", "dampening", "nesterov", "weight_decay") if k in p}
+        for k in p:
+            c.no(f"optimizer.params.{k}", "not a parameter of torch.optim.SGD")
+        return optim.sgd(lr_of(lr), **kw)
+    if kind in ("Lamb", "OneBitAdam", "OneBitLamb", "ZeroOneAdam", "Lion", "MuAdam", "MuAdamW", "MuSGD",
+                "Adagrad", "CPUAdagrad") or not hasattr(torch.optim, kind):
+        c.no("optimizer.type", f"{kind!r}: dsfn has AdamW, Adam, Muon, SGD and elementwise torch.optim optimizers "
+             "(from_torch)")
+        return optim.adamw(1e-3)         # placeholder; the ConfigError listing follows
+    lr = float(p.pop("lr", 1e-3))
+    return optim.from_torch(getattr(torch.optim, kind), lr=lr_of(lr), **p)
+
+
+def _activation_checkpointing(block: Any, c: _Collect) -> list:
+    from dsfn import transforms as T
+    if not block:
+        return []
+    b = dict(block)
+    cpu, part = bool(b.pop("cpu_checkpointing", False)), bool(b.pop("partition_activations", False))
+    for k in ("contiguous_memory_optimization", "number_checkpoints", "synchronize_checkpoint_boundary", "profile"):
+        if k in b:
+            b.pop(k)
+            c.ignore(f"activation_checkpointing.{k}", "checkpointing tuning")
+    for k in b:
+        c.no(f"activation_checkpointing.{k}", "not a DeepSpeed 0.19 activation_checkpointing key")
+    if not (cpu or part):
+        return []
+    return [T.remat(offload="cpu" if cpu else None, partition_activations=part)]
+
+
+def _checkpointing(cfg: dict, c: _Collect, directory: Any, every: Any) -> tuple[dict, list]:
+    from dsfn import transforms as T
+    out: dict = {}
+    block = dict(cfg.pop("checkpoint", None) or {})
+    for k in ("tag_validation", "load_universal", "use_node_local_storage", "checkpoint_serialization",
+              "parallel_write"):
+        if k in block:
+            block.pop(k)
+            c.ignore(f"checkpoint.{k}", "dsfn checkpoints are universal, tag-free, pickle-free")
+    writer = block.pop("writer", None)
+    if writer:
+        out["engine"] = "async" if writer.get("decoupled", False) else "sync"
+        c.ignore("checkpoint.writer", "I/O tuning (decoupled -> the async engine)")
+    for k in block:
+        c.no(f"checkpoint.{k}", "not a DeepSpeed 0.19 checkpoint key")
+    ds = cfg.pop("datastates_ckpt", None)
+    if ds is not None:
+        ds = dict(ds)
+        size = ds.pop("host_cache_size", None)
+        out["engine"] = "async"
+        if size is not None:
+            if not isinstance(size, (int, float)) or size < 0:
+                raise ConfigError(f"ds_config datastates_ckpt.host_cache_size={size!r}: a size in GB >= 0")
+            out["host_cache_size"] = int(size * 2**30)
+        for k in ds:
+            c.no(f"datastates_ckpt.{k}", "only host_cache_size is read")
+    if cfg.get("nebula") is not None and not _disabled(cfg.get("nebula")):
+        c.no("nebula", "Azure Nebula: use async_checkpoint (host cache + background writer)")
+    cfg.pop("nebula", None)
+    if directory is None or not out:
+        return out, []
+    if every is None:
+        raise ConfigError("from_ds_config(checkpoint_dir=...) needs save_every= (save every N steps)")
+    kw = {"engine": out["engine"]}
+    if out["engine"] == "async" and "host_cache_size" in out:
+        kw["host_cache_size"] = out["host_cache_size"]
+    return out, [T.async_checkpoint(directory, every, **kw)]
+
+
+def _top_rest(cfg: dict, c: _Collect) -> None:
+    for k in list(cfg):
+        v = cfg.pop(k)
+        if k in _IGNORED_TOP:
+            c.ignore(k, _IGNORED_TOP[k])
+        elif k == "gradient_allreduce_op" and v in ("mean", "avg"):
+            continue
+        elif k == "gradient_allreduce_op":
+            c.no(k, f"{v!r}: dsfn averages gradients over data parallel (DeepSpeed's 'mean')")
+        elif k == "managed_gradient_accumulation" and v is not False:
+            continue
+        elif k == "managed_gradient_accumulation":
+            c.no(k, "false (the caller steps at the boundary): dsfn's step takes the whole global batch; "
+                 "use accumulate(n)")
+        elif k == "data_types" and not any((v or {}).values()):
+            continue
+        elif k == "data_types":
+            c.no(k, "grad_accum_dtype / param_dtype: dsfn accumulates in the gradient dtype; use mixed_precision's "
+                 "reduce_dtype for reductions")
+        elif k == "compile" and not (v or {}).get("deepcompile", False) and not (v or {}).get("passes"):
+            continue
+        elif isinstance(v, Mapping) and _disabled(v):
+            continue
+        elif k in ("amp", "torch_autocast"):
+            c.no(k, "use bf16/fp16 (dsfn's mixed_precision) instead")
+        else:
+            c.no(k, "not supported by dsfn (or not a DeepSpeed 0.19 key)")

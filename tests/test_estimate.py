@@ -1,0 +1,121 @@
+"""`dsfn.estimate_memory` against what `Step.explain` measures, and against DeepSpeed's formulas.
+
+For ZeRO 0-3, ZeRO + mixed precision, CPU offload (optimizer state, and ZeRO-3 parameters)
+and tensor parallel, at world 2 and 4: every state field of the estimate (params,
+optimizer, master, host) is within 5% of the bytes of the placed state's leaves that
+`explain()` reports on each rank (the GPT's parameters do not divide evenly, so ZeRO's
+padding is in both). The estimate is made from a meta-device copy of the model. Negative
+control: an estimate made for the wrong stage or world misses by more than 5%.
+"""
+import math
+
+import pytest
+import torch
+
+import dsfn
+from dsfn.estimate import (deepspeed_zero2_estimate, deepspeed_zero3_estimate, estimate_memory,
+                           measured_state_bytes)
+from dsfn.models.gpt import GPT, GPTConfig, tp_plan
+from dsfn.runtime import init_mesh
+from dsfn.testing import run_on_ranks
+from dsfn.testing.models import token_batches
+from dsfn.testing.reference import lm_loss, train_step_for
+from dsfn.transforms import mixed_precision, offload, shard_zero, tensor_parallel
+
+VOCAB = 67
+CONF = GPTConfig(vocab_size=VOCAB, seq_len=16, n_layer=2, n_head=4, d_model=36)
+STACKS = {
+    "zero0": lambda m: [shard_zero(0)],
+    "zero1": lambda m: [shard_zero(1)],
+    "zero2+bf16": lambda m: [shard_zero(2), mixed_precision()],
+    "zero3": lambda m: [shard_zero(3)],
+    "zero3+offload+bf16": lambda m: [shard_zero(3), offload("cpu"), mixed_precision()],
+    "zero3+offload_params": lambda m: [shard_zero(3), offload("cpu", params=True)],
+    "zero1+tp": lambda m: [shard_zero(1), tensor_parallel(tp_plan(), model=m)],
+}
+FIELDS = ("params", "optimizer", "master", "host", "nvme")
+
+
+def _measure(names, world):
+    """On each rank: (measured fields, estimate fields) per stack."""
+    out = {}
+    for name in names:
+        tp = 2 if "tp" in name else 1
+        init_mesh(dp=world // tp, tp=tp)
+        torch.manual_seed(0)
+        model = GPT(CONF)
+        apply_fn, params = dsfn.functionalize(model)
+        tx = dsfn.optim.adamw(1e-3)
+        step = dsfn.compose(*STACKS[name](model))(train_step_for(apply_fn, lm_loss))
+        state = step.place(dsfn.TrainState.create(params, tx))
+        expl = step.explain(state, token_batches(1, 4, 16, VOCAB)[0])
+        with torch.device("meta"):
+            meta = GPT(CONF)
+        est = estimate_memory(meta, STACKS[name](model), world, tx=tx, tp=tp)
+        assert expl.estimate is not None and "estimate | measured" in str(expl)
+        out[name] = (measured_state_bytes(expl), {k: getattr(est, k) for k in FIELDS},
+                     {k: getattr(expl.estimate, k) for k in FIELDS})
+    return out
+
+
+def _close(est, measured, rel=0.05):
+    return all(math.isclose(est[k], measured[k], rel_tol=rel, abs_tol=0) for k in FIELDS)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_estimate_within_5_percent_of_explain(world):
+    names = list(STACKS)
+    for rank_result in run_on_ranks(_measure, world, names, world, timeout=300):
+        for name, (measured, est, via_explain) in rank_result.items():
+            assert sum(measured.values()) > 0
+            assert _close(est, measured), (name, est, measured)
+            assert _close(via_explain, measured), (name, via_explain, measured)
+    # negative controls: another stage, another world size
+    r = run_on_ranks(_measure, world, ["zero1"], world, timeout=300)[0]["zero1"][0]
+    with torch.device("meta"):
+        meta = GPT(CONF)
+    wrong_stage = estimate_memory(meta, [shard_zero(0)], world)
+    wrong_world = estimate_memory(meta, [shard_zero(1)], world * 2)
+    assert not _close({k: getattr(wrong_stage, k) for k in FIELDS}, r)
+    assert not _close({k: getattr(wrong_world, k) for k in FIELDS}, r)
+
+
+def test_zero_paper_figures_and_deepspeed_formulas():
+    """Ψ = 7.5B, N = 64, mixed-precision Adam (the ZeRO paper's Figure 1): the paper's
+    (2 + 2 + 12)Ψ/N model states per rank at stage 3, and DeepSpeed's estimator formulas."""
+    psi, n = 7_500_000_000, 64
+    stack = [shard_zero(3), mixed_precision()]
+    est = estimate_memory(psi, stack, n)
+    paper = 16 * psi / n                     # 1.875e9 bytes: the paper's "1.9 GB"
+    states = est.params + est.grads + est.optimizer + est.master
+    assert math.isclose(states, paper, rel_tol=1e-3), (states, paper)
+    est2 = estimate_memory(psi, [shard_zero(2), mixed_precision()], n)
+    assert math.isclose(est2.params + est2.grads + est2.optimizer + est2.master, 2 * psi + 14 * psi / n, rel_tol=1e-3)
+    # DeepSpeed's formulas, transcribed from stage_1_and_2.py / stage3.py (one GPU per node)
+    assert deepspeed_zero2_estimate(psi, 1, n) == {"gpu": 2 * psi + int(18 * psi / n), "cpu": int(psi * 4 * 1.5)}
+    assert deepspeed_zero3_estimate(psi, 10**8, 1, n, cpu_offload=True) == {
+        "gpu": 4 * 10**8 + int(2 * psi / n), "cpu": int(psi * 16 / n * 1.5)}
+    assert est.deepspeed()["gpu"] == int(18 * psi / n)      # no layer known for a bare count
+    # offload moves the optimizer state and masters off the device
+    off = estimate_memory(psi, [shard_zero(3), offload("cpu"), mixed_precision()], n)
+    assert off.host == est.optimizer + est.master - off.optimizer and off.master == 0
+
+
+def test_formulas_equal_deepspeeds_own():
+    """The transcriptions against DeepSpeed's functions (when DeepSpeed is installed)."""
+    import os
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e .[deepspeed])")
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs as z3
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs as z2
+    for psi, layer, per_node, nodes in [(7_000_000_000, 202_000_000, 8, 1), (7_000_000_000, 202_000_000, 8, 8),
+                                        (1_234_567, 4321, 2, 3)]:
+        for off in (False, True):
+            cpu, gpu = z2(psi, per_node, nodes, cpu_offload=off)
+            assert deepspeed_zero2_estimate(psi, per_node, nodes, cpu_offload=off) == {"gpu": gpu, "cpu": cpu}
+            for off_p in (False, True):
+                for init in (False, True):
+                    cpu, gpu, _ = z3(psi, layer, per_node, nodes, cpu_offload=off, cpu_offload_params=off_p,
+                                     zero_init=init)
+                    assert deepspeed_zero3_estimate(psi, layer, per_node, nodes, off, off_p, init) == {
+                        "gpu": gpu, "cpu": cpu}
