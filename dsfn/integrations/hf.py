@@ -48,8 +48,15 @@ def _register() -> None:
         AttentionMaskInterface.register(NAME, _no_mask)
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    return None
+def _no_mask(*args: Any, attention_mask: Any = None, **kwargs: Any) -> torch.Tensor | None:
+    """The mask function of "dsfn_ulysses": no [T, T] mask (no rank's slice can describe the
+    causal mask over the whole sequence; `_ulysses_forward` builds it after the all-to-all).
+    When the batch has padding (the transform saw a 0 in the whole batch's attention_mask),
+    this rank's slice of the 2-D padding mask [b, T/sp] is passed on for that."""
+    ctx = _ACTIVE[-1] if _ACTIVE else None
+    if ctx is None or not ctx.padded or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        return None
+    return attention_mask
 
 
 def _inner_forward(module: nn.Module, impl: str):
@@ -65,9 +72,26 @@ class _Context:
     documents found per position_ids tensor this forward (one all-gather per tensor, kept
     for the recompute of a checkpointed layer)."""
 
-    def __init__(self, axis: str, inner: str | None, consecutive: torch.Tensor | None):
-        self.axis, self.inner, self.consecutive = axis, inner, consecutive
+    def __init__(self, axis: str, inner: str | None, consecutive: torch.Tensor | None, padded: bool = False):
+        self.axis, self.inner, self.consecutive, self.padded = axis, inner, consecutive, padded
         self.documents: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
+        self.keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}      # padding masks gathered this forward
+
+
+def _valid_keys(ctx: _Context, mask: torch.Tensor) -> torch.Tensor:
+    """The whole sequence's padding mask [b, T] (True: a real token) from this rank's slice
+    [b, T/sp], all-gathered over sp once per mask tensor (kept for a recompute)."""
+    got = ctx.keys.get(id(mask))
+    if got is not None and got[0] is mask:
+        return got[1]
+    from dsfn.runtime import collectives as C
+    from dsfn.runtime.mesh import current_mesh
+    n = current_mesh().size(ctx.axis)
+    b, c = mask.shape
+    full = C.all_gather(mask.to(torch.uint8).contiguous(), ctx.axis).reshape(n, b, c).permute(1, 0, 2)
+    full = full.reshape(b, n * c).to(mask.device).bool()
+    ctx.keys[id(mask)] = (mask, full)
+    return full
 
 
 _ACTIVE: list[_Context] = []   # innermost last
@@ -114,18 +138,21 @@ def _ulysses_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     f = kv_replication(query.shape[1], key.shape[1], n, type(module).__name__)
     key, value = replicate_kv(key, f), replicate_kv(value, f)
     full_positions, docs = _documents(ctx, kwargs.get("position_ids"))
+    keys = (_valid_keys(ctx, attention_mask) if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+            else None)                                                       # [b, T]: padding (left, right, holes)
     q, k, v = (seq_to_heads(t, axis) for t in (query, key, value))
     t = q.shape[2]
     mask = None
     window = kwargs.get("sliding_window")        # this layer's window (Mistral, Gemma2's sliding layers)
     windowed = window is not None and window < t
     flash = str(impl).startswith("flash_attention")
-    if (windowed or docs is not None) and impl not in (None, "eager", "sdpa") and not flash:
-        what = f"a sliding window ({window})" if windowed else "packed documents (position_ids restarting)"
+    if (windowed or docs is not None or keys is not None) and impl not in (None, "eager", "sdpa") and not flash:
+        what = (f"a sliding window ({window})" if windowed else "packed documents (position_ids restarting)"
+                if docs is not None else "padding (attention_mask with zeros)")
         raise ConfigError(f"sequence_parallel: {type(module).__name__} has {what} and attention implementation "
                           f"{impl!r}; dsfn's Ulysses attention builds that mask over the whole sequence for "
                           "'eager', 'sdpa' and flash attention only: load the model with one of those")
-    if impl in (None, "eager") or (impl == "sdpa" and (windowed or docs is not None)):
+    if impl in (None, "eager") or (impl == "sdpa" and (windowed or docs is not None or keys is not None)):
         # the model's mask over the whole sequence: causal, within the window (HF's
         # sliding_window_overlay: kv > q - window) and within each document (HF's packed
         # sequence mask); eager adds it to the scores, sdpa takes it as a boolean mask.
@@ -136,6 +163,8 @@ def _ulysses_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
             allowed = allowed & (i[None, :] > i[:, None] - window)
         if docs is not None:
             allowed = allowed & (docs[:, :, None] == docs[:, None, :]).to(q.device)  # [b, T, T]
+        if keys is not None:                     # HF's padding_mask_function: no query sees a pad key
+            allowed = allowed & keys[:, None, :].to(q.device)
         if impl == "sdpa":
             mask = allowed[:, None]
         else:
@@ -147,6 +176,8 @@ def _ulysses_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     kwargs = {k_: v_ for k_, v_ in kwargs.items() if k_ not in drop}
     if flash and docs is not None:
         kwargs["position_ids"] = full_positions          # flash attention's own varlen path, over all T
+    if flash and keys is not None:
+        mask = keys                                      # flash attention unpads by the 2-D mask itself
     groups = getattr(module, "num_key_value_groups", None)
     if f > 1 and isinstance(groups, int):
         module.num_key_value_groups = groups // f        # this rank's q heads per (replicated) kv head
@@ -160,10 +191,12 @@ def _ulysses_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 @contextlib.contextmanager
-def ulysses_attention(model: nn.Module, axis: str, consecutive: torch.Tensor | None = None) -> Iterator[None]:
+def ulysses_attention(model: nn.Module, axis: str, consecutive: torch.Tensor | None = None,
+                      padded: bool = False) -> Iterator[None]:
     """Make `model` (and its sub-configs) use Ulysses attention over `axis` inside the context.
     `consecutive`: a position_ids tensor known to number every row's tokens consecutively
-    (the transform's own), for which no documents are looked for."""
+    (the transform's own), for which no documents are looked for. `padded`: the batch's
+    attention_mask has zeros, so the model's padding mask is applied over the whole sequence."""
     _register()
     configs = [c for c in {id(m.config): m.config for m in model.modules()
                            if hasattr(getattr(m, "config", None), "_attn_implementation_internal")}.values()]
@@ -173,7 +206,7 @@ def ulysses_attention(model: nn.Module, axis: str, consecutive: torch.Tensor | N
         raise ConfigError(f"sequence_parallel: the model's sub-configs use different attention implementations "
                           f"{saved}; Ulysses wraps one. Load the model with a single attn_implementation "
                           "(e.g. 'sdpa' for all parts)")
-    _ACTIVE.append(_Context(axis, inner.pop(), consecutive))
+    _ACTIVE.append(_Context(axis, inner.pop(), consecutive, padded))
     try:
         for c in configs:
             c._attn_implementation_internal = NAME

@@ -35,8 +35,13 @@ Positions are global: the forward gets `position_ids` of this rank's tokens when
 caller did not pass them (RoPE and learned position embeddings see positions r*T/sp,
 ...); a model whose forward takes no `position_ids` is an error (it would count from 0
 on every rank) unless `require_position_ids=False`. Attention is causal over the whole sequence;
-right padding (attention_mask 1...1 0...0) is exact for the valid tokens; other masks
-(left padding, holes) are rejected with a ShapeError: pack or right-pad such rows.
+right padding (attention_mask 1...1 0...0) is exact for the valid tokens. Any other padding
+(left padding, holes) is applied as the model's padding mask inside Ulysses attention for a
+Hugging Face model (eager, sdpa, flash): the transform sees a 0 in the whole batch's
+attention_mask, the model's mask function hands the rank's slice [b, T/sp] on, and
+`dsfn.integrations.hf` all-gathers it over sp (once per forward) and masks the pad keys
+(HF's `padding_mask_function`, with the causal, window and document masks). A non-HF model
+(AutoSP / ulysses_sdpa: no mask) with such padding is a ShapeError: right-pad or pack.
 
 Packed rows (several documents per row, a Hugging Face model given `position_ids` that
 restart at 0 at each document): inside Ulysses attention every rank holds the whole
@@ -252,6 +257,8 @@ class SequenceParallel(Transform):
         self._batch_shifted = False            # this step's batch holds whole-sequence `shift_labels`
         self._local_len: int | None = None     # this rank's slice length, this step
         self._real_len: int | None = None      # the batch's sequence length before padding to sp
+        self._padded = False                   # the last batch's attention_mask has zeros
+        self._right_padded = True              # ... only at the end of rows (or none)
         self._unpatched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id(label patched by _weigh) -> original
         self._in_grad = 0                      # inside handle_value_and_grad
         self._hf_losses = 0                    # HF model losses this transform normalised (see _hf_loss)
@@ -293,9 +300,12 @@ class SequenceParallel(Transform):
                              f"batch of length {t}; pad or cut batches to {self.seq_length}, or use "
                              "seq_length_is_variable=True")
         mask = batch.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and not bool((mask[:, 1:] <= mask[:, :-1]).all()):
-            raise ShapeError("sequence_parallel: attention_mask must be right padding (1...1 0...0 per row); "
-                             "attention is causal over the whole sequence")
+        # padding anywhere (left, right, holes): the model's padding mask is applied inside Ulysses
+        # attention over the whole sequence. Decided on the whole batch, so every rank agrees
+        # (the mask's slices are all-gathered only then)
+        self._padded = isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.bool().all())
+        # right padding (1...1 0...0) is exact even without the mask: no real token sees a pad key
+        self._right_padded = not self._padded or bool((mask[:, 1:] <= mask[:, :-1]).all())
         batch = dict(batch)
         if self.shift_labels:
             if self.labels_key not in batch:
@@ -520,8 +530,14 @@ class SequenceParallel(Transform):
         from dsfn.integrations import hf
         if hf.is_hf_model(module):
             with hf.own_loss(module, self._hf_loss, args, kwargs):
-                with until_backward(hf.ulysses_attention(module, self.axis, self._arange)):   # recomputes alike
+                with until_backward(hf.ulysses_attention(module, self.axis, self._arange,  # recomputes alike
+                                                         padded=self._padded)):
                     return call_next(apply_fn, params, args, kwargs)
+        if not self._right_padded:
+            raise ShapeError(f"sequence_parallel: the batch's attention_mask has left padding or holes, and "
+                             f"{type(module).__name__} is not a Hugging Face model, whose padding mask dsfn applies "
+                             "inside Ulysses attention; AutoSP / ulysses_sdpa attention is causal over the whole "
+                             "sequence with no mask. Right-pad (1...1 0...0) or pack such rows")
         if not self.auto:       # the model calls ulysses_sdpa itself
             return call_next(apply_fn, params, args, kwargs)
         with until_backward(_UlyssesSDPA(self.axis)):

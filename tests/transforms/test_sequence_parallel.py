@@ -213,7 +213,7 @@ def _run_one(kind):
                           r"\(4, 12\)"),
     ("fixed", ShapeError, r"seq_length=12, seq_length_is_variable=False\): got a batch of length 10"),
     ("heads", MeshError, r"sp=4 does not divide the 6 query heads .*valid sp degrees are \[1, 2, 3, 6\]"),
-    ("mask", ShapeError, "attention_mask must be right padding"),
+    ("mask", ShapeError, "attention_mask has left padding or holes, and GPT is not a Hugging Face model"),
 ])
 def test_bad_input_is_a_clear_error(kind, err, pattern):
     with pytest.raises(RankFailure, match=pattern) as info:
