@@ -80,9 +80,11 @@ def step_times(src: Path, steps: int) -> dict[str, float]:
     return json.loads(line[len("RESULT "):])
 
 
-def run_matrix(n: int, all_cases: bool, seed: int) -> dict:
+def run_matrix(n: int, all_cases: bool, seed: int, models: list[str] | None = None,
+               optimizers: list[str] | None = None, worlds: list[int] | None = None) -> dict:
     from dsfn.testing import conformance as K
-    cases = K.cases()
+    cases = [c for c in K.cases() if (not models or c.model in models) and (not optimizers or c.optimizer in optimizers)
+             and (not worlds or c.world in worlds)]
     chosen = cases if all_cases else random.Random(seed).sample(cases, min(n, len(cases)))
     counts = {"passed": 0, "refused": 0, "failed": 0}
     failures = []
@@ -103,6 +105,9 @@ def main() -> None:
     p.add_argument("--cases", type=int, default=40, help="sampled cases (0: skip the matrix)")
     p.add_argument("--all", action="store_true", help="run every case of the matrix")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--models", default="", help="only these models, comma-separated (e.g. llama+labels,qwen2+labels)")
+    p.add_argument("--optimizers", default="", help="only these optimizers, comma-separated")
+    p.add_argument("--worlds", default="", help="only these world sizes, comma-separated")
     p.add_argument("--steps", type=int, default=10, help="timed steps per stack (0: skip the step-time part)")
     p.add_argument("--baseline-src", type=Path, default=None, help="an older source tree to time against")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of this tree and the baseline")
@@ -110,7 +115,9 @@ def main() -> None:
     args = p.parse_args()
     report: dict = {}
     if args.cases or args.all:
-        m = run_matrix(args.cases, args.all, args.seed)
+        split = lambda v: [x for x in v.split(",") if x]     # noqa: E731
+        m = run_matrix(args.cases, args.all, args.seed, split(args.models), split(args.optimizers),
+                       [int(w) for w in split(args.worlds)])
         report["matrix"] = m
         print(f"conformance matrix: {m['matrix']} combinations; ran {m['ran']}: {m['passed']} passed, "
               f"{m['refused']} refused with their listed error, {m['failed']} failed; {m['wall_s']:.0f} s")
