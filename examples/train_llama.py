@@ -76,7 +76,8 @@ from dsfn.transforms import (
     tensor_parallel,
 )
 
-# LlamaConfig fields of the presets. 8 query / 4 key-value heads: tp 1, 2 and 4 divide both.
+# LlamaConfig fields of the presets. 8 query / 4 key-value heads: tp 1, 2 and 4 divide both
+# (tp x sp up to 8: sp replicates key/value heads where a tp rank has fewer than sp).
 # intermediate_size 344 does not divide by 4 (nor 172 by 8): tensor_parallel pads the split.
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=8,
@@ -190,11 +191,13 @@ def main(model: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"], tp: int
         raise ValueError(f"remat_policy must be 'nothing' or 'matmuls', got {remat_policy!r}")
     cfg = llama_config(model, seq_len)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    if heads % (tp * sp) or kv_heads % (tp * sp):
-        valid = [d for d in range(1, heads + 1) if heads % d == 0 and kv_heads % d == 0]
-        raise ValueError(f"tp*sp = {tp}*{sp} = {tp * sp} must divide the {heads} query and {kv_heads} key/value "
-                         f"heads of model {model!r} (tensor parallelism splits the heads over tp, Ulysses "
-                         f"sequence parallelism those of a tp rank over sp); valid tp*sp: {valid}")
+    if heads % (tp * sp) or kv_heads % tp:
+        # tensor parallelism splits query and key/value heads over tp; Ulysses splits a tp rank's
+        # query heads over sp, replicating key/value heads where there are fewer than sp
+        raise ValueError(f"tp*sp = {tp}*{sp} = {tp * sp} must divide the {heads} query heads and tp = {tp} the "
+                         f"{kv_heads} key/value heads of model {model!r}; valid tp: "
+                         f"{[d for d in range(1, heads + 1) if heads % d == 0 and kv_heads % d == 0]}, valid tp*sp: "
+                         f"{[d for d in range(1, heads + 1) if heads % d == 0]}")
     seq_len = cfg.max_position_embeddings
     world_size = dp * tp * sp
     launched = dsfn.runtime.init_distributed()          # False unless started by a launcher

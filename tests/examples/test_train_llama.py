@@ -127,9 +127,10 @@ def test_bad_degrees_fail_early(tmp_path: Path) -> None:
         train_llama.main(model="tiny", steps=1, dp=2, batch_size=3, out=tmp_path, verbose=False)
     with pytest.raises(ValueError, match="must divide"):
         train_llama.main(model="tiny", steps=1, tp=3, out=tmp_path, verbose=False)
-    # 8 query / 4 key-value heads: tp*sp = 8 does not divide 4
-    with pytest.raises(ValueError, match=r"tp\*sp = 2\*4 = 8 must divide"):
-        train_llama.main(model="tiny", steps=1, tp=2, sp=4, out=tmp_path, verbose=False)
+    # 8 query / 4 key-value heads: tp*sp = 16 does not divide the 8 query heads (tp 2 x sp 4 is
+    # valid: sp replicates the key/value heads)
+    with pytest.raises(ValueError, match=r"tp\*sp = 4\*4 = 16 must divide the 8 query heads"):
+        train_llama.main(model="tiny", steps=1, tp=4, sp=4, out=tmp_path, verbose=False)
     with pytest.raises(ValueError, match="needs a longer corpus"):
         train_llama.main(model="tiny", steps=1, tp=1, sp=2, seq_len=8192, max_bytes=100_000, out=tmp_path,
                          verbose=False)
