@@ -44,7 +44,7 @@ def loss_fn(apply_fn, params, batch):
                     labels=batch["labels"]).loss
 
 
-def train(family, attn, make_transforms, mesh=None, sabotage=False, cfg=None):
+def train(family, attn, make_transforms, mesh=None, sabotage=False, cfg=None, device="cpu", dtype=torch.float32):
     if mesh:
         init_mesh(**mesh)
     if sabotage:                                 # the padding mask never handed on
@@ -52,7 +52,7 @@ def train(family, attn, make_transforms, mesh=None, sabotage=False, cfg=None):
         hf._no_mask = lambda *a, **k: None
         from transformers.masking_utils import AttentionMaskInterface
         AttentionMaskInterface._global_mapping[hf.NAME] = hf._no_mask
-    model = make_tiny_causal_lm(family, attn_implementation=attn, **(cfg or {}))
+    model = make_tiny_causal_lm(family, attn_implementation=attn, **(cfg or {})).to(device, dtype)
     model.train()
     apply_fn, params = dsfn.functionalize(model)
 
@@ -63,7 +63,7 @@ def train(family, attn, make_transforms, mesh=None, sabotage=False, cfg=None):
     state = step.init_state(params, dsfn.optim.sgd(0.5, momentum=0.9))
     losses = []
     for b in make_batches():
-        state, m = step(state, b)
+        state, m = step(state, {k: v.to(device) for k, v in b.items()})
         losses.append(float(m["loss"]))
     assert all(x == x for x in losses), losses   # no NaN from fully masked pad queries
     s = step.gather(state)
@@ -92,3 +92,21 @@ def test_negative_control_without_the_padding_mask_the_run_differs():
     for losses, _ in run_on_ranks(train, 2, "llama", "sdpa", lambda: (sequence_parallel(),), {"sp": 2}, True,
                                   timeout=180):
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) > 1e-3, (losses, ref_losses)
+
+
+def _flash_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from transformers.utils import is_flash_attn_2_available
+    return is_flash_attn_2_available()
+
+
+@pytest.mark.skipif(not _flash_available(), reason="flash-attn is not installed (it needs CUDA): the flash path "
+                    "(the 2-D padding mask, whole position_ids and cu_seq_lens passed through) runs only where it is")
+def test_flash_attention_padding_under_sp_equals_single_process():
+    """flash_attention_2 unpads by the gathered 2-D mask itself; bf16 on one GPU, 2 ranks over gloo."""
+    kw = dict(device="cuda", dtype=torch.bfloat16)
+    ref_losses, _ = train("llama", "flash_attention_2", lambda: (), **kw)
+    for losses, _ in run_on_ranks(train, 2, "llama", "flash_attention_2", lambda: (sequence_parallel(),),
+                                  {"sp": 2}, False, None, kw["device"], kw["dtype"], timeout=300):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=2e-2)
