@@ -229,6 +229,50 @@ def _labels_passed(model: nn.Module, args: tuple, kwargs: dict) -> bool:
 
 
 @contextlib.contextmanager
+def token_mean_over(model: nn.Module, axes: list[str], args: tuple, kwargs: dict) -> Iterator[None]:
+    """Data parallelism for a Hugging Face causal LM's own loss (`labels=` / `shift_labels=`):
+    while the model runs, its `loss_function` gets `num_items_in_batch` = the valid targets of
+    the whole batch over the dp `axes` / dp (one all-reduce of a scalar), so this rank's loss
+    is dp * (its sum) / (the global count) and the dp average of the gradients is the gradient
+    of the global token mean — the single-process loss of the whole batch, whatever each rank's
+    share of ignored labels (padding, prompts). Without it each rank takes its own mean and dp
+    averages the means (DDP's result; HF Trainer's `average_tokens_across_devices` fixes the
+    same). Nothing changes when the caller passes `num_items_in_batch`, when the model's loss
+    is not HF's causal-LM loss, or when sequence parallel already normalises it."""
+    from dsfn.runtime import collectives as C
+    from dsfn.runtime.mesh import current_mesh
+    sizes = [current_mesh().size(a) for a in axes]
+    dp = 1
+    for n in sizes:
+        dp *= n
+    if dp == 1 or "_loss_function" in model.__dict__ or not _labels_passed(model, args, kwargs):
+        yield
+        return
+    from transformers.loss.loss_utils import LOSS_MAPPING
+    causal = LOSS_MAPPING["ForCausalLM"]
+    if getattr(model, "loss_function", None) is not causal:
+        yield
+        return
+
+    def loss(logits, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
+             shift_labels=None, **kw):
+        if num_items_in_batch is None and (labels is not None or shift_labels is not None):
+            target = shift_labels if shift_labels is not None else labels[..., 1:]
+            n = (target != ignore_index).sum().to(torch.float64).reshape(1)
+            for a, size in zip(axes, sizes):
+                if size > 1:
+                    n = C.all_reduce(n, a, "sum")
+            num_items_in_batch = (n.reshape(()) / dp).to(logits.device, torch.float32)
+        return causal(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
+                      shift_labels=shift_labels, **kw)
+    model._loss_function = loss
+    try:
+        yield
+    finally:
+        del model._loss_function
+
+
+@contextlib.contextmanager
 def own_loss(model: nn.Module, make_loss, args: tuple, kwargs: dict) -> Iterator[None]:
     """While the model runs under sequence parallelism, its `loss_function` is
     `make_loss(inner, model)` (dsfn.transforms.sequence_parallel: labels shifted over the whole

@@ -10,6 +10,12 @@
   launched during backward as gradients arrive (DDP's overlap); with `accumulate`
   inside, once after the last micro-batch. For a loss that is a mean over equally
   sized per-rank batches this equals the single-process gradient of the global batch.
+- `apply_module`: a Hugging Face causal LM given labels computes its own loss with the
+  whole batch's count of valid targets (`num_items_in_batch`, one scalar all-reduce per
+  forward; `dsfn.integrations.hf.token_mean_over`), so the dp average of the gradients is
+  the single-process gradient of the global token mean even when ranks hold different
+  numbers of ignored labels. A loss the train step computes itself stays a per-rank mean,
+  averaged over dp (DDP's result; equal to the single process when the ranks' counts are).
 - `reduce_metrics`: metrics are averaged over dp.
 - `sync_buffers` (persistent buffers a forward updates, e.g. BatchNorm statistics; see
   dsfn.functional): at the end of every step each rank's updated buffers are replaced
@@ -78,6 +84,22 @@ class DataParallel(Transform):
         self._overlap = not with_role(inner, "accumulate")
         # gradients travel in mixed precision's reduce dtype
         self._reduce_dtype = next((t.reduce_dtype for t in with_role(inner, "mixed_precision") if t.active), None)
+
+    def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
+        with self.token_mean(apply_fn, args, kwargs):
+            return call_next(apply_fn, params, args, kwargs)
+
+    def token_mean(self, apply_fn: Any, args: tuple, kwargs: dict):
+        """A Hugging Face causal LM's own loss normalised by the whole batch's token count
+        (`dsfn.integrations.hf.token_mean_over`); a no-op context for any other model."""
+        import contextlib
+        module = getattr(apply_fn, "module", None)
+        if current_mesh().size(self.axis) == 1 or module is None or not hasattr(module, "config"):
+            return contextlib.nullcontext()
+        from dsfn.integrations import hf
+        if not hf.is_hf_model(module):
+            return contextlib.nullcontext()
+        return hf.token_mean_over(module, [self.axis], args, kwargs)
 
     def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
         if current_mesh().size(self.axis) == 1:
