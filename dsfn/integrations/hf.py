@@ -200,6 +200,14 @@ def ulysses_attention(model: nn.Module, axis: str, consecutive: torch.Tensor | N
     _register()
     configs = [c for c in {id(m.config): m.config for m in model.modules()
                            if hasattr(getattr(m, "config", None), "_attn_implementation_internal")}.values()]
+    chunked = [c for c in configs if getattr(c, "attention_chunk_size", None)
+               and "chunked_attention" in (getattr(c, "layer_types", None) or ["chunked_attention"])]
+    if chunked:
+        raise ConfigError(f"sequence_parallel: {type(model).__name__} uses chunked attention "
+                          f"(attention_chunk_size={chunked[0].attention_chunk_size}: tokens attend only within "
+                          "their chunk), which dsfn's Ulysses attention does not build over the whole sequence; "
+                          "it would attend across chunks. Train it without sequence_parallel (tensor_parallel and "
+                          "ZeRO work)")
     saved = [c._attn_implementation_internal for c in configs]
     inner = {s if not isinstance(s, dict) else None for s in saved}
     if len(inner) != 1:

@@ -42,6 +42,7 @@ attention_mask, the model's mask function hands the rank's slice [b, T/sp] on, a
 `dsfn.integrations.hf` all-gathers it over sp (once per forward) and masks the pad keys
 (HF's `padding_mask_function`, with the causal, window and document masks). A non-HF model
 (AutoSP / ulysses_sdpa: no mask) with such padding is a ShapeError: right-pad or pack.
+Chunked attention (Llama4's `attention_chunk_size`) is a ConfigError: its mask is not built.
 
 Packed rows (several documents per row, a Hugging Face model given `position_ids` that
 restart at 0 at each document): inside Ulysses attention every rank holds the whole

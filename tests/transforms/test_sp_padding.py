@@ -110,3 +110,31 @@ def test_flash_attention_padding_under_sp_equals_single_process():
     for losses, _ in run_on_ranks(train, 2, "llama", "flash_attention_2", lambda: (sequence_parallel(),),
                                   {"sp": 2}, False, None, kw["device"], kw["dtype"], timeout=300):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=2e-2)
+
+
+def _llama4_under_sp():
+    import transformers
+    init_mesh(sp=2)
+    cfg = transformers.Llama4TextConfig(hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                        vocab_size=VOCAB, num_local_experts=2, attention_chunk_size=4,
+                                        max_position_embeddings=64)
+    torch.manual_seed(0)
+    apply_fn, params = dsfn.functionalize(transformers.Llama4ForCausalLM(cfg))
+
+    def train_step(state, batch):
+        value, grads = dsfn.value_and_grad(lambda p: apply_fn(p, input_ids=batch["input_ids"],
+                                                              labels=batch["input_ids"]).loss)(state.params)
+        return state.apply_gradients(grads), {"loss": value}
+    step = compose(sequence_parallel())(train_step)
+    state = step.init_state(params, dsfn.optim.sgd(0.1))
+    step(state, {"input_ids": token_batches(1, 2, T, VOCAB, seed=0)[0]["input_ids"]})
+
+
+def test_chunked_attention_under_sp_is_refused():
+    """Llama4's chunked attention (tokens attend within their chunk) is not built by Ulysses
+    attention: refused by name, never a mask that attends across chunks."""
+    from dsfn.errors import RankFailure
+    with pytest.raises(RankFailure, match=r"ConfigError: sequence_parallel: Llama4ForCausalLM uses chunked attention "
+                                          r"\(attention_chunk_size=4"):
+        run_on_ranks(_llama4_under_sp, 2, timeout=120)
