@@ -44,6 +44,16 @@ def train_step_for(apply_fn: Callable, loss_fn: LossFn = mse_loss) -> Callable:
     return train_step
 
 
+def run_steps(step: Any, state: Any, batches: Sequence[dict]) -> tuple[list[float], dict]:
+    """Run `step` over `batches`; (the losses, the final logical {"params", "opt_state"})."""
+    losses = []
+    for batch in batches:
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    full = step.gather(state)
+    return losses, {"params": full.params, "opt_state": full.opt_state}
+
+
 @dataclass
 class RunResult:
     losses: list[float]

@@ -18,6 +18,7 @@ from dsfn.runtime import init_mesh
 from dsfn.testing import run_on_ranks
 from dsfn.testing.asserts import assert_trees_close
 from dsfn.testing.models import make_tiny_causal_lm, token_batches
+from dsfn.testing.reference import run_steps
 from dsfn.transforms import compose, data_parallel, shard_zero
 
 pytest.importorskip("transformers")
@@ -61,12 +62,7 @@ def train(make_transforms, loss="labels", mesh=None, sabotage=False):
         return state.apply_gradients(grads), {"loss": value}
     step = compose(*make_transforms())(train_step)
     state = step.init_state(params, dsfn.optim.sgd(0.5, momentum=0.9))
-    losses = []
-    for b in make_batches():
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
-    s = step.gather(state)
-    return losses, {"params": s.params, "opt_state": s.opt_state}
+    return run_steps(step, state, make_batches())
 
 
 STACKS = {"data_parallel": lambda: (data_parallel(),)}

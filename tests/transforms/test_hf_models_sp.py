@@ -31,7 +31,7 @@ from dsfn.runtime import init_mesh
 from dsfn.testing import run_on_ranks
 from dsfn.testing.asserts import assert_trees_close
 from dsfn.testing.models import make_tiny_causal_lm, token_batches
-from dsfn.testing.reference import train_step_for
+from dsfn.testing.reference import run_steps, train_step_for
 from dsfn.transforms import compose, sequence_parallel, shard_zero, tensor_parallel
 
 pytest.importorskip("transformers")
@@ -103,12 +103,7 @@ def _train(family, loss, opt, mesh=None, layout=None):
     batches = make_batches()
     if loss == "shift_labels" and not mesh:
         batches = [_with_shift_labels(b) for b in batches]     # the transform makes them under sp
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
-    s = step.gather(state)
-    return losses, {"params": s.params, "opt_state": s.opt_state}
+    return run_steps(step, state, batches)
 
 
 LOSSES = ("labels", "shift_labels")

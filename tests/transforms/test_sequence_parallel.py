@@ -23,7 +23,7 @@ from dsfn.runtime import init_mesh
 from dsfn.testing import run_on_ranks
 from dsfn.testing.asserts import assert_trees_close
 from dsfn.testing.models import make_tiny_causal_lm, token_batches
-from dsfn.testing.reference import train_step_for
+from dsfn.testing.reference import run_steps, train_step_for
 from dsfn.transforms import (
     accumulate,
     async_checkpoint,
@@ -76,12 +76,7 @@ def train(make_model, make_transforms, batches, mesh=None, loss=loss_fn):
     apply_fn, params = dsfn.functionalize(model)
     step = compose(*make_transforms(model))(train_step_for(apply_fn, loss))
     state = step.place(dsfn.TrainState.create(params, _sgd()))
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
-    s = step.gather(state)
-    return losses, {"params": s.params, "opt_state": s.opt_state}
+    return run_steps(step, state, batches)
 
 
 def check(make_model, make_transforms, mesh, batches=None, loss=loss_fn, rtol=1e-5, atol=1e-6,

@@ -21,7 +21,7 @@ from dsfn.runtime import init_mesh
 from dsfn.testing import run_on_ranks
 from dsfn.testing.asserts import assert_trees_close
 from dsfn.testing.models import make_tiny_causal_lm, token_batches
-from dsfn.testing.reference import train_step_for
+from dsfn.testing.reference import run_steps, train_step_for
 from dsfn.transforms import compose, sequence_parallel, shard_zero, tensor_parallel
 from dsfn.transforms.sequence_parallel import kv_replication, replicate_kv
 
@@ -113,12 +113,7 @@ def train(family, stack, batches, mesh=None, wrong_order=False):
     loss = ce_loss if family in ("auto", "manual") else hf_loss
     step = compose(*transforms)(train_step_for(apply_fn, loss))
     state = step.place(dsfn.TrainState.create(params, dsfn.optim.sgd(lr=0.5, momentum=0.9)))
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
-    s = step.gather(state)
-    return losses, {"params": s.params, "opt_state": s.opt_state}
+    return run_steps(step, state, batches)
 
 
 def run(family, stack, mesh, wrong_order=False):
