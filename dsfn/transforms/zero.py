@@ -371,6 +371,10 @@ class ShardZero(DataParallel):
 
     # -- stage 3: gather units just in time -----------------------------------------------------
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
+        with self.token_mean(apply_fn, args, kwargs):       # HF's own loss: the whole batch's token mean
+            return self._apply_module(call_next, apply_fn, params, args, kwargs)
+
+    def _apply_module(self, call_next, apply_fn, params, args, kwargs):
         if self.stage != 3:
             return call_next(apply_fn, params, args, kwargs)
         self.shard_frozen(apply_fn)

@@ -65,7 +65,8 @@ def train(make_transforms, loss="labels", mesh=None, sabotage=False):
     return run_steps(step, state, make_batches())
 
 
-STACKS = {"data_parallel": lambda: (data_parallel(),)}
+STACKS = {"data_parallel": lambda: (data_parallel(),), "zero2": lambda: (shard_zero(2),),
+          "zero3": lambda: (shard_zero(3),)}
 
 
 @pytest.mark.parametrize("loss", sorted(LOSSES))
