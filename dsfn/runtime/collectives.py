@@ -176,19 +176,99 @@ def all_gather(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None, async_op
     return _result(work, out, home, async_op)
 
 
+class _PendingAll(Pending):
+    """Several in-flight collectives waited for as one; `wait()` returns `result`."""
+
+    def __init__(self, pendings: list[Pending], result):
+        self._pendings, self._all = pendings, result
+
+    def done(self) -> bool:
+        return all(p.done() for p in self._pendings)
+
+    def wait(self):
+        for p in self._pendings:
+            p.wait()
+        return self._all
+
+
+def all_gather_into_(outs: list[torch.Tensor], ts: list[torch.Tensor], axis: str, *, mesh: Mesh | None = None,
+                     async_op: bool = False):
+    """One all-gather of several tensors, each into a caller's buffer: rank r's `ts[k]`
+    (any shape, k elements) lands in `outs[k]` (contiguous, size * k elements) at
+    [r * k, (r + 1) * k). Counted as one call (the outputs' bytes). No output-sized buffer
+    is made here (the caller's are written; gloo copies through one of its own, NCCL
+    writes them directly; a host buffer under NCCL is staged on the device). Returns
+    `outs` (a `Pending` of it with `async_op`)."""
+    m = _mesh(mesh)
+    n = m.size(axis)
+    for o, t in zip(outs, ts):
+        if not o.is_contiguous() or o.numel() != n * t.numel() or o.dtype != t.dtype:
+            raise ShapeError(f"all_gather_into_ along {axis!r}: output {tuple(o.shape)} {o.dtype} (contiguous: "
+                             f"{o.is_contiguous()}) must be {n} x input {tuple(t.shape)} {t.dtype}, contiguous")
+    if n == 1:
+        for o, t in zip(outs, ts):
+            o.copy_(t.reshape(-1))
+        return _done(outs, async_op)
+    counters.record(axis, "all_gather", sum(_nbytes(o) for o in outs))
+    pendings = []
+    if env.backend() == "gloo" and all(o.device.type == "cpu" for o in outs):
+        # gloo's all-gather receives into an output-sized buffer of its own and copies out;
+        # its broadcast receives in place: rank r's piece is broadcast into its slot
+        group, ranks, me = m.group(axis), m.ranks(axis), m.local_rank(axis)
+        for o, t in zip(outs, ts):
+            k = t.numel()
+            o[me * k:(me + 1) * k].copy_(t.reshape(-1))
+            for r in range(n):
+                work = dist.broadcast(o[r * k:(r + 1) * k], src=ranks[r], group=group, async_op=True)
+                pendings.append(Pending(work, o))
+        done = _PendingAll(pendings, outs)
+        return done if async_op else done.wait()
+    for o, t in zip(outs, ts):
+        dev = _to_backend(o)
+        work = _all_gather_tensor(dev.view(-1), _to_backend(t.contiguous()).view(-1), group=m.group(axis),
+                                  async_op=True)
+        pendings.append(_result(work, dev, o.device, True, target=o))
+    done = _PendingAll(pendings, outs)
+    return done if async_op else done.wait()
+
+
 def reduce_scatter(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | None = None,
-                   async_op: bool = False):
-    """Reduce `t` over the axis and keep this rank's dim-0 chunk: shape [t.shape[0] // size, ...]."""
+                   async_op: bool = False, out: torch.Tensor | None = None, consume: bool = False):
+    """Reduce `t` over the axis and keep this rank's dim-0 chunk: shape [t.shape[0] // size, ...].
+
+    `out`: write the chunk there (contiguous, the chunk's shape and dtype) instead of a new
+    tensor. `consume=True`: the caller gives up `t` (its contents may be overwritten):
+    gloo's reduce-scatter clones its input and all-reduces the clone, so there the
+    all-reduce runs on `t` itself instead, with no input-sized temporary (same bytes moved
+    and counted)."""
     m = _mesh(mesh)
     n = m.size(axis)
     if n == 1:
+        if out is not None:
+            out.copy_(t)
+            t = out
         return _done(t, async_op)
     _check_dim0_divisible("reduce_scatter", t, axis, n)
     home, t = t.device, _to_backend(t.contiguous())
-    out = torch.empty((t.shape[0] // n,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    shape = (t.shape[0] // n,) + tuple(t.shape[1:])
+    if out is not None and (tuple(out.shape) != shape or out.dtype != t.dtype or not out.is_contiguous()):
+        raise ShapeError(f"reduce_scatter along {axis!r}: out is {tuple(out.shape)} {out.dtype}, the chunk "
+                         f"is {shape} {t.dtype} (contiguous)")
     counters.record(axis, "reduce_scatter", _nbytes(t))
-    work = _reduce_scatter_tensor(out, t, op=_OPS[op], group=m.group(axis), async_op=async_op)
-    return _result(work, out, home, async_op)
+    if consume and env.backend() == "gloo" and t.device.type == "cpu" and op in ("sum", "avg"):
+        me = m.local_rank(axis)
+        target = out if out is not None else torch.empty(shape, dtype=t.dtype, device=home)
+        work = dist.all_reduce(t, op=_OPS["sum"], group=m.group(axis), async_op=True)
+
+        def chunk(r: torch.Tensor) -> torch.Tensor:
+            mine = r[me * shape[0]:(me + 1) * shape[0]]
+            return target.copy_(mine).div_(n) if op == "avg" else target.copy_(mine)
+        done = Pending(work, t, chunk)
+        return done if async_op else done.wait()
+    dev_out = out if out is not None and out.device == t.device else \
+        torch.empty(shape, dtype=t.dtype, device=t.device)
+    work = _reduce_scatter_tensor(dev_out, t, op=_OPS[op], group=m.group(axis), async_op=async_op)
+    return _result(work, dev_out, home, async_op, target=out if out is not None and out is not dev_out else None)
 
 
 def all_to_all(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None, async_op: bool = False):

@@ -5,6 +5,10 @@ A full tensor of `numel` elements over an axis of size n is zero-padded to n*c e
 tensors is the concatenation of those views along dim 1, [n, sum(c_i)], so one
 reduce-scatter (or all-gather) of the flattened bucket moves every tensor in it and each
 rank's row holds its shards back to back.
+
+ZeRO-3's gathers use the transposed layout (`gather_into_buffers`): each full tensor
+contiguous in a flat buffer, written there by the collective itself, so the weights are
+views of it; `BufferPool` keeps such buffers between uses.
 """
 from __future__ import annotations
 
@@ -60,10 +64,19 @@ class ShardReducer:
 waited for), so the full gradients alive during backward stay a few buckets. Keys whose parameter
     took no part in this rank's loss contribute zeros, so every rank launches the same
     reduce-scatters in the same order whatever its data touched.
+
+    With a `pool` (kept by the caller across steps), the first round's shards are written
+    into one flat buffer per dtype, lent by the pool and lent again next step once nothing
+    references this step's shards: these long-lived tensors are then the same block every
+    step instead of new ones made in the middle of backward among activations (holes
+    glibc cannot reuse). A bucket packed here (several tensors) is reduced in place
+    (`consume`: no input-sized clone under gloo). Without a pool every shard is a fresh
+    tensor. The values are bitwise the same either way.
     """
 
     def __init__(self, axis: str, bucket_elems: int, op: str = "avg", dtype: torch.dtype | None = None,
-                 named: Sequence[tuple[Any, torch.Tensor]] = (), devices: dict | None = None):
+                 named: Sequence[tuple[Any, torch.Tensor]] = (), devices: dict | None = None,
+                 pool: BufferPool | None = None):
         from dsfn.runtime.buckets import FixedBuckets, backward_order
         self.axis, self.op, self.dtype = axis, op, dtype
         self.n = current_mesh().size(axis)
@@ -76,6 +89,17 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
         self._inflight: list[tuple[list[tuple[Any, int]], C.Pending]] = []
         self._rounds = 0
         self.shards: dict[Any, torch.Tensor] = {}
+        self.pool = pool
+        # pooled layout: bucket b's shards at out_at[b] in its dtype's flat buffer (first round)
+        widths = [sum(-(-by_key[k].numel() // self.n) for k in ks) for ks in self.plan.buckets]
+        self._out_total: dict[torch.dtype, int] = {}
+        self._out_at: list[int] = []
+        for ks, w in zip(self.plan.buckets, widths):
+            dt = self.plan.dtypes[ks[0]]
+            self._out_at.append(self._out_total.get(dt, 0))
+            self._out_total[dt] = self._out_total.get(dt, 0) + w
+        self._out: dict[torch.dtype, torch.Tensor] = {}
+        self._out_used: set[int] = set()
 
     def new_round(self) -> None:
         """A forward of the same step begins (accumulation): close the previous round."""
@@ -92,9 +116,12 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
 
     def _launch(self, buckets: list) -> None:
         for items in buckets:
-            bucket = torch.cat([rows for _, rows in items], dim=1) if len(items) > 1 else items[0][1]
-            pending = C.reduce_scatter(bucket.reshape(-1), self.axis, self.op, async_op=True)
-            self._inflight.append(([(k, rows.shape[1]) for k, rows in items], pending))
+            if self.pool is None or self.n == 1:
+                bucket = torch.cat([rows for _, rows in items], dim=1) if len(items) > 1 else items[0][1]
+                pending = C.reduce_scatter(bucket.reshape(-1), self.axis, self.op, async_op=True)
+                self._inflight.append(([(k, rows.shape[1]) for k, rows in items], pending))
+            else:
+                self._launch_pooled(items)
             # an in-flight reduce-scatter holds its input, a bucket of full gradients: waiting
             # for the oldest beyond MAX_INFLIGHT keeps that O(bucket), not O(model), during
             # backward (a wait issues no collective, so every rank's sequence is unchanged)
@@ -104,6 +131,28 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
             self._drain(block=False)          # finished ones release their inputs now
 
     MAX_INFLIGHT = 2
+
+    def _launch_pooled(self, items: list) -> None:
+        first = items[0][1]
+        width = sum(rows.shape[1] for _, rows in items)
+        if len(items) > 1:     # packed here: the reduce-scatter may overwrite it
+            bucket = torch.cat([rows for _, rows in items], dim=1)
+        else:
+            bucket = items[0][1]
+        b = self.plan.bucket_of[items[0][0]]
+        out = None
+        # a later round's shards are summed into the first's: those are fresh tensors
+        if b not in self._out_used and self.plan.dtypes[items[0][0]] == first.dtype:
+            flat = self._out.get(first.dtype)
+            if flat is None:
+                flat = self._out[first.dtype] = self.pool.take_lent(self._out_total[first.dtype], first.dtype,
+                                                                    first.device)
+            if flat.device == first.device:
+                out = flat[self._out_at[b]:self._out_at[b] + width]
+                self._out_used.add(b)
+        pending = C.reduce_scatter(bucket.reshape(-1), self.axis, self.op, async_op=True, out=out,
+                                   consume=len(items) > 1)
+        self._inflight.append(([(k, rows.shape[1]) for k, rows in items], pending))
 
     def _drain(self, block: bool, keep: int | None = None) -> None:
         """Collect finished buckets, oldest first (all of them with `block`; with `keep`,
@@ -176,6 +225,154 @@ def all_gather_full(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[int, 
         used += shards[i].numel()
     flush()
     return handle if async_op else handle.wait()
+
+
+class BufferPool:
+    """Flat buffers kept for reuse, keyed by (numel, dtype, device): at most `keep` idle ones
+    per key. ZeRO-3 gathers every unit of a model into buffers of a few sizes, step after
+    step: taking them from here lets the allocator see the same blocks every time, instead
+    of fresh unit-sized blocks interleaved with activations (holes glibc cannot reuse).
+
+    A buffer is handed out again only when nothing else references its storage (no view
+    of it is alive): a weight someone still holds is never overwritten by a later gather.
+    """
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._idle: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._lent: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._held: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (numel, dtype, torch.device(device))
+        idle = self._idle.get(key)
+        if idle:
+            return idle.pop()
+        held = self._held.get(key, [])
+        for k, buf in enumerate(held):
+            if _sole(buf):                   # whoever still viewed it at `give` is done now
+                return held.pop(k)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def take_lent(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer that its user never gives back (it hands out views of it, e.g. gradient
+        shards): the pool keeps it and lends it again once no view of it is left."""
+        lent = self._lent.setdefault((numel, dtype, torch.device(device)), [])
+        for buf in lent:
+            if _sole(buf):
+                return buf
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        if len(lent) < self.keep:
+            lent.append(buf)
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        key = (buf.numel(), buf.dtype, buf.device)
+        idle, held = self._idle.setdefault(key, []), self._held.setdefault(key, [])
+        if len(idle) + len(held) >= self.keep:
+            return
+        # still viewed (a caller's view, or a finished collective's work object not yet
+        # destroyed): kept aside and taken again only once nothing else references it
+        (idle if _sole(buf) else held).append(buf)
+
+    def idle_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for bs in self._idle.values() for b in bs)
+
+    def clear(self) -> None:
+        self._idle.clear()
+        self._lent.clear()
+        self._held.clear()
+
+
+def _sole(buf: torch.Tensor) -> bool:
+    """Whether `buf` is the only tensor on its storage (the temporary storage object made
+    here counts once, `buf` once: more means a view of it is alive)."""
+    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2
+
+
+class FlatGather:
+    """In-flight all-gathers of several shards, each straight into a flat buffer (`slabs`).
+
+    Buffer layout: a bucket's tensors back to back, tensor i taking n * c_i elements
+    (c_i = its shard's numel; the tensor's own numel, then its zero padding), so the full
+    tensor i is the contiguous view `slabs[slab_of[i]][at_i : at_i + numel_i].view(shape_i)`:
+    `wait()` returns these views in input order, without copying anything. Size-1 axis:
+    the views are views of the shards themselves (`slabs` are the shards).
+    """
+
+    def __init__(self, views: list[tuple[int, int, tuple[int, ...]]], slabs: list[torch.Tensor], pendings: list):
+        self._spec, self.slabs, self._pendings = views, slabs, pendings
+        self.slab_of = [k for k, _, _ in views]
+
+    def wait(self) -> list[torch.Tensor]:
+        for p in self._pendings:
+            p.wait()
+        self._pendings = []
+        return [self.slabs[k][at:at + math.prod(shape)].view(shape) for k, at, shape in self._spec]
+
+    def release(self, pool: BufferPool | None) -> None:
+        """Give the buffers back to `pool` (after `wait`; the views must be dropped by now)."""
+        for p in self._pendings:
+            p.wait()
+        slabs, self.slabs, self._pendings = self.slabs, [], []
+        if pool is not None and not self._own:
+            for s in slabs:
+                pool.give(s)
+
+    _own = False      # True when the slabs are the caller's shards (size-1 axis): never pooled
+
+
+def gather_into_buffers(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]], axis: str,
+                        bucket_elems: int, pool: BufferPool | None = None) -> FlatGather:
+    """Start all-gathering full tensors of `shapes` from every rank's `shards` (FlatShard
+    pieces), each directly into its place in a flat buffer (see `FlatGather`), taken from
+    `pool` when one is given. Shards are grouped by (dtype, device) and packed into buckets
+    of at most `bucket_elems` shard elements: one all-gather call per bucket (every rank
+    issues the same sequence: it depends only on shapes, dtypes and devices).
+
+    Bytes made per bucket: its buffer, n * sum(c_i) — no concatenation of the shards and no
+    per-tensor copy out of a gathered buffer (`all_gather_full` makes both).
+    """
+    n = current_mesh().size(axis)
+    shards = [s.detach() for s in shards]      # collectives write outside autograd
+    if n == 1:
+        g = FlatGather([(i, 0, tuple(shape)) for i, shape in enumerate(shapes)],
+                       [s.reshape(-1) for s in shards], [])
+        g._own = True
+        return g
+    views: list[tuple[int, int, tuple[int, ...]] | None] = [None] * len(shards)
+    slabs, pendings = [], []
+    order = sorted(range(len(shards)), key=lambda i: (str(shards[i].dtype), str(shards[i].device)))  # stable
+    bucket: list[int] = []
+
+    def flush() -> None:
+        if not bucket:
+            return
+        s0 = shards[bucket[0]]
+        buf = (pool.take if pool is not None else
+               lambda numel, dtype, device: torch.empty(numel, dtype=dtype, device=device))(
+            n * sum(shards[i].numel() for i in bucket), s0.dtype, s0.device)
+        outs, at = [], 0
+        for i in bucket:
+            size = n * shards[i].numel()
+            outs.append(buf[at:at + size])
+            views[i] = (len(slabs), at, tuple(shapes[i]))
+            at += size
+        pendings.append(C.all_gather_into_(outs, [shards[i] for i in bucket], axis, async_op=True))
+        slabs.append(buf)
+        bucket.clear()
+
+    used = 0
+    for i in order:
+        s = shards[i]
+        if bucket and (s.dtype != shards[bucket[0]].dtype or s.device != shards[bucket[0]].device
+                       or used + s.numel() > bucket_elems):
+            flush()
+            used = 0
+        bucket.append(i)
+        used += s.numel()
+    flush()
+    return FlatGather(views, slabs, pendings)  # type: ignore[arg-type]
 
 
 def owners_by_size(numels: Sequence[int], n: int) -> list[int]:

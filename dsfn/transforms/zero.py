@@ -18,9 +18,12 @@ parameter: same shape and a path that ends with the parameter's path (Adam's
 
 Update (stages 1-2): each rank slices its shard of the parameters, the optimizer runs on
 shards (`tx.update` sees flat pieces; every elementwise optimizer is unchanged by
-this), and the updated shards are all-gathered, bucketed. Stage 3 keeps parameters
+this), and the updated shards are all-gathered, bucketed (in a donated step, into the old
+full parameters where their size allows: no second full copy). Stage 3 keeps parameters
 sharded: `apply_fn` (the "apply_module" primitive) gathers a *unit*'s parameters just
-before the unit runs and frees them after it; saved-tensor hooks store the shard
+before the unit runs and frees them after it — straight into one flat buffer per dtype,
+the weights being views of it, the buffers reused across units and steps
+(`dsfn.runtime.flat.gather_into_buffers`, `BufferPool`); saved-tensor hooks store the shard
 instead of the gathered weight and re-gather it when backward needs it; the next unit
 is prefetched while the current one runs. Units default to the model's repeated
 blocks (a Hugging Face `_no_split_modules`, else the children of its largest
@@ -70,8 +73,9 @@ from dsfn.effects import bind
 from dsfn.errors import ConfigError, StackError
 from dsfn.functional import until_backward
 from dsfn.runtime import collectives as C
-from dsfn.runtime.flat import ShardReducer, all_gather_full, map_whole
+from dsfn.runtime.flat import BufferPool, FlatGather, ShardReducer, all_gather_full, gather_into_buffers, map_whole
 from dsfn.runtime.mesh import current_mesh, grad_channel
+from dsfn.state.donation import writable
 from dsfn.state.init import store_constants
 from dsfn.state.layout import (
     FlatShard,
@@ -123,6 +127,10 @@ class ShardZero(DataParallel):
         self._expect: dict[str, list] = {}            # stage 3: key -> [gradients still due, their sum]
         self._frozen_dtype: torch.dtype | None = None  # mixed precision's compute dtype (check_stack)
         self._views: dict[int, tuple] = {}             # id(apply_fn) -> (apply_fn, constants' ids, view, cast)
+        # stage 3: the units' gather buffers, reused across units and steps (same sizes every step)
+        self._pool = BufferPool(keep=prefetch + 1)
+        # stages 1-3: gradient buckets and shards, the same blocks every step
+        self._grad_pool = BufferPool(keep=ShardReducer.MAX_INFLIGHT + 1)
 
     # -- stack rules -------------------------------------------------------------------
     def check_stack(self, stack, index):
@@ -190,7 +198,8 @@ class ShardZero(DataParallel):
             # demand during backward, so the two sequences interleave differently on ranks
             # whose data reached different units; each channel's own order is the same
             axis = grad_channel(self.axis) if self.stage == 3 else self.axis
-            reducer = ShardReducer(axis, self.reduce_bucket_size, "avg", self._reduce_dtype, named, devices)
+            reducer = ShardReducer(axis, self.reduce_bucket_size, "avg", self._reduce_dtype, named, devices,
+                                   pool=self._grad_pool)
         else:
             reducer = outer
         self._reducer = reducer
@@ -273,12 +282,33 @@ class ShardZero(DataParallel):
                              is_leaf=is_placed)
             return call_next(state, grads)
         grads = tree.map(self._as_shard, grads, is_leaf=is_placed)
+        olds = [_data(x) for x in tree.leaves(state.params, is_leaf=is_placed)]
         shards = tree.map(self._as_shard, state.params, is_leaf=is_placed)
         new = call_next(state.replace(params=shards), grads)
         leaves, spec = tree.flatten(new.params, is_leaf=is_placed)
-        full = all_gather_full([x.data for x in leaves], [_zero_layout(x.layout).shape for x in leaves], self.axis,
-                               self.allgather_bucket_size)
+        full = self._gather_updated([x.data for x in leaves], [_zero_layout(x.layout).shape for x in leaves], olds)
         return new.replace(params=tree.unflatten(spec, [inner_view(x, f) for x, f in zip(leaves, full)]))
+
+    def _gather_updated(self, shards: list[torch.Tensor], shapes: list[tuple[int, ...]],
+                        olds: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Stages 1-2: the updated shards all-gathered into full parameters. In a donated
+        step the old full parameters are the step's to overwrite: a tensor whose storage
+        holds exactly its padded size (numel divisible by the dp size, contiguous) is
+        gathered into its old tensor in place, so no second full copy of the parameters is
+        made; the others (and every tensor of a step that does not donate) get new ones."""
+        n = current_mesh().size(self.axis)
+        into = [k for k, (s, o) in enumerate(zip(shards, olds))
+                if isinstance(o, torch.Tensor) and o.is_contiguous() and o.numel() == n * s.numel()
+                and o.dtype == s.dtype and o.device == s.device and o.numel()]
+        if n == 1 or not into or not writable([olds[k] for k in into]):
+            return all_gather_full(shards, shapes, self.axis, self.allgather_bucket_size)
+        rest = [k for k in range(len(shards)) if k not in set(into)]
+        out: list[torch.Tensor] = list(olds)
+        C.all_gather_into_([olds[k].view(-1) for k in into], [shards[k] for k in into], self.axis)
+        for k, t in zip(rest, all_gather_full([shards[k] for k in rest], [shapes[k] for k in rest], self.axis,
+                                              self.allgather_bucket_size) if rest else []):
+            out[k] = t
+        return out
 
     def handle_map_whole(self, call_next, fn, pieces):
         """Whole-tensor functions of ZeRO shards (Muon): each tensor is rebuilt and mapped once,
@@ -542,11 +572,16 @@ class UnitGatherer:
         self.units = [module] + [m for _, m in unit_mods]
         self.unit_params.insert(0, root)
         self.unit_of = {i: u for u, ids in enumerate(self.unit_params) for i in ids}
-        self._full: dict[int, torch.Tensor] = {}              # gathered, in use
-        self._pending: dict[int, C.Pending | list[torch.Tensor]] = {}   # unit -> in-flight gather
-        self._bw: dict[int, torch.Tensor] = {}                # re-gathered for backward
-        self._bw_pending: dict[int, Any] = {}                 # unit -> prefetched backward gather
-        self._storage: dict[int, int] = {}                    # storage ptr -> index, for pack
+        # a unit is gathered into flat buffers (`FlatGather.slabs`); its weights are views of them
+        self._full: dict[int, torch.Tensor] = {}              # index -> gathered weight, in use
+        self._pending: dict[int, FlatGather] = {}             # unit -> in-flight gather
+        self._fw: dict[int, FlatGather] = {}                  # unit -> forward gather, in use
+        self._bw: dict[int, tuple[FlatGather, dict[int, torch.Tensor]]] = {}   # unit -> re-gathered for backward
+        self._bw_left: dict[int, set[int]] = {}               # unit -> trainable indices whose grad is due
+        self._grads_done: set[int] = set()                    # indices whose gradient arrived this backward
+        self._bw_pending: dict[int, FlatGather] = {}          # unit -> prefetched backward gather
+        self._storage: dict[int, tuple[int, int]] = {}        # buffer storage ptr -> (unit, slab), for pack
+        self._pool = zero._pool
         self._live: set[int] = set()
         self._hooks: list[Any] = []
         self._phase = "forward"                               # "backward" once the forward returned
@@ -573,11 +608,9 @@ class UnitGatherer:
     def _launch(self, u: int) -> None:
         if u in self._pending or u in self._live or not self.unit_params[u]:
             return
-        ids = self.unit_params[u]
-        shapes = [self.layouts[i].shape for i in ids]
-        # one bucketed all-gather per unit; async so the next unit's gather overlaps compute
-        self._pending[u] = all_gather_full([self._on_home(i) for i in ids], shapes, self.zero.axis,
-                                           self.zero.allgather_bucket_size, async_op=True)
+        # one bucketed all-gather per unit, into pooled buffers; async so the next unit's
+        # gather overlaps compute
+        self._pending[u] = self._gather_async(u)
         self._live.add(u)
         _gauge_live(self._live)
 
@@ -597,7 +630,7 @@ class UnitGatherer:
         """Units launched ahead of `before` that this rank never ran: wait for their gathers
         (the ranks that run them need the collective) and free them."""
         for v in [v for v in self._pending if 0 < v < before]:
-            self._pending.pop(v).wait()
+            self._pending.pop(v).release(self._pool)
             self._live.discard(v)
         _gauge_live(self._live)
 
@@ -611,6 +644,19 @@ class UnitGatherer:
         if handle is not None:
             for i, t in zip(self.unit_params[u], handle.wait()):
                 self._full[i] = t
+            self._fw[u] = handle
+            self._track(u, handle)
+
+    def _track(self, u: int, handle: FlatGather) -> None:
+        """Saved tensors in unit u's buffers are packed as (unit, buffer, view): see `_pack`."""
+        for k, slab in enumerate(handle.slabs):
+            self._storage[slab.untyped_storage().data_ptr()] = (u, k)
+
+    def _release(self, handle: FlatGather) -> None:
+        """A gather's weights are no longer used: forget its buffers, give them to the pool."""
+        for slab in handle.slabs:
+            self._storage.pop(slab.untyped_storage().data_ptr(), None)
+        handle.release(self._pool)
 
     def finish_forward(self) -> None:
         """The forward is over: launch the units this rank never reached, and drop them."""
@@ -618,9 +664,7 @@ class UnitGatherer:
         self._drop_skipped(len(self.units))
 
     def full(self, i: int) -> torch.Tensor:
-        t = self._full[i]
-        self._storage[t.untyped_storage().data_ptr()] = i
-        return t
+        return self._full[i]
 
     def shard_shape(self, i: int) -> tuple[int, ...]:
         return tuple(self.shards[i].shape)
@@ -646,34 +690,38 @@ class UnitGatherer:
                 self._restore(self.unit_params[u])
                 return
             for i in self.unit_params[u]:
-                t = self._full.pop(i, None)
-                if t is not None:
-                    self._storage.pop(t.untyped_storage().data_ptr(), None)
+                self._full.pop(i, None)
                 for owner, attr in self.slots[i]:
                     owner._parameters[attr] = self.shards[i]
+            handle = self._fw.pop(u, None)
+            if handle is not None:
+                self._release(handle)
             self._live.discard(u)
             _gauge_live(self._live)
         return hook
 
     # -- saved tensors: keep the shard, re-gather in backward ---------------------------------------
+    # A saved tensor in a unit's buffer (a weight, or a view of one: `w.t()`) is stored as
+    # (unit, buffer k, shape, stride, offset); backward's re-gather of the unit lays its
+    # buffers out alike, so the same view of its buffer k is the same tensor.
     def _pack(self, t: torch.Tensor) -> Any:
-        i = self._storage.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
-        if i is None:
+        at = self._storage.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        if at is None:
             return t
-        return ("dsfn.zero3", i, tuple(t.shape), t.stride(), t.storage_offset())
+        return ("dsfn.zero3", at[0], at[1], tuple(t.shape), t.stride(), t.storage_offset())
 
     def _unpack(self, x: Any) -> torch.Tensor:
-        if not (isinstance(x, tuple) and len(x) == 5 and x[0] == "dsfn.zero3"):
+        if not (isinstance(x, tuple) and len(x) == 6 and x[0] == "dsfn.zero3"):
             return x
-        _, i, shape, stride, offset = x
-        if i not in self._bw:
-            self._gather_for_backward(self.unit_of[i])
-        return self._bw[i].as_strided(shape, stride, offset)
+        _, u, k, shape, stride, offset = x
+        if u not in self._bw:
+            self._gather_for_backward(u)
+        return self._bw[u][0].slabs[k].as_strided(shape, stride, offset)
 
-    def _gather_async(self, u: int):
+    def _gather_async(self, u: int) -> FlatGather:
         ids = self.unit_params[u]
-        return all_gather_full([self._on_home(j) for j in ids], [self.layouts[j].shape for j in ids],
-                               self.zero.axis, self.zero.allgather_bucket_size, async_op=True)
+        return gather_into_buffers([self._on_home(j) for j in ids], [self.layouts[j].shape for j in ids],
+                                   self.zero.axis, self.zero.allgather_bucket_size, self._pool)
 
     def _bw_launch_upto(self, pos: int) -> None:
         """Launch the backward sequence's units up to position `pos` not launched yet."""
@@ -692,27 +740,47 @@ class UnitGatherer:
             self._bw_launch_upto(p)
         handle = self._bw_pending.pop(u, None) or self._gather_async(u)
         for v in [v for v in self._bw_pending if v != 0 and self._bw_pos[v] < p]:
-            self._bw_pending.pop(v).wait()        # a unit this rank skipped: its gather, dropped
-        for j, t in zip(self.unit_params[u], handle.wait()):
-            self._bw.setdefault(j, t)
-        # frozen weights of units backward has passed: no gradient will mark them done
-        for j in [j for j in self._bw if j in self.frozen and self.unit_of[j] not in (0, u)
-                  and self._bw_pos[self.unit_of[j]] < p]:
-            del self._bw[j]
+            self._release(self._bw_pending.pop(v))     # a unit this rank skipped: its gather, dropped
+        ids = self.unit_params[u]
+        self._bw[u] = (handle, dict(zip(ids, handle.wait())))
+        self._track(u, handle)
+        # the unit is dropped when its last trainable weight's gradient arrives (every use of
+        # its weights in backward is then done); one holding frozen weights, which no
+        # gradient marks done, when backward has passed it
+        self._bw_left[u] = {j for j in ids if j not in self.frozen and j not in self._grads_done}
+        for v in [v for v in self._bw if v not in (0, u) and self._bw_pos[v] < p and self._has_frozen(v)]:
+            self._drop_bw(v)
         self._bw_launch_upto(p + self.zero.prefetch)
         # units held for backward besides the root (gathered, or in flight): stays bounded
-        C.gauge("zero3.backward_units", len(({self.unit_of[j] for j in self._bw} | set(self._bw_pending)) - {0}))
+        C.gauge("zero3.backward_units", len((set(self._bw) | set(self._bw_pending)) - {0}))
+
+    def _has_frozen(self, u: int) -> bool:
+        return any(j in self.frozen for j in self.unit_params[u])
+
+    def _drop_bw(self, u: int) -> None:
+        handle = self._bw.pop(u)[0]          # its weights' views go with the entry
+        self._bw_left.pop(u, None)
+        self._release(handle)
 
     def finish_backward(self) -> None:
         """Backward is over: gather (and drop) the units this rank's backward never reached,
         so every rank has issued the whole backward sequence."""
         self._bw_launch_upto(len(self._bw_seq) - 1)
         for v in list(self._bw_pending):
-            self._bw_pending.pop(v).wait()
-        self._bw.clear()
+            self._release(self._bw_pending.pop(v))
+        for v in list(self._bw):
+            self._drop_bw(v)
+        self._grads_done.clear()
 
     def grad_ready(self, i: int, grad: torch.Tensor) -> None:
-        self._bw.pop(i, None)                 # every use of the weight in backward is done
+        # every use of the weight in backward is done; its unit's buffers go with the last one
+        self._grads_done.add(i)
+        u = self.unit_of[i]
+        left = self._bw_left.get(u)
+        if left is not None:
+            left.discard(i)
+            if not left and not self._has_frozen(u):
+                self._drop_bw(u)
         self.zero._grad_arrived(self.names[i], grad)
 
     # -- context -----------------------------------------------------------------------------------
@@ -744,6 +812,11 @@ class UnitGatherer:
         if exc[0] is None:
             self.finish_forward()
         self._pending.clear()
+        for handle in self._fw.values():    # left by an exception inside the forward: not pooled
+            for slab in handle.slabs:
+                self._storage.pop(slab.untyped_storage().data_ptr(), None)
+        self._fw.clear()
+        self._full.clear()
         self._live.clear()
         _gauge_live(self._live)
         self._phase = "backward"
@@ -752,7 +825,7 @@ class UnitGatherer:
     # -- recompute in backward (activation checkpointing) -------------------------------------------
     def _install_for_recompute(self, ids: list[int]) -> None:
         for u in sorted({self.unit_of[i] for i in ids}, key=lambda v: self._bw_pos[v]):
-            if any(j not in self._bw for j in self.unit_params[u]):
+            if u not in self._bw:
                 self._gather_for_backward(u)
         for i in ids:
             # a slot someone else filled for its own recompute (tiled compute puts in the
@@ -762,7 +835,7 @@ class UnitGatherer:
                 continue
             # through _Gather, as in the forward: the recompute must save what the forward
             # saved (autograd saves a weight only when it requires grad)
-            self._full[i] = self._bw[i]
+            self._full[i] = self._bw[self.unit_of[i]][1][i]
             full = _Gather.apply(self.shards[i], self, i)
             for owner, attr in slots:
                 owner._parameters[attr] = full
