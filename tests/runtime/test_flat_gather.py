@@ -7,34 +7,13 @@ import time
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsfn import tree
 from dsfn.runtime import collectives as C
 from dsfn.runtime import counters, init_mesh
 from dsfn.runtime.flat import BufferPool, ShardReducer, all_gather_full, gather_into_buffers
 from dsfn.state.layout import FlatShard, place
 from dsfn.testing import run_on_ranks
-
-
-class AllocCounter(TorchDispatchMode):
-    """Bytes of the new storages made by aten ops inside the block (views, in-place ops and
-    collectives writing into given tensors make none)."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        seen = {t.untyped_storage().data_ptr() for t in tree.leaves((args, kwargs))
-                if isinstance(t, torch.Tensor) and t.device.type != "meta"}
-        out = func(*args, **kwargs)
-        for t in tree.leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                self.bytes += t.untyped_storage().nbytes()
-        return out
+from dsfn.testing.alloc import AllocCounter
 
 
 SHAPES = [(5, 7), (3,), (4, 4), (9,), (2, 3, 5)]       # padded under 2, 3 and 4 ranks

@@ -11,32 +11,11 @@ from dsfn.models.gpt import GPT, GPTConfig
 from dsfn.runtime import init_mesh
 from dsfn.runtime.flat import BufferPool
 from dsfn.testing import assert_trees_equal, run_on_ranks
+from dsfn.testing.alloc import AllocCounter
 from dsfn.testing.models import token_batches
 from dsfn.transforms import mixed_precision, shard_zero
 from dsfn.transforms import zero as Z
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsfn import tree
-
-
-class AllocCounter(TorchDispatchMode):
-    """Bytes of the new storages made by aten ops inside the block (as in
-    tests/runtime/test_flat_gather.py)."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        seen = {t.untyped_storage().data_ptr() for t in tree.leaves((args, kwargs))
-                if isinstance(t, torch.Tensor) and t.device.type != "meta"}
-        out = func(*args, **kwargs)
-        for t in tree.leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                self.bytes += t.untyped_storage().nbytes()
-        return out
 
 
 def _loss(apply_fn, params, batch):
