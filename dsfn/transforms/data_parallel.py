@@ -29,6 +29,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 import torch
@@ -92,12 +93,9 @@ class DataParallel(Transform):
     def token_mean(self, apply_fn: Any, args: tuple, kwargs: dict):
         """A Hugging Face causal LM's own loss normalised by the whole batch's token count
         (`dsfn.integrations.hf.token_mean_over`); a no-op context for any other model."""
-        import contextlib
-        module = getattr(apply_fn, "module", None)
-        if current_mesh().size(self.axis) == 1 or module is None or not hasattr(module, "config"):
-            return contextlib.nullcontext()
         from dsfn.integrations import hf
-        if not hf.is_hf_model(module):
+        module = getattr(apply_fn, "module", None)
+        if current_mesh().size(self.axis) == 1 or not hf.is_hf_model(module):
             return contextlib.nullcontext()
         return hf.token_mean_over(module, [self.axis], args, kwargs)
 
