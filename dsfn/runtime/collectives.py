@@ -297,6 +297,25 @@ def broadcast_(t: torch.Tensor, axis: str, src: int = 0, *, mesh: Mesh | None = 
     return _result(work, dev, t.device, async_op, target=t)
 
 
+def each_piece(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None):
+    """Every rank's `t` along `axis`, one at a time in rank order: yields (index along the
+    axis, piece), the piece being `t` itself for this rank and otherwise one reused buffer
+    broadcast from that rank (valid until the next one). A collective every rank must run
+    to the end. Holds one piece besides `t`, where an all-gather holds all of them: for
+    rebuilding a tensor whose pieces do not lie consecutively (a split along dim 1)."""
+    m = _mesh(mesh)
+    me, buf = m.local_rank(axis), None
+    t = t.contiguous()
+    for r in range(m.size(axis)):
+        if r == me:
+            piece = t
+        else:
+            buf = torch.empty_like(t) if buf is None else buf
+            piece = buf
+        broadcast_(piece, axis, src=r, mesh=m)
+        yield r, piece
+
+
 def barrier(axis: str | None = None, *, mesh: Mesh | None = None) -> None:
     m = _mesh(mesh)
     if axis is None:

@@ -118,9 +118,12 @@ class FlatShard(Layout):
         return piece.clone()
 
     def unshard(self, local, mesh=None):
+        # gathered straight into the result (no staging copy): the peak is the tensor itself
         m = mesh or current_mesh()
-        flat = C.all_gather(local.reshape(-1), self.axis, mesh=m)
-        return flat[: self.numel].reshape(self.shape)
+        piece = local.reshape(-1)
+        flat = piece.new_empty(m.size(self.axis) * piece.numel())
+        C.all_gather_into_([flat], [piece], self.axis, mesh=m)
+        return flat[: self.numel].view(self.shape)
 
     def runs(self, mesh=None):
         m = mesh or current_mesh()
@@ -163,9 +166,12 @@ class DimShard(Layout):
 
     def unshard(self, local, mesh=None):
         m = mesh or current_mesh()
-        moved = local.movedim(self.dim, 0).contiguous()
-        full = C.all_gather(moved, self.axis, mesh=m)
-        return full[: self.shape[self.dim]].movedim(0, self.dim).contiguous()
+        n, c = self.shape[self.dim], self.chunk(m)
+        if self.dim == 0 and local.is_contiguous():     # rank pieces are consecutive rows
+            full = local.new_empty((m.size(self.axis) * c, *local.shape[1:]))
+            C.all_gather_into_([full.view(-1)], [local.view(-1)], self.axis, mesh=m)
+            return full[:n]
+        return _unshard_by_pieces(local, self, m, lambda r: [(min(r * c, n), max(0, min(c, n - r * c)), 0)])
 
     def runs(self, mesh=None):
         m = mesh or current_mesh()
@@ -176,6 +182,20 @@ class DimShard(Layout):
 
     def axes(self):
         return (self.axis,)
+
+
+def _unshard_by_pieces(local: torch.Tensor, layout: Layout, mesh: Mesh,
+                       blocks_of: Any) -> torch.Tensor:
+    """The logical tensor of a layout splitting `layout.dim` over `layout.axis`, received one
+    rank's piece at a time (`collectives.each_piece`) and copied into place: `blocks_of(r)`
+    lists rank r's (logical start along dim, length, start in its piece). Peak: the result
+    and one piece (an all-gather would hold every piece besides the result)."""
+    full = local.new_empty(layout.shape)
+    for r, piece in C.each_piece(local, layout.axis, mesh=mesh):
+        for start, length, at in blocks_of(r):
+            if length > 0:
+                full.narrow(layout.dim, start, length).copy_(piece.narrow(layout.dim, at, length))
+    return full
 
 
 def _dim_runs(shape: tuple[int, ...], dim: int, blocks: list[tuple[int, int, int]],
@@ -222,9 +242,10 @@ class PackedDimShard(Layout):
         s[self.dim] = sum(self.chunks(mesh))
         return tuple(s)
 
-    def _blocks(self, mesh) -> list[tuple[int, int, int]]:
-        """(logical start along dim, valid length, local start) of each part's chunk."""
-        r = mesh.local_rank(self.axis)
+    def _blocks(self, mesh, rank: int | None = None) -> list[tuple[int, int, int]]:
+        """(logical start along dim, valid length, local start) of each part's chunk held
+        by `rank` along the axis (default: this rank)."""
+        r = mesh.local_rank(self.axis) if rank is None else rank
         out, off, loc = [], 0, 0
         for p, c in zip(self.parts, self.chunks(mesh)):
             a = min(r * c, p)
@@ -247,15 +268,7 @@ class PackedDimShard(Layout):
 
     def unshard(self, local, mesh=None):
         m = mesh or current_mesh()
-        n = m.size(self.axis)
-        moved = local.movedim(self.dim, 0).contiguous()
-        full = C.all_gather(moved, self.axis, mesh=m)            # [n * sum(chunks), ...]
-        full = full.reshape(n, moved.shape[0], *moved.shape[1:])
-        parts, loc = [], 0
-        for p, c in zip(self.parts, self.chunks(m)):
-            parts.append(full[:, loc:loc + c].reshape(n * c, *moved.shape[1:])[:p])
-            loc += c
-        return torch.cat(parts).movedim(0, self.dim).contiguous()
+        return _unshard_by_pieces(local, self, m, lambda r: self._blocks(m, r))
 
     def runs(self, mesh=None):
         m = mesh or current_mesh()

@@ -374,8 +374,21 @@ def _resident_peak(fn):
     return out, status("VmHWM") - before
 
 
+def _big_blocks_mmapped() -> None:
+    """From the start of the run, every block >= 128 KiB is mmapped and unmapped when freed
+    (dsfn's allocator tuning off): a heap left holding freed tensors from the training steps
+    would refault them at random, and resident memory would no longer track what is held."""
+    import ctypes
+    import os
+    os.environ["DSFN_MALLOC_TUNING"] = "0"
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 128 << 10)        # M_MMAP_THRESHOLD (fixed: no dynamic raise)
+    libc.mallopt(-1, 128 << 10)        # M_TRIM_THRESHOLD
+
+
 def _export_and_eval(out_dir):
     from dsfn.checkpoint.export import export_state
+    _big_blocks_mmapped()
     init_mesh()
     with torch.device("meta"):
         model = MLP(BIG)
@@ -402,19 +415,22 @@ def _export_and_eval(out_dir):
 
 def test_export_and_eval_of_sharded_state_stay_within_a_tensor(tmp_path):
     """export_state writes the trained model (8 x 4 MiB tensors) from ZeRO-3 shards, one
-    tensor at a time, each rank's resident memory staying well below the model; a sharded
-    eval step gathers one unit at a time (prefetch 0). Negative control: step.gather grows by
-    the whole state."""
+    tensor at a time: each rank's resident memory grows by about one tensor (the shard is
+    already held); a sharded eval step gathers one unit at a time (prefetch 0), about one
+    unit. Negative control: step.gather grows by the whole model (and its staging)."""
     from safetensors.torch import load_file
     full_params = 4 * sum(a * b + b for a, b in zip(BIG[:-1], BIG[1:]))
     largest = 4 * max(a * b for a, b in zip(BIG[:-1], BIG[1:]))
     results = run_on_ranks(_export_and_eval, 2, str(tmp_path), timeout=120)
     for r, res in enumerate(results):
         assert (res["file"] is not None) == (r == 0)
-        # resident growth on gloo is noisy (its threads free staging buffers late): measured
-        # export 4-25 MiB for 4 MiB tensors of a 33.6 MiB model, eval 20-51 MiB, gather 74 MiB
-        assert res["export_peak"] <= 0.75 * full_params, (r, res["export_peak"], largest)
-        assert res["eval_peak"] < 0.8 * res["gather_peak"] and res["eval_live_units"] == 1, (r, res)
+        # gloo's worker threads drop a finished collective's tensors a moment after the
+        # caller's wait returns, so the previous tensor may still be resident when the next
+        # is made (under load, two): measured export 3.9-8.0 MiB (1-2 tensors), eval 0-4.0
+        # MiB (the pooled unit buffer is reused from the unmeasured run), gather 64 MiB
+        # (params + momentum)
+        assert res["export_peak"] <= 3.5 * largest, (r, res["export_peak"], largest)
+        assert res["eval_peak"] <= 3.5 * largest and res["eval_live_units"] == 1, (r, res)
         assert res["gather_peak"] >= 0.9 * full_params, (r, res["gather_peak"], full_params)
     written = load_file(results[0]["file"])
     assert set(written) == set(results[0]["params"])

@@ -137,3 +137,29 @@ def _unshard_on_ranks():
 def test_unshard_inverts_shard_on_dp2_tp2_ranks():
     results = run_on_ranks(_unshard_on_ranks, 4, timeout=120)
     assert results == [[], [], [], []], results
+
+
+# -- unshard holds the logical tensor and at most one other rank's piece -----------------------------------
+def _unshard_allocations():
+    from dsfn.testing.alloc import AllocCounter
+    init_mesh(tp=3)
+    out = {}
+    for name, layout in {"flat": FlatShard("tp", (64, 33)), "dim0": DimShard("tp", 0, (64, 33)),
+                         "dim1": DimShard("tp", 1, (64, 33)),
+                         "packed1": PackedDimShard("tp", 1, (64, 33), (20, 7, 6))}.items():
+        full = torch.randn(layout.shape, generator=torch.Generator().manual_seed(7))
+        placed = place(full, layout)
+        with AllocCounter() as count:
+            back = gather_tree({"x": placed})["x"]
+        piece = placed.data.numel() * 4
+        out[name] = (torch.equal(back, full), count.bytes, full.numel() * 4, piece)
+    return out
+
+
+def test_unshard_allocates_the_tensor_and_at_most_one_piece():
+    """At world 3 (uneven: padded pieces), rebuilding a tensor allocates its own bytes (+ the
+    padding) and at most one other rank's piece: an all-gather's output besides the result,
+    or a movedim copy of it, would exceed the bound."""
+    for name, (equal, allocated, full, piece) in run_on_ranks(_unshard_allocations, 3, timeout=60)[0].items():
+        assert equal, name
+        assert full <= allocated <= full + piece + 3 * 4 * 64, (name, allocated, full, piece)
