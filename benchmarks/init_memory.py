@@ -17,6 +17,12 @@ vocab 1024, tied embeddings; `--quick`: 4 layers, hidden 128), fp32, AdamW, `sha
                from a sharded `save_pretrained` directory (`max_shard_size` 2MB); each rank
                reads only its FlatShard runs (bytes counted)
 
+Then, on the meta+ckpt state, the allocation peak (as below) of `export_state` to a
+safetensors file and of one sharded eval step (`compose(shard_zero(3, prefetch=0))` of a
+no-grad loss, state returned unchanged; its first call, pooled unit buffers included).
+Targets: export <= the largest tensor + 10%; eval <= the root unit (embeddings, kept to the
+end) + one layer + the logits and their log-softmax, + 10%.
+
 What is measured: the high-water mark of torch's CPU allocations during the init (allocations
 minus frees, `torch.profiler` with `profile_memory=True`; model building included), the bytes
 of the placed state (`shard`: parameter shards + AdamW's moments), the largest parameter, and
@@ -104,21 +110,45 @@ def rank_main(quick: bool, ckpt: str) -> dict[str, dict]:
         step = dsfn.compose(shard_zero(3))(train_step_for(apply_fn, lm_loss))
         return step.init_state(params, dsfn.optim.adamw(lr=1e-3))
 
+    apply_fns = []
+
     def from_meta(source):
         def run():
             apply_fn, params = dsfn.functionalize(build(cfg, meta=True))
+            apply_fns[:] = [apply_fn]                # its constants are filled by init_sharded
             step = dsfn.compose(shard_zero(3))(train_step_for(apply_fn, lm_loss))
             return init_sharded(step, params, dsfn.optim.adamw(lr=1e-3), source=source, apply_fn=apply_fn)
         return run
 
     src = hf_checkpoint(ckpt)
+    state = None
     for name, fn in (("baseline", baseline), ("meta+init", from_meta(seeded)),
                      ("meta+ckpt", from_meta([src, seeded]))):
+        del state
         state, peak = peak_of(fn)
         out[name] = dict(peak=peak, shard=nbytes(state))
-        del state
     out["meta+ckpt"]["bytes_read"] = src.bytes_read
+    out["export_eval"] = export_and_eval(cfg, state, apply_fns[0], ckpt)
     return out
+
+
+def export_and_eval(cfg, state, apply_fn, ckpt: str) -> dict[str, int]:
+    """Allocation peaks (as for the init) of export_state and of a sharded eval step's first
+    call (its pooled unit buffers included), on the meta+ckpt state."""
+    from dsfn.checkpoint.export import export_state
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(ckpt)) as d:
+        _, export = peak_of(lambda: export_state(state, d))
+
+    def eval_step(s, batch):
+        with torch.no_grad():     # use_cache=False: else HF keeps every layer's keys and values
+            logits = apply_fn(s.params, batch["input_ids"], use_cache=False).logits
+            return s, {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())}
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (8, 65), generator=g)
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    _, ev = peak_of(lambda: dsfn.compose(shard_zero(3, prefetch=0))(eval_step)(state, batch))
+    local_rows = 8 // torch.distributed.get_world_size()
+    return dict(export=export, eval=ev, logits=local_rows * 64 * cfg.vocab_size * 4)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -143,6 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'variant':10s} {'rank':>4s} {'peak MiB':>9s} {'shard MiB':>9s} {'peak/(shard+largest)':>21s} "
           f"{'peak/full':>9s} {'vs baseline':>11s} {'read MiB':>9s}")
     rows = []
+    export_eval = [res.pop("export_eval") for res in results]
     for r, res in enumerate(results):
         base = res["baseline"]["peak"]
         for v, m in res.items():
@@ -156,6 +187,22 @@ def main(argv: list[str] | None = None) -> dict:
     worst = max(r["vs_target"] for r in rows if r["variant"] != "baseline")
     ok = worst <= 1.10
     print(f"target peak <= shard + largest + 10%: worst {worst:.3f} -> {'met' if ok else 'MISSED'}")
+    # export / eval on the meta+ckpt state: allocations beyond the held shard
+    root = 4 * sum(n for k, n in numels.items() if ".layers." not in k)
+    layer = 4 * sum(n for k, n in numels.items() if ".layers.0." in k)
+    print(f"export_state and a sharded eval step (allocation peak; largest tensor {largest / 2**20:.2f} MiB, "
+          f"root unit {root / 2**20:.2f}, one layer {layer / 2**20:.2f})")
+    print(f"{'rank':>4s} {'export MiB':>10s} {'/largest':>8s} {'eval MiB':>9s} {'/(root+layer+2 logits)':>23s}")
+    ee_ok = True
+    for r, e in enumerate(export_eval):
+        bound = root + layer + 2 * e["logits"]      # the logits and the loss's log-softmax of them
+        print(f"{r:4d} {e['export'] / 2**20:10.3f} {e['export'] / largest:8.2f} {e['eval'] / 2**20:9.3f} "
+              f"{e['eval'] / bound:23.2f}")
+        rows.append(dict(variant="export_eval", rank=r, **e, bound=bound))
+        ee_ok = ee_ok and e["export"] <= 1.1 * largest + (256 << 10) and e["eval"] <= 1.1 * bound
+    print(f"target export <= largest + 10%, eval <= (root + layer + 2 logits) + 10%: "
+          f"{'met' if ee_ok else 'MISSED'}")
+    ok = ok and ee_ok
     out = dict(psi=psi, world=world, full=full, largest=largest, rows=rows, target_met=ok)
     if a.json:
         with open(a.json, "w") as f:

@@ -156,16 +156,16 @@ def export_state(state: Any, out: str | os.PathLike, apply_fn: Any = None, dtype
     """A live placed state (any layout: ZeRO shards, tp pieces, offloaded) -> `out/model.safetensors`
     on `rank`, without gathering the whole model anywhere: collective, every rank calls it.
 
-    Tensors are rebuilt one at a time (`unplace`: the collectives of its layout), written by
-    `rank` with the streaming writer and dropped: peak per rank = its shard + the largest
-    tensor. Written: `params.<name>` (mixed precision's fp32 masters instead, when present),
+    Tensors are rebuilt one at a time (`unplace`: the collectives of its layout; ZeRO's flat
+    shards into one reused buffer), written by `rank` with the streaming writer and dropped:
+    peak per rank = its shard + the largest tensor. Written: `params.<name>` (mixed precision's fp32 masters instead, when present),
     `buffers.<name>`, and with `apply_fn` its frozen parameters (a LoRA base: sharded by
     shard_zero(3) in `apply_fn.constants`), so the file is the model's whole state dict.
     Returns the file written on `rank`, None elsewhere.
     """
     from dsfn import tree
     from dsfn.runtime.mesh import current_mesh
-    from dsfn.state.layout import Placed, is_placed, unplace
+    from dsfn.state.layout import Placed, is_placed
     dt = parse_dtype(dtype)
     leaves = dict(tree.leaves_with_path(state, is_leaf=is_placed))
     items: dict[str, Any] = {}
@@ -184,6 +184,7 @@ def export_state(state: Any, out: str | os.PathLike, apply_fn: Any = None, dtype
         shape = tuple(x.layout.shape) if isinstance(x, Placed) else tuple(t.shape)
         return (dt if dt is not None and t.is_floating_point() else t.dtype), shape
     me = current_mesh().rank == rank
+    gather = _FlatGatherer([items[n] for n in names])
     final = os.path.join(os.path.abspath(os.fspath(out)), "model.safetensors")
     w = None
     if me:
@@ -191,7 +192,7 @@ def export_state(state: Any, out: str | os.PathLike, apply_fn: Any = None, dtype
         w = sfio.Writer(_tmp_name(final), [(n, *logical(items[n])) for n in names], {"format": "pt"})
     try:
         for n in names:
-            t = unplace(items[n])            # collective: every rank, same order
+            t = gather(items[n])             # collective: every rank, same order
             if w is not None:
                 w.write(n, _cast(t, dt))
             del t                            # free this tensor before the next one is rebuilt
@@ -206,6 +207,49 @@ def export_state(state: Any, out: str | os.PathLike, apply_fn: Any = None, dtype
         cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         F.write_json_durably(os.path.join(os.path.dirname(final), "config.json"), cfg)
     return final if me else None
+
+
+class _FlatGatherer:
+    """`unplace` for export: ZeRO's FlatShard pieces (offloaded or not) are gathered into one
+    reused buffer per (dtype, device), sized for the largest, so the tensors rebuilt one after
+    another never coexist, even while a collective backend still holds the previous one's
+    buffer (gloo's worker threads drop a finished collective's tensors a moment late); other
+    layouts are rebuilt by `unplace`."""
+
+    def __init__(self, leaves: list[Any]):
+        from dsfn.runtime.mesh import current_mesh
+        self.mesh = current_mesh()
+        self.need: dict[tuple[torch.dtype, torch.device], int] = {}
+        for x in leaves:
+            flat = self._flat(x)
+            if flat is not None:
+                layout, local, home = flat
+                key = (local.dtype, home)
+                self.need[key] = max(self.need.get(key, 0), self.mesh.size(layout.axis) * local.numel())
+        self.bufs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    @staticmethod
+    def _flat(x: Any):
+        """(FlatShard, this rank's piece, the device it is gathered on) or None."""
+        from dsfn.state.layout import FlatShard, Offloaded, Placed
+        if not isinstance(x, Placed):
+            return None
+        layout, local, home = x.layout, x.data, x.data.device
+        if isinstance(layout, Offloaded):
+            layout, home = layout.inner, torch.device(layout.home)
+        return (layout, local, home) if isinstance(layout, FlatShard) else None
+
+    def __call__(self, x: Any) -> torch.Tensor:
+        from dsfn.state.layout import unplace
+        flat = self._flat(x)
+        if flat is None:
+            return unplace(x, self.mesh)
+        layout, local, home = flat
+        key = (local.dtype, home)
+        buf = self.bufs.get(key)
+        if buf is None:
+            buf = self.bufs[key] = torch.empty(self.need[key], dtype=local.dtype, device=home)
+        return layout.unshard_into(local.to(home), buf, self.mesh)
 
 
 def _stream_safetensors(final: str, entries, items: Iterable[tuple[str, str]], manifest: F.Manifest,

@@ -17,6 +17,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import time
+
 import torch
 
 from dsfn.errors import ConfigError
@@ -249,9 +251,15 @@ class BufferPool:
         if idle:
             return idle.pop()
         held = self._held.get(key, [])
-        for k, buf in enumerate(held):
-            if _sole(buf):                   # whoever still viewed it at `give` is done now
-                return held.pop(k)
+        for attempt in range(4):
+            for k, buf in enumerate(held):
+                if _sole(buf):               # whoever still viewed it at `give` is done now
+                    return held.pop(k)
+            if not held:
+                break
+            # usually a collective backend's worker thread that has not destroyed a finished
+            # work yet (gloo drops its tensors just after the wait returns): let it run
+            time.sleep(0 if attempt < 2 else 1e-4)
         return torch.empty(numel, dtype=dtype, device=device)
 
     def take_lent(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

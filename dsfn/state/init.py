@@ -18,6 +18,11 @@ Three phases, under the step's transforms:
    per-leaf initialiser makes one full tensor at a time and drops it once its pieces
    are cut. Then `place_after` (offload: pieces to host memory or
    NVMe files) and the "init_optimizer" primitive (optimizer state born as shards).
+   Under offload the pieces are made in host memory (pinned for a CUDA device) and the
+   optimizer state is made from the parameters' host view, so the compute device never
+   holds the offloaded state, not even while it is made; the pieces offload leaves on the
+   device (ZeRO-3's parameters without `params=True`) move there one at a time. With
+   NVMe, the rank's pieces are in host memory once, before they are written to files.
 3. *Frozen parameters* (`apply_fn.frozen`, with `apply_fn=`): placed by the
    "place_constants" primitive (shard_zero(3): FlatShard) and filled the same way, into
    `apply_fn.constants`; other meta constants (non-persistent buffers) are filled whole.
@@ -166,14 +171,16 @@ def _is_meta(x: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_meta
 
 
-def _fill(leaf: Any, name: str, like: torch.Tensor, source: _Sources, device: torch.device) -> Any:
+def _fill(leaf: Any, name: str, like: torch.Tensor, source: _Sources, device: torch.device,
+          pin: bool = False) -> Any:
     """A meta leaf (plain: replicated, or Placed) -> the same leaf holding its values: the
     runs of logical tensor `name` (made in its own dtype, `like`'s), cast to the leaf's dtype
     (mixed precision's bf16 parameter and its fp32 master come from the same values)."""
     local = leaf.data if isinstance(leaf, Placed) else leaf
     layout = leaf.layout if isinstance(leaf, Placed) else Replicated(tuple(local.shape))
     runs = layout.runs(current_mesh())
-    piece = torch.zeros(tuple(local.shape), dtype=local.dtype, device=device)   # zeros: the padding
+    piece = torch.zeros(tuple(local.shape), dtype=local.dtype, device=device,   # zeros: the padding
+                        pin_memory=pin and device.type == "cpu")
     flat = piece.view(-1)
     if runs:
         values = source.read(name, tuple(like.shape), like.dtype, [(s, n) for s, n, _ in runs])
@@ -183,7 +190,8 @@ def _fill(leaf: Any, name: str, like: torch.Tensor, source: _Sources, device: to
 
 
 def _fill_tree(state: Any, names: Callable[[str, Any], str | None], logical: dict[str, torch.Tensor],
-               source: _Sources, device: torch.device) -> Any:
+               source: _Sources, device: torch.device, pin: bool = False) -> tuple[Any, set[int]]:
+    """(state with its meta leaves filled, the flat indices of the leaves filled)."""
     leaves, spec = tree.flatten(state, is_leaf=is_placed)
     paths = [p for p, _ in tree.leaves_with_path(state, is_leaf=is_placed)]
     todo = [(k, names(paths[k], leaves[k])) for k in range(len(leaves)) if _is_meta(leaves[k])]
@@ -193,7 +201,23 @@ def _fill_tree(state: Any, names: Callable[[str, Any], str | None], logical: dic
                           "or buffer, so nothing says their values")
     # grouped by name, so an initialiser makes each full tensor once
     for k, name in sorted(todo, key=lambda kn: kn[1]):
-        leaves[k] = _fill(leaves[k], name, logical[name], source, device)
+        leaves[k] = _fill(leaves[k], name, logical[name], source, device, pin)
+    return tree.unflatten(spec, leaves), {k for k, _ in todo}
+
+
+def _to_device(state: Any, filled: set[int], device: torch.device) -> Any:
+    """The filled leaves that offload did not take (still host pieces, not `Offloaded`)
+    moved to the compute device, one at a time."""
+    from dsfn.state.layout import Offloaded
+    leaves, spec = tree.flatten(state, is_leaf=is_placed)
+    for k in filled:
+        x = leaves[k]
+        if isinstance(x, Placed) and isinstance(x.layout, Offloaded):
+            continue
+        t = x.data if isinstance(x, Placed) else x
+        if t.device != device:
+            t = t.to(device)
+            leaves[k] = Placed(t, x.layout) if isinstance(x, Placed) else t
     return tree.unflatten(spec, leaves)
 
 
@@ -229,15 +253,21 @@ def init_sharded(step: Any, params: dict[str, torch.Tensor], tx: Any, *, source:
         return mirrored_param(path, shape, shapes)    # mixed precision's master copies
 
     state = TrainState.create(params, tx, seed=seed, extra=extra, init_optimizer=False, buffers=buffers)
+    afters = [a for a in (getattr(t, "place_after", None) for t in reversed(step.stack)) if a is not None]
+    # under offload the pieces are made in host memory (pinned for a CUDA device) and stay
+    # there when offload keeps them: the device never holds the offloaded state, not even
+    # while it is made; pieces offload leaves alone move to the device one at a time
+    fill_on = torch.device("cpu") if afters else device
     try:
         with activate(step.stack):
             for t in reversed(step.stack):
                 state = t.place(state)
-            state = _fill_tree(state, name_of, logical, source, device)
-            for t in reversed(step.stack):       # layouts that wrap the finished ones (offload)
-                after = getattr(t, "place_after", None)
-                if after is not None:
-                    state = after(state)
+            state, filled = _fill_tree(state, name_of, logical, source, fill_on,
+                                       pin=bool(afters) and device.type == "cuda")
+            for after in afters:                 # layouts that wrap the finished ones (offload)
+                state = after(state)
+            if fill_on != device:
+                state = _to_device(state, filled, device)
             state = state.replace(opt_state=bind("init_optimizer", lambda s: s.tx.init(s.params), state))
             if apply_fn is not None:
                 _init_constants(apply_fn, source, device)

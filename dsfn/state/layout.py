@@ -118,10 +118,16 @@ class FlatShard(Layout):
         return piece.clone()
 
     def unshard(self, local, mesh=None):
-        # gathered straight into the result (no staging copy): the peak is the tensor itself
+        m = mesh or current_mesh()
+        return self.unshard_into(local, local.new_empty(m.size(self.axis) * local.numel()), m)
+
+    def unshard_into(self, local: torch.Tensor, out: torch.Tensor, mesh: Mesh | None = None) -> torch.Tensor:
+        """`unshard` gathered straight into `out` (flat, contiguous, at least size x the
+        piece's elements; no staging copy): returns the logical tensor, a view of `out`.
+        Reusing one `out` for many tensors (export) bounds the peak by the largest one."""
         m = mesh or current_mesh()
         piece = local.reshape(-1)
-        flat = piece.new_empty(m.size(self.axis) * piece.numel())
+        flat = out[: m.size(self.axis) * piece.numel()]
         C.all_gather_into_([flat], [piece], self.axis, mesh=m)
         return flat[: self.numel].view(self.shape)
 

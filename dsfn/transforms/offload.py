@@ -75,7 +75,7 @@ import torch
 from dsfn import tree
 from dsfn.errors import ConfigError, StackError
 from dsfn.ops import dispatch
-from dsfn.runtime import flat, nvme
+from dsfn.runtime import env, flat, nvme
 from dsfn.runtime.host import copy_to_host
 from dsfn.state.layout import (
     FlatShard,
@@ -199,7 +199,7 @@ class Offload(Transform):
         picks = [k for k, (p, x) in enumerate(zip(paths, leaves))
                  if _mirrors(p, x, shapes) and not isinstance(_layout(x), Offloaded)]
         pieces = [_data(leaves[k]) for k in picks]
-        homes = [str(t.device) for t in pieces]
+        homes = [_home(t) for t in pieces]
         if self.device == "nvme":
             stored = self._store.store(pieces, self.subgroup_bytes) if pieces else []
         else:
@@ -225,7 +225,7 @@ class Offload(Transform):
         `layouts`) into host memory or a new file (gathered to their device just in time)."""
         leaves, spec = tree.flatten(params, is_leaf=is_placed)
         if layouts is None:
-            layouts = [self._layout(x.layout, str(x.data.device))
+            layouts = [self._layout(x.layout, _home(x.data))
                        if isinstance(x, Placed) and isinstance(x.layout, FlatShard) else None for x in leaves]
         picks = [k for k, lay in enumerate(layouts) if lay is not None]
         pieces = [_data(leaves[k]) for k in picks]
@@ -259,8 +259,12 @@ class Offload(Transform):
                 else:
                     view.append(x)
             state = state.replace(opt_state=tree.unflatten(spec, view))
-        if self.params:      # the optimizer makes its state from the parameters' host view (inner
-            state = state.replace(params=self._params_view(state.params))   # layouts), then it is offloaded
+        # the optimizer makes its state from the parameters' host view (offloaded shards in
+        # their inner layouts, device ones copied), so what it makes is born in host memory and
+        # then offloaded: a device never holds the offloaded state, not even at init (the
+        # update runs on the same host view, so its other leaves live there too)
+        params = self._params_view(state.params) if self.params else state.params
+        state = state.replace(params=self._trees_to_host(params)[0])
         new, spec = tree.flatten(call_next(state), is_leaf=is_placed)
         new = [kept.get(id(_data(x)), x) for x in new]
         return self._offload_tree(tree.unflatten(spec, new), state.params)
@@ -499,6 +503,13 @@ def offload(*args: Any, **kwargs: Any) -> Offload:
 
 def _data(x: Any) -> Any:
     return x.data if isinstance(x, Placed) else x
+
+
+def _home(t: torch.Tensor) -> str:
+    """Where an offloaded piece is computed on: the device it was placed from, or, for a
+    piece made in host memory to begin with (`init_sharded` under offload), the compute
+    device."""
+    return str(t.device) if t.device.type != "cpu" else str(env.device())
 
 
 def _layout(x: Any) -> Layout:

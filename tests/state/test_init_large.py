@@ -424,13 +424,12 @@ def test_export_and_eval_of_sharded_state_stay_within_a_tensor(tmp_path):
     results = run_on_ranks(_export_and_eval, 2, str(tmp_path), timeout=120)
     for r, res in enumerate(results):
         assert (res["file"] is not None) == (r == 0)
-        # gloo's worker threads drop a finished collective's tensors a moment after the
-        # caller's wait returns, so the previous tensor may still be resident when the next
-        # is made (under load, two): measured export 3.9-8.0 MiB (1-2 tensors), eval 0-4.0
-        # MiB (the pooled unit buffer is reused from the unmeasured run), gather 64 MiB
-        # (params + momentum)
-        assert res["export_peak"] <= 3.5 * largest, (r, res["export_peak"], largest)
-        assert res["eval_peak"] <= 3.5 * largest and res["eval_live_units"] == 1, (r, res)
+        # export gathers every flat shard into one reused buffer, eval takes its unit buffer
+        # from the pool (kept from the unmeasured run): measured export 3.9-4.1 MiB (one
+        # tensor), eval 0-0.3 MiB, gather 64 MiB (params + momentum). The bounds allow one
+        # more tensor (a pool buffer gloo's worker thread still references is not reused)
+        assert res["export_peak"] <= 2 * largest, (r, res["export_peak"], largest)
+        assert res["eval_peak"] <= 2 * largest and res["eval_live_units"] == 1, (r, res)
         assert res["gather_peak"] >= 0.9 * full_params, (r, res["gather_peak"], full_params)
     written = load_file(results[0]["file"])
     assert set(written) == set(results[0]["params"])
@@ -439,3 +438,55 @@ def test_export_and_eval_of_sharded_state_stay_within_a_tensor(tmp_path):
     apply_fn, _ = dsfn.functionalize(MLP(BIG))
     expect = float(mse_loss(apply_fn, written, results[0]["batch"]))
     assert abs(results[0]["eval_loss"] - expect) <= 1e-5 * abs(expect), (results[0]["eval_loss"], expect)
+
+
+# -- under offload the pieces are made in host memory, never on the compute device -----------------------
+def _offloaded_init_on_meta_device(kinds):
+    """init_sharded with `device="meta"` standing in for a GPU: a meta tensor holds no
+    values, so every offloaded piece that comes out with the right values was made in host
+    memory directly (filled on the device and moved, it could not be copied out)."""
+    from dsfn.models.gpt import GPT, GPTConfig
+    from dsfn.state.layout import Offloaded, is_placed
+    from dsfn.transforms import mixed_precision, offload
+    stacks = {
+        "zero3+offload": lambda: [shard_zero(3), offload("cpu", params=True, pin_memory=False)],
+        "zero3+nvme": lambda: [shard_zero(3), offload("nvme", path=tempfile.mkdtemp(), params=True)],
+        "zero3+offload+bf16": lambda: [shard_zero(3), offload("cpu", params=True, pin_memory=False),
+                                       mixed_precision(torch.bfloat16)],
+    }
+    init_mesh()
+    out = {}
+    for kind in kinds:
+        with torch.device("meta"):
+            meta = GPT(GPTConfig.preset("tiny", n_layer=2))
+        full = GPT(GPTConfig.preset("tiny", n_layer=2))
+        with torch.no_grad():
+            for n, p in full.named_parameters():
+                p.copy_(seeded_init(n, p))
+        apply_fn, params = dsfn.functionalize(meta)
+        tx = dsfn.optim.adamw(lr=1e-2)
+        got = init_sharded(dsfn.compose(*stacks[kind]())(lambda s, b: (s, {})), params, tx,
+                           source=seeded_init, apply_fn=apply_fn, device="meta")
+        want = dsfn.compose(*stacks[kind]())(lambda s, b: (s, {})).init_state(dsfn.functionalize(full)[1], tx)
+        want = dict(dsfn.tree.leaves_with_path(want, is_leaf=is_placed))
+        offloaded, wrong = 0, []
+        for path, x in dsfn.tree.leaves_with_path(got, is_leaf=is_placed):
+            if isinstance(x, Placed) and isinstance(x.layout, Offloaded):
+                offloaded += 1
+                if not torch.equal(x.data, want[path].data):
+                    wrong.append(path)
+        out[kind] = (offloaded, wrong)
+    return out
+
+
+def test_offloaded_init_makes_pieces_in_host_memory_never_on_the_device():
+    """ZeRO-3 with parameters and optimizer state offloaded (host memory, NVMe files, bf16
+    with fp32 masters): on a compute device that cannot hold values (meta), every offloaded
+    leaf of init_sharded's state still equals init_state's. Before, pieces were filled on
+    the compute device and then moved to the host (a GPU held the whole offloaded shard at
+    init; here, copying out of meta raised)."""
+    kinds = ["zero3+offload", "zero3+nvme", "zero3+offload+bf16"]
+    for res in run_on_ranks(_offloaded_init_on_meta_device, 2, kinds, timeout=180):
+        for kind in kinds:
+            offloaded, wrong = res[kind]
+            assert offloaded >= 3 * 20 and not wrong, (kind, offloaded, wrong[:5])
