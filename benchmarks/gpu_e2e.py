@@ -12,7 +12,11 @@ batches of random bytes (memorised: the loss falls within a few steps):
                         the last checkpoint is loaded back into the placed layout and compared
                         bitwise with the state the step returned at that step.
 
-For each: the losses are finite and the last is below the first, the model state is on the
+4. offloaded_init:     init_sharded of a meta-device GPT under shard_zero(3) + offload("cpu",
+                        params=True): the device's allocation peak during the init < 5% of the
+                        offloaded state (pieces made in host memory), equal to init_state.
+
+For 1-3: the losses are finite and the last is below the first, the model state is on the
 device (offloaded optimizer state on the host), and one later step's host syncs counted by
 `dsfn.runtime.syncs.count_host_syncs(devices=("cuda",))` (target <= 3, independent of the
 number of parameter tensors). One PASS/FAIL line per check; exit status 0 when all pass.
@@ -129,6 +133,47 @@ def run_stack(name: str, make, cfg: GPTConfig, steps: int, batch: int, device: t
     return ok
 
 
+def offloaded_init(cfg: GPTConfig, device: torch.device) -> bool:
+    """init_sharded of a meta-device GPT under shard_zero(3) + offload("cpu", params=True):
+    the device's allocation peak during the init stays below 5% of the offloaded state (the
+    pieces are made in host memory, never on the device), and the state equals init_state
+    of the materialised model bitwise."""
+    import zlib
+    from dsfn.state.init import init_sharded
+    from dsfn.state.layout import Offloaded
+
+    def seeded(name, like):
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        return torch.randn(like.shape, generator=g).mul_(0.02).to(like.dtype)
+    make = lambda: [shard_zero(3), offload("cpu", params=True)]   # noqa: E731
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    apply_fn, params = dsfn.functionalize(meta)
+    tx = dsfn.optim.adamw(lr=1e-3)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    got = init_sharded(dsfn.compose(*make())(lambda s, b: (s, {})), params, tx, source=seeded,
+                       apply_fn=apply_fn, device=device)
+    peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else 0
+    leaves = tree.leaves_with_path(got, is_leaf=is_placed)
+    offloaded = sum(x.data.numel() * x.data.element_size() for _, x in leaves
+                    if isinstance(x, Placed) and isinstance(x.layout, Offloaded))
+    full = GPT(cfg).to(device)
+    with torch.no_grad():
+        for n, p in full.named_parameters():
+            p.copy_(seeded(n, p))
+    want = dict(tree.leaves_with_path(dsfn.compose(*make())(lambda s, b: (s, {})).init_state(
+        dsfn.functionalize(full)[1], tx), is_leaf=is_placed))
+    same = all(torch.equal((x.data if isinstance(x, Placed) else x).cpu(),
+                           (want[k].data if isinstance(want[k], Placed) else want[k]).cpu())
+               for k, x in leaves if isinstance(x, (Placed, torch.Tensor)))
+    ok = same and offloaded > 0 and peak <= 0.05 * offloaded
+    return _report("offloaded_init", ok, f"device peak during init {peak / 2**20:.2f} MiB vs offloaded state "
+                   f"{offloaded / 2**20:.1f} MiB (target <= 5%); equals init_state: {same}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default=None, help="default: dsfn.runtime.device() (cuda:LOCAL_RANK on a GPU)")
@@ -154,6 +199,11 @@ def main() -> int:
                 ok = run_stack(name, make, cfg, a.steps, a.batch, device) and ok
             except Exception as e:          # report and go on with the other stacks
                 ok = _report(name, False, f"{type(e).__name__}: {e}"[:600]) and False
+        if not a.only or a.only == "offloaded_init":
+            try:
+                ok = offloaded_init(cfg, device) and ok
+            except Exception as e:
+                ok = _report("offloaded_init", False, f"{type(e).__name__}: {e}"[:600]) and False
     if launched:
         dsfn.runtime.env.shutdown()
     print(f"== gpu_e2e: {'all PASS' if ok else 'FAIL'}")
