@@ -236,24 +236,115 @@ def _labels_passed(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     return bound.arguments.get("labels") is not None
 
 
+class MicroBatchCounts:
+    """Set by `accumulate(n)` while its micro-batches run (`accumulating`): a Hugging Face
+    causal-LM loss divides by the valid targets of the *whole* batch, not of its micro-batch.
+
+    `whole_of` maps each micro-batch tensor accumulate made (by id: a slice of a batch
+    tensor) to that whole (rank-local) batch tensor. A loss given labels that are such a
+    slice counts the valid targets of the whole tensor (`target_of`: labels -> targets, e.g.
+    shifted; `reduce`: summed over the parallel axes), once per step (cached), and returns
+    `num_items_in_batch` = that count / (dp x n): each micro-loss is dp x n x (its sum) / N,
+    accumulation's 1/n and the dp average make the sum over micro-batches and ranks the
+    single-process token mean of the whole batch — before backward, so gradients reduced
+    during backward (ZeRO-2/3) are right as they are (Hugging Face Trainer's
+    `num_items_in_batch`, counted from the batch)."""
+
+    def __init__(self, n: int, whole_of: dict[int, torch.Tensor]):
+        self.n = n
+        self.whole_of = whole_of
+        self._counts: dict[tuple[int, int], torch.Tensor] = {}
+
+    def num_items(self, labels: torch.Tensor, target_of: Any, ignore_index: int, reduce: Any, dp: int,
+                  model: nn.Module) -> torch.Tensor:
+        whole = self.whole_of.get(id(labels))
+        if whole is None:
+            raise ConfigError(
+                f"accumulate({self.n}): {type(model).__name__}'s own loss got labels that are not a slice of the "
+                "batch accumulate split into micro-batches, so dsfn cannot count the valid targets of the whole "
+                "batch, and the mean of the micro-batch means differs from the batch's token mean whenever the "
+                "micro-batches hold different numbers of ignored labels. Pass the batch's labels tensor to the "
+                "model unchanged (move batches to the device before the step), or pass num_items_in_batch= yourself")
+        key = (id(whole), ignore_index)
+        if key not in self._counts:
+            n = (target_of(whole) != ignore_index).sum().to(torch.float64).reshape(1)
+            self._counts[key] = reduce(n).reshape(())
+        return self._counts[key] / (dp * self.n)
+
+
+_micro_batches: list[MicroBatchCounts] = []
+
+
+@contextlib.contextmanager
+def accumulating(counts: MicroBatchCounts) -> Iterator[MicroBatchCounts]:
+    """While accumulation's micro-batches run: HF losses normalise for the whole batch."""
+    _micro_batches.append(counts)
+    try:
+        yield counts
+    finally:
+        _micro_batches.pop()
+
+
+class _WholeBatchLoss:
+    """A model's `loss_function` while dsfn runs it: HF's `ForCausalLMLoss` divided by the
+    valid targets of the whole batch — over the data-parallel `axes` (one all-reduce of a
+    scalar) and, under accumulation, over every micro-batch (`MicroBatchCounts`). Nested
+    contexts add their axes to the one installed object."""
+
+    def __init__(self, causal: Any, model: nn.Module):
+        self.causal, self.model = causal, model
+        self.axes: list[tuple[str, int]] = []
+
+    def __call__(self, logits, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
+                 shift_labels=None, **kw):
+        counts = _micro_batches[-1] if _micro_batches else None
+        spread = [(a, size) for a, size in self.axes if size > 1]
+        if num_items_in_batch is None and (labels is not None or shift_labels is not None) and (spread or counts):
+            from dsfn.runtime import collectives as C
+
+            def reduce(n):
+                for a, _ in spread:
+                    n = C.all_reduce(n, a, "sum")
+                return n
+            dp = 1
+            for _, size in spread:
+                dp *= size
+            if counts is not None:        # the whole batch's count, over every micro-batch
+                source = shift_labels if shift_labels is not None else labels
+                target_of = (lambda t: t) if shift_labels is not None else (lambda t: t[..., 1:])
+                num_items_in_batch = counts.num_items(source, target_of, ignore_index, reduce, dp, self.model)
+            else:
+                target = shift_labels if shift_labels is not None else labels[..., 1:]
+                num_items_in_batch = reduce((target != ignore_index).sum().to(torch.float64).reshape(1)) / dp
+            num_items_in_batch = num_items_in_batch.reshape(()).to(logits.device, torch.float32)
+        return self.causal(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                           ignore_index=ignore_index, shift_labels=shift_labels, **kw)
+
+
 @contextlib.contextmanager
 def token_mean_over(model: nn.Module, axes: list[str], args: tuple, kwargs: dict) -> Iterator[None]:
-    """Data parallelism for a Hugging Face causal LM's own loss (`labels=` / `shift_labels=`):
-    while the model runs, its `loss_function` gets `num_items_in_batch` = the valid targets of
-    the whole batch over the dp `axes` / dp (one all-reduce of a scalar), so this rank's loss
-    is dp * (its sum) / (the global count) and the dp average of the gradients is the gradient
-    of the global token mean — the single-process loss of the whole batch, whatever each rank's
-    share of ignored labels (padding, prompts). Without it each rank takes its own mean and dp
-    averages the means (DDP's result; HF Trainer's `average_tokens_across_devices` fixes the
-    same). Nothing changes when the caller passes `num_items_in_batch`, when the model's loss
-    is not HF's causal-LM loss, or when sequence parallel already normalises it."""
-    from dsfn.runtime import collectives as C
+    """Data parallelism and accumulation for a Hugging Face causal LM's own loss (`labels=` /
+    `shift_labels=`): while the model runs, its `loss_function` gets `num_items_in_batch` =
+    the valid targets of the whole batch over the dp `axes` / dp (one all-reduce of a scalar),
+    so this rank's loss is dp * (its sum) / (the global count) and the dp average of the
+    gradients is the gradient of the global token mean — the single-process loss of the
+    whole batch, whatever each rank's share of ignored labels (padding, prompts). Without it
+    each rank takes its own mean and dp averages the means (DDP's result; HF Trainer's
+    `average_tokens_across_devices` fixes the same). Under `accumulate` (`axes` may be
+    empty) the count spans every micro-batch (`MicroBatchCounts`). Nothing changes
+    when the caller passes `num_items_in_batch`, when the model's loss is not HF's
+    causal-LM loss, or when sequence parallel already normalises it."""
     from dsfn.runtime.mesh import current_mesh
-    sizes = [current_mesh().size(a) for a in axes]
-    dp = 1
-    for n in sizes:
-        dp *= n
-    if dp == 1 or "_loss_function" in model.__dict__ or not _labels_passed(model, args, kwargs):
+    spread = [(a, current_mesh().size(a)) for a in axes]
+    installed = model.__dict__.get("_loss_function")
+    if isinstance(installed, _WholeBatchLoss):        # nested (accumulate and data parallel): one loss, all axes
+        installed.axes.extend(spread)
+        try:
+            yield
+        finally:
+            del installed.axes[len(installed.axes) - len(spread):]
+        return
+    if installed is not None or not _labels_passed(model, args, kwargs):
         yield
         return
     from transformers.loss.loss_utils import LOSS_MAPPING
@@ -261,18 +352,8 @@ def token_mean_over(model: nn.Module, axes: list[str], args: tuple, kwargs: dict
     if getattr(model, "loss_function", None) is not causal:
         yield
         return
-
-    def loss(logits, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
-             shift_labels=None, **kw):
-        if num_items_in_batch is None and (labels is not None or shift_labels is not None):
-            target = shift_labels if shift_labels is not None else labels[..., 1:]
-            n = (target != ignore_index).sum().to(torch.float64).reshape(1)
-            for a, size in zip(axes, sizes):
-                if size > 1:
-                    n = C.all_reduce(n, a, "sum")
-            num_items_in_batch = (n.reshape(()) / dp).to(logits.device, torch.float32)
-        return causal(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
-                      shift_labels=shift_labels, **kw)
+    loss = _WholeBatchLoss(causal, model)
+    loss.axes.extend(spread)
     model._loss_function = loss
     try:
         yield
@@ -318,3 +399,8 @@ def own_loss(model: nn.Module, make_loss, args: tuple, kwargs: dict) -> Iterator
         raise ConfigError(f"sequence_parallel: {name} was given labels but did not compute its loss with its "
                           "loss_function, so dsfn cannot shift them over the whole sequence: its loss would be over "
                           "this rank's slice only. Compute the loss in the train step from the logits instead")
+
+
+def micro_batch_counts() -> MicroBatchCounts | None:
+    """The active accumulation's counts (None outside `accumulate`'s micro-batches)."""
+    return _micro_batches[-1] if _micro_batches else None

@@ -6,6 +6,17 @@ loss multiplied by 1/n (the only place the loss is scaled for accumulation), and
 gradients and values are summed — the mean over the whole batch. Any reduction a
 transform further out does inside backward (ZeRO-2/3 reduce-scatter) therefore happens
 per micro-batch into the shard; stage 0/1 and data parallel reduce once, at the end.
+
+A Hugging Face causal LM's own loss (`labels=`) is a mean over the valid targets, which
+differ between micro-batches (padding, prompts): the mean of the micro-batch means is not
+the whole batch's mean. While the micro-batches run, that loss divides by the valid targets
+of the whole batch (with data parallel: of the global batch), counted once from the batch
+tensor its labels are a slice of (`dsfn.integrations.hf.MicroBatchCounts`), as Hugging Face
+Trainer's `num_items_in_batch` does: the sum over micro-batches is the batch's token mean.
+
+The batch must reach the differentiated function as arguments
+(`value_and_grad(lambda p, b: loss(p, b))(params, batch)`): a batch captured by a closure
+cannot be split, and is refused (ConfigError) rather than run n times whole.
 """
 from __future__ import annotations
 
@@ -30,21 +41,41 @@ class Accumulate(Transform):
     def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
         if self.n == 1:
             return call_next(fn, params, args, kwargs, has_aux)
+        if not any(isinstance(x, torch.Tensor) for x in tree.leaves((args, kwargs))):
+            raise ConfigError(f"accumulate({self.n}): the differentiated function was given no batch tensors to "
+                              "split into micro-batches (a batch captured by a closure is invisible to it). Pass "
+                              "the batch as an argument: value_and_grad(lambda p, b: loss(p, b))(params, batch)")
         micro = [self._slice(args, kwargs, i) for i in range(self.n)]
+        whole_of = {}        # id(micro-batch tensor) -> the batch tensor it is a slice of
+        for k in range(self.n):
+            for part, whole in zip(tree.leaves(micro[k]), tree.leaves((args, kwargs))):
+                if isinstance(part, torch.Tensor) and part is not whole:
+                    whole_of[id(part)] = whole
         inv = 1.0 / self.n
 
         def scaled(p, *a, **k):
             out = fn(p, *a, **k)
             return (out[0] * inv, out[1]) if has_aux else out * inv
         total_v, total_g, auxes = None, None, []
-        for a, k in micro:
-            value, grads = call_next(scaled, params, a, k, has_aux)
-            if has_aux:
-                value, aux = value
-                auxes.append(aux)
-            total_v = value if total_v is None else total_v + value
-            total_g = grads if total_g is None else tree.map(torch.add, total_g, grads)
+        from dsfn.integrations import hf
+        with hf.accumulating(hf.MicroBatchCounts(self.n, whole_of)):
+            for a, k in micro:
+                value, grads = call_next(scaled, params, a, k, has_aux)
+                if has_aux:
+                    value, aux = value
+                    auxes.append(aux)
+                total_v = value if total_v is None else total_v + value
+                total_g = grads if total_g is None else tree.map(torch.add, total_g, grads)
         return ((total_v, auxes) if has_aux else total_v), total_g
+
+    def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
+        """A Hugging Face causal LM given labels gets the whole-batch loss (module docstring)."""
+        from dsfn.integrations import hf
+        module = getattr(apply_fn, "module", None)
+        if self.n == 1 or not hf.is_hf_model(module):
+            return call_next(apply_fn, params, args, kwargs)
+        with hf.token_mean_over(module, [], args, kwargs):
+            return call_next(apply_fn, params, args, kwargs)
 
     def _slice(self, args: Any, kwargs: Any, i: int) -> tuple[Any, Any]:
         n = self.n

@@ -440,11 +440,14 @@ class SequenceParallel(Transform):
         labels shifted over the whole sequence (`shift_labels`, so it does not shift inside the
         slice) and `num_items_in_batch` = the valid targets of the whole sp x dp batch / dp, so
         this rank's loss is dp * (its sum) / (the global count): summed over sp and averaged
-        over dp (by the data-parallel transforms inside) it is the global token mean."""
+        over dp (by the data-parallel transforms inside) it is the global token mean. Under
+        `accumulate` the count spans every micro-batch of the step (`hf.MicroBatchCounts`)."""
+        from dsfn.integrations import hf
         axis = self.axis
 
         def loss(logits, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
                  shift_labels=None, **kw):
+            given = shift_labels if shift_labels is not None else labels     # as the model got them
             labels = self._original(labels)
             shift_labels = self._original(shift_labels)
             c = logits.shape[1] if logits.dim() >= 2 else None
@@ -470,18 +473,29 @@ class SequenceParallel(Transform):
                     f"[batch, {self._local_len}] of the batch's sequences (pass the batch's labels, or tensors "
                     "made from its slices; no logits_to_keep)")
             target = target.contiguous()
-            if num_items_in_batch is None:
-                n = (target != ignore_index).sum().to(torch.float64)
+
+            def reduce(n):
                 n = C.all_reduce(n.reshape(1), axis, "sum")
                 for ax in self._dp_axes:
                     n = C.all_reduce(n, ax, "sum")
-                n = n.reshape(())
-            else:       # the caller's count of the whole batch (e.g. over accumulated micro-batches)
-                n = torch.as_tensor(num_items_in_batch, dtype=torch.float64)
+                return n.reshape(())
             dp = 1
             for ax in self._dp_axes:
                 dp *= current_mesh().size(ax)
-            items = (n / dp).to(logits.device, torch.float32)      # the loss stays fp32 (HF upcasts logits)
+            counts = hf.micro_batch_counts()
+            if num_items_in_batch is None and counts is not None:
+                # under accumulate: the valid targets of the whole batch, every micro-batch's
+                # (`hf.MicroBatchCounts`), / dp / the number of micro-batches
+                shifted = shift_labels is not None
+                items = counts.num_items(
+                    given if counts.whole_of.get(id(given)) is not None else (shift_labels if shifted else labels),
+                    (lambda t: t) if shifted else (lambda t: self._shift_over_sp(t, ignore_index, module)),
+                    ignore_index, reduce, dp, module)
+            elif num_items_in_batch is None:
+                items = reduce((target != ignore_index).sum().to(torch.float64)) / dp
+            else:       # the caller's count of the whole batch (e.g. over accumulated micro-batches)
+                items = torch.as_tensor(num_items_in_batch, dtype=torch.float64) / dp
+            items = items.to(logits.device, torch.float32)      # the loss stays fp32 (HF upcasts logits)
             if not self._in_grad:
                 # outside a gradient (evaluation): the value of the whole sp group (averaged over dp
                 # by the metrics of data-parallel transforms), not differentiable
