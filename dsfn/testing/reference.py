@@ -31,6 +31,25 @@ def lm_loss(apply_fn: Callable, params: Any, batch: dict) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
 
 
+def hf_labels_loss(apply_fn: Callable, params: Any, batch: dict) -> torch.Tensor:
+    """A Hugging Face causal LM's own loss as users write it: `labels=` (the model shifts them)."""
+    return apply_fn(params, input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+
+def hf_shift_labels_loss(apply_fn: Callable, params: Any, batch: dict) -> torch.Tensor:
+    """DeepSpeed ALST's way: the batch's labels shifted before it is split (`shift_labels=`;
+    HF computes a loss only when `labels` are given too)."""
+    return apply_fn(params, input_ids=batch["input_ids"], labels=batch["labels"],
+                    shift_labels=batch["shift_labels"]).loss
+
+
+def with_shift_labels(batch: dict, ignore_index: int = -100) -> dict:
+    """`batch` with "shift_labels": each row's labels moved one to the left, the last
+    position ignored."""
+    lab = batch["labels"]
+    return {**batch, "shift_labels": torch.cat([lab[:, 1:], lab.new_full((lab.shape[0], 1), ignore_index)], dim=1)}
+
+
 def mse_loss_fp32(apply_fn: Callable, params: Any, batch: dict) -> torch.Tensor:
     """`mse_loss` with the prediction promoted to fp32 (for bf16 / fp16 compute)."""
     return torch.nn.functional.mse_loss(apply_fn(params, batch["x"]).float(), batch["y"])

@@ -22,7 +22,9 @@ from dsfn.runtime import init_mesh
 from dsfn.testing import run_on_ranks
 from dsfn.testing.asserts import assert_trees_close
 from dsfn.testing.models import make_tiny_causal_lm, token_batches
-from dsfn.testing.reference import run_steps
+from dsfn.testing.reference import hf_labels_loss as loss_labels
+from dsfn.testing.reference import hf_shift_labels_loss as loss_shift_labels
+from dsfn.testing.reference import run_steps, with_shift_labels
 from dsfn.transforms import accumulate, compose, data_parallel, sequence_parallel, shard_zero
 
 pytest.importorskip("transformers")
@@ -44,19 +46,10 @@ def make_batches(steps=3, rows=4, t=12, seed=7):
     return out
 
 
-def loss_labels(apply_fn, params, batch):
-    return apply_fn(params, input_ids=batch["input_ids"], labels=batch["labels"]).loss
 
 
-def loss_shift_labels(apply_fn, params, batch):
-    # HF computes a loss only when labels are given; shift_labels (the batch's) are its targets
-    return apply_fn(params, input_ids=batch["input_ids"], labels=batch["labels"],
-                    shift_labels=batch["shift_labels"]).loss
 
 
-def with_shift_labels(batch):
-    lab = batch["labels"]
-    return {**batch, "shift_labels": torch.cat([lab[:, 1:], lab.new_full((lab.shape[0], 1), -100)], dim=1)}
 
 
 LOSSES = {"labels": loss_labels, "shift_labels": loss_shift_labels}

@@ -18,6 +18,7 @@ from dsfn.runtime import init_mesh
 from dsfn.testing import run_on_ranks
 from dsfn.testing.asserts import assert_trees_close
 from dsfn.testing.models import make_tiny_causal_lm, token_batches
+from dsfn.testing.reference import hf_labels_loss as loss_labels
 from dsfn.testing.reference import run_steps
 from dsfn.transforms import compose, data_parallel, shard_zero
 
@@ -35,8 +36,6 @@ def make_batches(steps=3, rows=4, t=12, seed=7):
     return out
 
 
-def loss_labels(apply_fn, params, batch):
-    return apply_fn(params, input_ids=batch["input_ids"], labels=batch["labels"]).loss
 
 
 def loss_shift_labels(apply_fn, params, batch):

@@ -31,7 +31,9 @@ from dsfn.runtime import init_mesh
 from dsfn.testing import run_on_ranks
 from dsfn.testing.asserts import assert_trees_close
 from dsfn.testing.models import make_tiny_causal_lm, token_batches
-from dsfn.testing.reference import run_steps, train_step_for
+from dsfn.testing.reference import hf_labels_loss as loss_labels
+from dsfn.testing.reference import hf_shift_labels_loss as loss_shift_labels
+from dsfn.testing.reference import run_steps, train_step_for, with_shift_labels
 from dsfn.transforms import compose, sequence_parallel, shard_zero, tensor_parallel
 
 pytest.importorskip("transformers")
@@ -68,18 +70,10 @@ def make_batches(lengths=(16, 13, 16)) -> list[dict]:
     return out
 
 
-def loss_labels(apply_fn, params, batch):
-    return apply_fn(params, input_ids=batch["input_ids"], labels=batch["labels"]).loss
 
 
-def loss_shift_labels(apply_fn, params, batch):
-    return apply_fn(params, input_ids=batch["input_ids"], labels=batch["labels"],
-                    shift_labels=batch["shift_labels"]).loss
 
 
-def _with_shift_labels(b: dict) -> dict:
-    lab = b["labels"]
-    return {**b, "shift_labels": torch.cat([lab[:, 1:], lab.new_full((lab.shape[0], 1), -100)], dim=1)}
 
 
 OPTIMIZERS = {"sgd": lambda: dsfn.optim.sgd(lr=0.5, momentum=0.9), "adamw": lambda: dsfn.optim.adamw(lr=3e-3)}
@@ -102,7 +96,7 @@ def _train(family, loss, opt, mesh=None, layout=None):
     state = step.place(dsfn.TrainState.create(params, OPTIMIZERS[opt]()))
     batches = make_batches()
     if loss == "shift_labels" and not mesh:
-        batches = [_with_shift_labels(b) for b in batches]     # the transform makes them under sp
+        batches = [with_shift_labels(b) for b in batches]     # the transform makes them under sp
     return run_steps(step, state, batches)
 
 

@@ -23,6 +23,8 @@ from dsfn.runtime import init_mesh
 from dsfn.testing import run_on_ranks
 from dsfn.testing.asserts import assert_trees_close
 from dsfn.testing.models import make_tiny_causal_lm, token_batches
+from dsfn.testing.reference import hf_labels_loss as loss_labels  # the new user's step: the model shifts
+from dsfn.testing.reference import hf_shift_labels_loss as loss_shift_labels   # DeepSpeed ALST's way
 from dsfn.testing.reference import run_steps, train_step_for
 from dsfn.transforms import compose, sequence_parallel, shard_zero
 
@@ -44,15 +46,8 @@ def make_batches(lengths=(16, 13, 16), seed=0) -> list[dict]:
     return out
 
 
-def loss_labels(apply_fn, params, batch):
-    """The new user's train step: the model shifts its labels."""
-    return apply_fn(params, input_ids=batch["input_ids"], labels=batch["labels"]).loss
 
 
-def loss_shift_labels(apply_fn, params, batch):
-    """DeepSpeed ALST's way: the labels shifted before the batch is split."""
-    return apply_fn(params, input_ids=batch["input_ids"], labels=batch["labels"],
-                    shift_labels=batch["shift_labels"]).loss
 
 
 def loss_ids_as_labels(apply_fn, params, batch):
