@@ -54,7 +54,20 @@ def _lm_loss(apply_fn, params, batch):
 
 def _hf_labels_loss(apply_fn, params, batch):
     """A Hugging Face user's train step: the model's own loss (`labels=`: it shifts them)."""
-    return apply_fn(params, input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+    return apply_fn(params, input_ids=batch["input_ids"], labels=batch.get("hf_labels", batch["input_ids"])).loss
+
+
+def _prompted_tokens():
+    """`_tokens` with `hf_labels`: the input ids, each row's prompt ignored (-100), prompts
+    of different lengths, so ranks, micro-batches and sequence slices hold different numbers
+    of valid targets: a loss normalised over a part instead of the whole batch differs."""
+    out = []
+    for b in _tokens():
+        labels = b["input_ids"].clone()
+        for r in range(labels.shape[0]):
+            labels[r, :(3 * r) % 11] = -100
+        out.append({**b, "hf_labels": labels})
+    return out
 
 
 def _mse_loss(apply_fn, params, batch):
@@ -109,9 +122,9 @@ MODELS: dict[str, ModelSpec] = {
     "qwen2": ModelSpec(lambda: make_tiny_causal_lm("qwen2"), _tokens, _lm_loss, attention=True, tp="auto"),
     "gemma2": ModelSpec(lambda: make_tiny_causal_lm("gemma2"), _tokens, _lm_loss, attention=True, tp="auto"),
     # the loss axis: Hugging Face's own loss (labels=), sequence parallel shifting the labels
-    # over the whole sequence
-    "llama+labels": ModelSpec(lambda: make_tiny_causal_lm("llama"), _tokens, _hf_labels_loss, attention=True,
-                              tp="auto"),
+    # over the whole sequence; llama's labels ignore prompts of uneven lengths
+    "llama+labels": ModelSpec(lambda: make_tiny_causal_lm("llama"), _prompted_tokens, _hf_labels_loss,
+                              attention=True, tp="auto"),
     "qwen2+labels": ModelSpec(lambda: make_tiny_causal_lm("qwen2"), _tokens, _hf_labels_loss, attention=True,
                               tp="auto"),
     # the activation-checkpointing axis: HF's own checkpointing, compared with the model without it
