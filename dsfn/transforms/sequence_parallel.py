@@ -544,7 +544,9 @@ class SequenceParallel(Transform):
                                   "the model uses no positions (or gets them another way)")
         from dsfn.integrations import hf
         if hf.is_hf_model(module):
-            with hf.own_loss(module, self._hf_loss, args, kwargs):
+            valid = self._positions[0] < self._real_len       # this rank's positions that are tokens
+            with hf.own_loss(module, self._hf_loss, args, kwargs), \
+                    hf.global_router_balance(module, [self.axis], list(self._dp_axes), valid):
                 with until_backward(hf.ulysses_attention(module, self.axis, self._arange,  # recomputes alike
                                                          padded=self._padded)):
                     return call_next(apply_fn, params, args, kwargs)
