@@ -339,6 +339,7 @@ class _GlobalRouterBalance:
 
     def __init__(self, original: Any, model: nn.Module):
         self.original, self.model = original, model
+        self.known = _switch_balance_loss(original)
         self.sum_axes: dict[str, int] = {}
         self.mean_axes: dict[str, int] = {}
         self.valid: torch.Tensor | None = None    # [T] positions that are tokens (sp's padding is not)
@@ -356,6 +357,13 @@ class _GlobalRouterBalance:
         axes = [(a, n) for a, n in {**self.sum_axes, **self.mean_axes}.items() if n > 1]
         if not axes:
             return self.original(gate_logits, num_experts, top_k, attention_mask)
+        if not self.known:
+            raise ConfigError(
+                f"{type(self.model).__name__} adds a router load-balancing loss (output_router_logits=True) "
+                f"computed by {type(self.model).__module__}.load_balancing_loss_func, whose arithmetic dsfn "
+                f"does not know, over this rank's rows only: under {', '.join(a for a, _ in axes)} it would not be "
+                "the whole batch's. Set output_router_logits=False (and add an auxiliary loss of your own), or "
+                "train without data / sequence parallelism")
         from dsfn.runtime import collectives as C
         dev = gate_logits[0].device
         counts = torch.zeros(num_experts, dtype=torch.float32, device=dev)
@@ -382,6 +390,27 @@ class _GlobalRouterBalance:
             dp *= n
         total = stats[-1]
         return torch.sum((stats[:-1] / total) * (probs / total)) * (num_experts * dp)
+
+
+_KNOWN_BALANCE: dict[Any, bool] = {}
+
+
+def _switch_balance_loss(fn: Any) -> bool:
+    """Whether `fn` is HF's Mixtral-style `load_balancing_loss_func(gate_logits, num_experts,
+    top_k, attention_mask)` (Mixtral, Qwen2/3-MoE, OLMoE, ... : softmax router, top-k
+    assignment shares times mean probabilities), which `_GlobalRouterBalance` reproduces;
+    other routers (product keys, Switch's router_probs) are not."""
+    if fn not in _KNOWN_BALANCE:
+        import inspect
+        try:
+            names = list(inspect.signature(fn).parameters)
+            source = inspect.getsource(fn)
+        except (TypeError, ValueError, OSError):
+            names, source = [], ""
+        _KNOWN_BALANCE[fn] = (names == ["gate_logits", "num_experts", "top_k", "attention_mask"]
+                              and "tokens_per_expert" in source and "router_prob" in source
+                              and "num_keys" not in source)
+    return _KNOWN_BALANCE[fn]
 
 
 @contextlib.contextmanager

@@ -100,3 +100,18 @@ def test_accumulate_with_a_router_loss_is_refused():
     ids = token_batches(1, 4, 16, 101, seed=1)[0]["input_ids"]
     with pytest.raises(ConfigError, match="router load-balancing loss"):
         step(state, {"input_ids": ids, "labels": ids})
+
+
+def test_only_routers_whose_loss_dsfn_reproduces_are_replaced():
+    """Mixtral-style functions (softmax router, top-k shares x mean probabilities) are
+    replaced; Doge's product-key router and Switch's router_probs are not (a model using them
+    is refused under dp / sp instead)."""
+    from transformers.models.doge import modeling_doge
+    from transformers.models.mixtral import modeling_mixtral
+    from transformers.models.qwen2_moe import modeling_qwen2_moe
+    from transformers.models.switch_transformers import modeling_switch_transformers
+    from dsfn.integrations.hf import _switch_balance_loss
+    assert _switch_balance_loss(modeling_mixtral.load_balancing_loss_func)
+    assert _switch_balance_loss(modeling_qwen2_moe.load_balancing_loss_func)
+    assert not _switch_balance_loss(modeling_doge.load_balancing_loss_func)
+    assert not _switch_balance_loss(modeling_switch_transformers.load_balancing_loss_func)
