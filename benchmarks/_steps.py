@@ -1,5 +1,5 @@
-"""Shared by the parallelism benchmarks: timed steps, and one step's collectives split
-into forward and backward.
+"""Shared by the parallelism benchmarks: timed steps, one step's collectives split into
+forward and backward, and the DDP / FSDP2 baseline.
 
 `mark` is a dict the benchmark's loss function writes to: when `mark["on"]` it stores
 `mark["fwd"] = collectives.counters.snapshot()` at the end of the forward, so the
@@ -71,3 +71,24 @@ def llama_config(a: dict, seq: int) -> Any:
                                     intermediate_size=a["intermediate"], num_hidden_layers=a["layers"],
                                     num_attention_heads=a["heads"], num_key_value_heads=a["kv_heads"],
                                     max_position_embeddings=max(2048, seq))
+
+
+def peer(name: str, model: Any, hp: dict) -> tuple[Any, Any]:
+    """The peer baseline of the GPT benchmarks: (`model` wrapped by DDP (name "ddp") or by
+    FSDP2 (`fully_shard` on each block, then the root; "fsdp2"), torch.optim.AdamW(**hp))."""
+    import torch
+    if name == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+        for block in model.blocks:
+            fully_shard(block)
+        net = fully_shard(model)
+    return net, torch.optim.AdamW(net.parameters(), **hp)
+
+
+def global_mean(loss: Any) -> float:
+    """The mean of the ranks' losses (the global-batch loss, as dsfn reports it)."""
+    mean = loss.detach().clone()
+    dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+    return float(mean)

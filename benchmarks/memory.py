@@ -60,6 +60,7 @@ import torch.distributed as dist  # noqa: E402
 import dsfn  # noqa: E402
 import dsfn.launch  # noqa: E402
 from dsfn.models import GPT, GPTConfig, gpt_loss  # noqa: E402
+from _steps import global_mean, peer  # noqa: E402
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 DSFN = ["dp", "zero1", "zero2", "zero3", "zero3+offload"]
@@ -125,14 +126,7 @@ def _rank_main(name: str, preset: str, micro: int, warmup: int, steps: int, seed
     model = GPT(cfg)
     times: list[float] = []
     if name in ("ddp", "fsdp2"):
-        if name == "ddp":
-            net = torch.nn.parallel.DistributedDataParallel(model)
-        else:
-            from torch.distributed.fsdp import fully_shard
-            for block in model.blocks:
-                fully_shard(block)
-            net = fully_shard(model)
-        opt = torch.optim.AdamW(net.parameters(), **HP)
+        net, opt = peer(name, model, HP)
         setup = _status("VmHWM")
         _reset_hwm()
         for i, b in enumerate(batches):
@@ -145,9 +139,7 @@ def _rank_main(name: str, preset: str, micro: int, warmup: int, steps: int, seed
             opt.zero_grad(set_to_none=True)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, op=dist.ReduceOp.AVG)
-        final_loss = float(mean)
+        final_loss = global_mean(loss)
     else:
         apply_fn, params = dsfn.functionalize(model, release=True)
         step = _dsfn_step(name, apply_fn)

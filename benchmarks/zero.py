@@ -41,6 +41,7 @@ from dsfn import tree  # noqa: E402
 from dsfn.models import GPT, GPTConfig, gpt_loss  # noqa: E402
 from dsfn.runtime import counters  # noqa: E402
 from dsfn.transforms import shard_zero  # noqa: E402
+from _steps import global_mean, peer  # noqa: E402
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CONFIGS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3"]
@@ -77,14 +78,7 @@ def _rank_main(name: str, preset: str, micro: int, warmup: int, steps: int, seed
     info: dict = {"name": name}
 
     if name in ("ddp", "fsdp2"):
-        if name == "ddp":
-            net = torch.nn.parallel.DistributedDataParallel(model)
-        else:
-            from torch.distributed.fsdp import fully_shard
-            for block in model.blocks:
-                fully_shard(block)
-            net = fully_shard(model)
-        opt = torch.optim.AdamW(net.parameters(), **HP)
+        net, opt = peer(name, model, HP)
         for i, b in enumerate(batches):
             rows = slice(rank * micro, (rank + 1) * micro)
             dist.barrier()
@@ -98,9 +92,7 @@ def _rank_main(name: str, preset: str, micro: int, warmup: int, steps: int, seed
                 times.append(time.perf_counter() - t0)
         state_bytes = _local_bytes(net.parameters()) + grad_bytes + _local_bytes(
             t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, op=dist.ReduceOp.AVG)     # the global-batch loss, as dsfn reports it
-        info["loss"] = float(mean)
+        info["loss"] = global_mean(loss)
     else:
         stage = int(name[-1])
         apply_fn, params = dsfn.functionalize(model, release=True)
