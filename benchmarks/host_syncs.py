@@ -14,7 +14,6 @@ to the baseline; on a GPU `benchmarks/gpu_e2e.py` counts them on CUDA.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -26,11 +25,10 @@ for p in (ROOT, ROOT / "examples"):
 import torch  # noqa: E402
 
 import dsfn  # noqa: E402
-from dsfn.models import GPT, GPTConfig, gpt_loss  # noqa: E402
 from dsfn.ops import adamw as A  # noqa: E402
 from dsfn.ops import dispatch  # noqa: E402
 from dsfn.optim import transform as T  # noqa: E402
-from dsfn.runtime.syncs import count_host_syncs  # noqa: E402
+from dsfn.testing.syncs import later_step_syncs  # noqa: E402
 from dsfn.transforms import clip_grad_norm, loss_scale, mixed_precision, offload, shard_zero  # noqa: E402
 
 STACKS = {
@@ -61,22 +59,7 @@ def _tx(kind: str):
 
 
 def syncs_per_step(n_layer: int, stack, kind: str) -> int:
-    cfg = dataclasses.replace(GPTConfig.preset("tiny"), n_layer=n_layer)
-    apply_fn, params = dsfn.functionalize(GPT(cfg, seed=0).to("meta"))
-
-    def train_step(state, b):
-        loss, grads = dsfn.value_and_grad(lambda p, x: gpt_loss(apply_fn(p, x["input_ids"]), x["labels"]))(
-            state.params, b)
-        return state.apply_gradients(grads), {"loss": loss}
-    step = dsfn.compose(*stack())(train_step)
-    ids = torch.zeros(2, cfg.seq_len, dtype=torch.long, device="meta")
-    batch = {"input_ids": ids, "labels": ids}
-    with count_host_syncs():
-        state = step.place(dsfn.TrainState.create(params, tx=_tx(kind)))
-        state, _ = step(state, batch)
-    with count_host_syncs() as s:
-        step(state, batch)
-    return s.total
+    return later_step_syncs(n_layer, stack, _tx(kind)).total
 
 
 def _old_preparation():

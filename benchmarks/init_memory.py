@@ -41,12 +41,12 @@ import zlib
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import dsfn
 from dsfn.launch import spawn
 from dsfn.runtime import init_mesh
 from dsfn.state.init import hf_checkpoint, init_sharded
+from dsfn.testing.alloc import allocation_peak
 from dsfn.testing.reference import lm_loss, train_step_for
 from dsfn.transforms import shard_zero
 
@@ -83,17 +83,6 @@ def seeded(name: str, like: torch.Tensor) -> torch.Tensor:
 _CFG: list = []
 
 
-def peak_of(fn) -> tuple[Any, int]:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    live = peak = 0
-    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return out, peak
-
-
 def nbytes(state) -> int:
     return sum(t.numel() * t.element_size() for t in dsfn.tree.leaves(state) if isinstance(t, torch.Tensor))
 
@@ -125,7 +114,7 @@ def rank_main(quick: bool, ckpt: str) -> dict[str, dict]:
     for name, fn in (("baseline", baseline), ("meta+init", from_meta(seeded)),
                      ("meta+ckpt", from_meta([src, seeded]))):
         del state
-        state, peak = peak_of(fn)
+        state, peak = allocation_peak(fn)
         out[name] = dict(peak=peak, shard=nbytes(state))
     out["meta+ckpt"]["bytes_read"] = src.bytes_read
     out["export_eval"] = export_and_eval(cfg, state, apply_fns[0], ckpt)
@@ -137,7 +126,7 @@ def export_and_eval(cfg, state, apply_fn, ckpt: str) -> dict[str, int]:
     call (its pooled unit buffers included), on the meta+ckpt state."""
     from dsfn.checkpoint.export import export_state
     with tempfile.TemporaryDirectory(dir=os.path.dirname(ckpt)) as d:
-        _, export = peak_of(lambda: export_state(state, d))
+        _, export = allocation_peak(lambda: export_state(state, d))
 
     def eval_step(s, batch):
         with torch.no_grad():     # use_cache=False: else HF keeps every layer's keys and values
@@ -146,7 +135,7 @@ def export_and_eval(cfg, state, apply_fn, ckpt: str) -> dict[str, int]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (8, 65), generator=g)
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
-    _, ev = peak_of(lambda: dsfn.compose(shard_zero(3, prefetch=0))(eval_step)(state, batch))
+    _, ev = allocation_peak(lambda: dsfn.compose(shard_zero(3, prefetch=0))(eval_step)(state, batch))
     local_rows = 8 // torch.distributed.get_world_size()
     return dict(export=export, eval=ev, logits=local_rows * 64 * cfg.vocab_size * 4)
 

@@ -52,11 +52,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import dsfn  # noqa: E402
 from dsfn.models import GPT, GPTConfig  # noqa: E402
 from dsfn.runtime import collectives as C  # noqa: E402
+from dsfn.testing.alloc import allocation_peak  # noqa: E402
 from dsfn.transforms import remat  # noqa: E402
 
 SAVED_TARGET = 1 / 3
@@ -140,15 +140,7 @@ def saved_bytes(step, state, params, batch) -> tuple[int, int, float]:
 
 def peak_bytes(step, state, batch) -> int:
     """High-water mark of torch's CPU allocations during one step (profiler memory events)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(state, batch)
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
+    return allocation_peak(lambda: step(state, batch))[1]
 
 
 def step_times(steps: dict, states: dict, data: list[dict], warmup: int = 1) -> dict[str, float]:

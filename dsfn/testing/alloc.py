@@ -1,5 +1,8 @@
-"""Counting the bytes of new storages a block of torch code allocates (for memory tests)."""
+"""Counting what a block of torch code allocates (for memory tests and benchmarks)."""
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,3 +28,17 @@ class AllocCounter(TorchDispatchMode):
                 seen.add(t.untyped_storage().data_ptr())
                 self.bytes += t.untyped_storage().nbytes()
         return out
+
+
+def allocation_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """(fn(), the high-water mark of torch's CPU allocations during fn, allocations minus
+    frees in time order: `torch.profiler` memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    live = peak = 0
+    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return out, peak

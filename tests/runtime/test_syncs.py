@@ -8,15 +8,14 @@ torch reference, which shares the kernel's argument preparation (lr/step/coeffic
 """
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 
 import dsfn
 from dsfn import tree
-from dsfn.models import GPT, GPTConfig, gpt_loss
 from dsfn.runtime.syncs import count_host_syncs
+from dsfn.testing.syncs import later_step_syncs
 from dsfn.transforms import clip_grad_norm, loss_scale, mixed_precision, offload, shard_zero
 
 
@@ -88,24 +87,7 @@ def _example_optimizer(clip: bool = True):
 
 
 def _syncs_per_step(n_layer: int, stack, tx=None) -> tuple[int, list]:
-    cfg = dataclasses.replace(GPTConfig.preset("tiny"), n_layer=n_layer)
-    model = GPT(cfg, seed=0).to("meta")
-    apply_fn, params = dsfn.functionalize(model)
-    state = dsfn.TrainState.create(params, tx=tx or _example_optimizer())
-
-    def train_step(state, batch):
-        loss, grads = dsfn.value_and_grad(lambda p, b: gpt_loss(apply_fn(p, b["input_ids"]), b["labels"]))(
-            state.params, batch)
-        return state.apply_gradients(grads), {"loss": loss}
-
-    step = dsfn.compose(*stack())(train_step)
-    ids = torch.zeros(2, cfg.seq_len, dtype=torch.long, device="meta")
-    batch = {"input_ids": ids, "labels": ids}
-    with count_host_syncs():                  # placing (and offload's first copies) read meta data
-        state = step.place(state)
-        state, _ = step(state, batch)         # the first step builds what later steps reuse
-    with count_host_syncs() as s:
-        step(state, batch)
+    s = later_step_syncs(n_layer, stack, tx or _example_optimizer())
     return s.total, s.events
 
 

@@ -12,7 +12,6 @@ import zlib
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import dsfn
 from dsfn.errors import ConfigError
@@ -21,8 +20,9 @@ from dsfn.runtime import init_mesh
 from dsfn.state.init import hf_checkpoint, init_sharded
 from dsfn.state.layout import FlatShard, Placed
 from dsfn.testing import assert_trees_close, run_on_ranks
+from dsfn.testing.alloc import allocation_peak
 from dsfn.testing.models import MLP, regression_batches, token_batches
-from dsfn.testing.reference import lm_loss, mse_loss, train_step_for
+from dsfn.testing.reference import lm_loss, mse_loss, run_steps, train_step_for
 from dsfn.transforms import shard_zero
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -35,18 +35,6 @@ INIT_LIMIT = 0.35    # the init alone: this rank's quarter of the state + one te
 
 
 # -- measuring -------------------------------------------------------------------------------------
-def peak_alloc(fn):
-    """(fn(), high-water mark of torch CPU allocations made during fn, minus those freed)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    live = peak = 0
-    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return out, peak
-
-
 def state_bytes(state) -> int:
     return sum(t.numel() * t.element_size() for t in dsfn.tree.leaves(state) if isinstance(t, torch.Tensor))
 
@@ -79,12 +67,7 @@ def sgd_momentum():
 def _reference(make_model, batches, loss_fn, make_tx=adamw):
     apply_fn, params = dsfn.functionalize(make_model())
     step = dsfn.compose()(train_step_for(apply_fn, loss_fn))
-    state = step.place(dsfn.TrainState.create(params, make_tx()))
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
-    return losses, step.gather(state)
+    return run_steps(step, step.place(dsfn.TrainState.create(params, make_tx())), batches)
 
 
 def _train_from(make_meta, source_fn, batches, loss_fn):
@@ -103,13 +86,13 @@ def _train_once(make_meta, source_fn, batches, loss_fn, make_tx):
     step = dsfn.compose(shard_zero(3, reduce_bucket_size=4096, allgather_bucket_size=1 << 20))(
         train_step_for(apply_fn, loss_fn))
     source = source_fn()
-    state, init_peak = peak_alloc(lambda: init_sharded(step, params, make_tx(), source=source, apply_fn=apply_fn))
+    state, init_peak = allocation_peak(lambda: init_sharded(step, params, make_tx(), source=source, apply_fn=apply_fn))
     held = state_bytes(state)
     layouts = {n: x.layout for n, x in state.params.items()}
     losses, step_peaks = [], []
     for b in batches:
         before = state_bytes(state)                     # what lives at the start + the step's high-water
-        (state, m), peak = peak_alloc(lambda: step(state, b))
+        (state, m), peak = allocation_peak(lambda: step(state, b))
         step_peaks.append(before + peak)
         losses.append(float(m["loss"]))
     full = step.gather(state)
@@ -125,8 +108,8 @@ def _full_bytes(params) -> int:
 def test_zero3_from_meta_with_initializer_fits_below_full_model():
     ref_losses, ref = _reference(materialized_mlp, BATCHES, mse_loss)
     _, ref_sgd = _reference(materialized_mlp, BATCHES, mse_loss, sgd_momentum)
-    full = _full_bytes(ref.params)
-    largest = 4 * max(p.numel() for p in ref.params.values())
+    full = _full_bytes(ref["params"])
+    largest = 4 * max(p.numel() for p in ref["params"].values())
     results = run_on_ranks(_train_from, WORLD, lambda: MLP(SIZES), lambda: seeded_init, BATCHES, mse_loss,
                            timeout=120)
     for r, (res, sgd) in enumerate(results):
@@ -135,12 +118,12 @@ def test_zero3_from_meta_with_initializer_fits_below_full_model():
         assert res["init_peak"] <= res["held"] + largest + 0.1 * (res["held"] + largest), (r, res, largest)
         assert res["init_peak"] < INIT_LIMIT * full and res["step_peak"] < LIMIT * full, (r, res, full)
         assert torch.allclose(torch.tensor(res["losses"]), torch.tensor(ref_losses), **FP32)
-        assert_trees_close(sgd["params"], ref_sgd.params, **FP32)
-        assert_trees_close(sgd["opt"], ref_sgd.opt_state, **FP32)
+        assert_trees_close(sgd["params"], ref_sgd["params"], **FP32)
+        assert_trees_close(sgd["opt"], ref_sgd["opt_state"], **FP32)
     # negative control: the measure sees a full model (init_state from materialised parameters)
     apply_fn, params = dsfn.functionalize(materialized_mlp())
     step = dsfn.compose(shard_zero(3))(train_step_for(apply_fn))
-    _, peak = peak_alloc(lambda: dsfn.TrainState.create({k: v.clone() for k, v in params.items()},
+    _, peak = allocation_peak(lambda: dsfn.TrainState.create({k: v.clone() for k, v in params.items()},
                                                         dsfn.optim.adamw(lr=1e-2)))
     assert peak >= LIMIT * full
 
@@ -189,24 +172,24 @@ def test_zero3_from_sharded_hf_checkpoint_reads_only_its_slices(hf_dir):
     batches = token_batches(3, 4, 16, LLAMA["vocab_size"], seed=4)
     ref_losses, ref = _reference(llama, batches, lm_loss)
     _, ref_sgd = _reference(llama, batches, lm_loss, sgd_momentum)
-    full = _full_bytes(ref.params)
+    full = _full_bytes(ref["params"])
     results = run_on_ranks(_train_from, WORLD, lambda: llama(meta=True), _hf_source(hf_dir), batches, lm_loss,
                            timeout=180)
     total_read = 0
     for r, (res, sgd) in enumerate(results):
         # bytes read = this rank's FlatShard slice of every parameter (padding is not read)
         expect = 0
-        for p in ref.params.values():
+        for p in ref["params"].values():
             c = math.ceil(p.numel() / WORLD)
             expect += 4 * max(0, min(c, p.numel() - r * c))
         assert res["bytes_read"] == expect, (r, res["bytes_read"], expect)
         total_read += res["bytes_read"]
         assert res["init_peak"] < INIT_LIMIT * full and res["step_peak"] < LIMIT * full, (r, res, full)
         assert torch.allclose(torch.tensor(res["losses"]), torch.tensor(ref_losses), **FP32)
-        assert_trees_close(sgd["params"], ref_sgd.params, **FP32)
-        assert_trees_close(sgd["opt"], ref_sgd.opt_state, **FP32)
+        assert_trees_close(sgd["params"], ref_sgd["params"], **FP32)
+        assert_trees_close(sgd["opt"], ref_sgd["opt_state"], **FP32)
     # the ranks together read the checkpoint's parameters once
-    assert total_read == 4 * sum(p.numel() for p in ref.params.values())
+    assert total_read == 4 * sum(p.numel() for p in ref["params"].values())
 
 
 def _bytes_read_replicated(d):
@@ -248,24 +231,28 @@ def _stacks(model):
         "tp2xzero3": (dict(dp=2, tp=2), lambda: [shard_zero(3), tensor_parallel(tp_plan(), model=model)]),
         "zero3+offload": ({}, lambda: [shard_zero(3), offload("cpu", params=True, pin_memory=False)]),
         "zero3+nvme": ({}, lambda: [shard_zero(3), offload("nvme", path=tempfile.mkdtemp(), params=True)]),
+        "zero3+offload+bf16": ({}, lambda: [shard_zero(3), offload("cpu", params=True, pin_memory=False),
+                                            mixed_precision(torch.bfloat16)]),
     }
 
 
-def _gpt_init(name, like):
-    return seeded_init(name, like)
+def _meta_and_seeded_gpt():
+    """(the tiny 2-layer GPT on the meta device, the same GPT holding `seeded_init`'s values)."""
+    from dsfn.models.gpt import GPT, GPTConfig
+    with torch.device("meta"):
+        meta = GPT(GPTConfig.preset("tiny", n_layer=2))
+    full = GPT(GPTConfig.preset("tiny", n_layer=2))
+    with torch.no_grad():
+        for n, p in full.named_parameters():
+            p.copy_(seeded_init(n, p))
+    return meta, full
 
 
 def _same_as_init_state(names):
-    from dsfn.models.gpt import GPT, GPTConfig
     from dsfn.state.layout import is_placed, Offloaded
     out = {}
     for kind in names:
-        with torch.device("meta"):
-            meta = GPT(GPTConfig.preset("tiny", n_layer=2))
-        full = GPT(GPTConfig.preset("tiny", n_layer=2))
-        with torch.no_grad():
-            for n, p in full.named_parameters():
-                p.copy_(_gpt_init(n, p))
+        meta, full = _meta_and_seeded_gpt()
         mesh, make = _stacks(meta)[kind]
         init_mesh(**mesh)
         apply_fn, params = dsfn.functionalize(meta)
@@ -312,26 +299,19 @@ def _lora_from_meta():
         meta = LoRAModel()
     apply_fn, params = dsfn.functionalize(meta)
     step = dsfn.compose(shard_zero(3))(train_step_for(apply_fn, mse_loss))
-    state, peak = peak_alloc(lambda: init_sharded(step, params, sgd_momentum(), source=seeded_init,
-                                                  apply_fn=apply_fn))
+    state, peak = allocation_peak(lambda: init_sharded(step, params, sgd_momentum(), source=seeded_init,
+                                                       apply_fn=apply_fn))
     held = state_bytes(state)
     frozen = {n: apply_fn.constants[n] for n in apply_fn.frozen}
     pieces_ok = all(isinstance(x, Placed) and torch.equal(x.data, x.layout.shard(values[n]))
                     for n, x in frozen.items())
     frozen_bytes = sum(x.data.numel() * 4 for x in frozen.values())
-    losses = []
-    for b in LB:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
+    losses, trained = run_steps(step, state, LB)
     ref_apply, ref_params = dsfn.functionalize(full)
     ref_step = dsfn.compose()(train_step_for(ref_apply, mse_loss))
-    ref = ref_step.place(dsfn.TrainState.create(ref_params, sgd_momentum()))
-    ref_losses = []
-    for b in LB:
-        ref, m = ref_step(ref, b)
-        ref_losses.append(float(m["loss"]))
+    ref_losses, ref = run_steps(ref_step, ref_step.place(dsfn.TrainState.create(ref_params, sgd_momentum())), LB)
     return dict(pieces_ok=pieces_ok, frozen_bytes=frozen_bytes, peak=peak, held=held,
-                losses=losses, ref_losses=ref_losses, params=step.gather(state).params, ref=ref.params,
+                losses=losses, ref_losses=ref_losses, params=trained["params"], ref=ref["params"],
                 full_frozen=sum(v.numel() * 4 for n, v in values.items() if n in frozen),
                 largest=max(v.numel() * 4 for v in values.values()))
 
@@ -445,29 +425,17 @@ def _offloaded_init_on_meta_device(kinds):
     """init_sharded with `device="meta"` standing in for a GPU: a meta tensor holds no
     values, so every offloaded piece that comes out with the right values was made in host
     memory directly (filled on the device and moved, it could not be copied out)."""
-    from dsfn.models.gpt import GPT, GPTConfig
     from dsfn.state.layout import Offloaded, is_placed
-    from dsfn.transforms import mixed_precision, offload
-    stacks = {
-        "zero3+offload": lambda: [shard_zero(3), offload("cpu", params=True, pin_memory=False)],
-        "zero3+nvme": lambda: [shard_zero(3), offload("nvme", path=tempfile.mkdtemp(), params=True)],
-        "zero3+offload+bf16": lambda: [shard_zero(3), offload("cpu", params=True, pin_memory=False),
-                                       mixed_precision(torch.bfloat16)],
-    }
     init_mesh()
     out = {}
     for kind in kinds:
-        with torch.device("meta"):
-            meta = GPT(GPTConfig.preset("tiny", n_layer=2))
-        full = GPT(GPTConfig.preset("tiny", n_layer=2))
-        with torch.no_grad():
-            for n, p in full.named_parameters():
-                p.copy_(seeded_init(n, p))
+        meta, full = _meta_and_seeded_gpt()
+        make = _stacks(meta)[kind][1]
         apply_fn, params = dsfn.functionalize(meta)
         tx = dsfn.optim.adamw(lr=1e-2)
-        got = init_sharded(dsfn.compose(*stacks[kind]())(lambda s, b: (s, {})), params, tx,
+        got = init_sharded(dsfn.compose(*make())(lambda s, b: (s, {})), params, tx,
                            source=seeded_init, apply_fn=apply_fn, device="meta")
-        want = dsfn.compose(*stacks[kind]())(lambda s, b: (s, {})).init_state(dsfn.functionalize(full)[1], tx)
+        want = dsfn.compose(*make())(lambda s, b: (s, {})).init_state(dsfn.functionalize(full)[1], tx)
         want = dict(dsfn.tree.leaves_with_path(want, is_leaf=is_placed))
         offloaded, wrong = 0, []
         for path, x in dsfn.tree.leaves_with_path(got, is_leaf=is_placed):

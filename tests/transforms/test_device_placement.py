@@ -49,11 +49,11 @@ def _seen_by_optimizer(seen: list):
     return dsfn.optim.GradientTransformation(inner.init, update)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_untouched_parameter_gradient_is_on_the_parameter_device(stage):
+def _step_on_meta(stage: int, seen: list):
+    """One ZeRO step of `WithUnused` on meta tensors (a bucket per tensor), the optimizer
+    recording the device of every gradient it gets into `seen`; returns the new state."""
     model = WithUnused().to("meta")
     apply_fn, params = dsfn.functionalize(model)
-    seen: list[torch.device] = []
     state = dsfn.TrainState.create(params, tx=_seen_by_optimizer(seen))
 
     def train_step(state, batch):
@@ -62,7 +62,14 @@ def test_untouched_parameter_gradient_is_on_the_parameter_device(stage):
 
     step = dsfn.compose(shard_zero(stage, reduce_bucket_size=1))(train_step)   # a bucket per tensor
     new, _ = step(step.place(state), {"x": torch.zeros(2, 4, device="meta")})
-    assert len(seen) == len(params) and set(seen) == {torch.device("meta")}
+    return new, len(params)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_untouched_parameter_gradient_is_on_the_parameter_device(stage):
+    seen: list[torch.device] = []
+    new, n_params = _step_on_meta(stage, seen)
+    assert len(seen) == n_params and set(seen) == {torch.device("meta")}
     assert {t.device.type for t in tree.leaves(new.params)} == {"meta"}
 
 
@@ -72,18 +79,9 @@ def test_control_host_zeros_are_caught(stage, monkeypatch):
     does see a CPU gradient among the meta ones, so the test above can fail."""
     import dsfn.transforms.zero as Z
     monkeypatch.setattr(Z, "compute_device", lambda x: torch.device("cpu"))
-    model = WithUnused().to("meta")
-    apply_fn, params = dsfn.functionalize(model)
     seen: list[torch.device] = []
-    state = dsfn.TrainState.create(params, tx=_seen_by_optimizer(seen))
-
-    def train_step(state, batch):
-        loss, grads = dsfn.value_and_grad(lambda p, b: apply_fn(p, b["x"]).pow(2).mean())(state.params, batch)
-        return state.apply_gradients(grads), {}
-
-    step = dsfn.compose(shard_zero(stage, reduce_bucket_size=1))(train_step)   # a bucket per tensor
     try:
-        step(step.place(state), {"x": torch.zeros(2, 4, device="meta")})
+        _step_on_meta(stage, seen)
     except RuntimeError:
         return                # mixed devices failed in the update itself: caught as well
     assert torch.device("cpu") in seen

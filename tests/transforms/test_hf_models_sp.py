@@ -21,7 +21,6 @@ loss handling in detail), test_sp_gqa.py, test_sp_packed.py.
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import pytest
 import torch
@@ -43,17 +42,8 @@ WINDOW = 5
 
 
 def make_model(family: str):
-    if family == "mistral":
-        import transformers
-        torch.manual_seed(0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return transformers.MistralForCausalLM(transformers.MistralConfig(
-                vocab_size=VOCAB, hidden_size=64, intermediate_size=90, num_hidden_layers=2, num_attention_heads=8,
-                num_key_value_heads=4, max_position_embeddings=64, sliding_window=WINDOW,
-                attn_implementation="sdpa"))
     extra = {"llama": dict(num_key_value_heads=2), "qwen2": {}, "qwen3": dict(num_key_value_heads=2),
-             "gemma2": dict(sliding_window=WINDOW)}[family]
+             "gemma2": dict(sliding_window=WINDOW), "mistral": dict(sliding_window=WINDOW)}[family]
     return make_tiny_causal_lm(family, **extra)
 
 

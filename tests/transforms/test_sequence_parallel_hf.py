@@ -247,17 +247,7 @@ def test_own_loss_outside_the_gradient_is_the_whole_batch_value(mesh, zero):
 def make_windowed(family, window):
     """Gemma2 (eager: soft-capped scores, layers alternate sliding / full) and Mistral (sdpa,
     every layer sliding), window `window` tokens."""
-    if family == "gemma2":
-        return make_tiny_causal_lm("gemma2", sliding_window=window)
-    import warnings
-
-    import transformers
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.MistralForCausalLM(transformers.MistralConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=90, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=4, max_position_embeddings=64, sliding_window=window, attn_implementation="sdpa"))
+    return make_tiny_causal_lm(family, sliding_window=window)
 
 
 def train_windowed(family, window, mesh=None, drop_window=False):

@@ -14,7 +14,6 @@ The negative control ignores the document boundaries under sp and differs.
 """
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -80,14 +79,6 @@ def unpacked_loss(apply_fn, params, batch):
 def make_model(family):
     """llama: sdpa; gemma2: eager, soft-capping, sliding window 4 on alternate layers;
     mistral: sdpa with a sliding window 5 on every layer (the window and the documents)."""
-    if family == "mistral":
-        import transformers
-        torch.manual_seed(0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return transformers.MistralForCausalLM(transformers.MistralConfig(
-                vocab_size=VOCAB, hidden_size=64, intermediate_size=90, num_hidden_layers=2, num_attention_heads=8,
-                num_key_value_heads=4, max_position_embeddings=64, sliding_window=5, attn_implementation="sdpa"))
     return make_tiny_causal_lm(family, **({"sliding_window": 4} if family == "gemma2" else {}))
 
 
