@@ -158,9 +158,10 @@ def export_state(state: Any, out: str | os.PathLike, apply_fn: Any = None, dtype
 
     Tensors are rebuilt one at a time (`unplace`: the collectives of its layout; ZeRO's flat
     shards into one reused buffer), written by `rank` with the streaming writer and dropped:
-    peak per rank = its shard + the largest tensor. Written: `params.<name>` (mixed precision's fp32 masters instead, when present),
-    `buffers.<name>`, and with `apply_fn` its frozen parameters (a LoRA base: sharded by
-    shard_zero(3) in `apply_fn.constants`), so the file is the model's whole state dict.
+    peak per rank = its shard + the largest tensor. Written: `params.<name>` (mixed
+    precision's fp32 masters instead, when present), `buffers.<name>`, and with `apply_fn`
+    its frozen parameters (a LoRA base: sharded by shard_zero(3) in `apply_fn.constants`),
+    so the file is the model's whole state dict.
     Returns the file written on `rank`, None elsewhere.
     """
     from dsfn import tree

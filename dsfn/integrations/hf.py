@@ -297,7 +297,7 @@ class _WholeBatchLoss:
 
     def __call__(self, logits, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
                  shift_labels=None, **kw):
-        counts = _micro_batches[-1] if _micro_batches else None
+        counts = micro_batch_counts()
         spread = [(a, size) for a, size in self.axes if size > 1]
         if num_items_in_batch is None and (labels is not None or shift_labels is not None) and (spread or counts):
             from dsfn.runtime import collectives as C
@@ -309,13 +309,12 @@ class _WholeBatchLoss:
             dp = 1
             for _, size in spread:
                 dp *= size
+            source = shift_labels if shift_labels is not None else labels
+            target_of = (lambda t: t) if shift_labels is not None else (lambda t: t[..., 1:])
             if counts is not None:        # the whole batch's count, over every micro-batch
-                source = shift_labels if shift_labels is not None else labels
-                target_of = (lambda t: t) if shift_labels is not None else (lambda t: t[..., 1:])
                 num_items_in_batch = counts.num_items(source, target_of, ignore_index, reduce, dp, self.model)
             else:
-                target = shift_labels if shift_labels is not None else labels[..., 1:]
-                num_items_in_batch = reduce((target != ignore_index).sum().to(torch.float64).reshape(1)) / dp
+                num_items_in_batch = reduce((target_of(source) != ignore_index).sum().to(torch.float64).reshape(1)) / dp
             num_items_in_batch = num_items_in_batch.reshape(()).to(logits.device, torch.float32)
         return self.causal(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                            ignore_index=ignore_index, shift_labels=shift_labels, **kw)

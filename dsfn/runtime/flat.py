@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
-
-import time
 
 import torch
 

@@ -41,14 +41,15 @@ class Accumulate(Transform):
     def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
         if self.n == 1:
             return call_next(fn, params, args, kwargs, has_aux)
-        if not any(isinstance(x, torch.Tensor) for x in tree.leaves((args, kwargs))):
+        wholes = tree.leaves((args, kwargs))
+        if not any(isinstance(x, torch.Tensor) for x in wholes):
             raise ConfigError(f"accumulate({self.n}): the differentiated function was given no batch tensors to "
                               "split into micro-batches (a batch captured by a closure is invisible to it). Pass "
                               "the batch as an argument: value_and_grad(lambda p, b: loss(p, b))(params, batch)")
         micro = [self._slice(args, kwargs, i) for i in range(self.n)]
         whole_of = {}        # id(micro-batch tensor) -> the batch tensor it is a slice of
         for k in range(self.n):
-            for part, whole in zip(tree.leaves(micro[k]), tree.leaves((args, kwargs))):
+            for part, whole in zip(tree.leaves(micro[k]), wholes):
                 if isinstance(part, torch.Tensor) and part is not whole:
                     whole_of[id(part)] = whole
         inv = 1.0 / self.n
