@@ -55,7 +55,7 @@ from dsfn.errors import ConfigError, LeafTypeError, ShapeError
 from dsfn.ops import dispatch
 from dsfn.optim._foreach import check_real
 
-__all__ = ["DEFAULT_BLOCK", "AdamWUpdate", "adamw_coefficients", "adamw_update", "adamw_update_torch",
+__all__ = ["DEFAULT_BLOCK", "AdamWUpdate", "adamw_coefficients", "adamw_update", "adamw_update_multi", "adamw_update_torch",
            "adamw_update_triton"]
 
 DEFAULT_BLOCK = 1024
@@ -106,8 +106,11 @@ def adamw_coefficients(lr: float | torch.Tensor, step: int | torch.Tensor, beta1
         t = float(step)
         bc1, bc2_sqrt = 1.0 - beta1 ** t, math.sqrt(1.0 - beta2 ** t)
         vals = [1.0 - lr * weight_decay, -(lr / bc1), bc2_sqrt]
-        # non_blocking: a blocking host-to-device copy synchronises the stream after it
-        return torch.tensor(vals, dtype=torch.float64).to(torch.float32).to(device, non_blocking=True)
+        host = torch.tensor(vals, dtype=torch.float64).to(torch.float32)
+        if torch.device(device).type == "cpu":
+            return host
+        # pinned and non_blocking: a blocking (or pageable) host-to-device copy synchronises
+        return host.pin_memory().to(device, non_blocking=True)
     f64: dict[str, Any] = {"device": device, "dtype": torch.float64}
     lr_t = _scalar_on(lr, f64)
     t = _scalar_on(step, f64)
@@ -309,6 +312,15 @@ if triton is not None:
         decay = tl.load(coef_ptr)
         neg_step_size = tl.load(coef_ptr + 1)
         bc2_sqrt = tl.load(coef_ptr + 2)
+        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, p_out, m_out, v_out, lowp_out, offs, mask,
+                     decay, neg_step_size, bc2_sqrt, w1, beta2, w2, eps, LERP_SMALL, WRITE_LOWP)
+
+    @triton.jit
+    def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, p_out, m_out, v_out, lowp_out, offs, mask,
+                     decay, neg_step_size, bc2_sqrt, w1, beta2, w2, eps,
+                     LERP_SMALL: tl.constexpr, WRITE_LOWP: tl.constexpr):
+        """The AdamW update of the elements `offs` (where `mask`): both kernels run this, so
+        the per-tensor and the multi-tensor launch are bitwise one another."""
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
@@ -327,6 +339,35 @@ if triton is not None:
         tl.store(v_out + offs, v, mask=mask)
         if WRITE_LOWP:
             tl.store(lowp_out + offs, cast_rne(p, lowp_out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _adamw_multi_kernel(ptrs, chunks, coef_ptr, w1, beta2, w2, eps,
+                            G_DTYPE: tl.constexpr, L_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+                            ITERS: tl.constexpr, LERP_SMALL: tl.constexpr, WRITE_LOWP: tl.constexpr):
+        """One program: a chunk of BLOCK * ITERS elements of one tensor of the group.
+
+        `ptrs` rows (dsfn.ops.multi_tensor.pointer_table): param, grad, exp_avg, exp_avg_sq,
+        param_out, exp_avg_out, exp_avg_sq_out, lowp_out, numel; `chunks` rows: tensor, start."""
+        pid = tl.program_id(0).to(tl.int64)
+        t = tl.load(chunks + 2 * pid)
+        start = tl.load(chunks + 2 * pid + 1)
+        row = ptrs + 9 * t
+        p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+        g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
+        m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+        p_out = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+        m_out = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+        v_out = tl.load(row + 6).to(tl.pointer_type(tl.float32))
+        lowp_out = tl.load(row + 7).to(tl.pointer_type(L_DTYPE))
+        n = tl.load(row + 8)
+        decay = tl.load(coef_ptr)
+        neg_step_size = tl.load(coef_ptr + 1)
+        bc2_sqrt = tl.load(coef_ptr + 2)
+        for i in range(ITERS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+            _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, p_out, m_out, v_out, lowp_out, offs, offs < n,
+                         decay, neg_step_size, bc2_sqrt, w1, beta2, w2, eps, LERP_SMALL, WRITE_LOWP)
 
 
 def adamw_update_triton(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -387,3 +428,108 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         return adamw_update_triton(param, grad, exp_avg, exp_avg_sq, **kw)
     return adamw_update_torch(param, grad, exp_avg, exp_avg_sq, **kw)
 
+
+
+# ---------------------------------------------------------------------------------------
+# multi-tensor: one launch per group
+
+
+DEFAULT_ITERS = 16          # blocks per program: a chunk of 16K elements at DEFAULT_BLOCK
+
+
+def adamw_update_multi(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                       exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor], *,
+                       lr: float | torch.Tensor, step: int | torch.Tensor, beta1: float = 0.9,
+                       beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+                       lowp_dtype: torch.dtype | None = None,
+                       out: Sequence[Sequence[torch.Tensor]] | None = None,
+                       block: int = DEFAULT_BLOCK, iters: int = DEFAULT_ITERS) -> list[AdamWUpdate]:
+    """`adamw_update` of every tensor of a group, with the step's scalars made once.
+
+    Operands as `adamw_update`'s, one list entry per tensor (shapes may differ; all on one
+    device). `out`: None, or one destination tuple per tensor as `adamw_update`'s `out`
+    (e.g. the inputs themselves: an in-place update). Without `out` the results of all
+    tensors are views into one fresh flat buffer per output kind (params, exp_avg,
+    exp_avg_sq, low-precision params), so the group allocates 3-4 tensors, not 3-4 per leaf.
+
+    Where `dispatch.use_triton` picks Triton: one multi-tensor kernel launch per grad dtype
+    in the group (`dsfn.ops.multi_tensor`), computing exactly the per-tensor kernel's
+    operations (bitwise its results). Elsewhere the torch reference per tensor.
+    """
+    n = len(params)
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n) or (out is not None and len(out) != n):
+        raise ShapeError(f"adamw_update_multi: {n} params, {len(grads)} grads, {len(exp_avgs)} exp_avgs, "
+                         f"{len(exp_avg_sqs)} exp_avg_sqs{'' if out is None else f', {len(out)} outs'}; pass one "
+                         "entry per tensor in each list")
+    if n == 0:
+        return []
+    kw: dict[str, Any] = {"lr": lr, "step": step, "beta1": beta1, "beta2": beta2, "eps": eps,
+                          "weight_decay": weight_decay, "lowp_dtype": lowp_dtype}
+    flat_out = [t for o in (out or ()) for t in o if isinstance(t, torch.Tensor)]
+    if not dispatch.use_triton(*params, *grads, *exp_avgs, *exp_avg_sqs, *flat_out,
+                               dtypes=_lowp_dtypes(lowp_dtype)):
+        return [adamw_update_torch(p, g, m, v, out=None if out is None else out[i], **kw)
+                for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs))]
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block & (block - 1):
+        raise ConfigError(f"adamw_update_multi(block={block!r}): use a power of two, e.g. {DEFAULT_BLOCK}")
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ConfigError(f"adamw_update_multi(iters={iters!r}): use an int >= 1, e.g. {DEFAULT_ITERS}")
+    # the group's scalars and checks, once: leaf 0 is checked in full by _prepare, the rest
+    # by the properties the kernel relies on
+    prep = _prepare(params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], lr, step, beta1, beta2, eps, weight_decay,
+                    lowp_dtype, None if out is None else out[0])
+    device = params[0].device
+    for i in range(1, n):
+        check_adam_operands("adamw_update_multi", params[i], grads[i], exp_avgs[i], exp_avg_sqs[i])
+    if any(t.device != device for ts in (params, grads, exp_avgs, exp_avg_sqs) for t in ts):
+        raise ConfigError("adamw_update_multi: the tensors are on several devices; group them per device")
+    lowp = prep.lowp_dtype
+    dst = _multi_outputs(params, out, lowp, device)
+    from dsfn.ops.multi_tensor import TL_DTYPES, chunk_table, pointer_table
+    by_grad: dict[torch.dtype, list[int]] = {}
+    for i, g in enumerate(grads):
+        if params[i].numel():
+            by_grad.setdefault(g.dtype, []).append(i)
+    ins = [[x.contiguous() for x in xs] for xs in (params, grads, exp_avgs, exp_avg_sqs)]
+    with dispatch.device_guard(params[0]):
+        for gdtype, idx in by_grad.items():
+            cols = [[c[i] for i in idx] for c in ins] + [[dst[k][i] for i in idx] for k in range(3)]
+            cols.append([dst[3][i] for i in idx] if lowp is not None else cols[4])
+            table = pointer_table(cols, device)
+            chunks = chunk_table([params[i].numel() for i in idx], block * iters, device)
+            _adamw_multi_kernel[(chunks.shape[0],)](
+                table, chunks, prep.coef, prep.w1, prep.beta2, prep.w2, prep.eps,
+                G_DTYPE=TL_DTYPES[gdtype], L_DTYPE=TL_DTYPES[lowp if lowp is not None else torch.float32],
+                BLOCK=block, ITERS=iters, LERP_SMALL=abs(prep.w1) < 0.5, WRITE_LOWP=lowp is not None,
+                num_warps=4, enable_fp_fusion=False)
+    return [AdamWUpdate(dst[0][i], dst[1][i], dst[2][i], dst[3][i] if lowp is not None else None) for i in range(n)]
+
+
+def _multi_outputs(params: Sequence[torch.Tensor], out, lowp: torch.dtype | None,
+                   device: torch.device) -> list[list[torch.Tensor | None]]:
+    """Destinations [param, exp_avg, exp_avg_sq, lowp] x tensor: `out`'s (checked), else
+    views into one flat buffer per kind."""
+    n = len(params)
+    if out is not None:
+        dst: list[list[Any]] = [[None] * n for _ in range(4)]
+        for i, o in enumerate(out):
+            o = tuple(o)
+            if len(o) not in (3, 4) or (lowp is not None) != (len(o) == 4):
+                raise ConfigError(f"adamw_update_multi: out[{i}] has {len(o)} entries; pass (param, exp_avg, "
+                                  "exp_avg_sq) per tensor, and param_lowp as a 4th with lowp_dtype")
+            for k, t in enumerate(o):
+                want = lowp if k == 3 else torch.float32
+                if (not isinstance(t, torch.Tensor) or t.dtype != want or t.shape != params[i].shape
+                        or not t.is_contiguous() or t.device != device):
+                    raise ShapeError(f"adamw_update_multi: out[{i}][{k}] must be a contiguous {want} tensor of "
+                                     f"shape {tuple(params[i].shape)} on {device}")
+                dst[k][i] = t
+        return dst
+    numels = [p.numel() for p in params]
+    total = sum(numels)
+
+    def views(dtype: torch.dtype) -> list[torch.Tensor]:
+        flat = torch.empty(total, dtype=dtype, device=device)
+        return [v.view(p.shape) for v, p in zip(flat.split(numels), params)]
+    return [views(torch.float32), views(torch.float32), views(torch.float32),
+            views(lowp) if lowp is not None else [None] * n]

@@ -456,42 +456,33 @@ def _host_adamw_groups(todo, g, p, mu_in, nu_in, new_p, mu, nu, plan, kw) -> Non
             plan.release([x[k] for k in grp for x in (p, mu_in, nu_in)] + [x for o in outs for x in o])
 
 
-def _step_on(t: int, device: torch.device) -> torch.Tensor:
-    """The update number as a 0-dim int64 on `device`, filled in (no host-to-device copy)."""
-    return torch.full((), t, dtype=torch.int64, device=device)
-
-
-def _lr_on(v: float | torch.Tensor, device: torch.device) -> float | torch.Tensor:
-    """lr `v` as a 0-dim tensor on `device` without a blocking copy (a host tensor's value is
-    read on the host and filled in; a tensor on another device is copied non-blocking)."""
-    if not isinstance(v, torch.Tensor):
-        return torch.full((), float(v), dtype=torch.float64, device=device)
-    if v.device == device:
-        return v
-    if v.device.type == "cpu":
-        return torch.full((), float(v.reshape(())), dtype=v.dtype, device=device)
-    return v.to(device, non_blocking=True)
-
-
 def _fused_adamw_step(g, p, state: AdamState, spec, v, t: int, count, b1, b2, eps, wd):
-    """One pass per leaf over (param, grad, m, v) in the Triton kernel (`dsfn.ops.adamw`)."""
-    from dsfn.ops.adamw import adamw_update
+    """One multi-tensor launch of the Triton kernel per device and grad dtype over every
+    (param, grad, m, v) (`dsfn.ops.adamw.adamw_update_multi`): the step's scalars are made
+    once (on the host for a float lr, on the device for a tensor one: no host sync), never
+    per leaf, and the new leaves of a non-donated step are views into one flat buffer per
+    kind."""
+    from dsfn.ops.adamw import adamw_update_multi
     mu = _flatten_like(state.mu, spec, "Adam state.mu")
     nu = _flatten_like(state.nu, spec, "Adam state.nu")
-    # lr and step made on the params' device once per step, by fill kernels (host values are
-    # read where they live): a host tensor handed to every leaf's kernel would be one blocking
-    # host-to-device copy (a stream sync) per parameter tensor
-    dev = p[0].device
-    step_t = _step_on(t, dev)
-    v = _lr_on(v, dev)
     # a donated step: each element is read and written by the same program, so out= may be the input
     in_place = writable(p + mu + nu) and all(x.is_contiguous() for x in p + mu + nu)
-    outs = [adamw_update(pi, gi, mi, vi, lr=v, step=step_t, beta1=b1, beta2=b2, eps=eps, weight_decay=wd,
-                         out=(pi, mi, vi) if in_place else None)
-            for pi, gi, mi, vi in zip(p, g, mu, nu)]
-    new = AdamState(count, tree.unflatten(spec, [o.exp_avg for o in outs]),
-                    tree.unflatten(spec, [o.exp_avg_sq for o in outs]), None, lr=_lr_record(v))
-    return [o.param for o in outs], p, spec, new
+    by_device: dict[torch.device, list[int]] = {}
+    for k, x in enumerate(p):
+        by_device.setdefault(x.device, []).append(k)
+    new_p, new_m, new_v = [None] * len(p), [None] * len(p), [None] * len(p)
+    for dev, idx in by_device.items():
+        # a host tensor lr handed to the kernel's scalar set-up would be a blocking copy;
+        # its value is read on the host and the coefficients made there (one small copy)
+        lr = float(v.reshape(())) if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v
+        outs = adamw_update_multi([p[k] for k in idx], [g[k] for k in idx], [mu[k] for k in idx],
+                                  [nu[k] for k in idx], lr=lr, step=t, beta1=b1, beta2=b2, eps=eps,
+                                  weight_decay=wd,
+                                  out=[(p[k], mu[k], nu[k]) for k in idx] if in_place else None)
+        for k, o in zip(idx, outs):
+            new_p[k], new_m[k], new_v[k] = o.param, o.exp_avg, o.exp_avg_sq
+    new = AdamState(count, tree.unflatten(spec, new_m), tree.unflatten(spec, new_v), None, lr=_lr_record(v))
+    return new_p, p, spec, new
 
 
 # ---------------------------------------------------------------------------------------

@@ -22,18 +22,27 @@ def _train(n_steps):
     return state, losses
 
 
-def test_adamw_uses_the_fused_kernel_when_dispatch_picks_triton(monkeypatch):
-    ref_state, ref_losses = _train(5)
-    calls = []
-    real = adamw_kernel.adamw_update_triton
+class _LaunchCounter:
+    """Stands in for a Triton kernel object: counts `kernel[grid](...)` launches."""
 
-    def spy(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-    monkeypatch.setattr(adamw_kernel, "adamw_update_triton", spy)
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def test_adamw_uses_the_fused_kernel_when_dispatch_picks_triton(monkeypatch):
+    """One multi-tensor launch per step for all 4 leaves (was one per leaf), same training."""
+    ref_state, ref_losses = _train(5)
+    multi = _LaunchCounter(adamw_kernel._adamw_multi_kernel)
+    single = _LaunchCounter(adamw_kernel._adamw_kernel)
+    monkeypatch.setattr(adamw_kernel, "_adamw_multi_kernel", multi)
+    monkeypatch.setattr(adamw_kernel, "_adamw_kernel", single)
     monkeypatch.setenv("DSFN_KERNELS", "triton")
     state, losses = _train(5)
-    assert len(calls) == 5 * 4                    # every step, every leaf
+    assert (multi.launches, single.launches) == (5, 0)     # every step, one launch for every leaf
     assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=0)
     for (p, a), (_, b) in zip(tree.leaves_with_path(state.replace(tx=None)),
                               tree.leaves_with_path(ref_state.replace(tx=None))):
@@ -44,5 +53,6 @@ def test_cpu_default_keeps_the_foreach_path(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the Triton kernel must not run on CPU by default")
     monkeypatch.setattr(adamw_kernel, "adamw_update_triton", boom)
+    monkeypatch.setattr(adamw_kernel, "_adamw_multi_kernel", boom)
     monkeypatch.delenv("DSFN_KERNELS", raising=False)
     _train(2)
