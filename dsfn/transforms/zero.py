@@ -153,6 +153,13 @@ class ShardZero(DataParallel):
     # A leaf ZeRO sees is a tensor, a piece placed by a transform inside (tensor parallel's
     # DimShard), or ZeRO's own shard of either: FlatShard, or Nested(inner layout, FlatShard)
     # (possibly Offloaded). ZeRO's "full tensor" is the piece the transforms inside hold.
+    @property
+    def _stage(self) -> int:
+        """The stage in effect: 0 where the axis has one rank. A shard of one rank is the whole
+        tensor, so world 1 lays out, gathers, copies and reduces nothing: it costs what
+        `data_parallel` at world 1 costs (nothing)."""
+        return 0 if current_mesh().size(self.axis) == 1 else self.stage
+
     def _sharded(self, x: Any) -> bool:
         """Stage-3 rule: parameters above the persistence threshold are stored sharded."""
         return _data(x).numel() > self.param_persistence_threshold
@@ -163,7 +170,7 @@ class ShardZero(DataParallel):
 
     def place(self, state: Any) -> Any:
         state = super().place(state)            # replicas start equal (broadcast from dp rank 0)
-        if self.stage == 0:
+        if self._stage == 0:
             return state
         params = dict(tree.leaves_with_path(state.params, is_leaf=is_placed))
         shapes = {name: _logical_shape(p) for name, p in params.items()}
@@ -181,7 +188,7 @@ class ShardZero(DataParallel):
 
     # -- gradients -------------------------------------------------------------------------
     def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
-        if self.stage == 0:
+        if self._stage == 0:
             return super().handle_value_and_grad(call_next, fn, params, args, kwargs, has_aux)
         outer = self._reducer
         if outer is None:
@@ -275,7 +282,7 @@ class ShardZero(DataParallel):
 
     # -- update ----------------------------------------------------------------------------
     def handle_apply_gradients(self, call_next, state, grads):
-        if self.stage == 0:
+        if self._stage == 0:
             return call_next(state, grads)
         if self.stage == 3:   # grads follow their parameter's layout (persistent ones stay replicated)
             grads = tree.map(lambda g, p: self._as_shard(g) if self._mine(p) else g, grads, state.params,
@@ -340,7 +347,7 @@ class ShardZero(DataParallel):
 
     def handle_init_optimizer(self, call_next, state):
         """The optimizer state is made for what the update will see: shards (stage >= 1)."""
-        if self.stage in (1, 2):
+        if self._stage in (1, 2):
             state = state.replace(params=tree.map(self._as_shard, state.params, is_leaf=is_placed))
         return call_next(state)
 
@@ -405,7 +412,7 @@ class ShardZero(DataParallel):
             return self._apply_module(call_next, apply_fn, params, args, kwargs)
 
     def _apply_module(self, call_next, apply_fn, params, args, kwargs):
-        if self.stage != 3:
+        if self._stage != 3:
             return call_next(apply_fn, params, args, kwargs)
         self.shard_frozen(apply_fn)
         view, frozen = self._frozen_view(apply_fn)

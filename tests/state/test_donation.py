@@ -121,12 +121,13 @@ def test_the_fused_kernel_writes_in_place_under_donation(monkeypatch):
     monkeypatch.setenv("DSFN_KERNELS", "triton")
     calls = []
     from dsfn.ops import adamw as kernel
-    real = kernel.adamw_update_triton
+    real = kernel.adamw_update_multi
 
-    def spy(*a, **k):
-        calls.append(k.get("out") is not None)
-        return real(*a, **k)
-    monkeypatch.setattr(kernel, "adamw_update_triton", spy)
+    def spy(params, *a, **k):
+        out = k.get("out")
+        calls.append(out is not None and all(o[0] is p for o, p in zip(out, params)))
+        return real(params, *a, **k)
+    monkeypatch.setattr(kernel, "adamw_update_multi", spy)
     plain, donated = _mlp_run(lambda: [], OPTIMIZERS["adamw"])
     _check_pair(plain, donated, "triton adamw")
     n = len(calls) // 2
