@@ -110,7 +110,9 @@ def adamw_coefficients(lr: float | torch.Tensor, step: int | torch.Tensor, beta1
         if torch.device(device).type == "cpu":
             return host
         # pinned and non_blocking: a blocking (or pageable) host-to-device copy synchronises
-        return host.pin_memory().to(device, non_blocking=True)
+        if torch.device(device).type == "cuda":
+            host = host.pin_memory()
+        return host.to(device, non_blocking=True)
     f64: dict[str, Any] = {"device": device, "dtype": torch.float64}
     lr_t = _scalar_on(lr, f64)
     t = _scalar_on(step, f64)

@@ -76,4 +76,6 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     host allocator keeps the pinned block until the copy has run)."""
     if device.type == "cpu":
         return host
-    return host.pin_memory().to(device, non_blocking=True)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

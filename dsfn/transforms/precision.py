@@ -29,6 +29,7 @@ import torch
 
 from dsfn import tree
 from dsfn.errors import ConfigError, StackError
+from dsfn.ops.cast import cast_tensors
 from dsfn.state import donation
 from dsfn.state.master import MasterState  # noqa: F401  (re-exported: the state of this transform)
 from dsfn.transforms.core import Transform, make_transform, with_role
@@ -80,7 +81,7 @@ class MixedPrecision(Transform):
             cast = lambda x: x.to(self.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
             args, kwargs = tree.map(cast, args), tree.map(cast, kwargs)
         value, grads = call_next(fn, params, args, kwargs, has_aux)
-        grads = tree.map(lambda g: g.to(self.reduce_dtype), grads)
+        grads = _cast_tree(grads, self.reduce_dtype)
         if has_aux:
             return (value[0].float(), value[1]), grads
         return value.float(), grads
@@ -117,22 +118,46 @@ class MixedPrecision(Transform):
     def handle_apply_gradients(self, call_next, state, grads):
         if not isinstance(state.opt_state, MasterState):
             return call_next(state, grads)
-        grads = tree.map(lambda g: g.to(self.master_dtype), grads)
+        grads = _cast_tree(grads, self.master_dtype)
         inner = state.replace(params=state.opt_state.master, opt_state=state.opt_state.inner)
         new = call_next(inner, grads)
         if new.params is inner.params:   # the update was skipped (fp16 overflow): nothing to cast
             return state.replace(extra=new.extra)
-        old = tree.leaves(state.params)
+        old, spec = tree.flatten(state.params)
         if donation.writable(old) and all(o.dtype == self.param_dtype for o in old):
-            with torch.no_grad():        # a donated step: the low-precision copy into the old one
-                params = tree.map(lambda o, m: o.copy_(m), state.params, new.params)
+            # a donated step: the low-precision copy into the old one (grouped where the
+            # master and the copy share a device and layout)
+            masters = tree.leaves(new.params)
+            if len(masters) == len(old) and all(o.device == m.device and o.shape == m.shape and o.is_contiguous()
+                                                for o, m in zip(old, masters)):
+                params = tree.unflatten(spec, cast_tensors(masters, self.param_dtype, out=old))
+            else:
+                with torch.no_grad():
+                    params = tree.map(lambda o, m: o.copy_(m), state.params, new.params)
         else:
-            params = tree.map(lambda m: m.to(self.param_dtype), new.params)
+            params = _cast_tree(new.params, self.param_dtype)
         return new.replace(params=params, opt_state=MasterState(master=new.params, inner=new.opt_state))
 
 
 def _identity(g):
     return g
+
+
+def _cast_tree(t: Any, dtype: torch.dtype) -> Any:
+    """Every tensor leaf of `t` as `dtype` (`Tensor.to`'s values): one grouped launch per
+    device and source dtype where Triton runs (`dsfn.ops.cast`), never one per leaf."""
+    leaves, spec = tree.flatten(t)
+    by_device: dict[torch.device, list[int]] = {}
+    for k, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            by_device.setdefault(x.device, []).append(k)
+    if not by_device:
+        return t
+    out = list(leaves)
+    for idx in by_device.values():
+        for k, c in zip(idx, cast_tensors([leaves[k] for k in idx], dtype)):
+            out[k] = c
+    return tree.unflatten(spec, out)
 
 
 def mixed_precision(*args: Any, **kwargs: Any) -> MixedPrecision:
