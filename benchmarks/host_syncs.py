@@ -25,10 +25,7 @@ for p in (ROOT, ROOT / "examples"):
 import torch  # noqa: E402
 
 import dsfn  # noqa: E402
-from dsfn.ops import adamw as A  # noqa: E402
-from dsfn.ops import dispatch  # noqa: E402
-from dsfn.optim import transform as T  # noqa: E402
-from dsfn.testing.syncs import later_step_syncs  # noqa: E402
+from dsfn.testing.syncs import later_step_syncs, meta_runs_kernels, per_leaf_adamw  # noqa: E402
 from dsfn.transforms import clip_grad_norm, loss_scale, mixed_precision, offload, shard_zero  # noqa: E402
 
 STACKS = {
@@ -65,10 +62,7 @@ def syncs_per_step(n_layer: int, stack, kind: str) -> int:
 def _old_preparation():
     """The pre-fix optimizer preparation: per-leaf blocking copies of the host lr and step."""
     stack = contextlib.ExitStack()
-    stack.enter_context(patched(T, "_lr_on", lambda v, device: v))
-    stack.enter_context(patched(A, "_scalar_on", lambda x, f64: x.reshape(()).to(**f64)
-                                if isinstance(x, torch.Tensor) else torch.tensor(float(x), **f64)))
-    stack.enter_context(patched(T, "_step_on", lambda t, device: torch.tensor(t, dtype=torch.int64)))
+    stack.enter_context(per_leaf_adamw())
 
     def old_overflow(grads):
         # the old test read one bool per gradient; on a finite step it reads them all. Meta reads
@@ -82,9 +76,7 @@ def _old_preparation():
 
 
 def main() -> None:
-    fake = lambda *ts, dtypes=(): bool(ts) and all(t.device.type == "meta" for t in ts  # noqa: E731
-                                                   if isinstance(t, torch.Tensor))
-    with patched(dispatch, "use_triton", fake), patched(A, "adamw_update_triton", A.adamw_update_torch):
+    with meta_runs_kernels():
         print("host syncs per step on the example GPT (meta standing in for CUDA), 2 vs 6 layers:")
         print(f"  {'stack':30s} {'2 layers':>9s} {'6 layers':>9s}   baseline (before) 2 / 6   ratio at 6 layers")
         for name, (stack, kind) in STACKS.items():

@@ -2,8 +2,9 @@
 tests and benchmarks/host_syncs.py)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,3 +35,48 @@ def later_step_syncs(n_layer: int, stack: Callable[[], Sequence[Any]], tx: Any) 
     with count_host_syncs() as s:
         step(state, batch)
     return s
+
+
+@contextlib.contextmanager
+def meta_runs_kernels() -> Iterator[None]:
+    """Dispatch picks the fused (Triton) paths for meta tensors, as it does for CUDA ones;
+    the per-tensor AdamW kernel is its torch reference (which shares the kernel's argument
+    preparation) and the multi-tensor kernels launch nothing (meta holds no values)."""
+    from dsfn.ops import adamw as A
+    from dsfn.ops import cast as C
+    from dsfn.ops import dispatch
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+    fake = lambda *ts, dtypes=(): bool(ts) and all(t.device.type == "meta" for t in ts  # noqa: E731
+                                                   if isinstance(t, torch.Tensor))
+    with _patched(dispatch, "use_triton", fake), _patched(A, "adamw_update_triton", A.adamw_update_torch), \
+            _patched(A, "_adamw_multi_kernel", NoLaunch()), _patched(C, "_cast_multi_kernel", NoLaunch()):
+        yield
+
+
+@contextlib.contextmanager
+def per_leaf_adamw() -> Iterator[None]:
+    """The old AdamW preparation, for negative controls: one kernel call per leaf, each
+    copying the host lr and step to the device (blocking) and making its own scalars."""
+    from dsfn.ops import adamw as A
+
+    def per_leaf(params, grads, ms, vs, *, lr, step, out=None, **kw):
+        lr, step = torch.tensor(float(lr), dtype=torch.float64), torch.tensor(step, dtype=torch.int64)
+        return [A.adamw_update(p, g, m, v, lr=lr, step=step, out=None if out is None else out[i], **kw)
+                for i, (p, g, m, v) in enumerate(zip(params, grads, ms, vs))]
+    old_scalar = lambda x, f64: (x.reshape(()).to(**f64) if isinstance(x, torch.Tensor)  # noqa: E731
+                                 else torch.tensor(float(x), **f64))
+    with _patched(A, "adamw_update_multi", per_leaf), _patched(A, "_scalar_on", old_scalar):
+        yield
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)

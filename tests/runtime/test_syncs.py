@@ -15,7 +15,8 @@ import torch
 import dsfn
 from dsfn import tree
 from dsfn.runtime.syncs import count_host_syncs
-from dsfn.testing.syncs import later_step_syncs
+from dsfn.testing.syncs import later_step_syncs, per_leaf_adamw
+from dsfn.testing.syncs import meta_runs_kernels as meta_kernels
 from dsfn.transforms import clip_grad_norm, loss_scale, mixed_precision, offload, shard_zero
 
 
@@ -69,20 +70,10 @@ def test_cpu_as_device_counts_host_reads():
 # ----------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def meta_runs_kernels(monkeypatch):
+def meta_runs_kernels():
     """Dispatch picks the fused AdamW path for meta tensors, as it does for CUDA ones."""
-    from dsfn.ops import adamw as A
-    from dsfn.ops import dispatch
-    monkeypatch.setattr(dispatch, "use_triton", lambda *ts, dtypes=(): bool(ts) and all(
-        t.device.type == "meta" for t in ts if isinstance(t, torch.Tensor)))
-    monkeypatch.setattr(A, "adamw_update_triton", A.adamw_update_torch)
-    from dsfn.ops import cast as C
-
-    class NoLaunch:           # meta tensors hold no values: the multi-tensor kernels launch nothing
-        def __getitem__(self, grid):
-            return lambda *a, **k: None
-    monkeypatch.setattr(A, "_adamw_multi_kernel", NoLaunch())
-    monkeypatch.setattr(C, "_cast_multi_kernel", NoLaunch())
+    with meta_kernels():
+        yield
 
 
 def _example_optimizer(clip: bool = True):
@@ -115,21 +106,13 @@ def test_syncs_per_step_are_few_and_do_not_grow_with_the_model(meta_runs_kernels
     assert large == small, (ev_small, ev_large)
 
 
-def test_control_per_tensor_lr_copies_are_counted(meta_runs_kernels, monkeypatch):
+def test_control_per_tensor_lr_copies_are_counted(meta_runs_kernels):
     """The control: the old preparation (the host lr and step copied to the device by every
     leaf's kernel call, one launch per leaf) is seen as syncs that grow with the number of
     parameter tensors."""
-    from dsfn.ops import adamw as A
-    monkeypatch.setattr(A, "_scalar_on", lambda x, f64: x.reshape(()).to(**f64) if isinstance(x, torch.Tensor)
-                        else torch.tensor(float(x), **f64))
-
-    def per_leaf(params, grads, ms, vs, *, lr, step, out=None, **kw):
-        lr, step = torch.tensor(float(lr), dtype=torch.float64), torch.tensor(step, dtype=torch.int64)
-        return [A.adamw_update(p, g, m, v, lr=lr, step=step, out=None if out is None else out[i], **kw)
-                for i, (p, g, m, v) in enumerate(zip(params, grads, ms, vs))]
-    monkeypatch.setattr(A, "adamw_update_multi", per_leaf)
-    small, _ = _syncs_per_step(2, STACKS["zero3+bf16"])
-    large, _ = _syncs_per_step(6, STACKS["zero3+bf16"])
+    with per_leaf_adamw():
+        small, _ = _syncs_per_step(2, STACKS["zero3+bf16"])
+        large, _ = _syncs_per_step(6, STACKS["zero3+bf16"])
     assert large > small > 3
 
 
