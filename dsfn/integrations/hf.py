@@ -540,11 +540,11 @@ def _token_mean_over(model: nn.Module, axes: list[str], args: tuple, kwargs: dic
         yield
         return
     causal = _causal_loss()
-    losses, nested, new = [], [], []
+    losses, new = [], []
     for m in mods:
         own = m.__dict__.get("_loss_function")
         if isinstance(own, _WholeBatchLoss):          # nested (accumulate and data parallel): one loss, all axes
-            nested.append(own)
+            pass
         elif own is None and m.loss_function is causal:
             own = _WholeBatchLoss(causal, m)
             m._loss_function = own
