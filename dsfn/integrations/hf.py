@@ -23,7 +23,9 @@ sp does not divide (MeshError).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,6 +40,56 @@ NAME = "dsfn_ulysses"
 def is_hf_model(module: Any) -> bool:
     cfg = getattr(module, "config", None)
     return isinstance(module, nn.Module) and hasattr(cfg, "_attn_implementation_internal")
+
+
+def _defines_loss(module: nn.Module) -> bool:
+    """Whether `module`'s class itself defines `loss_function` (a Hugging Face PreTrainedModel),
+    rather than forwarding the attribute to a module it wraps (peft's `__getattr__`)."""
+    return inspect.getattr_static(type(module), "loss_function", None) is not None
+
+
+_LOSS_MODULES: "weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref, ...]]" = weakref.WeakKeyDictionary()
+
+
+def loss_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules that compute `model`'s own loss: the outermost modules of its tree (`model`
+    included) whose class defines `loss_function` — the Hugging Face models whose forward
+    calls `self.loss_function(...)`.
+
+    Wrappers are looked through at any depth: peft's `PeftModelForCausalLM` -> `LoraModel` ->
+    `LlamaForCausalLM` (peft forwards `loss_function` to the inner model by `__getattr__`, so
+    setting it on the top changes nothing the inner forward reads), torch.compile's
+    `OptimizedModule` (`_orig_mod`), a user's nn.Module holding an HF model. Modules inside a
+    found one (its `model.model` backbone) are not looked at. Cached per model (weakly)."""
+    got = _LOSS_MODULES.get(model) if isinstance(model, nn.Module) else None
+    if got is not None and all(r() is not None for r in got):
+        return [r() for r in got]
+    found, seen, todo = [], set(), [model] if isinstance(model, nn.Module) else []
+    while todo:
+        m = todo.pop(0)
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if _defines_loss(m):
+            found.append(m)
+        else:
+            todo.extend(m.children())
+    if isinstance(model, nn.Module):
+        _LOSS_MODULES[model] = tuple(weakref.ref(m) for m in found)
+    return found
+
+
+def holds_hf_model(module: Any) -> bool:
+    """Whether `module` is a Hugging Face model or wraps one (peft, torch.compile, a user's
+    nn.Module), or claims a `loss_function`: its own loss, attention and router are then
+    handled as HF's (or refused when its loss cannot be found)."""
+    return isinstance(module, nn.Module) and (is_hf_model(module) or bool(loss_modules(module))
+                                              or getattr(module, "loss_function", None) is not None)
+
+
+def _causal_loss() -> Any:
+    from transformers.loss.loss_utils import LOSS_MAPPING
+    return LOSS_MAPPING["ForCausalLM"]
 
 
 def _register() -> None:
@@ -226,7 +278,6 @@ def ulysses_attention(model: nn.Module, axis: str, consecutive: torch.Tensor | N
 
 
 def _labels_passed(model: nn.Module, args: tuple, kwargs: dict) -> bool:
-    import inspect
     if kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None:
         return True
     try:
@@ -294,9 +345,11 @@ class _WholeBatchLoss:
     def __init__(self, causal: Any, model: nn.Module):
         self.causal, self.model = causal, model
         self.axes: list[tuple[str, int]] = []
+        self.calls = 0          # how often the model's forward called it (the proof it is the model's loss)
 
     def __call__(self, logits, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
                  shift_labels=None, **kw):
+        self.calls += 1
         counts = micro_batch_counts()
         spread = [(a, size) for a, size in self.axes if size > 1]
         if num_items_in_batch is None and (labels is not None or shift_labels is not None) and (spread or counts):
@@ -400,7 +453,6 @@ def _switch_balance_loss(fn: Any) -> bool:
     assignment shares times mean probabilities), which `_GlobalRouterBalance` reproduces;
     other routers (product keys, Switch's router_probs) are not."""
     if fn not in _KNOWN_BALANCE:
-        import inspect
         try:
             names = list(inspect.signature(fn).parameters)
             source = inspect.getsource(fn)
@@ -421,8 +473,13 @@ def global_router_balance(model: nn.Module, sum_axes: list[str], mean_axes: list
     ([T] bool, this rank's positions): which are tokens, when the model gets no attention
     mask (sequence parallel's padding to a multiple of sp)."""
     from dsfn.runtime.mesh import current_mesh
-    home = sys.modules.get(type(model).__module__)
-    fn = getattr(home, "load_balancing_loss_func", None)
+    home = fn = None
+    for m in loss_modules(model) or [model]:        # a wrapped model's (peft): the inner model's module
+        home = sys.modules.get(type(m).__module__)
+        fn = getattr(home, "load_balancing_loss_func", None)
+        if callable(fn):
+            model = m
+            break
     if not callable(fn):
         yield
         return
@@ -459,7 +516,9 @@ def token_mean_over(model: nn.Module, axes: list[str], args: tuple, kwargs: dict
 @contextlib.contextmanager
 def _token_mean_over(model: nn.Module, axes: list[str], args: tuple, kwargs: dict) -> Iterator[None]:
     """Data parallelism and accumulation for a Hugging Face causal LM's own loss (`labels=` /
-    `shift_labels=`): while the model runs, its `loss_function` gets `num_items_in_batch` =
+    `shift_labels=`): while the model runs, the `loss_function` of the module that computes it
+    (`loss_modules`: the model itself, or the HF model inside peft, torch.compile or a user's
+    wrapper; never a wrapper's attribute the inner forward does not read) gets `num_items_in_batch` =
     the valid targets of the whole batch over the dp `axes` / dp (one all-reduce of a scalar),
     so this rank's loss is dp * (its sum) / (the global count) and the dp average of the
     gradients is the gradient of the global token mean — the single-process loss of the
@@ -468,72 +527,111 @@ def _token_mean_over(model: nn.Module, axes: list[str], args: tuple, kwargs: dic
     `average_tokens_across_devices` fixes the same). Under `accumulate` (`axes` may be
     empty) the count spans every micro-batch (`MicroBatchCounts`). Nothing changes
     when the caller passes `num_items_in_batch`, when the model's loss is not HF's
-    causal-LM loss, or when sequence parallel already normalises it."""
+    causal-LM loss, or when sequence parallel already normalises it. A model given labels whose
+    forward then calls none of those `loss_function`s (or that has one and no module of its tree
+    defines it) is refused (ConfigError): its loss would be a per-rank mean."""
     from dsfn.runtime.mesh import current_mesh
     spread = [(a, current_mesh().size(a)) for a in axes]
-    installed = model.__dict__.get("_loss_function")
-    if isinstance(installed, _WholeBatchLoss):        # nested (accumulate and data parallel): one loss, all axes
-        installed.axes.extend(spread)
-        try:
-            yield
-        finally:
-            del installed.axes[len(installed.axes) - len(spread):]
-        return
-    if installed is not None or not _labels_passed(model, args, kwargs):
+    labelled = _labels_passed(model, args, kwargs)
+    mods = loss_modules(model)
+    if not mods:
+        if labelled and getattr(model, "loss_function", None) is not None:
+            raise ConfigError(_unfound(model, "it has a loss_function but no module of its tree defines one"))
         yield
         return
-    from transformers.loss.loss_utils import LOSS_MAPPING
-    causal = LOSS_MAPPING["ForCausalLM"]
-    if getattr(model, "loss_function", None) is not causal:
-        yield
-        return
-    loss = _WholeBatchLoss(causal, model)
-    loss.axes.extend(spread)
-    model._loss_function = loss
+    causal = _causal_loss()
+    losses, new = [], []
+    for m in mods:
+        own = m.__dict__.get("_loss_function")
+        if isinstance(own, _WholeBatchLoss):          # nested (accumulate and data parallel): one loss, all axes
+            pass
+        elif own is None and m.loss_function is causal:
+            own = _WholeBatchLoss(causal, m)
+            m._loss_function = own
+            new.append(m)
+        else:                                         # the user's own loss_function, or sequence parallel's
+            continue
+        own.axes.extend(spread)
+        losses.append(own)
+    before = sum(loss.calls for loss in losses)
     try:
         yield
+        if labelled and losses:
+            _check_called(model, mods, sum(loss.calls for loss in losses) - before)
     finally:
-        del model._loss_function
+        for loss in losses:
+            del loss.axes[len(loss.axes) - len(spread):]
+        for m in new:
+            del m._loss_function
+
+
+def _unfound(model: nn.Module, why: str) -> str:
+    return (f"{type(model).__name__} was given labels, and dsfn cannot find the module that computes its own "
+            f"loss ({why}), so it cannot make that loss the whole batch's token mean: it would be each rank's "
+            "(or micro-batch's) own mean. Compute the loss in the train step from the logits instead, or pass "
+            "num_items_in_batch= (the whole batch's count of valid targets / the data-parallel size) yourself")
+
+
+def _check_called(model: nn.Module, mods: list[nn.Module], calls: int) -> None:
+    """The proof that the loss dsfn normalised is the model's: labels were given, so one of the
+    modules that define it (`mods`) must have called its `loss_function`."""
+    if not calls:
+        names = ", ".join(type(m).__name__ for m in mods)
+        raise ConfigError(_unfound(model, f"the forward did not call the loss_function of {names}"))
 
 
 @contextlib.contextmanager
 def own_loss(model: nn.Module, make_loss, args: tuple, kwargs: dict) -> Iterator[None]:
-    """While the model runs under sequence parallelism, its `loss_function` is
-    `make_loss(inner, model)` (dsfn.transforms.sequence_parallel: labels shifted over the whole
-    sequence, normalised over the group), where `inner` is HF's `ForCausalLMLoss`. A model
-    given labels whose loss is anything else, or that computes its loss without
-    `loss_function`, is an error: its loss would be over this rank's slice only."""
-    if not _labels_passed(model, args, kwargs):
-        yield
-        return
-    from transformers.loss.loss_utils import LOSS_MAPPING
-    causal = LOSS_MAPPING["ForCausalLM"]
+    """While the model runs under sequence parallelism, the `loss_function` of each module that
+    computes its loss (`loss_modules`: the model itself, or the HF model inside peft / a wrapper)
+    is `make_loss(inner, module)` (dsfn.transforms.sequence_parallel: labels shifted over the
+    whole sequence, normalised over the group), where `inner` is HF's `ForCausalLMLoss`. A model
+    given labels whose loss is anything else, that holds no such module, or that computes its
+    loss without `loss_function`, is an error: its loss would be over this rank's slice only."""
+    labelled = _labels_passed(model, args, kwargs)
+    causal = _causal_loss()
     name = type(model).__name__
-    current = getattr(model, "loss_function", None)
-    if current is not causal:
-        raise ConfigError(f"sequence_parallel: {name} was given labels and its loss_function is "
-                          f"{getattr(current, '__name__', current)!r}; under sequence parallelism dsfn can make only "
-                          "HF's causal-LM loss (ForCausalLMLoss) exact over the whole sequence. Compute the loss "
-                          "in the train step from the logits instead (the transform weights it by token count)")
+    mods = loss_modules(model)
+    if labelled and not mods:
+        raise ConfigError(f"sequence_parallel: {name} was given labels but no module of it defines a loss_function "
+                          "(a Hugging Face model's), so dsfn cannot shift them over the whole sequence: its loss "
+                          "would be over this rank's slice only. Compute the loss in the train step from the logits "
+                          "instead (the transform weights it by token count)")
+    targets = []
+    for m in mods:
+        current = getattr(m, "loss_function", None)
+        if current is causal:
+            targets.append(m)
+        elif labelled:
+            whose = "its" if m is model else f"the wrapped {type(m).__name__}'s"
+            raise ConfigError(f"sequence_parallel: {name} was given labels and {whose} loss_function is "
+                              f"{getattr(current, '__name__', current)!r}; under sequence "
+                              "parallelism dsfn can make only HF's causal-LM loss (ForCausalLMLoss) exact over the "
+                              "whole sequence. Compute the loss in the train step from the logits instead (the "
+                              "transform weights it by token count)")
     calls = []
 
-    def loss(*a: Any, **k: Any) -> torch.Tensor:
-        calls.append(1)
-        return make_loss(causal, model)(*a, **k)
-    had = "_loss_function" in model.__dict__
-    saved = model.__dict__.get("_loss_function")
-    model._loss_function = loss
+    def installed(m: nn.Module) -> Any:
+        def loss(*a: Any, **k: Any) -> torch.Tensor:
+            calls.append(1)
+            return make_loss(causal, m)(*a, **k)
+        return loss
+    saved = [(m, "_loss_function" in m.__dict__, m.__dict__.get("_loss_function")) for m in targets]
+    for m in targets:
+        m._loss_function = installed(m)
     try:
         yield
     finally:
-        if had:
-            model._loss_function = saved
-        else:
-            del model._loss_function
-    if not calls:
-        raise ConfigError(f"sequence_parallel: {name} was given labels but did not compute its loss with its "
-                          "loss_function, so dsfn cannot shift them over the whole sequence: its loss would be over "
-                          "this rank's slice only. Compute the loss in the train step from the logits instead")
+        for m, had, before in saved:
+            if had:
+                m._loss_function = before
+            else:
+                del m._loss_function
+    if labelled and not calls:
+        raise ConfigError(f"sequence_parallel: {name} was given labels but did not compute its loss with the "
+                          f"loss_function of {', '.join(type(m).__name__ for m in mods)}, so dsfn cannot shift them "
+                          "over the whole sequence: its loss would be over this rank's slice only. Compute the "
+                          "loss in the train step from the logits instead")
 
 
 def micro_batch_counts() -> MicroBatchCounts | None:

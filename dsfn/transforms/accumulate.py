@@ -73,7 +73,7 @@ class Accumulate(Transform):
         """A Hugging Face causal LM given labels gets the whole-batch loss (module docstring)."""
         from dsfn.integrations import hf
         module = getattr(apply_fn, "module", None)
-        if self.n == 1 or not hf.is_hf_model(module):
+        if self.n == 1 or not hf.holds_hf_model(module):
             return call_next(apply_fn, params, args, kwargs)
         with hf.token_mean_over(module, [], args, kwargs):
             return call_next(apply_fn, params, args, kwargs)

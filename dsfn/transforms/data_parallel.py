@@ -95,7 +95,7 @@ class DataParallel(Transform):
         (`dsfn.integrations.hf.token_mean_over`); a no-op context for any other model."""
         from dsfn.integrations import hf
         module = getattr(apply_fn, "module", None)
-        if current_mesh().size(self.axis) == 1 or not hf.is_hf_model(module):
+        if current_mesh().size(self.axis) == 1 or not hf.holds_hf_model(module):
             return contextlib.nullcontext()
         return hf.token_mean_over(module, [self.axis], args, kwargs)
 

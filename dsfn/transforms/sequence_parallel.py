@@ -33,7 +33,9 @@ Which attention is wrapped:
 
 Positions are global: the forward gets `position_ids` of this rank's tokens when the
 caller did not pass them (RoPE and learned position embeddings see positions r*T/sp,
-...); a model whose forward takes no `position_ids` is an error (it would count from 0
+...); a wrapper whose forward passes **kwargs on to a Hugging Face model that takes them (peft's
+PeftModelForCausalLM, a user's module) gets them that way, checked to reach the inner forward;
+a model whose forward takes no `position_ids` is an error (it would count from 0
 on every rank) unless `require_position_ids=False`. Attention is causal over the whole sequence;
 right padding (attention_mask 1...1 0...0) is exact for the valid tokens. Any other padding
 (left padding, holes) is applied as the model's padding mask inside Ulysses attention for a
@@ -92,6 +94,7 @@ runs after ZeRO's reduce-scatter over dp (the sum is linear, so it commutes).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from typing import Any
@@ -534,8 +537,11 @@ class SequenceParallel(Transform):
         if current_mesh().size(self.axis) == 1:
             return call_next(apply_fn, params, args, kwargs)
         module = apply_fn.module
+        via = []        # inner models that get position_ids through the forward's **kwargs (peft)
         if "position_ids" not in kwargs:
-            if _takes(module, "position_ids"):
+            if not _takes(module, "position_ids"):
+                via = _passed_on(module, "position_ids")
+            if _takes(module, "position_ids") or via:
                 kwargs = {**kwargs, "position_ids": self._positions}
             elif self.require_position_ids:
                 raise ConfigError(f"sequence_parallel: {type(module).__name__}.forward takes no position_ids, so it "
@@ -543,10 +549,11 @@ class SequenceParallel(Transform):
                                   "Give the forward a position_ids argument, or pass require_position_ids=False if "
                                   "the model uses no positions (or gets them another way)")
         from dsfn.integrations import hf
-        if hf.is_hf_model(module):
+        if hf.holds_hf_model(module):
             valid = self._positions[0] < self._real_len       # this rank's positions that are tokens
             with hf.own_loss(module, self._hf_loss, args, kwargs), \
-                    hf.global_router_balance(module, [self.axis], list(self._dp_axes), valid):
+                    hf.global_router_balance(module, [self.axis], list(self._dp_axes), valid), \
+                    _reaching(module, via, kwargs.get("position_ids")):
                 with until_backward(hf.ulysses_attention(module, self.axis, self._arange,  # recomputes alike
                                                          padded=self._padded)):
                     return call_next(apply_fn, params, args, kwargs)
@@ -566,6 +573,46 @@ def _takes(module: Any, name: str) -> bool:
         return name in inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+def _passed_on(module: Any, name: str) -> list:
+    """The wrapped Hugging Face models (`hf.loss_modules`: peft's inner LlamaForCausalLM, a
+    user's wrapper's) whose forward takes `name`, when `module`'s forward takes no `name` but
+    passes **kwargs on (peft's PeftModelForCausalLM.forward(..., **kwargs)); else []."""
+    from dsfn.integrations import hf
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return []
+    return [m for m in hf.loss_modules(module) if m is not module and _takes(m, name)]
+
+
+@contextlib.contextmanager
+def _reaching(module: Any, inner: list, positions: Any):
+    """The proof that position_ids passed through `module`'s **kwargs reached one of the
+    `inner` models' forward (a wrapper may drop them: its tokens would count from 0)."""
+    if not inner:
+        yield
+        return
+    seen = []
+
+    def hook(m, args, kwargs):
+        if kwargs.get("position_ids") is positions:
+            seen.append(m)
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in inner]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+    if not seen:
+        raise ConfigError(f"sequence_parallel: {type(module).__name__}.forward takes no position_ids, and the "
+                          "position_ids dsfn passed through its **kwargs did not reach "
+                          f"{', '.join(type(m).__name__ for m in inner)}.forward, which would number this rank's "
+                          "tokens from 0 instead of by their place in the sequence. Pass **kwargs (or position_ids) "
+                          "on to the model, or give the forward a position_ids argument")
 
 
 def sequence_parallel(*args: Any, **kwargs: Any) -> SequenceParallel:
