@@ -60,7 +60,8 @@ def _adamw():
 
 
 def train(name, stack, mesh=None, tx=_sgd, no_replica_sum=False, count_replicas=False, inspect=False):
-    """(losses, grad norms, gathered logical state, {kv param path: its layout} when `inspect`)."""
+    """(losses, grad norms, gathered logical state, and with `inspect` (this rank's tp coordinate,
+    {k/v param path: (layout, this rank's piece)}))."""
     if mesh:
         init_mesh(**mesh)
     if no_replica_sum:        # negative control: each replica keeps its own query heads' part
@@ -83,8 +84,11 @@ def train(name, stack, mesh=None, tx=_sgd, no_replica_sum=False, count_replicas=
         state, m = step(state, b)
         losses.append(float(m["loss"]))
         norms.append(float(m.get("grad_norm", float("nan"))))
-    layouts = ({p: x.layout for p, x in dsfn.tree.leaves_with_path(state.params, is_leaf=is_placed)
+    layouts = ({p: (x.layout, x.data) for p, x in dsfn.tree.leaves_with_path(state.params, is_leaf=is_placed)
                 if isinstance(x, Placed) and ("k_proj" in p or "v_proj" in p)} if inspect else None)
+    if inspect:
+        from dsfn.runtime import current_mesh
+        layouts = (current_mesh().local_rank("tp"), layouts)
     logical = step.gather(state)
     return losses, norms, {"params": logical.params, "opt_state": logical.opt_state}, layouts
 
@@ -119,11 +123,17 @@ def _max_diff(a, b):
 def test_replicated_kv_heads_equal_single_process(name, mesh, stack, groups):
     results = run(name, stack, mesh, inspect=True)
     assert_equal(results, train(name, None))
-    layouts = results[0][3]
-    assert sorted(layouts) == sorted(f"model.layers.{i}.self_attn.{p}.{a}" for i in range(2)
-                                     for p in ("k_proj", "v_proj")
-                                     for a in (("weight", "bias") if name == "qwen2" else ("weight",)))
-    assert {(type(x).__name__, x.groups) for x in layouts.values()} == {("GroupDimShard", groups)}
+    coords, pieces = zip(*(r[3] for r in results))
+    assert sorted(pieces[0]) == sorted(f"model.layers.{i}.self_attn.{p}.{a}" for i in range(2)
+                                       for p in ("k_proj", "v_proj")
+                                       for a in (("weight", "bias") if name == "qwen2" else ("weight",)))
+    assert {(type(x).__name__, x.groups) for x, _ in pieces[0].values()} == {("GroupDimShard", groups)}
+    # the replicas stay bitwise equal after training; different kv heads differ
+    tp = mesh["tp"]
+    for path in pieces[0]:
+        for r in range(1, len(results)):
+            same = torch.equal(pieces[r][path][1], pieces[0][path][1])
+            assert same == (coords[r] * groups // tp == coords[0] * groups // tp), (path, r)
 
 
 def test_adamw_losses_equal_single_process():
@@ -135,7 +145,7 @@ def test_zero3_over_tp_equals_single_process():
     """ZeRO-3 over dp shards each tp replica: Nested(GroupDimShard, FlatShard)."""
     results = run("1kv", "zero3", {"dp": 2, "tp": 2}, inspect=True)
     assert_equal(results, train("1kv", None))
-    assert all(isinstance(x, Nested) and isinstance(x.inner, GroupDimShard) for x in results[0][3].values())
+    assert all(isinstance(x, Nested) and isinstance(x.inner, GroupDimShard) for x, _ in results[0][3][1].values())
 
 
 def test_negative_control_without_summing_the_replicas_gradients_differs():
@@ -172,6 +182,7 @@ def _state(name, mesh=None, seed=0):
 def _save_tp(root, name, mesh):
     step, state = _state(name, mesh, seed=2)
     ck.save(root, state, step=2)
+    ck.export_state(state, os.path.join(root, "export"))
     return _logical(step.gather(state))
 
 
@@ -189,13 +200,17 @@ def _logical(st):
     return {"params": st.params, "opt_state": st.opt_state}
 
 
-def test_checkpoint_saved_at_tp4_loads_at_tp1(tmp_path):
+def test_checkpoint_and_export_saved_at_tp4_load_at_tp1(tmp_path):
     saved = run_on_ranks(_save_tp, 4, str(tmp_path), "2kv", {"tp": 4})[0]
     k = _manifest(tmp_path)["leaves"]["params.model.layers.0.self_attn.k_proj.weight"]
     assert k["layout"]["type"] == "GroupDimShard" and k["shape"] == [16, 64]
     # one logical copy: the owners of kv heads 0 and 1 (ranks 0 and 2) wrote it, not their replicas
     assert sorted(s["file"] for s in k["slices"]) == ["rank_00000.safetensors", "rank_00002.safetensors"]
-    ref_step, ref_state = _state("2kv", seed=2)          # the single process's state after the same steps
+    from safetensors.torch import load_file
+    exported = load_file(os.path.join(tmp_path, "export", "model.safetensors"))    # export_state: one copy too
+    assert exported["model.layers.0.self_attn.k_proj.weight"].shape == (16, 64)
+    assert_trees_close(exported, saved["params"], rtol=0, atol=0)
+    _, ref_state = _state("2kv", seed=2)          # the single process's state after the same steps
     _, like = _state("2kv")
     loaded = ck.load(tmp_path, like, restore_rng=False)
     assert_trees_close(_logical(loaded), saved, rtol=0, atol=0)
