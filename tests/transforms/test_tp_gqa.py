@@ -3,7 +3,7 @@
 4 query / 1 kv heads at tp=2 (both ranks hold the one kv head), 8 / 2 (Llama) and 4 / 2
 (Qwen2, with k/v biases and one query head per rank) at tp=4 (ranks {0, 1} hold kv head 0,
 {2, 3} kv head 1), and tp=2 x sp=2 (Ulysses then repeats each tp rank's kv head for its sp
-ranks). k_proj / v_proj are `GroupDimShard` pieces; their replicas' gradients are summed
+ranks; 8 / 2 at tp=2 x sp=2, where tp divides the kv heads, is in test_sp_gqa). k_proj / v_proj are `GroupDimShard` pieces; their replicas' gradients are summed
 over the ranks sharing them. Each run equals the single process (fp32, rtol 1e-5, SGD with
 momentum, 3 steps; AdamW on losses only, see test_tensor_parallel's docstring); the
 gathered state holds one copy of each kv head. Negative controls: without the sum the
@@ -45,12 +45,6 @@ def make_model(name):
     return make_tiny_causal_lm(family, vocab_size=VOCAB, num_attention_heads=heads, num_key_value_heads=kv)
 
 
-def hf_loss(apply_fn, params, batch):
-    """Labels are the next tokens already: HF's own loss would shift them again, so lm_loss
-    over the logits (every rank of an sp group computes its slice's tokens)."""
-    return lm_loss(apply_fn, params, batch)
-
-
 def _sgd():
     return dsfn.optim.sgd(lr=0.5, momentum=0.9)
 
@@ -72,25 +66,25 @@ def train(name, stack, mesh=None, tx=_sgd, no_replica_sum=False, count_replicas=
     model = make_model(name)
     apply_fn, params = dsfn.functionalize(model)
     transforms = {None: (), "tp": (tensor_parallel("auto", model=model),),
-                  "sp": (sequence_parallel(labels_key="labels", seq_key="input_ids", shift_labels=False),
-                         tensor_parallel("auto", model=model)),
+                  "sp": (sequence_parallel(), tensor_parallel("auto", model=model)),
                   "zero3": (shard_zero(3), tensor_parallel("auto", model=model)),
                   "clip": (tensor_parallel("auto", model=model), clip_grad_norm(0.5)),
                   "ref_clip": (clip_grad_norm(0.5),)}[stack]
-    step = compose(*transforms)(train_step_for(apply_fn, hf_loss))
+    step = compose(*transforms)(train_step_for(apply_fn, lm_loss))
     state = step.place(dsfn.TrainState.create(params, tx(), seed=0))
     losses, norms = [], []
     for b in BATCHES:
         state, m = step(state, b)
         losses.append(float(m["loss"]))
         norms.append(float(m.get("grad_norm", float("nan"))))
-    layouts = ({p: (x.layout, x.data) for p, x in dsfn.tree.leaves_with_path(state.params, is_leaf=is_placed)
-                if isinstance(x, Placed) and ("k_proj" in p or "v_proj" in p)} if inspect else None)
+    pieces = None
     if inspect:
         from dsfn.runtime import current_mesh
-        layouts = (current_mesh().local_rank("tp"), layouts)
+        pieces = (current_mesh().local_rank("tp"),
+                  {p: (x.layout, x.data) for p, x in dsfn.tree.leaves_with_path(state.params, is_leaf=is_placed)
+                   if isinstance(x, Placed) and ("k_proj" in p or "v_proj" in p)})
     logical = step.gather(state)
-    return losses, norms, {"params": logical.params, "opt_state": logical.opt_state}, layouts
+    return losses, norms, {"params": logical.params, "opt_state": logical.opt_state}, pieces
 
 
 def run(name, stack, mesh, **kw):
@@ -172,7 +166,7 @@ def _state(name, mesh=None, seed=0):
     model = make_model(name)
     apply_fn, params = dsfn.functionalize(model)
     transforms = (tensor_parallel("auto", model=model),) if mesh else ()
-    step = compose(*transforms)(train_step_for(apply_fn, hf_loss))
+    step = compose(*transforms)(train_step_for(apply_fn, lm_loss))
     state = step.place(dsfn.TrainState.create(params, _sgd(), seed=0))
     for b in BATCHES[:seed]:
         state, _ = step(state, b)
@@ -246,7 +240,7 @@ def _bad(heads, kv):
     model = make_tiny_causal_lm("llama", vocab_size=VOCAB, hidden_size=48, num_attention_heads=heads,
                                 num_key_value_heads=kv)
     apply_fn, params = dsfn.functionalize(model)
-    step = compose(tensor_parallel("auto", model=model))(train_step_for(apply_fn, hf_loss))
+    step = compose(tensor_parallel("auto", model=model))(train_step_for(apply_fn, lm_loss))
     step.place(dsfn.TrainState.create(params, _sgd()))
 
 
