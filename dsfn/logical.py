@@ -13,9 +13,10 @@ layouts answer (`dsfn.effects`):
   of leaf i to `partials[i]`; each transform that owns a mesh axis some leaves are split
   over (ZeRO and data parallel: dp; tensor parallel: tp) combines those leaves'
   partials over its axis. Every element is counted once over every axis it is split
-  on; a replicated leaf is counted once. The contract on `op`: "sum" for a sum of
-  `f(x)` with `f(0) == 0`, "max" for a max of values >= 0 (layouts pad pieces with
-  zeros, which must not change the result).
+  on; a replicated leaf is counted once, and so is a piece that several ranks of an
+  axis hold as replicas (`Layout.duplicate`: only the lowest of them contributes). The
+  contract on `op`: "sum" for a sum of `f(x)` with `f(0) == 0`, "max" for a max of
+  values >= 0 (layouts pad pieces with zeros, which must not change the result).
 - `map_whole(fn, leaves)` — a non-elementwise function of whole tensors (Muon's
   Newton-Schulz): `fn(i, whole_i) -> new whole_i` (same shape and dtype); the result
   comes back as this rank's piece, in leaf i's layout. ZeRO computes each whole tensor
@@ -101,6 +102,10 @@ def reduce_leaves(partials: Sequence[torch.Tensor], pieces: Sequence[Any], op: s
     pending = [split_axes(x) for x in pieces]
     if not any(pending) and not active_stack():
         return list(partials)
+    # a replica (GroupDimShard: tp's shared k/v heads) is counted by the lowest rank holding it
+    # only; 0 is neutral for both ops ("max" is over values >= 0)
+    partials = [torch.zeros_like(p) if isinstance(x, Placed) and x.layout.duplicate() else p
+                for p, x in zip(partials, pieces)]
     # through the handlers even for whole tensors: a transform that hands the optimizer
     # something other than whole leaves (zenflow's column selections) refuses here
     return bind("reduce_leaves", _unanswered_reduce, list(partials), pending, op)

@@ -55,6 +55,7 @@ from dsfn.errors import DsfnError
 from dsfn.state.layout import (
     DimShard,
     FlatShard,
+    GroupDimShard,
     Layout,
     Nested,
     PackedDimShard,
@@ -119,7 +120,7 @@ def _axis_of(v: Any) -> str:
 
 def layout_from_json(d: Any) -> Layout:
     """The layout a manifest describes (inverse of `layout_to_json` for Replicated, FlatShard,
-    DimShard, PackedDimShard and Nested). A layout that only moves a piece (one with an
+    DimShard, PackedDimShard, GroupDimShard and Nested). A layout that only moves a piece (one with an
     `inner` layout that is not `Nested`: `Offloaded`, offload's `NvmeOffloaded`) loads as its
     inner layout: which elements a rank held is all a checkpoint needs.
 
@@ -146,6 +147,14 @@ def layout_from_json(d: Any) -> Layout:
             if not isinstance(dim, int) or not 0 <= dim < len(shape):
                 raise ValueError(f"dim {dim!r} is not a dimension of shape {shape}")
             return PackedDimShard(_axis_of(d["axis"]), dim, shape, _shape_of(d["parts"]))
+        if kind == "GroupDimShard":
+            shape = _shape_of(d["shape"])
+            dim, groups = d["dim"], d["groups"]
+            if not isinstance(dim, int) or not 0 <= dim < len(shape):
+                raise ValueError(f"dim {dim!r} is not a dimension of shape {shape}")
+            if not isinstance(groups, int) or isinstance(groups, bool):
+                raise ValueError(f"groups {groups!r} is not an int")
+            return GroupDimShard(_axis_of(d["axis"]), dim, shape, groups)
         if kind == "Nested":
             return Nested(layout_from_json(d["inner"]), layout_from_json(d["outer"]))
         if isinstance(d.get("inner"), dict):          # Offloaded and its kin: the same elements as inner
@@ -156,7 +165,7 @@ def layout_from_json(d: Any) -> Layout:
         raise CheckpointError(f"layout description {d!r} is invalid ({type(e).__name__}: {e}); the checkpoint "
                               "manifest is corrupt") from None
     raise CheckpointError(f"unknown layout type {kind!r} in the checkpoint manifest; this dsfn knows Replicated, "
-                          "FlatShard, DimShard, PackedDimShard, Nested and offloaded layouts")
+                          "FlatShard, DimShard, PackedDimShard, GroupDimShard, Nested and offloaded layouts")
 
 
 def _moves_only(layout: Layout) -> bool:

@@ -177,8 +177,9 @@ def _write_rank_file(tmp: str, state: Any, rank: int, rng_state: dict[str, torch
         region, axes = F.region_of(layout, mesh)
         leaves[path] = {"shape": list(F.logical_shape(layout, piece)), "dtype": F.dtype_name(piece.dtype),
                         "layout": F.layout_to_json(layout)}
-        # a sharded leaf is written by the ranks at coordinate 0 of every axis it is not split over
-        owner = all(c == 0 for a, c in mesh.coords.items() if a not in axes)
+        # a sharded leaf is written by the ranks at coordinate 0 of every axis it is not split over,
+        # and a replicated piece (GroupDimShard) by the lowest rank holding it
+        owner = all(c == 0 for a, c in mesh.coords.items() if a not in axes) and not layout.duplicate(mesh)
         if not owner or region.empty or piece.numel() == 0:
             continue
         if region.kind == "layout":

@@ -20,10 +20,15 @@ Layouts the foundation knows:
 - `PackedDimShard(axis, dim, shape, parts)`: a fused tensor (qkv, gate_up) whose `dim`
   concatenates `parts`; every part is split like DimShard and a rank's piece is its chunk
   of each part, in part order (rank r of a fused qkv holds [q_r; k_r; v_r]).
+- `GroupDimShard(axis, dim, shape, groups)`: `dim` split into `groups` equal blocks, `groups`
+  dividing the axis size n; the n / groups consecutive ranks of a block hold identical
+  replicas of it. Tensor parallel's k/v projections with fewer kv heads than tp.
 - `Nested(inner, outer)`: `outer`'s piece of `inner`'s piece: how ZeRO shards a
   tensor-parallel shard over dp (`Nested(DimShard("tp", ...), FlatShard("dp", piece shape))`).
 - `Offloaded(inner, device)`: `inner`'s piece, kept on another device (host memory).
-Padding never leaves a layout: `unshard` trims it.
+Padding never leaves a layout: `unshard` trims it. A piece that repeats one another rank
+along the layout's axes holds (`duplicate(mesh)`, a GroupDimShard replica) is neither
+counted in reductions over the whole nor written to checkpoints.
 
 Every layout also lists its piece as `runs(mesh)`: contiguous runs of the row-major
 flattened logical tensor, `(logical start, length, offset in the flattened piece)`,
@@ -65,8 +70,14 @@ class Layout(abc.ABC):
         """This rank's piece as runs of the flattened logical tensor (see the module docstring)."""
 
     def axes(self) -> tuple[str, ...]:
-        """The mesh axes this layout splits the tensor over (its pieces are disjoint along them)."""
+        """The mesh axes this layout splits the tensor over (its pieces are disjoint along
+        them, except for replicas: see `duplicate`)."""
         return ()
+
+    def duplicate(self, mesh: Any = None) -> bool:
+        """True when this rank's piece is a replica of one that a lower rank along the layout's
+        axes holds: the elements are counted (norms, checkpoints) by that rank only."""
+        return False
 
 
 @dataclass(frozen=True)
@@ -285,6 +296,66 @@ class PackedDimShard(Layout):
 
 
 @dataclass(frozen=True)
+class GroupDimShard(Layout):
+    """`dim` split into `groups` equal blocks over `axis` (size n, a multiple of `groups`):
+    rank r holds block r // (n / groups), so the n / groups consecutive ranks of a block
+    hold identical replicas (no padding; the lowest rank of a block is its owner, the
+    others are `duplicate`). Tensor parallel's k/v projections at tp > kv heads: the
+    groups are the kv heads and every rank holds the head its query heads use. Whoever
+    writes to a replica keeps the replicas equal (tensor parallel sums their gradients)."""
+    axis: str
+    dim: int
+    shape: tuple[int, ...]
+    groups: int
+
+    def __post_init__(self):
+        if self.groups < 1 or self.shape[self.dim] % self.groups:
+            raise ShapeError(f"GroupDimShard: {self.groups} groups do not split dim {self.dim} of shape {self.shape}")
+
+    @property
+    def block_size(self) -> int:
+        return self.shape[self.dim] // self.groups
+
+    def replicas(self, mesh: Any = None) -> int:
+        """How many ranks along the axis hold each block (n / groups)."""
+        n = (mesh or current_mesh()).size(self.axis)
+        if n % self.groups:
+            raise ShapeError(f"GroupDimShard: {self.groups} groups over axis {self.axis!r} of size {n}; the axis "
+                             "size must be a multiple of the groups")
+        return n // self.groups
+
+    def block(self, mesh: Any = None, rank: int | None = None) -> int:
+        """The block rank `rank` along the axis (default: this rank) holds."""
+        m = mesh or current_mesh()
+        return (m.local_rank(self.axis) if rank is None else rank) // self.replicas(m)
+
+    def local_shape(self, mesh=None):
+        s = list(self.shape)
+        s[self.dim] = self.block_size
+        return tuple(s)
+
+    def shard(self, full, mesh=None):
+        _check_shape(full, self.shape, self)
+        return full.narrow(self.dim, self.block(mesh) * self.block_size, self.block_size).clone()
+
+    def unshard(self, local, mesh=None):
+        m = mesh or current_mesh()
+        k = self.replicas(m)
+        return _unshard_by_pieces(local, self, m,
+                                  lambda r: [(r // k * self.block_size, self.block_size, 0)] if r % k == 0 else [])
+
+    def runs(self, mesh=None):
+        return _dim_runs(self.shape, self.dim, [(self.block(mesh) * self.block_size, self.block_size, 0)], self.block_size)
+
+    def axes(self):
+        return (self.axis,)
+
+    def duplicate(self, mesh=None):
+        m = mesh or current_mesh()
+        return m.local_rank(self.axis) % self.replicas(m) != 0
+
+
+@dataclass(frozen=True)
 class Nested(Layout):
     """`outer`'s piece of `inner`'s piece: the logical tensor is split by `inner` (e.g.
     tensor parallel's DimShard over tp), then this rank's inner piece is split by `outer`,
@@ -325,6 +396,9 @@ class Nested(Layout):
     def axes(self):
         return self.inner.axes() + tuple(a for a in self.outer.axes() if a not in self.inner.axes())
 
+    def duplicate(self, mesh=None):
+        return self.inner.duplicate(mesh) or self.outer.duplicate(mesh)
+
 
 @dataclass(frozen=True)
 class Offloaded(Layout):
@@ -352,6 +426,9 @@ class Offloaded(Layout):
 
     def axes(self):
         return self.inner.axes()
+
+    def duplicate(self, mesh=None):
+        return self.inner.duplicate(mesh)
 
 
 @dataclass(frozen=True)

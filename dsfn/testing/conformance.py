@@ -127,6 +127,9 @@ MODELS: dict[str, ModelSpec] = {
                               attention=True, tp="auto"),
     "qwen2+labels": ModelSpec(lambda: make_tiny_causal_lm("qwen2"), _tokens, _hf_labels_loss, attention=True,
                               tp="auto"),
+    # 4 query / 1 key-value heads: tensor parallel's ranks share replicas of the one kv head
+    "llama+kv1": ModelSpec(lambda: make_tiny_causal_lm("llama", num_attention_heads=4, num_key_value_heads=1),
+                           _tokens, _lm_loss, attention=True, tp="auto"),
     # the activation-checkpointing axis: HF's own checkpointing, compared with the model without it
     "llama+hf_ckpt": ModelSpec(lambda: _hf_ckpt(False), _tokens, _lm_loss, attention=True, tp="auto",
                                reference_make=lambda: make_tiny_causal_lm("llama")),

@@ -37,11 +37,27 @@ the head's and the embedding's entries; Llama, Qwen2, Gemma2, ...); a user `plan
 "replicate"}`), or replaces it with `plan=...` and `auto=False`.
 
 Attention heads per rank follow from the sharded projections (the model's `view(...,
--1, head_dim)` sees local heads); tp must divide the query and key/value head counts
-(GQA with fewer kv heads than tp is an error naming the degrees that work: tp does not
-replicate k/v projections). Under tp x sp, sp then splits each tp rank's heads and
-replicates key/value heads it cannot divide (8 query / 2 kv heads at tp=2 x sp=2: 1 kv
-head per tp rank, repeated for its 2 sp ranks; see sequence_parallel).
+-1, head_dim)` sees local heads); tp must divide the query heads, and either divide the
+key/value heads or be a multiple of them (else a MeshError naming the degrees that work).
+
+Fewer key/value heads than tp (grouped-query attention: 4 query / 1 kv heads at tp=2,
+8 / 2 at tp=4, 16 / 4 at tp=8): as Megatron and DeepSpeed AutoTP, the ranks
+that share a kv head hold replicas of it. Rank r's H/tp query heads all use kv head
+r * Hkv // tp, so k_proj and v_proj (weight and bias) are laid out `GroupDimShard(tp, 0,
+shape, groups=Hkv)`: rank r holds the head_dim rows of that head, tp/Hkv consecutive ranks
+hold the same rows. Their forward is colwise; each replica's gradient is the part its own
+query heads contribute, so the backward sums the gradients over the ranks sharing the
+head (`sum_replica_grads`: one all-reduce over tp of an [Hkv, head piece] buffer) and the
+replicas stay equal to each other and to the single-process weights. While the forward
+runs, the attention module's `num_key_value_groups` is H/tp (its query heads per its one
+kv head). This needs separate colwise k/v projections (`k_proj`/`v_proj`, `key`/`value`)
+in an attention module with `num_key_value_groups` (Hugging Face's); a fused qkv is a
+MeshError. Checkpoints, `gather` and export hold one logical copy (a replica is
+`duplicate`: not written, not counted in norms), so any tp degree loads them.
+
+Under tp x sp, sp then splits each tp rank's heads and replicates key/value heads it
+cannot divide (8 query / 2 kv heads at tp=2 x sp=2: 1 kv head per tp rank, repeated for
+its 2 sp ranks; see sequence_parallel).
 
 Uneven splits are padded (DimShard zero-pads the last chunks): a padded output
 feature of a colwise layer is exactly 0 (zero weight rows and bias), meets zero
@@ -83,8 +99,8 @@ from dsfn.functional import until_backward
 from dsfn.errors import ConfigError, DistributedError, MeshError, StackError
 from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
-from dsfn.state.layout import (DimShard, Layout, Offloaded, PackedDimShard, Placed, Replicated, mirrored_param,
-                               place)
+from dsfn.state.layout import (DimShard, GroupDimShard, Layout, Offloaded, PackedDimShard, Placed, Replicated,
+                               mirrored_param, place)
 from dsfn.transforms.core import Transform, make_transform, with_role
 from dsfn.transforms.grad_stats import reduce_over_axis
 
@@ -124,6 +140,16 @@ def packed(style: str = "colwise", parts: int | tuple[int, ...] = 2) -> Packed:
     if not ok:
         raise ConfigError(f"packed(..., parts={parts!r}): a number of equal parts >= 1 or a tuple of sizes >= 1")
     return Packed(style, parts)
+
+
+@dataclass(frozen=True)
+class SharedKV:
+    """The style tensor_parallel gives a k/v projection of an attention with fewer key/value
+    heads (`groups`) than tp: colwise over whole heads, the tp/groups ranks of a head holding
+    replicas (GroupDimShard) whose gradients are summed; `q_per_rank` query heads per rank."""
+    groups: int
+    q_per_rank: int
+    style: str = "colwise"
 
 
 _ALIASES = {"colwise_gather_output": "colwise_rep", "rowwise_split_input": "rowwise_rep",
@@ -168,6 +194,34 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return C.all_reduce(g.contiguous(), ctx.axis, "sum"), None
+
+
+def sum_replica_grads(g: torch.Tensor, axis: str, groups: int) -> torch.Tensor:
+    """The gradient of a GroupDimShard piece summed over the ranks holding the same block:
+    every rank puts its piece in its block's row of a zero [groups, *piece] buffer, one
+    all-reduce over `axis` adds them, and each rank keeps its block's row (one all-reduce of
+    the whole tensor's size; the axis has no subgroups)."""
+    if groups == 1:
+        return C.all_reduce(g.contiguous(), axis, "sum")
+    mesh = current_mesh()
+    b = mesh.local_rank(axis) // (mesh.size(axis) // groups)
+    buf = g.new_zeros((groups, *g.shape))
+    buf[b] = g
+    return C.all_reduce_(buf, axis, "sum")[b]
+
+
+class _SumReplicas(torch.autograd.Function):
+    """Forward identity on a replicated k/v projection parameter; backward: its gradient
+    summed over the tp ranks sharing the block (`sum_replica_grads`)."""
+
+    @staticmethod
+    def forward(ctx, w, axis, groups):
+        ctx.axis, ctx.groups = axis, groups
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return sum_replica_grads(g, ctx.axis, ctx.groups), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -233,6 +287,18 @@ def _colwise(mod: nn.Linear, copy: Any, gather_to: int | None, forward: Any, x: 
     axis = copy.axis
     y = forward(copy(x))
     return y if gather_to is None else _GatherLastDim.apply(y, axis, gather_to)
+
+
+def _shared_kv(mod: nn.Linear, copy: Any, groups: int, forward: Any, x: torch.Tensor) -> torch.Tensor:
+    """Colwise on this rank's (replicated) kv head; the parameters' gradients summed over its replicas."""
+    own = {k: v for k, v in mod._parameters.items() if v is not None}
+    try:
+        for k, v in own.items():
+            mod._parameters[k] = _SumReplicas.apply(v, copy.axis, groups)
+        return forward(copy(x))
+    finally:
+        for k, v in own.items():
+            mod._parameters[k] = v
 
 
 def _rowwise(mod: nn.Linear, axis: str, split: int | None, forward: Any, x: torch.Tensor) -> torch.Tensor:
@@ -316,7 +382,7 @@ class TensorParallel(Transform):
         self.axis = axis
         self.check_batches = bool(check_batches)
         self._module = module
-        self._resolved: dict[str, str | Packed] | None = None
+        self._resolved: dict[str, str | Packed | SharedKV] | None = None
         self._checked = False
 
     # -- plan -----------------------------------------------------------------------------------
@@ -333,14 +399,15 @@ class TensorParallel(Transform):
         out.update(self.plan)
         return out
 
-    def module_styles(self, module: nn.Module | None = None) -> dict[str, str | Packed]:
-        """{module name: style} for every planned module (validated against the model)."""
+    def module_styles(self, module: nn.Module | None = None) -> dict[str, str | Packed | SharedKV]:
+        """{module name: style} for every planned module (validated against the model); the
+        k/v projections of attentions with fewer key/value heads than tp get `SharedKV`."""
         module = module or self._module
         plan = self.full_plan()
         if module is None:
             raise ConfigError("tensor_parallel: the model is not known yet; pass model=...")
         named = dict(module.named_modules())
-        out: dict[str, str | Packed] = {}
+        out: dict[str, str | Packed | SharedKV] = {}
         for pattern, style in plan.items():
             hits = [n for n in named if n and _matches(pattern, n)]
             if not hits:
@@ -352,7 +419,7 @@ class TensorParallel(Transform):
                 out[n] = style          # later (user) entries override the HF ones
         for n, style in out.items():
             _check_module(n, named[n], style)
-        _check_heads(module, out, current_mesh().size(self.axis))
+        out.update(_check_heads(module, out, current_mesh().size(self.axis)))
         return out
 
     def param_layouts(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, Layout]:
@@ -404,7 +471,8 @@ class TensorParallel(Transform):
         styles = self.module_styles() if self._module is not None else self.full_plan()
         counts: dict[str, int] = {}
         for s in styles.values():
-            key = f"packed {s.style}" if isinstance(s, Packed) else s
+            key = (f"packed {s.style}" if isinstance(s, Packed) else
+                   f"colwise k/v ({s.groups} kv heads, replicated x{n // s.groups})" if isinstance(s, SharedKV) else s)
             counts[key] = counts.get(key, 0) + 1
         return f"tensor_parallel over {self.axis!r} (size {n}): " + ", ".join(f"{v} {k}" for k, v in counts.items())
 
@@ -491,7 +559,7 @@ class TensorParallel(Transform):
             layout = x.layout if isinstance(x, Placed) else None
             while isinstance(layout, Offloaded):
                 layout = layout.inner
-            if isinstance(layout, (DimShard, PackedDimShard)) and layout.axis == self.axis:
+            if isinstance(layout, (DimShard, PackedDimShard, GroupDimShard)) and layout.axis == self.axis:
                 whole = layout.unshard(x.data)
                 new = call_next(lambda _i, w, k=k: fn(k, w), [whole])[0]
                 out[k] = Placed(layout.shard(new).to(x.data.device), x.layout)
@@ -551,7 +619,9 @@ def _check_module(name: str, mod: nn.Module, style: str | Packed) -> None:
                               "rows in place; not supported under tensor parallel")
 
 
-def _param_layout(style: str | Packed, attr: str, shape: tuple[int, ...], axis: str) -> Layout:
+def _param_layout(style: str | Packed | SharedKV, attr: str, shape: tuple[int, ...], axis: str) -> Layout:
+    if isinstance(style, SharedKV):       # weight and bias: whole heads along the output features
+        return GroupDimShard(axis, 0, shape, style.groups)
     if isinstance(style, Packed):
         return PackedDimShard(axis, 0, shape, style.part_sizes(shape[0]))
     if style in ("colwise", "colwise_rep", "embedding_rowwise"):
@@ -569,11 +639,16 @@ _ATTENTION_PROJ = {"q_proj", "k_proj", "v_proj", "qkv", "qkv_proj", "query_key_v
                    "value", "Wqkv"}
 
 
-def _check_heads(module: nn.Module, styles: dict[str, Any], n: int) -> None:
-    """tp must divide the attention head counts of every attention whose projections are
-    split colwise (heads are whole per rank)."""
+_KV_PROJ = {"k_proj", "v_proj", "key", "value"}
+
+
+def _check_heads(module: nn.Module, styles: dict[str, Any], n: int) -> dict[str, SharedKV]:
+    """tp must divide the query heads of every attention whose projections are split colwise
+    (heads are whole per rank), and divide its key/value heads or be a multiple of them.
+    Returns {k/v projection name: SharedKV} for the attentions with fewer key/value heads
+    than tp (their ranks share replicated kv heads; see the module docstring)."""
     if n == 1:
-        return
+        return {}
     named = dict(module.named_modules())
     parents: dict[str, bool] = {}        # parent module -> has an attention-named projection
     for name, s in styles.items():
@@ -581,21 +656,44 @@ def _check_heads(module: nn.Module, styles: dict[str, Any], n: int) -> None:
             parent, _, leaf = name.rpartition(".")
             parents[parent] = parents.get(parent, False) or leaf in _ATTENTION_PROJ
     cfg = getattr(module, "config", None)
+    shared: dict[str, SharedKV] = {}
     for parent, attention in sorted(parents.items()):
         mod = named.get(parent)
-        # the model's config speaks for attentions only (an MLP's colwise layers have no heads)
-        sources = [mod, getattr(mod, "config", None)] + ([cfg] if attention else [])
+        # configs speak for attentions only (an MLP's colwise layers have no heads, though HF's
+        # MLPs hold the model's config too)
+        sources = [mod] + ([getattr(mod, "config", None), cfg] if attention else [])
         heads = next((getattr(s, a) for s in sources for a in _HEAD_ATTRS
                       if s is not None and isinstance(getattr(s, a, None), int)), None)
         if heads is None:
             continue
         kv = next((getattr(s, a) for s in sources for a in _KV_ATTRS
                    if s is not None and isinstance(getattr(s, a, None), int)), heads)
-        if heads % n or kv % n:
-            valid = [d for d in range(1, heads + 1) if heads % d == 0 and kv % d == 0]
-            raise MeshError(f"tensor_parallel: tp={n} does not divide the attention heads of {parent!r} "
-                            f"({heads} query heads, {kv} key/value heads); heads are whole on each rank, so "
-                            f"tp must divide both: valid tp degrees are {valid}")
+        if heads % n == 0 and kv % n == 0:
+            continue
+        valid = [d for d in range(1, heads + 1) if heads % d == 0 and (kv % d == 0 or d % kv == 0)]
+        if heads % n or kv < 1 or heads % kv or n % kv:
+            raise MeshError(f"tensor_parallel: tp={n} does not fit the attention heads of {parent!r} ({heads} query "
+                            f"heads, {kv} key/value heads); each rank holds whole query heads, so tp must divide "
+                            "the query heads, and divide the key/value heads or be a multiple of them (ranks then "
+                            f"share replicated key/value heads): valid tp degrees are {valid}")
+        # fewer kv heads than tp: every rank's heads // n query heads use kv head r * kv // n
+        children = {c: st for c, st in styles.items() if c.rpartition(".")[0] == parent}
+        kv_proj = sorted(c for c, st in children.items() if c.rpartition(".")[2] in _KV_PROJ and st == "colwise")
+        fused = sorted(c for c, st in children.items() if isinstance(st, Packed)
+                       or c.rpartition(".")[2] in _ATTENTION_PROJ - _KV_PROJ - {"q_proj", "query"})
+        why = ("its q/k/v projection is fused" if fused else
+               "it has no separate colwise k and v projections (k_proj / v_proj)" if len(kv_proj) != 2 else
+               "it has no integer `num_key_value_groups` (the query heads per key/value head that its attention "
+               "reads)" if not isinstance(getattr(mod, "num_key_value_groups", None), int) else None)
+        if why:
+            raise MeshError(f"tensor_parallel: tp={n} is more than the {kv} key/value heads of {parent!r}, so ranks "
+                            f"would share replicated key/value heads, which dsfn does for {parent!r} only with "
+                            f"separate colwise k and v projections in an attention module with "
+                            f"`num_key_value_groups` (Hugging Face's); {why}. Use a tp degree dividing the key/value "
+                            f"heads: {[d for d in valid if kv % d == 0]}")
+        for c in kv_proj:
+            shared[c] = SharedKV(kv, heads // n)
+    return shared
 
 
 class _SharedCopy:
@@ -621,16 +719,25 @@ class _TPForwards:
         self.items = []
         self.copy = _SharedCopy(axis)
         named = dict(module.named_modules())
+        # attentions whose ranks share replicated kv heads: each rank has q_per_rank query heads
+        # for its one kv head, which their attention reads as num_key_value_groups
+        self.groups: dict[nn.Module, int] = {}
         for name, style in styles.items():
             mod = named[name]
             self.items.append((mod, _tp_forward(mod, style, self.copy, n)))
+            if isinstance(style, SharedKV):
+                self.groups[named[name.rpartition(".")[0]]] = style.q_per_rank
         self.saved: list[tuple[nn.Module, Any]] = []
+        self.saved_groups: list[tuple[nn.Module, int]] = []
 
     def __enter__(self):
         for mod, fwd in self.items:
             if fwd is not None:
                 self.saved.append((mod, mod.__dict__.get("forward")))
                 mod.forward = fwd
+        for mod, g in self.groups.items():
+            self.saved_groups.append((mod, mod.num_key_value_groups))
+            mod.num_key_value_groups = g
         return self
 
     def __exit__(self, *exc):
@@ -639,7 +746,10 @@ class _TPForwards:
                 del mod.forward
             else:
                 mod.forward = prev
+        for mod, g in reversed(self.saved_groups):
+            mod.num_key_value_groups = g
         self.saved.clear()
+        self.saved_groups.clear()
         self.copy.copies.clear()
         return False
 
@@ -647,6 +757,8 @@ class _TPForwards:
 def _tp_forward(mod: nn.Module, style: Any, copy: _SharedCopy, n: int) -> Any:
     own = mod.__dict__.get("forward") or type(mod).forward.__get__(mod)
     axis = copy.axis
+    if isinstance(style, SharedKV):
+        return functools.partial(_shared_kv, mod, copy, style.groups, own)
     if isinstance(style, Packed):
         if style.style == "colwise_rep":   # a gathered output would be [q_0, k_0, v_0, q_1, ...]
             raise ConfigError("tensor_parallel: packed(colwise_rep) would gather the parts interleaved by rank; use "

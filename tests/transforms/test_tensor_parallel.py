@@ -232,15 +232,17 @@ def test_unknown_style_and_bad_arguments_fail_at_construction():
 def test_bad_plans_fail_at_place():
     def fn(kind):
         init_mesh(tp=4 if kind == "heads" else 2)
-        model = make_hf("llama", num_key_value_heads=2) if kind == "heads" else make_gpt()
+        # 12 query / 3 kv heads: tp=4 neither divides the kv heads nor is a multiple of them
+        model = (make_hf("llama", hidden_size=48, num_attention_heads=12, num_key_value_heads=3) if kind == "heads"
+                 else make_gpt())
         plan = {"heads": "auto", "nothing": {"blocks.*.attn.nope": "colwise"},
                 "type": {"blocks.*.ln1": "colwise"}, "parts": {"blocks.*.attn.qkv": packed("colwise", (10, 10, 10))},
                 "noplan": "auto"}[kind]
         apply_fn, params = dsfn.functionalize(model)
         step = compose(tensor_parallel(plan, model=model))(train_step_for(apply_fn, lm_loss))
         step.place(dsfn.TrainState.create(params, _sgd()))
-    cases = {"heads": (MeshError, r"tp=4 does not divide the attention heads .*\(8 query heads, 2 key/value heads\).*"
-                                  r"valid tp degrees are \[1, 2\]"),
+    cases = {"heads": (MeshError, r"tp=4 does not fit the attention heads .*\(12 query heads, 3 key/value heads\).*"
+                                  r"valid tp degrees are \[1, 3, 6, 12\]"),
              "nothing": (ConfigError, "plan pattern 'blocks.\\*.attn.nope' matches no module"),
              "type": (ConfigError, "'blocks.0.ln1' is a LayerNorm; style 'colwise' applies to nn.Linear"),
              "parts": (ConfigError, r"parts sum to 30, but the Linear has 96 output features"),
