@@ -323,11 +323,13 @@ def hf_trainer_auto(training_args: Any = None, *, num_training_steps: int | None
     if steps is not None:
         out["scheduler.params.total_num_steps"] = steps
     warm, ratio = v["warmup_steps"], v["warmup_ratio"]
-    if isinstance(warm, (int, float)) and not isinstance(warm, bool):
-        if warm >= 1:                          # TrainingArguments.get_warmup_steps
-            out["scheduler.params.warmup_num_steps"] = max(1, int(warm))
-        elif isinstance(steps, int) and isinstance(ratio, (int, float)):
-            frac = warm if warm > 0 else ratio
+    if isinstance(warm, (int, float)) and not isinstance(warm, bool) and isinstance(ratio, (int, float)):
+        frac = warm if 0 < warm < 1 else ratio           # a float warmup_steps < 1 is a ratio (transformers 5)
+        if warm >= 1:                                    # TrainingArguments.get_warmup_steps, then HF's max(1, .)
+            out["scheduler.params.warmup_num_steps"] = int(warm)
+        elif not frac:
+            out["scheduler.params.warmup_num_steps"] = 1
+        elif isinstance(steps, int):
             out["scheduler.params.warmup_num_steps"] = max(1, math.ceil(steps * frac))
     return out
 
@@ -453,6 +455,7 @@ def _resolve_auto(cfg: dict, auto: Any, model: Any) -> dict:
         else:
             missing += [(k, _HF_AUTO[k]) for k in batch_auto]
     if missing:
+        missing.sort(key=lambda m: paths.index(m[0]))            # in the config's order
         lines = "\n".join(f"  - {k}: {why}" for k, why in missing)
         example = ", ".join(f"{k!r}: ..." for k, _ in missing[:2])
         raise ConfigError(
