@@ -39,7 +39,9 @@ sizes from the model's hidden size as HF does (reduce_bucket_size = h*h,
 stage3_prefetch_bucket_size = 0.9*h*h, stage3_param_persistence_threshold = 10*h), the
 third batch size from the other two, the scheduler's warmup_min_lr as 0 and
 warmup_max_lr as the optimizer's lr; what is left is listed in one ConfigError.
-Every value is type-checked: a wrong one is a ConfigError naming its key. Keys dsfn does not reproduce raise one `ConfigError` listing all of them;
+Every value is type-checked: a wrong one is a ConfigError naming its key.
+
+Keys dsfn does not reproduce raise one `ConfigError` listing all of them;
 keys that only tune performance or logging (bucket and prefetch tuning, aio, monitors, ...)
 are named in one `UserWarning` (`cfg.ignored` lists them). Defaults that differ from
 dsfn's own are DeepSpeed's here: gradient clipping 1.0, the optimizer's weight decay 0
