@@ -99,10 +99,10 @@ def test_every_auto_is_listed_in_one_error(name):
 
 def _training_args(**over):
     """TrainingArguments' fields that HF's DeepSpeed integration reads (defaults overridden)."""
-    f = dict(learning_rate=3e-4, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-6, weight_decay=0.1,
-             per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=0.5, bf16=False, fp16=False,
-             bf16_full_eval=False, fp16_full_eval=False, warmup_steps=10, max_steps=100, world_size=1,
-             save_on_each_node=False, **over)
+    f = {**dict(learning_rate=3e-4, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-6, weight_decay=0.1,
+                per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=0.5, bf16=False,
+                fp16=False, bf16_full_eval=False, fp16_full_eval=False, warmup_steps=10, max_steps=100, world_size=1,
+                save_on_each_node=False), **over}
     args = types.SimpleNamespace(**f)
     args.get_warmup_steps = lambda n: int(args.warmup_steps) if args.warmup_steps >= 1 \
         else math.ceil(n * args.warmup_steps)
