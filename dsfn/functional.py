@@ -70,11 +70,13 @@ class ApplyFn:
 
     `buffers`: the persistent buffers (name -> tensor) read when no buffer scope is
     active; `buffer_dtype`: floating buffers are handed to the forward in this dtype
-    (mixed precision) and their updates stored back in the scope's dtype.
+    (mixed precision) and their updates stored back in the scope's dtype. A dict
+    name -> dtype sets it per buffer; buffers it does not name keep their dtype.
     """
 
     def __init__(self, module: nn.Module, constants: dict[str, torch.Tensor], param_names: tuple[str, ...],
-                 buffers: dict[str, torch.Tensor] | None = None, buffer_dtype: torch.dtype | None = None,
+                 buffers: dict[str, torch.Tensor] | None = None,
+                 buffer_dtype: torch.dtype | dict[str, torch.dtype] | None = None,
                  _bound: bool = False, frozen: tuple[str, ...] = ()):
         self.module = module
         self.constants = constants
@@ -227,8 +229,10 @@ def call_module(apply_fn: ApplyFn, params: dict[str, torch.Tensor], args: tuple,
             held[name] = scope.tensor(name)
         else:
             foreign[name] = t
-    dtype = apply_fn.buffer_dtype
-    cast = {n: t.to(dtype) for n, t in held.items() if dtype is not None and t.is_floating_point() and t.dtype != dtype}
+    dtypes = apply_fn.buffer_dtype
+    dtypes = dtypes if isinstance(dtypes, dict) else {n: dtypes for n in held}
+    cast = {n: t.to(dtypes[n]) for n, t in held.items()
+            if dtypes.get(n) is not None and t.is_floating_point() and t.dtype != dtypes[n]}
     before = {n: c.clone() for n, c in cast.items()}
     out = _checked_call(apply_fn, params, {**held, **cast}, foreign, args, kwargs)
     with torch.no_grad():

@@ -1,14 +1,14 @@
 """Migrating from DeepSpeed: `ds_config.json` -> a dsfn stack, DeepSpeed checkpoints -> dsfn states.
 
-    cfg = dsfn.from_ds_config("ds_config.json", model=model, world_size=8)
-    step = dsfn.compose(*cfg.transforms)(train_step)
+    cfg = dsfn.from_ds_config("ds_config.json", model=model)    # HF configs: auto=hf_trainer_auto(args)
+    step = cfg.compose(train_step)                              # donates its input state
     state = step.place(load_deepspeed("ckpt/", like=dsfn.TrainState.create(params, cfg.tx), trust_pickle=True))
 
 `ds_config` (the config block by block), `ds_checkpoint` (ZeRO 0-3 and universal
 checkpoints; pickles, behind `trust_pickle=True`). See docs/migration.md.
 """
 from dsfn.migrate.ds_checkpoint import DeepSpeedCheckpoint, convert_deepspeed, load_deepspeed, read_deepspeed
-from dsfn.migrate.ds_config import DsConfig, batch_sizes, from_ds_config
+from dsfn.migrate.ds_config import DsConfig, batch_sizes, from_ds_config, hf_trainer_auto
 
 __all__ = ["DeepSpeedCheckpoint", "DsConfig", "batch_sizes", "convert_deepspeed", "from_ds_config",
-           "load_deepspeed", "read_deepspeed"]
+           "hf_trainer_auto", "load_deepspeed", "read_deepspeed"]

@@ -1,8 +1,8 @@
 """`from_ds_config(config, model=...)`: a DeepSpeed `ds_config.json` as a dsfn stack, optimizer and batch.
 
-    cfg = dsfn.from_ds_config("ds_config.json", model=model, world_size=8)
+    cfg = dsfn.from_ds_config("ds_config.json", model=model)   # world size: the launcher's group
     cfg.init_mesh()                                   # dp x sp x tp from the config and the world size
-    step = cfg.compose(train_step)                    # dsfn.compose(*cfg.transforms)(train_step)
+    step = cfg.compose(train_step)                    # dsfn.compose(*cfg.transforms, donate=True)(train_step)
     state = step.init_state(params, cfg.tx)
     for batch in loader(cfg.train_batch_size):        # the global batch: micro * accumulation * dp rows
         state, metrics = step(state, batch)
@@ -29,7 +29,19 @@ Keys and defaults are DeepSpeed 0.19's (`deepspeed/runtime/config.py`, `zero/con
 
 Batch sizes follow DeepSpeed's rule train_batch_size = micro * accumulation * dp world
 (dp world = world / (sp * tp)): any two give the third, all three must agree
-(`batch_sizes`). Keys dsfn does not reproduce raise one `ConfigError` listing all of them;
+(`batch_sizes`). The world size is the launcher's: without `world_size=`, a process
+started by torchrun / `dsfn.launch` joins its process group first (as a Step does), so
+the sizes are those DeepSpeed derives on the same ranks.
+
+`"auto"` values (Hugging Face Trainer's configs) are filled from `auto=` (dotted key ->
+value; `hf_trainer_auto(training_args)` gives what HF Trainer would fill), the bucket
+sizes from the model's hidden size as HF does (reduce_bucket_size = h*h,
+stage3_prefetch_bucket_size = 0.9*h*h, stage3_param_persistence_threshold = 10*h), the
+third batch size from the other two, the scheduler's warmup_min_lr as 0 and
+warmup_max_lr as the optimizer's lr; what is left is listed in one ConfigError.
+Every value is type-checked: a wrong one is a ConfigError naming its key.
+
+Keys dsfn does not reproduce raise one `ConfigError` listing all of them;
 keys that only tune performance or logging (bucket and prefetch tuning, aio, monitors, ...)
 are named in one `UserWarning` (`cfg.ignored` lists them). Defaults that differ from
 dsfn's own are DeepSpeed's here: gradient clipping 1.0, the optimizer's weight decay 0
@@ -37,7 +49,9 @@ dsfn's own are DeepSpeed's here: gradient clipping 1.0, the optimizer's weight d
 """
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -45,9 +59,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from dsfn.errors import ConfigError
+from dsfn.errors import ConfigError, DsfnError
 
-__all__ = ["DsConfig", "batch_sizes", "from_ds_config"]
+__all__ = ["DsConfig", "batch_sizes", "from_ds_config", "hf_trainer_auto"]
 
 # top-level keys that only tune speed, memory or logging: accepted, named in one warning
 _IGNORED_TOP = {
@@ -83,7 +97,10 @@ class DsConfig:
     (its lr the scheduler when one is given); batch sizes per DeepSpeed's rule; `mesh`:
     {"dp", "sp", "tp"} sizes for `dsfn.runtime.init_mesh`; `checkpoint`: async checkpoint
     settings (`host_cache_size` in bytes, `engine`); `ignored`: performance/logging keys
-    accepted without effect.
+    accepted without effect; `config`: the config as given; `resolved`: the config with
+    every `"auto"` filled and the three batch sizes set (what DeepSpeed would be given);
+    `donate`: whether `compose` builds a donating Step (True: the input state's buffers
+    are reused, which removes a copy of the state from the peak memory).
     """
     transforms: tuple
     tx: Any
@@ -95,11 +112,14 @@ class DsConfig:
     checkpoint: dict = field(default_factory=dict)
     ignored: tuple[str, ...] = ()
     config: dict = field(default_factory=dict)
+    resolved: dict = field(default_factory=dict)
+    donate: bool = True
 
-    def compose(self, train_step: Callable) -> Any:
-        """`dsfn.compose(*self.transforms)(train_step)`."""
+    def compose(self, train_step: Callable, donate: bool | None = None) -> Any:
+        """`dsfn.compose(*self.transforms, donate=self.donate)(train_step)`; `donate=False`
+        keeps each input state readable after its step (at the cost of a second copy)."""
         from dsfn.transforms.compose import compose
-        return compose(*self.transforms)(train_step)
+        return compose(*self.transforms, donate=self.donate if donate is None else donate)(train_step)
 
     def init_mesh(self) -> Any:
         """`dsfn.runtime.init_mesh(dp=, sp=, tp=)` with this config's sizes."""
@@ -160,14 +180,25 @@ class _Collect:
 
 def _load(config: str | os.PathLike | Mapping) -> dict:
     if isinstance(config, Mapping):
-        return json.loads(json.dumps(config))          # a private deep copy
-    if not os.path.isfile(config):
-        raise ConfigError(f"ds_config {config!r} is not a file; pass a path to ds_config.json or a dict")
-    with open(config) as f:
         try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"ds_config {config}: not valid JSON ({e})") from None
+            out = json.loads(json.dumps(config))          # a private deep copy
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"ds_config: the dict holds a value JSON cannot hold ({e}); use numbers, strings, "
+                              "booleans, null, lists and objects, as in ds_config.json") from None
+    elif not isinstance(config, (str, os.PathLike)):
+        raise ConfigError(f"ds_config {config!r}: pass a path to ds_config.json or a dict")
+    elif not os.path.isfile(config):
+        raise ConfigError(f"ds_config {config!r} is not a file; pass a path to ds_config.json or a dict")
+    else:
+        with open(config) as f:
+            try:
+                out = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"ds_config {config}: not valid JSON ({e})") from None
+    if not isinstance(out, dict):
+        raise ConfigError(f"ds_config: the top level is a {type(out).__name__}; it must be an object "
+                          "({\"train_batch_size\": ..., ...})")
+    return out
 
 
 def _disabled(block: Any) -> bool:
@@ -180,35 +211,314 @@ def _int(key: str, v: Any) -> int:
     return int(v)
 
 
+def _float(key: str, v: Any, minimum: float = 0.0, above: bool = False) -> float:
+    """A finite number >= minimum (> with `above`), or a ConfigError naming the key."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or v < minimum or (above and v == minimum):
+        raise ConfigError(f"ds_config {key}={v!r}: expected a number {'>' if above else '>='} {minimum:g}")
+    return float(v)
+
+
+def _bool(key: str, v: Any) -> bool:
+    if isinstance(v, bool) or (isinstance(v, int) and v in (0, 1)):
+        return bool(v)
+    raise ConfigError(f"ds_config {key}={v!r}: expected true or false")
+
+
+def _block(key: str, v: Any) -> dict:
+    """An object (a private dict copy); null is an empty one."""
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise ConfigError(f"ds_config {key}={v!r}: expected an object ({{...}}) or null")
+    return dict(v)
+
+
+def _betas(key: str, v: Any) -> tuple[float, float]:
+    if not isinstance(v, (list, tuple)) or len(v) != 2:
+        raise ConfigError(f"ds_config {key}={v!r}: expected two numbers in [0, 1), e.g. [0.9, 0.999]")
+    out = tuple(_float(f"{key}[{i}]", b) for i, b in enumerate(v))
+    if not all(b < 1 for b in out):
+        raise ConfigError(f"ds_config {key}={v!r}: each beta is in [0, 1)")
+    return out
+
+
+def _make(key: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` (a transform, optimizer or schedule built from the block `key`);
+    an error it raises on a value becomes a ConfigError naming the block."""
+    try:
+        return fn(*args, **kwargs)
+    except (DsfnError, TypeError, ValueError, OverflowError, KeyError, AttributeError) as e:
+        raise ConfigError(f"ds_config {key}: {e}") from None
+
+
+
+# -- "auto" values (Hugging Face Trainer's configs) -------------------------------------------
+# the keys HF Trainer fills, and where it takes the value from
+_TA = "HF Trainer: TrainingArguments."
+_HF_AUTO = {
+    "train_micro_batch_size_per_gpu": _TA + "per_device_train_batch_size",
+    "gradient_accumulation_steps": _TA + "gradient_accumulation_steps",
+    "train_batch_size": "HF Trainer: world size x per_device_train_batch_size x gradient_accumulation_steps "
+                        "(dsfn derives it from the other two)",
+    "gradient_clipping": _TA + "max_grad_norm",
+    "optimizer.params.lr": _TA + "learning_rate",
+    "optimizer.params.betas": _TA + "adam_beta1, adam_beta2",
+    "optimizer.params.eps": _TA + "adam_epsilon",
+    "optimizer.params.weight_decay": _TA + "weight_decay",
+    "scheduler.params.warmup_min_lr": "HF Trainer: 0",
+    "scheduler.params.warmup_max_lr": _TA + "learning_rate",
+    "scheduler.params.warmup_num_steps": _TA + "warmup_steps (at least 1)",
+    "scheduler.params.total_num_steps": "HF Trainer: the number of training steps (TrainingArguments.max_steps)",
+    "fp16.enabled": _TA + "fp16 (default false)",
+    "bf16.enabled": _TA + "bf16 (default false)",
+    "zero_optimization.reduce_bucket_size": "HF Trainer: hidden_size * hidden_size",
+    "zero_optimization.stage3_prefetch_bucket_size": "HF Trainer: 0.9 * hidden_size * hidden_size",
+    "zero_optimization.stage3_param_persistence_threshold": "HF Trainer: 10 * hidden_size",
+}
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_HIDDEN_KEYS = {"zero_optimization.reduce_bucket_size": lambda h: h * h,
+                "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+                "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h}
+# TrainingArguments fields hf_trainer_auto reads, with TrainingArguments' defaults
+_HF_FIELDS = {"learning_rate": 5e-5, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8,
+              "weight_decay": 0.0, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
+              "max_grad_norm": 1.0, "bf16": False, "fp16": False, "bf16_full_eval": False, "fp16_full_eval": False,
+              "warmup_steps": 0, "warmup_ratio": 0.0, "max_steps": -1}
+
+
+def hf_trainer_auto(training_args: Any = None, *, num_training_steps: int | None = None,
+                    **fields: Any) -> dict[str, Any]:
+    """The values Hugging Face Trainer fills into a ds_config's `"auto"` entries, as the
+    `auto=` argument of `from_ds_config` (dotted key -> value).
+
+    `training_args`: a `transformers.TrainingArguments` (or any object with its field
+    names); `fields`: the same fields as keywords (they win), e.g.
+    `hf_trainer_auto(learning_rate=3e-4, per_device_train_batch_size=4, bf16=True,
+    max_steps=1000)`. Fields not given take TrainingArguments' defaults (learning_rate
+    5e-5, betas (0.9, 0.999), eps 1e-8, weight_decay 0, per_device_train_batch_size 8,
+    gradient_accumulation_steps 1, max_grad_norm 1.0, bf16 / fp16 off, no warmup).
+    `num_training_steps` (else `max_steps` when > 0) fills the scheduler's
+    total_num_steps and a warmup given as a ratio; HF computes it from the dataset when
+    max_steps is not set. `train_batch_size` is left to DeepSpeed's rule (micro x
+    accumulation x data-parallel world), which is HF's value when there is no sp or tp.
+    The bucket sizes come from `from_ds_config(..., model=)`'s hidden size.
+    """
+    unknown = sorted(set(fields) - set(_HF_FIELDS))
+    if unknown:
+        raise ConfigError(f"hf_trainer_auto: unknown field(s) {unknown}; it reads {sorted(_HF_FIELDS)}")
+    v = {k: fields[k] if k in fields else getattr(training_args, k, d) for k, d in _HF_FIELDS.items()}
+    lr = v["learning_rate"]
+    out: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": v["per_device_train_batch_size"],
+        "gradient_accumulation_steps": v["gradient_accumulation_steps"],
+        "gradient_clipping": v["max_grad_norm"],
+        "optimizer.params.lr": lr, "optimizer.params.betas": [v["adam_beta1"], v["adam_beta2"]],
+        "optimizer.params.eps": v["adam_epsilon"], "optimizer.params.weight_decay": v["weight_decay"],
+        "scheduler.params.warmup_min_lr": 0, "scheduler.params.warmup_max_lr": lr,
+        "fp16.enabled": bool(v["fp16"] or v["fp16_full_eval"]), "bf16.enabled": bool(v["bf16"] or v["bf16_full_eval"]),
+    }
+    steps = num_training_steps
+    if steps is None and isinstance(v["max_steps"], int) and not isinstance(v["max_steps"], bool) \
+            and v["max_steps"] > 0:
+        steps = v["max_steps"]
+    if steps is not None:
+        out["scheduler.params.total_num_steps"] = steps
+    warm, ratio = v["warmup_steps"], v["warmup_ratio"]
+    if isinstance(warm, (int, float)) and not isinstance(warm, bool) and isinstance(ratio, (int, float)):
+        frac = warm if 0 < warm < 1 else ratio           # a float warmup_steps < 1 is a ratio (transformers 5)
+        if warm >= 1:                                    # TrainingArguments.get_warmup_steps, then HF's max(1, .)
+            out["scheduler.params.warmup_num_steps"] = int(warm)
+        elif not frac:
+            out["scheduler.params.warmup_num_steps"] = 1
+        elif isinstance(steps, int):
+            out["scheduler.params.warmup_num_steps"] = max(1, math.ceil(steps * frac))
+    return out
+
+
+def _autos(node: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of every "auto" value (ZenFlow's own "auto" modes excepted)."""
+    out = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            path = f"{prefix}{k}"
+            if path == "zero_optimization.zenflow":
+                continue
+            if isinstance(v, str) and v == "auto":
+                out.append(path)
+            else:
+                out += _autos(v, path + ".")
+    return out
+
+
+def _get(cfg: dict, path: str) -> Any:
+    node: Any = cfg
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _set(cfg: dict, path: str, value: Any) -> None:
+    *parents, leaf = path.split(".")
+    node = cfg
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+
+
+def _hidden_size(model: Any) -> int | None:
+    """The model's hidden size as HF Trainer reads it (config.hidden_size, the largest of
+    hidden_sizes, or the same in text_config)."""
+    for conf in (getattr(model, "config", None), getattr(getattr(model, "config", None), "text_config", None)):
+        if conf is None:
+            continue
+        h = getattr(conf, "hidden_size", None)
+        if h is None and getattr(conf, "hidden_sizes", None):
+            h = max(conf.hidden_sizes)
+        if isinstance(h, int) and not isinstance(h, bool) and h > 0:
+            return h
+    return None
+
+
+def _ignored_path(path: str) -> bool:
+    """A key dsfn accepts without reading its value (performance / logging tuning)."""
+    parts = path.split(".")
+    if parts[0] in _IGNORED_TOP:
+        return True
+    if parts[0] == "zero_optimization" and len(parts) == 2:
+        return parts[1] in _ZERO_PERF or parts[1] in ("stage3_gather_16bit_weights_on_model_save",)
+    if parts[0] == "zero_optimization" and len(parts) == 3 and parts[1] in ("offload_optimizer", "offload_param"):
+        return parts[2] in _OFFLOAD_PERF
+    return False
+
+
+def _resolve_auto(cfg: dict, auto: Any, model: Any) -> dict:
+    """Fill every "auto" of `cfg` in place (module docstring); the batch sizes still unknown
+    are left None for DeepSpeed's rule. Returns {path: value} of what was filled. Raises one
+    ConfigError listing every "auto" that nothing fills, and how to supply it."""
+    if auto is None:
+        auto = {}
+    if not isinstance(auto, Mapping) or not all(isinstance(k, str) for k in auto):
+        raise ConfigError(f"from_ds_config(auto={auto!r}): a dict of dotted ds_config keys -> values, e.g. "
+                          "{'optimizer.params.lr': 3e-4}, or dsfn.migrate.hf_trainer_auto(training_args)")
+    paths = _autos(cfg)
+    stray = sorted(k for k in auto if k not in paths and k not in _HF_AUTO)
+    if stray:
+        raise ConfigError(f"from_ds_config(auto=...): {stray} match no \"auto\" value of this ds_config (its "
+                          f"\"auto\" keys: {paths}); auto= fills only entries written \"auto\"")
+    filled: dict[str, Any] = {}
+    for path in paths:
+        if path in auto:
+            filled[path] = copy.deepcopy(auto[path])
+            _set(cfg, path, filled[path])
+    stage = _get(cfg, "zero_optimization.stage")
+    hidden = _hidden_size(model)
+    missing: list[tuple[str, str]] = []
+    for path in paths:
+        if path in filled:
+            continue
+        where = _HF_AUTO.get(path, "not filled by HF Trainer: give a value")
+        if path in _HIDDEN_KEYS:
+            if path != "zero_optimization.reduce_bucket_size" and stage != 3:
+                _get(cfg, path.rpartition(".")[0]).pop(path.rpartition(".")[2])   # unused below stage 3
+            elif hidden is not None:
+                filled[path] = _HIDDEN_KEYS[path](hidden)
+                _set(cfg, path, filled[path])
+            else:
+                missing.append((path, f"{where}: pass model= (a Hugging Face model whose config has hidden_size)"))
+        elif path == "scheduler.params.warmup_min_lr":
+            filled[path] = 0                                   # HF Trainer's constant
+            _set(cfg, path, 0)
+        elif path in _BATCH_KEYS:
+            continue                                           # after the others: any two give the third
+        elif _ignored_path(path):
+            continue                                           # accepted without being read
+        elif path.count(".") and _get(cfg, path.split(".")[0] + ".enabled") is False:
+            continue                                           # a disabled block's keys do nothing
+        else:
+            missing.append((path, where))
+    lr = _get(cfg, "optimizer.params.lr")
+    if "scheduler.params.warmup_max_lr" in paths and "scheduler.params.warmup_max_lr" not in filled:
+        missing = [m for m in missing if m[0] != "scheduler.params.warmup_max_lr"]
+        if lr is not None and lr != "auto":
+            filled["scheduler.params.warmup_max_lr"] = lr      # HF: learning_rate, the optimizer's lr
+            _set(cfg, "scheduler.params.warmup_max_lr", lr)
+        else:
+            missing.append(("scheduler.params.warmup_max_lr", _HF_AUTO["scheduler.params.warmup_max_lr"]
+                            + " (the optimizer's lr, which is \"auto\" or absent too)"))
+    batch_auto = [k for k in _BATCH_KEYS if k in paths and k not in filled]
+    if batch_auto:
+        known = [k for k in _BATCH_KEYS if cfg.get(k) is not None and cfg.get(k) != "auto"]
+        if len(known) >= 2:
+            for k in batch_auto:
+                cfg[k] = None                                  # DeepSpeed's rule derives it
+        else:
+            missing += [(k, _HF_AUTO[k]) for k in batch_auto]
+    if missing:
+        missing.sort(key=lambda m: paths.index(m[0]))            # in the config's order
+        lines = "\n".join(f"  - {k}: {why}" for k, why in missing)
+        example = ", ".join(f"{k!r}: ..." for k, _ in missing[:2])
+        raise ConfigError(
+            f"ds_config has {len(missing)} \"auto\" value(s) that dsfn cannot fill by itself (Hugging Face Trainer "
+            f"fills them from its TrainingArguments and the model):\n{lines}\n"
+            f"Supply them with from_ds_config(config, auto={{{example}}}) (dotted keys as listed), or "
+            "auto=dsfn.migrate.hf_trainer_auto(training_args) for the values HF Trainer would use (a "
+            "TrainingArguments, or its fields as keywords: learning_rate=, per_device_train_batch_size=, bf16=, "
+            "max_steps=, ...); bucket sizes come from model=; or write the values into the config")
+    return filled
+
+
+def _world_size(world_size: int | None) -> int:
+    """`world_size`, else the launcher's: the process group is joined first (as a Step
+    does), so a launched rank never reads 1 before its group exists."""
+    from dsfn.runtime import env
+    env.ensure_distributed()
+    group = env.world_size() if env.is_distributed() else None
+    if world_size is None:
+        return env.world_size()
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"from_ds_config(world_size={world_size!r}): the number of ranks, an int >= 1")
+    if group is not None and group != world_size:
+        raise ConfigError(f"from_ds_config(world_size={world_size}) but this process is one of {group} ranks; "
+                          "leave world_size out to use the process group's")
+    return world_size
+
+
 def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world_size: int | None = None,
-                   checkpoint_dir: str | os.PathLike | None = None, save_every: int | None = None) -> DsConfig:
+                   checkpoint_dir: str | os.PathLike | None = None, save_every: int | None = None,
+                   auto: Mapping[str, Any] | None = None) -> DsConfig:
     """The dsfn stack, optimizer and batch settings that reproduce a DeepSpeed run.
 
     Args:
         config: a path to ds_config.json, or the dict.
         model: the nn.Module (needed for `tensor_parallel.autotp_size` and Muon's
             `per_head_muon`).
-        world_size: ranks in the run (default: the current process group's, 1 without one);
-            the batch-size rule uses world / (sp * tp).
+        world_size: ranks in the run. Default: the launcher's; under torchrun /
+            `dsfn.launch` (WORLD_SIZE > 1) the process group is initialised now, as a Step
+            would, and its size used (1 only for a single process). Given while a group
+            exists, it must equal the group's. The batch-size rule uses world / (sp * tp).
         checkpoint_dir, save_every: with `datastates_ckpt` / `checkpoint.writer`, add
             `async_checkpoint(checkpoint_dir, save_every, host_cache_size=...)`.
+        auto: values for the config's `"auto"` entries, dotted key -> value (e.g.
+            `{"optimizer.params.lr": 3e-4, "train_micro_batch_size_per_gpu": 4}`), or
+            `hf_trainer_auto(training_args)`: the values HF Trainer would fill.
     Raises:
-        ConfigError: one error listing every key dsfn does not reproduce, or a value or
-            batch-size combination DeepSpeed itself rejects.
+        ConfigError: one error listing every key dsfn does not reproduce, one listing every
+            `"auto"` nothing fills, or a value (named by its key) or batch-size combination
+            DeepSpeed itself rejects.
     """
     from dsfn import transforms as T
     cfg = _load(config)
     raw = json.loads(json.dumps(cfg))
     c = _Collect()
-    if world_size is None:
-        from dsfn.runtime import env
-        world_size = env.world_size()
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"from_ds_config(world_size={world_size!r}): the number of ranks, an int >= 1")
+    world_size = _world_size(world_size)
+    _resolve_auto(cfg, auto, model)
+    resolved = json.loads(json.dumps(cfg))
 
     sp = _int("sequence_parallel_size", cfg.pop("sequence_parallel_size", 1) or 1)
-    tp_block = cfg.pop("tensor_parallel", None) or {}
-    tp = _tensor_parallel(tp_block, c)
+    tp = _tensor_parallel(cfg.pop("tensor_parallel", None), c)
     if world_size % (sp * tp):
         raise ConfigError(f"ds_config: world size {world_size} is not divisible by sequence_parallel_size ({sp}) x "
                           f"tensor_parallel.autotp_size ({tp}); the data-parallel size is world / (sp x tp)")
@@ -216,11 +526,14 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
     tb, mb, gas = batch_sizes(cfg.pop("train_batch_size", None), cfg.pop("train_micro_batch_size_per_gpu", None),
                               cfg.pop("gradient_accumulation_steps", None), dp)
 
-    zero = cfg.pop("zero_optimization", None) or {}
-    if not isinstance(zero, Mapping):
+    for k, v in zip(_BATCH_KEYS, (tb, mb, gas)):
+        resolved[k] = v
+    zero = cfg.pop("zero_optimization", None)
+    if zero is not None and not isinstance(zero, Mapping):
         raise ConfigError(f"ds_config zero_optimization={zero!r}: expected an object such as {{'stage': 2}}")
+    zero = dict(zero or {})
     stage = zero.pop("stage", 0)
-    if stage not in (0, 1, 2, 3):
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
         raise ConfigError(f"ds_config zero_optimization.stage={stage!r}: DeepSpeed's stages are 0, 1, 2, 3")
     zero_kw = dict(reduce_bucket_size=max(_int("zero_optimization.reduce_bucket_size",
                                                    zero.pop("reduce_bucket_size", 5e8)), 1),
@@ -234,12 +547,14 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
     zenflow_t = _zenflow(zero.pop("zenflow", None), c)
     _zero_rest(zero, c)
 
-    fp16, bf16 = cfg.pop("fp16", None) or {}, cfg.pop("bf16", None) or {}
+    fp16, bf16 = _block("fp16", cfg.pop("fp16", None)), _block("bf16", cfg.pop("bf16", None))
+    for name, block in (("fp16", fp16), ("bf16", bf16)):
+        block["enabled"] = _bool(f"{name}.enabled", block.get("enabled", False))
     half = None
-    if bf16.get("enabled", False) and fp16.get("enabled", False):
+    if bf16["enabled"] and fp16["enabled"]:
         raise ConfigError("ds_config enables both fp16 and bf16; DeepSpeed (and dsfn) use one: keep one enabled")
     comm = cfg.pop("communication_data_type", None)
-    if comm is not None and comm not in _DTYPES:
+    if comm is not None and not (isinstance(comm, str) and comm in _DTYPES):
         raise ConfigError(f"ds_config communication_data_type={comm!r}: use one of fp32, fp16, bf16 (or null)")
     precision, scaler = [], []
     for name, block in (("bf16", bf16), ("fp16", fp16)):
@@ -261,26 +576,33 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
     if fp16.get("enabled", False):
         fp16.pop("enabled")
         half = torch.float16
-        scale = fp16.pop("loss_scale", 0)
-        kw = dict(init_scale=2.0 ** fp16.pop("initial_scale_power", 16),
-                  window=int(fp16.pop("loss_scale_window", 1000)),
-                  hysteresis=int(fp16.pop("hysteresis", 2)), min_scale=float(fp16.pop("min_loss_scale", 1)),
-                  consecutive_hysteresis=bool(fp16.pop("consecutive_hysteresis", False)))
+        scale = _float("fp16.loss_scale", fp16.pop("loss_scale", 0))
+        power = _int("fp16.initial_scale_power", fp16.pop("initial_scale_power", 16))
+        if power > 1000:
+            raise ConfigError(f"ds_config fp16.initial_scale_power={power}: the scale 2**power must fit a float "
+                              "(DeepSpeed's default is 16)")
+        kw = dict(init_scale=2.0 ** power,
+                  window=_int("fp16.loss_scale_window", fp16.pop("loss_scale_window", 1000)),
+                  hysteresis=_int("fp16.hysteresis", fp16.pop("hysteresis", 2)),
+                  min_scale=_float("fp16.min_loss_scale", fp16.pop("min_loss_scale", 1), above=True),
+                  consecutive_hysteresis=_bool("fp16.consecutive_hysteresis",
+                                               fp16.pop("consecutive_hysteresis", False)))
         if scale:
-            kw["static"] = float(scale)
-        scaler.append(T.loss_scale(**kw))
+            kw["static"] = scale
+        scaler.append(_make("fp16", T.loss_scale, **kw))
         for k in ("auto_cast", "fp16_master_weights_and_grads"):
             if fp16.pop(k, False):
                 c.no(f"fp16.{k}", "dsfn casts the whole model with mixed_precision and keeps fp32 masters")
         for k in fp16:
             c.no(f"fp16.{k}", "not a DeepSpeed 0.19 fp16 key")
     if half is not None:
-        precision.append(T.mixed_precision(half, reduce_dtype=_DTYPES[comm] if comm else None))
+        precision.append(_make("bf16" if half == torch.bfloat16 else "fp16", T.mixed_precision, half,
+                               reduce_dtype=_DTYPES[comm] if comm else None))
     elif comm not in (None, "fp32", "float32"):
         c.no("communication_data_type", "without fp16/bf16 gradients are fp32 and reduced in fp32")
 
     clip = cfg.pop("gradient_clipping", 1.0)
-    if not isinstance(clip, (int, float)) or clip < 0:
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
         raise ConfigError(f"ds_config gradient_clipping={clip!r}: a max norm >= 0 (0 disables; DeepSpeed's "
                           "default is 1.0)")
     tx = _optimizer(cfg.pop("optimizer", None), cfg.pop("scheduler", None), model, c)
@@ -299,7 +621,7 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
     stack: list = []
     if sp > 1:
         stack.append(T.sequence_parallel())
-    stack.append(T.shard_zero(stage, **zero_kw))
+    stack.append(_make("zero_optimization", T.shard_zero, stage, **zero_kw))
     if tp > 1:
         if model is None:
             raise ConfigError("ds_config tensor_parallel.autotp_size > 1 needs the model: "
@@ -310,16 +632,16 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
         stack.append(T.accumulate(gas))
     stack += offload_t + precision + scaler
     if clip > 0:
-        stack.append(T.clip_grad_norm(float(clip)))
+        stack.append(_make("gradient_clipping", T.clip_grad_norm, float(clip)))
     stack += zenflow_t + ckpt_t
     return DsConfig(tuple(stack), tx, tb, mb, gas, world_size, {"dp": dp, "sp": sp, "tp": tp}, ckpt,
-                    tuple(k for k, _ in c.ignored), raw)
+                    tuple(k for k, _ in c.ignored), raw, resolved)
 
 
 def _tensor_parallel(block: Any, c: _Collect) -> int:
-    if not isinstance(block, Mapping):
+    if block is not None and not isinstance(block, Mapping):
         raise ConfigError(f"ds_config tensor_parallel={block!r}: expected an object such as {{'autotp_size': 2}}")
-    block = dict(block)
+    block = dict(block or {})
     tp = _int("tensor_parallel.autotp_size", block.pop("autotp_size", 0) or 0) or 1
     if block.pop("tp_overlap_comm", False):
         c.ignore("tensor_parallel.tp_overlap_comm", "communication overlap")
@@ -340,9 +662,13 @@ def _offload(zero: dict, stage: int, c: _Collect) -> list:
         opt = opt or {"device": "cpu"}
     if zero.pop("cpu_offload_param", False):
         par = par or {"device": "cpu"}
-    opt, par = dict(opt or {}), dict(par or {})
+    opt = _block("zero_optimization.offload_optimizer", opt)
+    par = _block("zero_optimization.offload_param", par)
     dev = opt.pop("device", "none") or "none"
     pdev = par.pop("device", "none") or "none"
+    for key, d in (("offload_optimizer", dev), ("offload_param", pdev)):
+        if not (isinstance(d, str) and d in ("none", "cpu", "nvme")):
+            raise ConfigError(f"ds_config zero_optimization.{key}.device={d!r}: use none, cpu or nvme")
     for k in (_OFFLOAD_PERF & set(opt)):
         opt.pop(k)
         c.ignore(f"zero_optimization.offload_optimizer.{k}", "I/O tuning")
@@ -355,9 +681,14 @@ def _offload(zero: dict, stage: int, c: _Collect) -> list:
     if ratio != 1.0:
         c.no("zero_optimization.offload_optimizer.ratio", "partial (Twin-Flow) offload: dsfn offloads all of "
              "the optimizer state; use 1.0")
-    super_offload = bool(opt.pop("super_offload", False))
+    super_offload = _bool("zero_optimization.offload_optimizer.super_offload", opt.pop("super_offload", False))
     cores = opt.pop("cpuadam_cores_perc", None)
-    path, pin = opt.pop("nvme_path", None), opt.pop("pin_memory", True)
+    if cores is not None:
+        cores = _float("zero_optimization.offload_optimizer.cpuadam_cores_perc", cores, above=True)
+    path = opt.pop("nvme_path", None)
+    pin = _bool("zero_optimization.offload_optimizer.pin_memory", opt.pop("pin_memory", True))
+    if path is not None and not isinstance(path, str):
+        raise ConfigError(f"ds_config zero_optimization.offload_optimizer.nvme_path={path!r}: a directory path")
     ppath = par.pop("nvme_path", None)
     par.pop("pin_memory", None)
     for k in opt:
@@ -377,38 +708,38 @@ def _offload(zero: dict, stage: int, c: _Collect) -> list:
     if dev == "nvme" and not path:
         raise ConfigError("ds_config offload_optimizer.device='nvme' needs offload_optimizer.nvme_path "
                           "(a directory on a fast local disk)")
-    return [T.offload(dev, params=pdev == dev and stage == 3, path=path if dev == "nvme" else None,
-                      pin_memory=bool(pin), overlap=super_offload, cores=cores)]
+    return [_make("zero_optimization.offload_optimizer", T.offload, dev, params=pdev == dev and stage == 3,
+                  path=path if dev == "nvme" else None, pin_memory=pin, overlap=super_offload, cores=cores)]
 
 
 def _zenflow(block: Any, c: _Collect) -> list:
     from dsfn import transforms as T
     if not block:
         return []
-    z = dict(block)
+    z = _block("zero_optimization.zenflow", block)
     kw = {"topk_ratio": z.pop("topk_ratio", 0.1), "full_warm_up_rounds": z.pop("full_warm_up_rounds", 0),
-          "overlap": bool(z.pop("overlap_step", False))}
+          "overlap": _bool("zero_optimization.zenflow.overlap_step", z.pop("overlap_step", False))}
     for key, arg in (("update_interval", "update_interval"), ("select_interval", "select_interval")):
         v = z.pop(key, "auto")
-        if v == "auto":
+        if isinstance(v, str) and v == "auto":
             if key == "update_interval":
                 c.no("zero_optimization.zenflow.update_interval", "'auto' (adaptive) is not supported; give an int")
         else:
             kw[arg] = v
     kw.setdefault("update_interval", 4)
     strategy = z.pop("select_strategy", "auto")
-    if strategy != "step":
+    if not (isinstance(strategy, str) and strategy == "step"):
         c.no("zero_optimization.zenflow.select_strategy", f"{strategy!r}: dsfn re-selects every select_interval "
              "updates (DeepSpeed's 'step'); set 'step'")
     z.pop("auto_ratio", None)
-    if z.pop("offload", False):
+    if _bool("zero_optimization.zenflow.offload", z.pop("offload", False)):
         c.no("zero_optimization.zenflow.offload", "the selected columns' moments stay on the device")
     if "pt_reserved_cores_perc" in z:
         z.pop("pt_reserved_cores_perc")
         c.ignore("zero_optimization.zenflow.pt_reserved_cores_perc", "core pinning")
     for k in z:
         c.no(f"zero_optimization.zenflow.{k}", "not a DeepSpeed 0.19 zenflow key")
-    return [T.zenflow(**kw)]
+    return [_make("zero_optimization.zenflow", T.zenflow, **kw)]
 
 
 def _zero_rest(zero: dict, c: _Collect) -> None:
@@ -438,28 +769,32 @@ def _optimizer(block: Any, sched: Any, model: Any, c: _Collect) -> Any:
     if block is None:
         raise ConfigError("ds_config has no 'optimizer' block; dsfn needs one (e.g. {'type': 'AdamW', 'params': "
                           "{'lr': 3e-4}}) — a client optimizer passed to deepspeed.initialize becomes dsfn's tx")
-    kind = str(block.get("type", ""))
-    p = dict(block.get("params") or {})
+    block = _block("optimizer", block)
+    kind = block.get("type", "")
+    if not isinstance(kind, str):
+        raise ConfigError(f"ds_config optimizer.type={kind!r}: a name such as 'AdamW'")
+    p = _block("optimizer.params", block.get("params"))
     if "max_grad_norm" in p:
         raise ConfigError("ds_config optimizer.params.max_grad_norm is not supported (DeepSpeed rejects it too): "
                           "use the top-level gradient_clipping")
-    lr_of = lambda base: from_config(sched, optimizer_lr=base) if sched else base
+    lr_of = lambda base: _make("scheduler", from_config, sched, optimizer_lr=base) if sched else base
     low = kind.lower()
     if low in ("adam", "adamw"):
-        torch_adam = bool(p.pop("torch_adam", False))
-        w_mode = low == "adamw" or bool(p.pop("adam_w_mode", True))
+        torch_adam = _bool("optimizer.params.torch_adam", p.pop("torch_adam", False))
+        w_mode = low == "adamw" or _bool("optimizer.params.adam_w_mode", p.pop("adam_w_mode", True))
         p.pop("adam_w_mode", None)
         p.pop("fp32_optimizer_states", None)
         p.pop("foreach", None)
-        if not p.pop("bias_correction", True):
+        if not _bool("optimizer.params.bias_correction", p.pop("bias_correction", True)):
             c.no("optimizer.params.bias_correction", "false: dsfn's Adam always corrects the bias")
-        lr = float(p.pop("lr", 1e-3))
-        wd = float(p.pop("weight_decay", 0.01 if (torch_adam and w_mode) else 0.0))
-        kw = dict(betas=tuple(p.pop("betas", (0.9, 0.999))), eps=float(p.pop("eps", 1e-8)), weight_decay=wd,
-                  amsgrad=bool(p.pop("amsgrad", False)))
+        lr = _float("optimizer.params.lr", p.pop("lr", 1e-3))
+        wd = _float("optimizer.params.weight_decay", p.pop("weight_decay", 0.01 if (torch_adam and w_mode) else 0.0))
+        kw = dict(betas=_betas("optimizer.params.betas", p.pop("betas", (0.9, 0.999))),
+                  eps=_float("optimizer.params.eps", p.pop("eps", 1e-8)), weight_decay=wd,
+                  amsgrad=_bool("optimizer.params.amsgrad", p.pop("amsgrad", False)))
         for k in p:
             c.no(f"optimizer.params.{k}", f"not a parameter of DeepSpeed's {kind}")
-        return (optim.adamw if w_mode else optim.adam)(lr_of(lr), **kw)
+        return _make("optimizer", optim.adamw if w_mode else optim.adam, lr_of(lr), **kw)
     if low == "muon":
         p.pop("adam_w_mode", None)
         lr = p.pop("lr", None)
@@ -467,11 +802,13 @@ def _optimizer(block: Any, sched: Any, model: Any, c: _Collect) -> Any:
         for src, dst in (("momentum", "momentum"), ("weight_decay", "weight_decay"), ("ns_method", "ns_method"),
                          ("betas", "adam_betas"), ("eps", "adam_eps")):
             if src in p:
-                kw[dst] = tuple(p.pop(src)) if src == "betas" else p.pop(src)
+                v = p.pop(src)
+                key = f"optimizer.params.{src}"
+                kw[dst] = _betas(key, v) if src == "betas" else v if src == "ns_method" else _float(key, v)
         for k in ("muon_lr", "adam_lr"):
             if k in p:
-                kw[k] = lr_of(float(p.pop(k)))
-        if p.pop("per_head_muon", False):
+                kw[k] = lr_of(_float(f"optimizer.params.{k}", p.pop(k)))
+        if _bool("optimizer.params.per_head_muon", p.pop("per_head_muon", False)):
             conf = getattr(model, "config", None)
             heads = getattr(conf, "num_attention_heads", None)
             if heads is None:
@@ -482,28 +819,31 @@ def _optimizer(block: Any, sched: Any, model: Any, c: _Collect) -> Any:
                 kw["num_kv_heads"] = getattr(conf, "num_key_value_heads", None) or heads
         for k in p:
             c.no(f"optimizer.params.{k}", "not a parameter of DeepSpeed's Muon")
-        return optim.muon(lr_of(float(lr)) if lr is not None else (lr_of(0.02) if sched else None), **kw)
+        lr = _float("optimizer.params.lr", lr) if lr is not None else None
+        return _make("optimizer", optim.muon, lr_of(lr) if lr is not None else (lr_of(0.02) if sched else None), **kw)
     if low == "sgd":
-        lr = float(p.pop("lr", 1e-3))
-        kw = {k: p.pop(k) for k in ("momentum", "dampening", "nesterov", "weight_decay") if k in p}
+        lr = _float("optimizer.params.lr", p.pop("lr", 1e-3))
+        kw = {k: (_bool if k == "nesterov" else _float)(f"optimizer.params.{k}", p.pop(k))
+              for k in ("momentum", "dampening", "nesterov", "weight_decay") if k in p}
         for k in p:
             c.no(f"optimizer.params.{k}", "not a parameter of torch.optim.SGD")
-        return optim.sgd(lr_of(lr), **kw)
+        return _make("optimizer", optim.sgd, lr_of(lr), **kw)
     if kind in ("Lamb", "OneBitAdam", "OneBitLamb", "ZeroOneAdam", "Lion", "MuAdam", "MuAdamW", "MuSGD",
                 "Adagrad", "CPUAdagrad") or not hasattr(torch.optim, kind):
         c.no("optimizer.type", f"{kind!r}: dsfn has AdamW, Adam, Muon, SGD and elementwise torch.optim optimizers "
              "(from_torch)")
         return optim.adamw(1e-3)         # placeholder; the ConfigError listing follows
-    lr = float(p.pop("lr", 1e-3))
-    return optim.from_torch(getattr(torch.optim, kind), lr=lr_of(lr), **p)
+    lr = _float("optimizer.params.lr", p.pop("lr", 1e-3))
+    return _make("optimizer", optim.from_torch, getattr(torch.optim, kind), lr=lr_of(lr), **p)
 
 
 def _activation_checkpointing(block: Any, c: _Collect) -> list:
     from dsfn import transforms as T
     if not block:
         return []
-    b = dict(block)
-    cpu, part = bool(b.pop("cpu_checkpointing", False)), bool(b.pop("partition_activations", False))
+    b = _block("activation_checkpointing", block)
+    cpu = _bool("activation_checkpointing.cpu_checkpointing", b.pop("cpu_checkpointing", False))
+    part = _bool("activation_checkpointing.partition_activations", b.pop("partition_activations", False))
     for k in ("contiguous_memory_optimization", "number_checkpoints", "synchronize_checkpoint_boundary", "profile"):
         if k in b:
             b.pop(k)
@@ -512,13 +852,13 @@ def _activation_checkpointing(block: Any, c: _Collect) -> list:
         c.no(f"activation_checkpointing.{k}", "not a DeepSpeed 0.19 activation_checkpointing key")
     if not (cpu or part):
         return []
-    return [T.remat(offload="cpu" if cpu else None, partition_activations=part)]
+    return [_make("activation_checkpointing", T.remat, offload="cpu" if cpu else None, partition_activations=part)]
 
 
 def _checkpointing(cfg: dict, c: _Collect, directory: Any, every: Any) -> tuple[dict, list]:
     from dsfn import transforms as T
     out: dict = {}
-    block = dict(cfg.pop("checkpoint", None) or {})
+    block = _block("checkpoint", cfg.pop("checkpoint", None))
     for k in ("tag_validation", "load_universal", "use_node_local_storage", "checkpoint_serialization",
               "parallel_write"):
         if k in block:
@@ -526,19 +866,18 @@ def _checkpointing(cfg: dict, c: _Collect, directory: Any, every: Any) -> tuple[
             c.ignore(f"checkpoint.{k}", "dsfn checkpoints are universal, tag-free, pickle-free")
     writer = block.pop("writer", None)
     if writer:
-        out["engine"] = "async" if writer.get("decoupled", False) else "sync"
+        writer = _block("checkpoint.writer", writer)
+        out["engine"] = "async" if _bool("checkpoint.writer.decoupled", writer.get("decoupled", False)) else "sync"
         c.ignore("checkpoint.writer", "I/O tuning (decoupled -> the async engine)")
     for k in block:
         c.no(f"checkpoint.{k}", "not a DeepSpeed 0.19 checkpoint key")
     ds = cfg.pop("datastates_ckpt", None)
     if ds is not None:
-        ds = dict(ds)
+        ds = _block("datastates_ckpt", ds)
         size = ds.pop("host_cache_size", None)
         out["engine"] = "async"
         if size is not None:
-            if not isinstance(size, (int, float)) or size < 0:
-                raise ConfigError(f"ds_config datastates_ckpt.host_cache_size={size!r}: a size in GB >= 0")
-            out["host_cache_size"] = int(size * 2**30)
+            out["host_cache_size"] = int(_float("datastates_ckpt.host_cache_size", size) * 2**30)
         for k in ds:
             c.no(f"datastates_ckpt.{k}", "only host_cache_size is read")
     if cfg.get("nebula") is not None and not _disabled(cfg.get("nebula")):
@@ -551,7 +890,7 @@ def _checkpointing(cfg: dict, c: _Collect, directory: Any, every: Any) -> tuple[
     kw = {"engine": out["engine"]}
     if out["engine"] == "async" and "host_cache_size" in out:
         kw["host_cache_size"] = out["host_cache_size"]
-    return out, [T.async_checkpoint(directory, every, **kw)]
+    return out, [_make("checkpoint", T.async_checkpoint, directory, every, **kw)]
 
 
 def _top_rest(cfg: dict, c: _Collect) -> None:
@@ -568,11 +907,15 @@ def _top_rest(cfg: dict, c: _Collect) -> None:
         elif k == "managed_gradient_accumulation":
             c.no(k, "false (the caller steps at the boundary): dsfn's step takes the whole global batch; "
                  "use accumulate(n)")
+        elif k == "data_types" and not isinstance(v, (Mapping, type(None))):
+            c.no(k, f"{v!r}: expected an object such as {{'grad_accum_dtype': 'fp32'}}")
         elif k == "data_types" and not any((v or {}).values()):
             continue
         elif k == "data_types":
             c.no(k, "grad_accum_dtype / param_dtype: dsfn accumulates in the gradient dtype; use mixed_precision's "
                  "reduce_dtype for reductions")
+        elif k == "compile" and not isinstance(v, (Mapping, type(None))):
+            c.no(k, f"{v!r}: expected an object; dsfn does not run DeepSpeed's compile passes")
         elif k == "compile" and not (v or {}).get("deepcompile", False) and not (v or {}).get("passes"):
             continue
         elif isinstance(v, Mapping) and _disabled(v):

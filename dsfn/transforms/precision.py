@@ -15,11 +15,17 @@ Gradients come back in `param_dtype` and are reduced in `reduce_dtype` (default:
 `param_dtype`); the update casts them to `master_dtype`, runs the optimizer on the
 master weights, and casts the result back to `param_dtype`. Floating inputs of the
 differentiated function are cast to `param_dtype` (`cast_inputs`), and so are the
-module's frozen parameters and non-persistent floating buffers (`apply_fn.constants`,
-cast once and cached). Persistent buffers (`state.buffers`, e.g. BatchNorm statistics)
-keep their dtype in the state; the forward sees them in `param_dtype` and its updates
-are stored back (rounded to `param_dtype`). Place it inside the
-parallel transform: `compose(shard_zero(s), mixed_precision(...))`.
+module's frozen parameters (in `apply_fn.constants`; cast once and cached).
+
+Buffers keep their dtype, as in FSDP2 and DeepSpeed: non-persistent buffers (the other
+`apply_fn.constants`, e.g. a Hugging Face rotary `inv_freq`, whose bf16 rounding moves
+the rotary angle by radians at long positions) and persistent ones (`state.buffers`)
+reach the forward as they are. The one exception is normalization statistics (the
+buffers of BatchNorm / InstanceNorm modules), which torch's kernels require in the
+dtype of their input and weights: the forward sees them in `param_dtype` and its updates
+are stored back in the state's dtype. `buffer_dtype=` (e.g. `torch.bfloat16`) makes the
+forward see every floating buffer and constant in that dtype instead. Place it inside
+the parallel transform: `compose(shard_zero(s), mixed_precision(...))`.
 """
 from __future__ import annotations
 
@@ -42,8 +48,10 @@ class MixedPrecision(Transform):
     roles = frozenset({"mixed_precision"})
 
     def __init__(self, param_dtype: torch.dtype = torch.bfloat16, reduce_dtype: torch.dtype | None = None,
-                 master_dtype: torch.dtype = torch.float32, cast_inputs: bool = True):
-        for key, v in (("param_dtype", param_dtype), ("master_dtype", master_dtype), ("reduce_dtype", reduce_dtype)):
+                 master_dtype: torch.dtype = torch.float32, cast_inputs: bool = True,
+                 buffer_dtype: torch.dtype | None = None):
+        for key, v in (("param_dtype", param_dtype), ("master_dtype", master_dtype), ("reduce_dtype", reduce_dtype),
+                       ("buffer_dtype", buffer_dtype)):
             if v is not None and v not in _FLOATS:
                 raise ConfigError(f"mixed_precision({key}={v!r}): use one of torch.bfloat16, torch.float16, "
                                   "torch.float32")
@@ -51,6 +59,7 @@ class MixedPrecision(Transform):
         self.reduce_dtype = reduce_dtype or param_dtype
         self.master_dtype = master_dtype
         self.cast_inputs = bool(cast_inputs)
+        self.buffer_dtype = buffer_dtype
 
     @property
     def active(self) -> bool:
@@ -87,8 +96,9 @@ class MixedPrecision(Transform):
         return value.float(), grads
 
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
-        """Frozen parameters and floating buffers compute in `param_dtype` too."""
-        if not self.active:
+        """Frozen parameters compute in `param_dtype` too; buffers and constants keep their
+        dtype (module docstring) unless `buffer_dtype` is set."""
+        if not self.active and self.buffer_dtype is None:
             return call_next(apply_fn, params, args, kwargs)
         return call_next(self._cast_constants(apply_fn), params, args, kwargs)
 
@@ -97,10 +107,35 @@ class MixedPrecision(Transform):
         if cached is not None and cached[0] is apply_fn and cached[1] is apply_fn.constants:
             return cached[2]
         from dsfn.functional import ApplyFn
-        consts = {k: (v.to(self.param_dtype) if v.is_floating_point() else v) for k, v in apply_fn.constants.items()}
-        cast = ApplyFn(apply_fn.module, consts, apply_fn.param_names, apply_fn.buffers, self.param_dtype)
+        frozen = set(getattr(apply_fn, "frozen", ()))
+        compute = self.param_dtype if self.active else None
+        consts = {}
+        for k, v in apply_fn.constants.items():
+            dtype = compute if k in frozen else self.buffer_dtype
+            consts[k] = v.to(dtype) if dtype is not None and v.is_floating_point() else v
+        cast = ApplyFn(apply_fn.module, consts, apply_fn.param_names, apply_fn.buffers,
+                       self._persistent_dtypes(apply_fn), frozen=tuple(getattr(apply_fn, "frozen", ())))
         self._cast_cache = (apply_fn, apply_fn.constants, cast)
         return cast
+
+    def _persistent_dtypes(self, apply_fn) -> dict[str, torch.dtype]:
+        """The dtype each persistent buffer is handed to the forward in (name -> dtype; a name
+        not listed keeps its own): `buffer_dtype` for all when set, else `param_dtype` for
+        normalization statistics only (torch's batch_norm wants them in its input's dtype)."""
+        if self.buffer_dtype is not None:
+            return {n: self.buffer_dtype for n in apply_fn.buffers}
+        if not self.active:
+            return {}
+        out = {}
+        for n in apply_fn.buffers:
+            owner, _, _ = n.rpartition(".")
+            try:
+                module = apply_fn.module.get_submodule(owner)
+            except AttributeError:
+                continue
+            if isinstance(module, torch.nn.modules.batchnorm._NormBase):
+                out[n] = self.param_dtype
+        return out
 
     def handle_init_optimizer(self, call_next, state):
         """The optimizer runs on the master weights."""
@@ -162,5 +197,5 @@ def _cast_tree(t: Any, dtype: torch.dtype) -> Any:
 
 def mixed_precision(*args: Any, **kwargs: Any) -> MixedPrecision:
     """`mixed_precision(param_dtype=torch.bfloat16, reduce_dtype=None, master_dtype=torch.float32,
-    cast_inputs=True)`; see the module docstring."""
+    cast_inputs=True, buffer_dtype=None)`; see the module docstring."""
     return make_transform(MixedPrecision, "mixed_precision", args, kwargs)

@@ -315,3 +315,29 @@ def test_tensor_parallel_needs_the_model_and_sets_the_mesh():
     assert got.mesh == {"dp": 2, "sp": 1, "tp": 2} and got.train_batch_size == 4      # 2 x 1 x dp 2
     with pytest.raises(ConfigError, match="not divisible"):
         from_ds_config(cfg, model=make_tiny_causal_lm("llama"), world_size=3)
+
+
+def test_the_built_step_donates_its_input_state():
+    """`cfg.compose` donates (issue 25: without it the ZeRO-3 peak held a second copy of the state);
+    the values are bitwise those of the non-donating Step, and the donated input is invalid."""
+    cfg = {"train_batch_size": 8, "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        got = from_ds_config(cfg, world_size=1)
+    runs = {}
+    for donate in (None, False):
+        apply_fn, params = dsfn.functionalize(make_mlp([6, 16, 3]))
+        step = got.compose(train_step_for(apply_fn, mse_loss_fp32), donate=donate)
+        assert step.donate is (donate is None)
+        state = step.place(dsfn.TrainState.create(params, got.tx))
+        first = state
+        for b in regression_batches(STEPS, 8, 6, 3, seed=2):
+            state, _ = step(state, b)
+        if donate is None:
+            with pytest.raises(dsfn.errors.DonatedStateError):
+                first.params
+        else:                                           # control: a non-donating step leaves it readable
+            assert first.params is not None
+        runs[donate] = step.gather(state).params
+    assert_trees_equal(runs[None], runs[False])
