@@ -527,11 +527,7 @@ def _multi_outputs(params: Sequence[torch.Tensor], out, lowp: torch.dtype | None
                                      f"shape {tuple(params[i].shape)} on {device}")
                 dst[k][i] = t
         return dst
-    numels = [p.numel() for p in params]
-    total = sum(numels)
-
-    def views(dtype: torch.dtype) -> list[torch.Tensor]:
-        flat = torch.empty(total, dtype=dtype, device=device)
-        return [v.view(p.shape) for v, p in zip(flat.split(numels), params)]
-    return [views(torch.float32), views(torch.float32), views(torch.float32),
-            views(lowp) if lowp is not None else [None] * n]
+    from dsfn.ops.multi_tensor import flat_views
+    shapes = [p.shape for p in params]
+    return [flat_views(shapes, torch.float32, device), flat_views(shapes, torch.float32, device),
+            flat_views(shapes, torch.float32, device), flat_views(shapes, lowp, device) if lowp is not None else [None] * n]

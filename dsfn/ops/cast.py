@@ -70,15 +70,13 @@ def cast_tensors(tensors: Sequence[torch.Tensor], dtype: torch.dtype,
     if len(devices) != 1 or not dispatch.use_triton(*tensors, *(out or ()), dtypes=(dtype,)):
         return cast_tensors_torch(tensors, dtype, out)
     _check(tensors, dtype, out)
-    from dsfn.ops.multi_tensor import TL_DTYPES, chunk_table, pointer_table
+    from dsfn.ops.multi_tensor import TL_DTYPES, chunk_table, flat_views, pointer_table
     result: list[torch.Tensor] = list(out) if out is not None else list(tensors)
     todo = [i for i, t in enumerate(tensors) if t.numel() and (out is not None or t.dtype != dtype)]
     if out is None:
         fresh = [i for i, t in enumerate(tensors) if t.dtype != dtype]
-        numels = [tensors[i].numel() for i in fresh]
-        flat = torch.empty(sum(numels), dtype=dtype, device=tensors[0].device)
-        for i, v in zip(fresh, flat.split(numels)):
-            result[i] = v.view(tensors[i].shape)
+        for i, v in zip(fresh, flat_views([tensors[i].shape for i in fresh], dtype, tensors[0].device)):
+            result[i] = v
     by_src: dict[torch.dtype, list[int]] = {}
     for i in todo:
         by_src.setdefault(tensors[i].dtype, []).append(i)

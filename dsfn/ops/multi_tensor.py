@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["TL_DTYPES", "chunk_table", "pointer_table"]
+__all__ = ["TL_DTYPES", "chunk_table", "flat_views", "pointer_table"]
 
 
 def _tl_dtypes() -> dict[torch.dtype, object]:
@@ -79,3 +79,20 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def flat_views(shapes: Sequence[torch.Size], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Contiguous tensors of `shapes`, views into one fresh flat buffer (one view op each:
+    a group's results cost one allocation and no per-leaf split)."""
+    numels = [int(torch.Size(s).numel()) for s in shapes]
+    flat = torch.empty(sum(numels), dtype=dtype, device=device)
+    out, offset = [], 0
+    for s, n in zip(shapes, numels):
+        s = tuple(s)
+        stride, acc = [], 1
+        for d in reversed(s):
+            stride.append(acc)
+            acc *= max(d, 1)
+        out.append(flat.as_strided(s, tuple(reversed(stride)), offset))
+        offset += n
+    return out
