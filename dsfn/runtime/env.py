@@ -88,7 +88,20 @@ def bind_device() -> torch.device:
 
 
 def backend() -> str:
-    """The collective backend matching `device()`: "nccl" on CUDA, "gloo" on CPU."""
+    """The collective backend: `DSFN_BACKEND` when set ("gloo" or "nccl"), else the one
+    matching `device()`: "nccl" on CUDA, "gloo" on CPU.
+
+    `DSFN_BACKEND=gloo` with CUDA tensors runs several ranks on one GPU (NCCL refuses two
+    ranks on one device): gloo stages the CUDA tensors through the host. For tests and
+    benchmarks, not for speed."""
+    forced = os.environ.get("DSFN_BACKEND", "").strip().lower()
+    if forced:
+        if forced not in ("gloo", "nccl"):
+            raise ConfigError(f"DSFN_BACKEND={forced!r}: use 'gloo' or 'nccl', or unset it to pick by device")
+        if forced == "nccl" and not use_cuda():
+            raise ConfigError("DSFN_BACKEND=nccl needs CUDA (none is available, or DSFN_FORCE_CPU is set); "
+                              "unset DSFN_BACKEND or use 'gloo'")
+        return forced
     return "nccl" if use_cuda() else "gloo"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsfn.errors import DistributedError
+from dsfn.errors import ConfigError, DistributedError
 from dsfn.launch import spawn
 from dsfn.runtime import env
 
@@ -37,6 +37,23 @@ def test_cuda_when_visible_unless_forced(monkeypatch):
     assert env.device() == torch.device("cuda", 1) and env.backend() == "nccl"
     monkeypatch.setenv("DSFN_FORCE_CPU", "1")
     assert env.device() == torch.device("cpu") and env.backend() == "gloo"
+
+
+def test_backend_override_runs_gloo_on_cuda_tensors(monkeypatch):
+    """DSFN_BACKEND=gloo: several ranks on one GPU (NCCL refuses that); the device stays CUDA."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("DSFN_FORCE_CPU", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("DSFN_BACKEND", "gloo")
+    assert env.device() == torch.device("cuda", 0) and env.backend() == "gloo"
+    monkeypatch.setenv("DSFN_BACKEND", "mpi")
+    with pytest.raises(ConfigError, match="DSFN_BACKEND"):
+        env.backend()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("DSFN_BACKEND", "nccl")
+    with pytest.raises(ConfigError, match="needs CUDA"):
+        env.backend()
 
 
 def test_cpu_without_cuda(monkeypatch):
