@@ -19,6 +19,18 @@
 #                materialised logits at vocab 128k; RMSNorm and Muon figures
 #   (e) nccl     torchrun --nproc-per-node min(GPUs, 2) benchmarks/gpu_nccl_probe.py: MoE-style
 #                routing (ranks touching different parameters) under NCCL vs the single process
+#   (f) step     torchrun --nproc-per-node 1 benchmarks/gpu_step.py: HF Llama 350M and 1B (bf16, seq
+#                2048) under torch autocast + fused AdamW, FSDP2, DeepSpeed ZeRO-2/3 and dsfn dp /
+#                ZeRO-2 / ZeRO-3 (donated): step time, tokens/s, MFU, kernels per step, GPU busy,
+#                peak memory, and the issue-23 targets as PASS/FAIL lines
+#   (g) step2    DSFN_BACKEND=gloo torchrun --nproc-per-node 2 benchmarks/gpu_step.py --two-rank: two
+#                ranks on the one GPU (gloo over CUDA tensors) for ZeRO-3, tp2, sp2 vs one rank
+# Order: the sections that measure what the open issues need first (step, step2), then the checks.
+#
+# DeepSpeed: its sdist and the wheels it needs that the GPU image lacks (pydantic, pydantic-core,
+# annotated-types, typing-inspection, typing-extensions, hjson) are committed in benchmarks/wheels;
+# where `import deepspeed` fails, the run installs them into the private --target folder
+# (DS_BUILD_OPS=0, ~20 s).
 #
 # Wheels: the GPU machine reaches no package index, and its image lacks optree (dsfn needs
 # it; pytest, hypothesis, pytest-xdist, einops, numpy are there). `--fetch-wheels` runs
@@ -39,15 +51,15 @@ cd "$ROOT" || exit 2
 WHEELS="$ROOT/benchmarks/wheels"
 LOGS="${OUT:-${TMPDIR:-/tmp}/dsfn_gpu_checks}"
 NEED_MODULES="numpy optree einops pytest hypothesis"
-# caps in seconds: (a)+(b)+(c)+(d)+(e) = 530 s, leaving time for start-up under a 600 s limit
-CAP_OPS=160 CAP_INDEX=70 CAP_E2E=100 CAP_KERNELS=140 CAP_NCCL=60
+# caps in seconds, together 540 s (9 minutes), leaving time for start-up under a 600 s limit
+CAP_STEP=210 CAP_STEP2=50 CAP_E2E=70 CAP_KERNELS=70 CAP_OPS=80 CAP_INDEX=40 CAP_NCCL=20
 
 MODE=run
 for arg in "$@"; do
     case "$arg" in
         --dry-run) MODE=dry ;;
         --fetch-wheels) MODE=fetch ;;
-        -h|--help) sed -n '2,35p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        -h|--help) sed -n '2,48p' "${BASH_SOURCE[0]}"; exit 0 ;;
         *) echo "gpu_checks: unknown argument $arg (use --dry-run, --fetch-wheels or nothing)"; exit 2 ;;
     esac
 done
@@ -58,10 +70,12 @@ plan() {
     local xdist="" per_test=""
     "$PY" -c 'import xdist' >/dev/null 2>&1 && xdist=" -n 4"
     "$PY" -c 'import pytest_timeout' >/dev/null 2>&1 && per_test=" --timeout=150"   # first calls compile
-    echo "ops|$CAP_OPS|DSFN_TEST_DEVICE=cuda TRITON_INTERPRET=0 $PY -m pytest tests/ops -p no:cacheprovider -q -rfE$xdist$per_test"
-    echo "index|$CAP_INDEX|$PY benchmarks/gpu_index_math.py"
+    echo "step|$CAP_STEP|$PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_step.py --steps 6 --warmup 2"
+    echo "step2|$CAP_STEP2|DSFN_BACKEND=gloo $PY -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/gpu_step.py --two-rank"
     echo "e2e|$CAP_E2E|$PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_e2e.py"
     echo "kernels|$CAP_KERNELS|DSFN_KERNELS=triton $PY benchmarks/kernels.py --cuda-only"
+    echo "ops|$CAP_OPS|DSFN_TEST_DEVICE=cuda TRITON_INTERPRET=0 $PY -m pytest tests/ops -p no:cacheprovider -q -rfE$xdist$per_test"
+    echo "index|$CAP_INDEX|$PY benchmarks/gpu_index_math.py"
     echo "nccl|$CAP_NCCL|$PY -m torch.distributed.run --standalone --nproc-per-node \$(min(GPUs, 2)) benchmarks/gpu_nccl_probe.py"
 }
 
@@ -123,7 +137,9 @@ if [ "$MODE" = dry ]; then
         grep -E "PASS|FAIL" "$LOGS/dry_$name.log" | sed 's/^/    /'
         [ $rc = 0 ] || tail -20 "$LOGS/dry_$name.log" | sed 's/^/    | /'
     }
-    step syntax bash -c "bash -n '$ROOT/benchmarks/gpu_checks.sh' && '$PY' -m py_compile benchmarks/gpu_index_math.py benchmarks/gpu_e2e.py benchmarks/gpu_nccl_probe.py benchmarks/kernels.py"
+    step syntax bash -c "bash -n '$ROOT/benchmarks/gpu_checks.sh' && '$PY' -m py_compile benchmarks/gpu_index_math.py benchmarks/gpu_e2e.py benchmarks/gpu_nccl_probe.py benchmarks/kernels.py benchmarks/gpu_step.py"
+    step step "$PY" benchmarks/gpu_step.py --quick
+    step step2 "$PY" -m dsfn.launch --nproc 2 benchmarks/gpu_step.py --two-rank
     step index "$PY" benchmarks/gpu_index_math.py --small --device cpu
     step e2e "$PY" benchmarks/gpu_e2e.py --device cpu --steps 3
     step nccl "$PY" benchmarks/gpu_nccl_probe.py --dry-run
@@ -160,6 +176,15 @@ if [ -n "$MISSING" ]; then
         exit 2
     fi
 fi
+if ! "$PY" -c 'import deepspeed' >/dev/null 2>&1 && ls "$WHEELS"/deepspeed-*.tar.gz >/dev/null 2>&1; then
+    SITE="${TMPDIR:-/tmp}/dsfn_site"      # the peer of the step section; its absence is reported there
+    echo "== installing DeepSpeed from its sdist (DS_BUILD_OPS=0) and its wheels into $SITE"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$WHEELS"/*.whl && DS_BUILD_OPS=0 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation \
+        --no-cache-dir --target "$SITE" "$WHEELS"/deepspeed-*.tar.gz \
+        || echo "gpu_checks: DeepSpeed did not install; its rows will say so"
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"    # the checkout's dsfn, not an installed one
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 unset DSFN_KERNELS DSFN_FORCE_CPU
@@ -191,11 +216,11 @@ done < <(plan)
 echo
 echo "== summary"
 ALL=0
-for name in ops index e2e kernels nccl; do
+for name in step step2 e2e kernels ops index nccl; do
     rc="${RCS[$name]:-missing}"
     [ "$rc" = 0 ] || ALL=1
     echo "  ($name) exit $rc"
 done
 echo "== PASS/FAIL lines:"
-grep -hE "PASS|FAIL|passed|failed" "$LOGS"/{index,e2e,kernels,nccl}.log "$LOGS"/ops.log 2>/dev/null | sed 's/^/  /'
+grep -hE "PASS|FAIL|passed|failed" "$LOGS"/{step,step2,index,e2e,kernels,nccl}.log "$LOGS"/ops.log 2>/dev/null | sed 's/^/  /'
 exit $ALL

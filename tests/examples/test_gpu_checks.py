@@ -27,16 +27,18 @@ def test_dry_run_passes_and_lists_the_cuda_sections(tmp_path, monkeypatch):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "== dry run: all PASS" in out
-    for part in ("dry syntax: PASS", "dry index: PASS", "dry e2e: PASS", "dry nccl: PASS",
+    for part in ("dry syntax: PASS", "dry index: PASS", "dry e2e: PASS", "dry nccl: PASS", "dry step: PASS",
+                 "dry step2: PASS", "PASS two-rank zero3", "PASS two-rank tp2", "PASS two-rank sp2",
                  "checkpoint reloads bitwise PASS", "zero3 (experts as units)"):
         assert part in out, part
     plan = out.split("== on CUDA it would run")[1].split(":", 1)[1].split("== dry run")[0]
     for name, what in (("ops", "tests/ops"), ("index", "gpu_index_math.py"),
                        ("e2e", "--nproc-per-node 1 benchmarks/gpu_e2e.py"), ("kernels", "kernels.py --cuda-only"),
-                       ("nccl", "gpu_nccl_probe.py")):
+                       ("nccl", "gpu_nccl_probe.py"), ("step", "--nproc-per-node 1 benchmarks/gpu_step.py"),
+                       ("step2", "DSFN_BACKEND=gloo")):
         assert f"  {name}|" in plan and what in plan, (name, plan)
     caps = [int(line.split("|")[1]) for line in plan.splitlines() if line.count("|") >= 2]
-    assert len(caps) == 5 and sum(caps) <= 560          # one 10-minute command, with room to start
+    assert len(caps) == 7 and sum(caps) <= 540          # one 10-minute command, with room to start
 
 
 def test_unknown_argument_is_refused():
