@@ -500,6 +500,33 @@ class _Gather(torch.autograd.Function):
         return stand_in.expand(ctx.gatherer.shard_shape(ctx.index)), None, None
 
 
+class _GatherUnit(torch.autograd.Function):
+    """A unit's shards -> its full trainable parameters (gathered by the UnitGatherer), as
+    one autograd node; backward hands every arrived gradient to the gatherer (which queues
+    it for reduce-scatter) and returns zero-stride zeros for the shards."""
+
+    @staticmethod
+    def forward(ctx, gatherer, ids, *shards):
+        ctx.gatherer, ctx.ids = gatherer, ids
+        ctx.homes = [s.device for s in shards]
+        ctx.set_materialize_grads(False)        # an unused weight's gradient stays None
+        return tuple(gatherer.full(i) for i in ids)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        g = ctx.gatherer
+        out = []
+        for i, grad, home in zip(ctx.ids, grads, ctx.homes):
+            if grad is None:            # not reached by this loss: the reducer gets zeros at the end
+                out.append(None)
+                continue
+            g.grad_ready(i, grad)
+            # autograd wants the input's device: an offloaded shard lives on the host while its
+            # gathered weight (and so `grad`) is on the compute device
+            out.append(torch.zeros((), dtype=grad.dtype, device=home).expand(g.shard_shape(i)))
+        return (None, None, *out)
+
+
 def find_units(module: nn.Module, patterns: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
     """The modules whose parameters are gathered together (in registration order)."""
     named = list(module.named_modules())
@@ -683,10 +710,19 @@ class UnitGatherer:
                 return
             self._materialize(u)
             self._launch_upto(u + self.zero.prefetch)   # prefetch: overlaps this unit's compute
-            for i in self.unit_params[u]:
-                if torch.is_grad_enabled() and self.zero._reducer is not None and i not in self.frozen:
+            ids = self.unit_params[u]
+            trainable = [i for i in ids if i not in self.frozen]
+            if torch.is_grad_enabled() and self.zero._reducer is not None:
+                for i in trainable:
                     self.zero._gather_made(self.names[i])
-                full = _Gather.apply(self.shards[i], self, i)
+            # one autograd node for the unit's trainable weights (one Python call forward and
+            # backward per unit, not per tensor); frozen weights take no part in autograd
+            fulls = dict(zip(trainable, _GatherUnit.apply(self, tuple(trainable),
+                                                          *(self.shards[i] for i in trainable))))
+            for i in ids:
+                full = fulls.get(i)
+                if full is None:
+                    full = self.full(i)
                 for owner, attr in self.slots[i]:
                     owner._parameters[attr] = full
         return hook
