@@ -76,7 +76,7 @@ from dsfn import tree
 from dsfn.errors import ConfigError, StackError
 from dsfn.ops import dispatch
 from dsfn.runtime import env, flat, nvme
-from dsfn.runtime.host import copy_to_host
+from dsfn.runtime.host import copy_to_host, wait_last
 from dsfn.state.layout import (
     FlatShard,
     Layout,
@@ -177,18 +177,16 @@ class Offload(Transform):
         """Every tensor leaf of `trees` in host memory: device tensors are copied non-blocking
         (into pinned memory) and waited for once per device at the end, rather than one
         blocking copy, i.e. one device sync, per tensor."""
-        last: dict[torch.device, Any] = {}
+        events: list = []
 
         def one(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):
                 return t
             out, ready = copy_to_host(t, pin=self.pin_memory, non_blocking=True)
-            if ready is not None:
-                last[t.device] = ready        # one stream per device: its last copy ends them all
+            events.append((t.device, ready))
             return out
         outs = [tree.map(one, x) for x in trees]
-        for ready in last.values():
-            ready.synchronize()
+        wait_last(events)                     # one stream per device: its last copy ends them all
         return outs
 
     def _offload_tree(self, opt_state: Any, params: Any) -> Any:

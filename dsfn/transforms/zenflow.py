@@ -137,7 +137,7 @@ from dsfn.errors import ConfigError, LeafTypeError, StackError
 from dsfn.runtime import collectives as C
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
-from dsfn.runtime.host import copy_to_host
+from dsfn.runtime.host import copy_to_host, wait_last
 from dsfn.state.layout import Offloaded, Placed, Replicated, is_placed
 from dsfn.transforms.core import Transform, activate, active_stack, make_transform, with_role
 
@@ -549,17 +549,17 @@ class _Staging:
     `non_blocking` on CUDA; `wait()` before the host reads them. Host tensors pass through."""
 
     def __init__(self) -> None:
-        self._pending: list = []          # events of copies still in flight
+        self._pending: list = []          # (device, event) of copies still in flight
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         out, ready = copy_to_host(t, non_blocking=True)
         if ready is not None:
-            self._pending.append(ready)
+            self._pending.append((t.device, ready))
         return out
 
     def wait(self) -> None:
-        for ready in self._pending:
-            ready.synchronize()
+        """One wait per device (its stream runs the copies in order), never one per tensor."""
+        wait_last(self._pending)
         self._pending.clear()
 
 
