@@ -39,13 +39,19 @@ The host update runs AdamW in the fused, multi-threaded C++ kernel (`dsfn.ops.cp
 within an ulp (correctly rounded sqrt). `host_kernel=False` keeps torch's foreach
 arithmetic (bitwise the run without offload).
 
-`overlap=True` (SuperOffload-style): each parameter's host update starts on a worker
-thread as soon as ZeRO has reduced its gradient shard, while backward continues; the
-speculative results are used only when their inputs prove identical to the real update's,
-so results are bitwise those without overlap (`_OverlapSession`). The speculation applies
-to the shard what the transforms inside `offload` will do to it (`Transform.speculative_grad`:
+`overlap=True` (SuperOffload-style): as ZeRO finishes reducing a bucket of gradient shards,
+while backward continues, the bucket leaves the device as one asynchronous copy on a side
+stream into one of two pinned staging buffers, and a worker thread waits for that copy (one
+event per bucket, never one per tensor; the training thread waits for none) and runs the
+bucket's host AdamW at once, while the next bucket copies (`dsfn.runtime.pipeline`). The
+staged gradients are kept and the update uses them (no second copy). The speculative
+results are used only when their inputs prove identical to the real update's, so results
+are bitwise those without overlap (`_OverlapSession`). The speculation applies to the
+shard what the transforms inside `offload` will do to it (`Transform.speculative_grad`:
 mixed precision's cast to the master dtype, the loss scale's unscaling by the scale the step
-started with); a device (CUDA) shard is first copied to pinned host memory on its stream.
+started with). With no device (CPU training) nothing is copied and the buckets' work runs
+right before the update on the training thread (backward and the update share the cores:
+running them concurrently would only make them compete).
 fp16: a step whose gradients overflow skips the update, so its speculations are never used
 (discarded, as SuperOffload rolls back). With `clip_grad_norm` the update needs the global
 norm, known only after backward: nothing is speculated and the host update waits for the
