@@ -13,7 +13,10 @@ ran, device peak GiB, host syncs of one later step, per-stage host time):
   overlap            dsfn shard_zero(3), offload("cpu", overlap=True), mixed_precision()
   overlap-z2         dsfn shard_zero(2), offload("cpu", overlap=True), mixed_precision()
   zenflow            dsfn shard_zero(2), offload("cpu"), mixed_precision(), zenflow(overlap=True)
-(At world 1 shard_zero lays out nothing: these are the offload paths without ZeRO.)
+(At world 1 shard_zero lays out nothing: these are the offload paths without ZeRO, and since
+the overlap pipeline is fed by ZeRO's bucketed reduce-scatter (`flat.grad_bucket_listener`),
+the overlap rows then do what plain offload does: their worker-wait column says 0. With
+>= 2 GPUs run `--nproc-per-node 2` to see the pipeline.)
 
 Targets (H200 + 16-core host, issue 24): offload <= 0.9x DeepSpeed's step, overlap <= 0.6x,
 zenflow <= 0.35x; host syncs <= 3 per step; device peak <= 0.4x DeepSpeed's.
