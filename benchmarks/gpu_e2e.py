@@ -121,7 +121,8 @@ def run_stack(name: str, make, cfg: GPTConfig, steps: int, batch: int, device: t
     kinds = dict(syncs.by_kind)
     ok = _report(f"{name}: host syncs / step", syncs.total <= SYNC_TARGET,
                  f"{syncs.total} (target <= {SYNC_TARGET}) {kinds} "
-                 f"{[e[1] for e in syncs.events][:6]}") and ok
+                 f"{[e[1] for e in syncs.events][:6]}; worker-thread waits "
+                 f"{syncs.background['synchronize']} (offload overlap: one per bucket)") and ok
     if ckpt is not None:
         ckpt.wait()
         last = checkpoint.latest_step(ckpt.dir)

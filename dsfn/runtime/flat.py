@@ -35,6 +35,20 @@ def padded_rows(full: torch.Tensor, n: int) -> torch.Tensor:
 
 
 _shard_listeners: list[Callable[[Any, torch.Tensor], None]] = []
+_bucket_listeners: list[Callable[[list[tuple[Any, torch.Tensor]]], None]] = []
+
+
+@contextlib.contextmanager
+def grad_bucket_listener(fn: Callable[[list[tuple[Any, torch.Tensor]]], None]):
+    """Within this block, `fn([(key, shard), ...])` is called once per reduced bucket of a
+    `ShardReducer`, as it completes (while backward still runs, for all but the last
+    buckets): the bucket's shards, in plan order. `offload(overlap=True)` moves each bucket
+    to the host as one copy (`dsfn.runtime.pipeline`)."""
+    _bucket_listeners.append(fn)
+    try:
+        yield
+    finally:
+        _bucket_listeners.remove(fn)
 
 
 @contextlib.contextmanager
@@ -170,6 +184,10 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
                 self.shards[i] = piece if i not in self.shards else self.shards[i] + piece
                 for fn in _shard_listeners:
                     fn(i, self.shards[i])
+            if _bucket_listeners:
+                bucket = [(i, self.shards[i]) for i, _ in items]
+                for fn in _bucket_listeners:
+                    fn(bucket)
 
     def finish(self) -> dict[Any, torch.Tensor]:
         self._launch(self.plan.end_round())

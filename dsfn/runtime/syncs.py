@@ -25,12 +25,14 @@ Values read that way are fake: count with it, never compare numbers from it.
 host-side reads that would not sync on a GPU are counted too; copies are not, there is no
 other side). Kinds: "item" (a scalar read), "data_dependent" (nonzero & co.), "d2h"
 (blocking device-to-host copy), "h2d" (blocking host-to-device copy), "synchronize"
-(`torch.cuda.synchronize`, `Event.synchronize`, `Stream.synchronize`, patched while the
-context is open).
+(`torch.cuda.synchronize`, `Event.synchronize`, `Stream.synchronize` and meta's
+`dsfn.runtime.host.SimulatedEvent.synchronize`, patched while the context is open: these
+are counted from every thread, offload's workers included).
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
@@ -60,6 +62,8 @@ class HostSyncCounter(TorchDispatchMode):
         self.devices = frozenset(devices)
         self.by_kind: Counter[str] = Counter()
         self.events: list[tuple[str, str, tuple[int, ...]]] = []
+        self.background: Counter[str] = Counter()     # waits made by other threads (see count_host_syncs)
+        self.thread = threading.get_ident()
 
     @property
     def total(self) -> int:
@@ -68,6 +72,7 @@ class HostSyncCounter(TorchDispatchMode):
     def reset(self) -> None:
         self.by_kind.clear()
         self.events.clear()
+        self.background.clear()
 
     def note(self, kind: str, what: str, shape: tuple[int, ...] = ()) -> None:
         self.by_kind[kind] += 1
@@ -142,7 +147,10 @@ def _patched_synchronize(counter: HostSyncCounter) -> Iterator[None]:
             return
 
         def counted(*a, **k):
-            counter.note("synchronize", what)
+            if threading.get_ident() == counter.thread:
+                counter.note("synchronize", what)
+            else:               # a worker's wait: it does not stall the training thread
+                counter.background["synchronize"] += 1
             return orig(*a, **k)
         setattr(owner, attr, counted)
         patched.append((owner, attr, orig))
@@ -150,6 +158,8 @@ def _patched_synchronize(counter: HostSyncCounter) -> Iterator[None]:
     wrap(torch.cuda, "synchronize", "torch.cuda.synchronize")
     wrap(torch.cuda.Event, "synchronize", "torch.cuda.Event.synchronize")
     wrap(torch.cuda.Stream, "synchronize", "torch.cuda.Stream.synchronize")
+    from dsfn.runtime.host import SimulatedEvent      # meta's copy events (the GPU's stand-in)
+    wrap(SimulatedEvent, "synchronize", "SimulatedEvent.synchronize")
     try:
         yield
     finally:
@@ -161,8 +171,10 @@ def _patched_synchronize(counter: HostSyncCounter) -> Iterator[None]:
 def count_host_syncs(devices: Sequence[str] = ("cuda", "meta")) -> Iterator[HostSyncCounter]:
     """A context counting the host syncs of the code inside it (see the module docstring).
 
-    Only this thread's work is seen (a dispatch mode is thread-local): background threads
-    (a checkpoint writer, offload's worker) are not counted.
+    Only this thread's waits are host syncs (`total`, `by_kind`, `events`): they stall the
+    thread that launches the device's work. Waits for events made on other threads
+    (offload's worker waiting for a bucket's copy, a checkpoint writer) are counted apart,
+    in `background` (only the `synchronize` kind: a dispatch mode is thread-local).
     """
     counter = HostSyncCounter(devices)
     with _patched_synchronize(counter), _ConstructorCopies(counter), counter:

@@ -39,13 +39,19 @@ The host update runs AdamW in the fused, multi-threaded C++ kernel (`dsfn.ops.cp
 within an ulp (correctly rounded sqrt). `host_kernel=False` keeps torch's foreach
 arithmetic (bitwise the run without offload).
 
-`overlap=True` (SuperOffload-style): each parameter's host update starts on a worker
-thread as soon as ZeRO has reduced its gradient shard, while backward continues; the
-speculative results are used only when their inputs prove identical to the real update's,
-so results are bitwise those without overlap (`_OverlapSession`). The speculation applies
-to the shard what the transforms inside `offload` will do to it (`Transform.speculative_grad`:
+`overlap=True` (SuperOffload-style): as ZeRO finishes reducing a bucket of gradient shards,
+while backward continues, the bucket leaves the device as one asynchronous copy on a side
+stream into one of two pinned staging buffers, and a worker thread waits for that copy (one
+event per bucket, never one per tensor; the training thread waits for none) and runs the
+bucket's host AdamW at once, while the next bucket copies (`dsfn.runtime.pipeline`). The
+staged gradients are kept and the update uses them (no second copy). The speculative
+results are used only when their inputs prove identical to the real update's, so results
+are bitwise those without overlap (`_OverlapSession`). The speculation applies to the
+shard what the transforms inside `offload` will do to it (`Transform.speculative_grad`:
 mixed precision's cast to the master dtype, the loss scale's unscaling by the scale the step
-started with); a device (CUDA) shard is first copied to pinned host memory on its stream.
+started with). With no device (CPU training) nothing is copied and the buckets' work runs
+right before the update on the training thread (backward and the update share the cores:
+running them concurrently would only make them compete).
 fp16: a step whose gradients overflow skips the update, so its speculations are never used
 (discarded, as SuperOffload rolls back). With `clip_grad_norm` the update needs the global
 norm, known only after backward: nothing is speculated and the host update waits for the
@@ -76,7 +82,7 @@ from dsfn import tree
 from dsfn.errors import ConfigError, StackError
 from dsfn.ops import dispatch
 from dsfn.runtime import env, flat, nvme
-from dsfn.runtime.host import copy_to_host
+from dsfn.runtime.host import copy_to_host, wait_last
 from dsfn.state.layout import (
     FlatShard,
     Layout,
@@ -177,18 +183,20 @@ class Offload(Transform):
         """Every tensor leaf of `trees` in host memory: device tensors are copied non-blocking
         (into pinned memory) and waited for once per device at the end, rather than one
         blocking copy, i.e. one device sync, per tensor."""
-        last: dict[torch.device, Any] = {}
+        events: list = []
 
         def one(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):
                 return t
+            if self._session is not None:
+                h = self._session.host_copy(t)      # already copied by the overlap pipeline
+                if h is not None:
+                    return h
             out, ready = copy_to_host(t, pin=self.pin_memory, non_blocking=True)
-            if ready is not None:
-                last[t.device] = ready        # one stream per device: its last copy ends them all
+            events.append((t.device, ready))
             return out
         outs = [tree.map(one, x) for x in trees]
-        for ready in last.values():
-            ready.synchronize()
+        wait_last(events)                     # one stream per device: its last copy ends them all
         return outs
 
     def _offload_tree(self, opt_state: Any, params: Any) -> Any:
@@ -287,13 +295,13 @@ class Offload(Transform):
         params = state.params
         if self.params:      # offloaded parameter shards: the inner stack sees their host view
             params = self._params_view(params)
+        session = self._session
+        if session is not None:
+            session.drain()           # the buckets' host work (and their gradients' host copies)
         if not isinstance(state.opt_state, MasterState):    # the optimizer reads the parameters
             host_grads, params = self._trees_to_host(grads, params)
         else:
             host_grads, = self._trees_to_host(grads)
-        session = self._session
-        if session is not None:
-            session.drain()                               # the updates started during backward
         plan = None
         if self.device == "nvme" and offl:     # stream the update into the new file, sub-group by sub-group
             plan = _NvmePlan({id(_data(host_view[k])): d for k, d in zip(offl, dst)}, self.subgroup_bytes)
@@ -348,12 +356,12 @@ class Offload(Transform):
         session = self._session
 
         def step(state, batch):
-            session.prep = self._speculation_prep(state)
-            with flat.grad_shard_listener(session.on_shard):
+            session.begin(self._speculation_prep(state))
+            with flat.grad_bucket_listener(session.on_bucket):
                 try:
                     return fn(state, batch)
                 finally:
-                    session.drain()     # nothing keeps running past the step
+                    session.end_step()     # nothing keeps running past the step
         return step
 
     def _speculation_prep(self, state: Any):
@@ -414,56 +422,90 @@ class _NvmePlan:
 
 
 class _OverlapSession:
-    """SuperOffload-style speculation, memoised: as ZeRO finishes reducing a gradient
-    shard during backward (`flat.grad_shard_listener`), the host AdamW of that parameter
-    starts at once on a worker thread (the C++ kernel releases the GIL), from the inputs
-    the previous step left for it (its `recipe`: the stored param/master and moments, the
-    next count's lr). When the real update runs, `lookup` takes a speculative result only
-    if its inputs are exactly the ones the optimizer now sees (the same tensor objects for
-    param and moments, equal gradient values, equal lr/step/hyper-parameters); anything
-    else (an fp16 loss-scale overflow that skips the step, a clipped or unscaled gradient,
-    a state the user swapped) is a miss and is computed normally. So results are bitwise
-    those of `overlap=False`: a wrong speculation is discarded, never applied."""
+    """SuperOffload-style speculation, memoised, bucket by bucket: as ZeRO finishes reducing
+    a bucket of gradient shards during backward (`flat.grad_bucket_listener`), the bucket
+    goes to the host as one copy into one of two pinned staging buffers
+    (`dsfn.runtime.pipeline.HostPipeline`: an async copy on a side stream, one event per
+    bucket, waited for by the worker thread, never by the training thread), and on the
+    worker its gradients are kept (a host copy the update then uses instead of copying them
+    again) and the host AdamW of its parameters runs at once, in one multi-tensor call, from
+    the inputs the previous step left for them (their `recipe`: the stored param/master and
+    moments, the next count's lr), while bucket k+1 still copies and backward continues.
+    When the real update runs, `lookup` takes a speculative result only if its inputs are
+    exactly the ones the optimizer now sees (the same tensor objects for param and moments,
+    equal gradient values, equal lr/step/hyper-parameters); anything else (an fp16
+    loss-scale overflow that skips the step, a clipped or unscaled gradient, a state the
+    user swapped) is a miss and is computed normally. So results are bitwise those of
+    `overlap=False`: a wrong speculation is discarded, never applied.
 
-    def __init__(self, cores: float | None = None) -> None:
-        import concurrent.futures
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsfn-offload")
+    With no device (CPU training: the shards are host tensors) nothing is copied, and the
+    buckets' work runs at `drain()`, right before the real update, on the training thread:
+    backward and the host update would share the same cores, so running them concurrently
+    only makes them compete. The overlap path then does the plain path's work."""
+
+    def __init__(self, cores: float | None = None, engine: Any = None) -> None:
+        from dsfn.runtime.pipeline import HostPipeline
         self.cores = cores
+        self.pipe = HostPipeline(self._work, engine=engine)
         self.prep = None             # this step's gradient map (Offload._speculation_prep); None: no speculation
-        self._futures: list = []
         self.recipe: dict[str, tuple] = {}
         self.scalars: tuple | None = None      # (hyper, lr_at, count)
         self.memo: dict[str, tuple] = {}
-        self.hits = self.misses = self.started = 0
+        self.host_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id(device shard): (it, host copy)
+        self.hits = self.misses = self.started = self.reused = 0
         self._pending: tuple | None = None
+        self._step_args: tuple | None = None
 
     # -- during backward --------------------------------------------------------------------
-    def on_shard(self, path: Any, shard: torch.Tensor) -> None:
-        entry = self.recipe.get(path)
-        if entry is None or self.scalars is None or self.prep is None or shard.shape != entry[0].shape:
-            return
-        # a device shard (CUDA) goes to pinned host memory on the stream that produced it (ordered
-        # before any later reuse of the reducer's buffer); the worker waits for `ready`
-        shard, ready = copy_to_host(shard, non_blocking=True)
-        self.started += 1
-        self._futures.append(self._pool.submit(self._speculate, path, shard, ready, entry, self.scalars, self.prep))
+    def begin(self, prep) -> None:
+        """A step starts: this step's gradient map and scalars, for every bucket's work."""
+        self.prep = prep
+        self._step_args = (self.recipe, self.scalars, prep)
 
-    def _speculate(self, path, shard, ready, entry, scalars, prep) -> None:
-        from dsfn.ops.cpu_adam import cpu_adamw_
-        if ready is not None:
-            ready.synchronize()
-        g = prep(shard)                       # what the inner transforms will hand the optimizer
+    def on_bucket(self, items: list[tuple[Any, torch.Tensor]]) -> None:
+        self.pipe.submit([((path, shard), shard) for path, shard in items])
+
+    def _work(self, k: int, items: list) -> None:
+        """Bucket k on the host (`items`: ((path, source shard), host tensor); a staged host
+        tensor lives in a reused buffer: copied before anything keeps it)."""
+        from dsfn.ops.cpu_adam import cpu_adamw_multi_
+        recipe, scalars, prep = self._step_args or ({}, None, None)
+        todo = []
+        for (path, src), h in items:
+            if h is not src:                     # staged: keep this step's host gradient
+                h = h.clone()
+                self.host_grads[id(src)] = (src, h)
+            entry = recipe.get(path)
+            if entry is None or scalars is None or prep is None or h.shape != entry[0].shape:
+                continue
+            todo.append((path, entry, prep(h)))  # what the inner transforms will hand the optimizer
+        if not todo:
+            return
         (b1, b2, eps, wd), lr_at, count = scalars
         lr, t = lr_at(count), count + 1
-        p, m, v = (x.clone(memory_format=torch.contiguous_format) for x in entry)
-        cpu_adamw_(p, g.contiguous(), m, v, lr=lr, step=t, beta1=b1, beta2=b2, eps=eps, weight_decay=wd,
-                   cores=self.cores)
-        self.memo[path] = (entry, g, lr, t, (b1, b2, eps, wd), (p, m, v))
+        outs = [tuple(x.clone(memory_format=torch.contiguous_format) for x in entry) for _, entry, _ in todo]
+        self.started += len(todo)
+        cpu_adamw_multi_([o[0] for o in outs], [g.contiguous() for _, _, g in todo], [o[1] for o in outs],
+                         [o[2] for o in outs], lr=lr, step=t, beta1=b1, beta2=b2, eps=eps, weight_decay=wd,
+                         cores=self.cores)
+        for (path, entry, g), out in zip(todo, outs):
+            self.memo[path] = (entry, g, lr, t, (b1, b2, eps, wd), out)
 
     def drain(self) -> None:
-        futures, self._futures = self._futures, []
-        for f in futures:
-            f.result()
+        self.pipe.drain()
+
+    def host_copy(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The host copy the pipeline made of device shard `t` this step, or None."""
+        hit = self.host_grads.get(id(t))
+        if hit is None or hit[0] is not t:
+            return None
+        self.reused += 1
+        return hit[1]
+
+    def end_step(self) -> None:
+        self.drain()
+        self.host_grads.clear()
+        self._step_args = None
 
     # -- the real update (called by the optimizer's host path) ---------------------------------
     def lookup(self, path, g, p, m, v, lr, t, hyper):
@@ -471,8 +513,8 @@ class _OverlapSession:
         if hit is not None:
             (p0, m0, v0), g0, lr0, t0, hyper0, out = hit
             if p is p0 and m is m0 and v is v0 and (lr0, t0, hyper0) == (lr, t, hyper) and \
-                    g.shape == g0.shape and torch.equal(g if g.dtype == g0.dtype else g.float(),
-                                                        g0 if g.dtype == g0.dtype else g0.float()):
+                    g.shape == g0.shape and (g is g0 or torch.equal(g if g.dtype == g0.dtype else g.float(),
+                                                                   g0 if g.dtype == g0.dtype else g0.float())):
                 self.hits += 1
                 return out
         self.misses += 1

@@ -137,7 +137,7 @@ from dsfn.errors import ConfigError, LeafTypeError, StackError
 from dsfn.runtime import collectives as C
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
-from dsfn.runtime.host import copy_to_host
+from dsfn.runtime.host import copy_to_host, wait_last
 from dsfn.state.layout import Offloaded, Placed, Replicated, is_placed
 from dsfn.transforms.core import Transform, activate, active_stack, make_transform, with_role
 
@@ -374,6 +374,12 @@ class ZenFlow(Transform):
                         host_out, host = _host_update(tx, _cast_like(means, G), host, hp, c)
 
         # 4. the matrices: host result in every column it covers, device result in the selected ones
+        if new_cols is not None:
+            # under offload the pieces are host tensors: the device's columns come back in one
+            # batch of non-blocking copies and one wait, not one blocking copy per matrix
+            back = _Staging()
+            new_cols = {n: back.to_host(c) if _data(P[n]).device.type == "cpu" else c for n, c in new_cols.items()}
+            back.wait()
         for n, m in mats.items():
             piece = _data(P[n])
             base = None
@@ -486,7 +492,7 @@ def _with_count(opt_state: Any, count: int) -> Any:
     """`opt_state` with every step count (the 0-dim int64 leaves: dsfn.optim's `count`) set to `count`."""
     def put(x):
         if isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype == torch.int64:
-            return torch.tensor(count, dtype=torch.int64, device=x.device)
+            return torch.full((), count, dtype=torch.int64, device=x.device)   # filled by value: no copy
         return x
     return tree.map(put, opt_state)
 
@@ -549,17 +555,17 @@ class _Staging:
     `non_blocking` on CUDA; `wait()` before the host reads them. Host tensors pass through."""
 
     def __init__(self) -> None:
-        self._pending: list = []          # events of copies still in flight
+        self._pending: list = []          # (device, event) of copies still in flight
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         out, ready = copy_to_host(t, non_blocking=True)
         if ready is not None:
-            self._pending.append(ready)
+            self._pending.append((t.device, ready))
         return out
 
     def wait(self) -> None:
-        for ready in self._pending:
-            ready.synchronize()
+        """One wait per device (its stream runs the copies in order), never one per tensor."""
+        wait_last(self._pending)
         self._pending.clear()
 
 
@@ -641,8 +647,15 @@ def _gather(flat: torch.Tensor, segs, sel: list[int], out: torch.Tensor) -> None
         _, r0, nr, c0, c1 = seg
         i0, i1 = bisect.bisect_left(sel, c0), bisect.bisect_left(sel, c1)
         if i1 > i0:
-            idx = torch.tensor(sel[i0:i1], dtype=torch.int64, device=flat.device) - c0
+            idx = _index(sel[i0:i1], c0, flat.device)
             out[r0:r0 + nr, i0:i1] = _block(flat, seg).index_select(1, idx).to(out.device)
+
+
+def _index(cols: list[int], c0: int, device: torch.device) -> torch.Tensor:
+    """int64 column indices `cols - c0` on `device`: built on the host, pinned and copied
+    without blocking (a blocking host-to-device copy per matrix would be a host sync each)."""
+    from dsfn.ops.multi_tensor import _to_device
+    return _to_device(torch.tensor([c - c0 for c in cols], dtype=torch.int64), torch.device(device))
 
 
 def _scatter(flat: torch.Tensor, segs, sel: list[int], src: torch.Tensor) -> None:
@@ -653,7 +666,7 @@ def _scatter(flat: torch.Tensor, segs, sel: list[int], src: torch.Tensor) -> Non
         _, r0, nr, c0, c1 = seg
         i0, i1 = bisect.bisect_left(sel, c0), bisect.bisect_left(sel, c1)
         if i1 > i0:
-            idx = torch.tensor(sel[i0:i1], dtype=torch.int64, device=flat.device) - c0
+            idx = _index(sel[i0:i1], c0, flat.device)
             _block(flat, seg).index_copy_(1, idx, src[r0:r0 + nr, i0:i1])
 
 

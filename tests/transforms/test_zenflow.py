@@ -569,3 +569,59 @@ def test_a_whole_gradient_value_inside_the_optimizer_is_refused(overlap):
                        (clip_grad_norm(0.1), zenflow(topk_ratio=0.5, update_interval=2, full_warm_up_rounds=0,
                                                      overlap=overlap)))
     assert all(math.isfinite(x) for x in res.losses)
+
+
+# ----------------------------------------------------------------------------------------------
+# the host's share of a step (issue 24): the host optimizer runs once per update_interval
+# ----------------------------------------------------------------------------------------------
+
+def _host_adam_elements(update_interval: int, steps: int, under_offload: bool) -> tuple[int, int, int]:
+    """(host-path updates, matrix elements they updated, elements every host AdamW call
+    updated) over `steps` steps of zenflow on the MLP."""
+    import dsfn.ops.cpu_adam as CA
+    ZF = sys.modules["dsfn.transforms.zenflow"]
+    calls = [0, 0, 0]
+    real, real_host = CA.cpu_adamw_multi_, ZF._host_update
+
+    def counted(params, *a, **k):
+        calls[2] += sum(p.numel() for p in params)
+        return real(params, *a, **k)
+
+    def host_update(tx, grads, *a, **k):
+        calls[0] += 1
+        calls[1] += sum(_data(g).numel() for g in grads.values())
+        return real_host(tx, grads, *a, **k)
+    CA.cpu_adamw_multi_, ZF._host_update = counted, host_update
+    try:
+        apply_fn, params = dsfn.functionalize(make_mlp([16, 32, 32, 4], 0))
+        stack = ([offload("cpu")] if under_offload else []) + \
+            [zenflow(topk_ratio=0.1, update_interval=update_interval, full_warm_up_rounds=0)]
+        step = compose(*stack)(train_step_for(apply_fn, mse_loss))
+        state = step.init_state(params, dsfn.optim.adamw(lr=1e-2))
+        for b in regression_batches(steps, 4, 16, 4, seed=0):
+            state, _ = step(state, b)
+    finally:
+        CA.cpu_adamw_multi_, ZF._host_update = real, real_host
+    return tuple(calls)
+
+
+def _data(x):
+    return x.data if hasattr(x, "layout") else x
+
+
+@pytest.mark.parametrize("under_offload", [False, True])
+def test_host_update_work_per_step_falls_by_update_interval(under_offload):
+    """ZenFlow as published: the unselected columns update on the host every update_interval
+    steps (the device path updates the top-k columns each step), so the host path's work per
+    step falls by update_interval. Control: update_interval=1 runs it every step. Under
+    offload the host also runs the dense parameters' and (on a CPU-only machine) the
+    selected columns' update every step: the total falls by less."""
+    steps = 8
+    calls1, elems1, all1 = _host_adam_elements(1, steps, under_offload)
+    calls4, elems4, all4 = _host_adam_elements(4, steps, under_offload)
+    assert calls1 == steps and elems1 > 0
+    assert calls4 == steps // 4 and elems4 * 4 == elems1        # a flush every 4th step: 2 of 8
+    if under_offload:
+        assert all4 < all1 / 2
+    else:
+        assert all4 * 4 == all1          # outside offload the host kernel runs the host path only
