@@ -25,7 +25,12 @@
 #                peak memory, and the issue-23 targets as PASS/FAIL lines
 #   (g) step2    DSFN_BACKEND=gloo torchrun --nproc-per-node 2 benchmarks/gpu_step.py --two-rank: two
 #                ranks on the one GPU (gloo over CUDA tensors) for ZeRO-3, tp2, sp2 vs one rank
-# Order: the sections that measure what the open issues need first (step, step2), then the checks.
+#   (h) offload  torchrun --nproc-per-node 1 benchmarks/offload_gpu.py: issue 24's table (DeepSpeed
+#                ZeRO-3 + CPU offload and ZenFlow vs dsfn offload / overlap / zenflow: step, device
+#                peak, host syncs, per-stage host time)
+# Two groups, each one command under 10 minutes (a 15-minute lease holds the first and a start):
+#   bash benchmarks/gpu_checks.sh                                  # figures: step, step2, offload (530 s)
+#   bash benchmarks/gpu_checks.sh --sections e2e,kernels,ops,index,nccl   # the checks (280 s)
 #
 # DeepSpeed: its sdist and the wheels it needs that the GPU image lacks (pydantic, pydantic-core,
 # annotated-types, typing-inspection, typing-extensions, hjson) are committed in benchmarks/wheels;
@@ -51,16 +56,27 @@ cd "$ROOT" || exit 2
 WHEELS="$ROOT/benchmarks/wheels"
 LOGS="${OUT:-${TMPDIR:-/tmp}/dsfn_gpu_checks}"
 NEED_MODULES="numpy optree einops pytest hypothesis"
-# caps in seconds, together 540 s (9 minutes), leaving time for start-up under a 600 s limit
-CAP_STEP=210 CAP_STEP2=50 CAP_E2E=70 CAP_KERNELS=70 CAP_OPS=80 CAP_INDEX=40 CAP_NCCL=20
+# caps in seconds: figures 210 + 50 + 270 = 530, checks 70 + 70 + 80 + 40 + 20 = 280
+CAP_STEP=210 CAP_STEP2=50 CAP_OFFLOAD=270 CAP_E2E=70 CAP_KERNELS=70 CAP_OPS=80 CAP_INDEX=40 CAP_NCCL=20
+SECTIONS="step,step2,offload"
 
 MODE=run
+NEXT_IS_SECTIONS=0
 for arg in "$@"; do
+    if [ "$NEXT_IS_SECTIONS" = 1 ]; then SECTIONS="$arg"; NEXT_IS_SECTIONS=0; continue; fi
     case "$arg" in
         --dry-run) MODE=dry ;;
         --fetch-wheels) MODE=fetch ;;
-        -h|--help) sed -n '2,48p' "${BASH_SOURCE[0]}"; exit 0 ;;
-        *) echo "gpu_checks: unknown argument $arg (use --dry-run, --fetch-wheels or nothing)"; exit 2 ;;
+        --sections) NEXT_IS_SECTIONS=1 ;;
+        --sections=*) SECTIONS="${arg#--sections=}" ;;
+        -h|--help) sed -n '2,56p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        *) echo "gpu_checks: unknown argument $arg (use --dry-run, --fetch-wheels, --sections LIST or nothing)"; exit 2 ;;
+    esac
+done
+for name in ${SECTIONS//,/ }; do
+    case " step step2 offload e2e kernels ops index nccl " in
+        *" $name "*) ;;
+        *) echo "gpu_checks: unknown section $name (sections: step step2 offload e2e kernels ops index nccl)"; exit 2 ;;
     esac
 done
 mkdir -p "$LOGS"
@@ -72,6 +88,7 @@ plan() {
     "$PY" -c 'import pytest_timeout' >/dev/null 2>&1 && per_test=" --timeout=150"   # first calls compile
     echo "step|$CAP_STEP|$PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_step.py --steps 6 --warmup 2"
     echo "step2|$CAP_STEP2|DSFN_BACKEND=gloo $PY -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/gpu_step.py --two-rank"
+    echo "offload|$CAP_OFFLOAD|$PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/offload_gpu.py --warmup 1 --steps 3"
     echo "e2e|$CAP_E2E|$PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_e2e.py"
     echo "kernels|$CAP_KERNELS|DSFN_KERNELS=triton $PY benchmarks/kernels.py --cuda-only"
     echo "ops|$CAP_OPS|DSFN_TEST_DEVICE=cuda TRITON_INTERPRET=0 $PY -m pytest tests/ops -p no:cacheprovider -q -rfE$xdist$per_test"
@@ -137,9 +154,10 @@ if [ "$MODE" = dry ]; then
         grep -E "PASS|FAIL" "$LOGS/dry_$name.log" | sed 's/^/    /'
         [ $rc = 0 ] || tail -20 "$LOGS/dry_$name.log" | sed 's/^/    | /'
     }
-    step syntax bash -c "bash -n '$ROOT/benchmarks/gpu_checks.sh' && '$PY' -m py_compile benchmarks/gpu_index_math.py benchmarks/gpu_e2e.py benchmarks/gpu_nccl_probe.py benchmarks/kernels.py benchmarks/gpu_step.py"
+    step syntax bash -c "bash -n '$ROOT/benchmarks/gpu_checks.sh' && '$PY' -m py_compile benchmarks/gpu_index_math.py benchmarks/gpu_e2e.py benchmarks/gpu_nccl_probe.py benchmarks/kernels.py benchmarks/gpu_step.py benchmarks/offload_gpu.py"
     step step "$PY" benchmarks/gpu_step.py --quick
     step step2 "$PY" -m dsfn.launch --nproc 2 benchmarks/gpu_step.py --two-rank
+    step offload "$PY" benchmarks/offload_gpu.py --quick
     step index "$PY" benchmarks/gpu_index_math.py --small --device cpu
     step e2e "$PY" benchmarks/gpu_e2e.py --device cpu --steps 3
     step nccl "$PY" benchmarks/gpu_nccl_probe.py --dry-run
@@ -209,6 +227,7 @@ section() {      # name, cap, command (a string for bash -c)
 }
 
 while IFS='|' read -r name cap cmd; do
+    case ",$SECTIONS," in *",$name,"*) ;; *) continue ;; esac
     cmd="${cmd//\$(min(GPUs, 2))/$NCCL_WORLD}"
     section "$name" "$cap" "$cmd"
 done < <(plan)
@@ -216,11 +235,11 @@ done < <(plan)
 echo
 echo "== summary"
 ALL=0
-for name in step step2 e2e kernels ops index nccl; do
+for name in ${SECTIONS//,/ }; do
     rc="${RCS[$name]:-missing}"
     [ "$rc" = 0 ] || ALL=1
     echo "  ($name) exit $rc"
 done
 echo "== PASS/FAIL lines:"
-grep -hE "PASS|FAIL|passed|failed" "$LOGS"/{step,step2,index,e2e,kernels,nccl}.log "$LOGS"/ops.log 2>/dev/null | sed 's/^/  /'
+grep -hE "PASS|FAIL|passed|failed" "$LOGS"/{step,step2,offload,index,e2e,kernels,nccl}.log "$LOGS"/ops.log 2>/dev/null | sed 's/^/  /'
 exit $ALL

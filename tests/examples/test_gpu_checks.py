@@ -35,13 +35,19 @@ def test_dry_run_passes_and_lists_the_cuda_sections(tmp_path, monkeypatch):
     for name, what in (("ops", "tests/ops"), ("index", "gpu_index_math.py"),
                        ("e2e", "--nproc-per-node 1 benchmarks/gpu_e2e.py"), ("kernels", "kernels.py --cuda-only"),
                        ("nccl", "gpu_nccl_probe.py"), ("step", "--nproc-per-node 1 benchmarks/gpu_step.py"),
-                       ("step2", "DSFN_BACKEND=gloo")):
+                       ("step2", "DSFN_BACKEND=gloo"), ("offload", "benchmarks/offload_gpu.py")):
         assert f"  {name}|" in plan and what in plan, (name, plan)
-    caps = [int(line.split("|")[1]) for line in plan.splitlines() if line.count("|") >= 2]
-    assert len(caps) == 7 and sum(caps) <= 540          # one 10-minute command, with room to start
+    caps = {line.split("|")[0].strip(): int(line.split("|")[1]) for line in plan.splitlines() if line.count("|") >= 2}
+    assert len(caps) == 8
+    # two groups, each one 10-minute command with room to start: the figures (the default) and the checks
+    assert sum(caps[k] for k in ("step", "step2", "offload")) <= 540
+    assert sum(caps[k] for k in ("e2e", "kernels", "ops", "index", "nccl")) <= 540
+    assert "dry offload: PASS" in out
 
 
 def test_unknown_argument_is_refused():
     """The control: the script does check what it is given (exit 2, nothing run)."""
     r = _run("--bogus", timeout=30)
     assert r.returncode == 2 and "unknown argument --bogus" in r.stdout
+    r = _run("--sections", "step,warp", timeout=30)
+    assert r.returncode == 2 and "unknown section warp" in r.stdout
