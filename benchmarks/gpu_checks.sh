@@ -25,12 +25,14 @@
 #                peak memory, and the issue-23 targets as PASS/FAIL lines
 #   (g) step2    DSFN_BACKEND=gloo torchrun --nproc-per-node 2 benchmarks/gpu_step.py --two-rank: two
 #                ranks on the one GPU (gloo over CUDA tensors) for ZeRO-3, tp2, sp2 vs one rank
+#   (i) group    benchmarks/adamw_group.py: the grouped AdamW launch vs one per tensor on the 1B model's
+#                147 tensors (>= 1.3x) and its share of copy bandwidth (>= 85%)
 #   (h) offload  torchrun --nproc-per-node 1 benchmarks/offload_gpu.py: issue 24's table (DeepSpeed
 #                ZeRO-3 + CPU offload and ZenFlow vs dsfn offload / overlap / zenflow: step, device
 #                peak, host syncs, per-stage host time)
 # Two groups, each one command under 10 minutes (a 15-minute lease holds the first and a start):
 #   bash benchmarks/gpu_checks.sh                                  # figures: step, step2, offload (530 s)
-#   bash benchmarks/gpu_checks.sh --sections e2e,kernels,ops,index,nccl   # the checks (280 s)
+#   bash benchmarks/gpu_checks.sh --sections e2e,kernels,group,ops,index,nccl   # the checks (310 s)
 #
 # DeepSpeed: its sdist and the wheels it needs that the GPU image lacks (pydantic, pydantic-core,
 # annotated-types, typing-inspection, typing-extensions, hjson) are committed in benchmarks/wheels;
@@ -56,8 +58,8 @@ cd "$ROOT" || exit 2
 WHEELS="$ROOT/benchmarks/wheels"
 LOGS="${OUT:-${TMPDIR:-/tmp}/dsfn_gpu_checks}"
 NEED_MODULES="numpy optree einops pytest hypothesis"
-# caps in seconds: figures 210 + 50 + 270 = 530, checks 70 + 70 + 80 + 40 + 20 = 280
-CAP_STEP=210 CAP_STEP2=50 CAP_OFFLOAD=270 CAP_E2E=70 CAP_KERNELS=70 CAP_OPS=80 CAP_INDEX=40 CAP_NCCL=20
+# caps in seconds: figures 210 + 50 + 270 = 530, checks 70 + 70 + 30 + 80 + 40 + 20 = 310
+CAP_STEP=210 CAP_STEP2=50 CAP_OFFLOAD=270 CAP_E2E=70 CAP_KERNELS=70 CAP_GROUP=30 CAP_OPS=80 CAP_INDEX=40 CAP_NCCL=20
 SECTIONS="step,step2,offload"
 
 MODE=run
@@ -74,9 +76,9 @@ for arg in "$@"; do
     esac
 done
 for name in ${SECTIONS//,/ }; do
-    case " step step2 offload e2e kernels ops index nccl " in
+    case " step step2 offload e2e kernels group ops index nccl " in
         *" $name "*) ;;
-        *) echo "gpu_checks: unknown section $name (sections: step step2 offload e2e kernels ops index nccl)"; exit 2 ;;
+        *) echo "gpu_checks: unknown section $name (sections: step step2 offload e2e kernels group ops index nccl)"; exit 2 ;;
     esac
 done
 mkdir -p "$LOGS"
@@ -91,6 +93,7 @@ plan() {
     echo "offload|$CAP_OFFLOAD|$PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/offload_gpu.py --warmup 1 --steps 3"
     echo "e2e|$CAP_E2E|$PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_e2e.py"
     echo "kernels|$CAP_KERNELS|DSFN_KERNELS=triton $PY benchmarks/kernels.py --cuda-only"
+    echo "group|$CAP_GROUP|$PY benchmarks/adamw_group.py"
     echo "ops|$CAP_OPS|DSFN_TEST_DEVICE=cuda TRITON_INTERPRET=0 $PY -m pytest tests/ops -p no:cacheprovider -q -rfE$xdist$per_test"
     echo "index|$CAP_INDEX|$PY benchmarks/gpu_index_math.py"
     echo "nccl|$CAP_NCCL|$PY -m torch.distributed.run --standalone --nproc-per-node \$(min(GPUs, 2)) benchmarks/gpu_nccl_probe.py"
@@ -158,6 +161,7 @@ if [ "$MODE" = dry ]; then
     step step "$PY" benchmarks/gpu_step.py --quick
     step step2 "$PY" -m dsfn.launch --nproc 2 benchmarks/gpu_step.py --two-rank
     step offload "$PY" benchmarks/offload_gpu.py --quick
+    step group "$PY" benchmarks/adamw_group.py --quick
     step index "$PY" benchmarks/gpu_index_math.py --small --device cpu
     step e2e "$PY" benchmarks/gpu_e2e.py --device cpu --steps 3
     step nccl "$PY" benchmarks/gpu_nccl_probe.py --dry-run
@@ -241,5 +245,5 @@ for name in ${SECTIONS//,/ }; do
     echo "  ($name) exit $rc"
 done
 echo "== PASS/FAIL lines:"
-grep -hE "PASS|FAIL|passed|failed" "$LOGS"/{step,step2,offload,index,e2e,kernels,nccl}.log "$LOGS"/ops.log 2>/dev/null | sed 's/^/  /'
+grep -hE "PASS|FAIL|passed|failed" "$LOGS"/{step,step2,offload,index,e2e,kernels,group,nccl}.log "$LOGS"/ops.log 2>/dev/null | sed 's/^/  /'
 exit $ALL

@@ -366,7 +366,8 @@ if triton is not None:
         decay = tl.load(coef_ptr)
         neg_step_size = tl.load(coef_ptr + 1)
         bc2_sqrt = tl.load(coef_ptr + 2)
-        for i in range(ITERS):
+        # the chunk's blocks that hold elements: a small tensor's program stops after its own
+        for i in range(tl.minimum(ITERS, tl.cdiv(n - start, BLOCK))):
             offs = start + i * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
             _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, p_out, m_out, v_out, lowp_out, offs, offs < n,
                          decay, neg_step_size, bc2_sqrt, w1, beta2, w2, eps, LERP_SMALL, WRITE_LOWP)

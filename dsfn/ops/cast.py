@@ -115,7 +115,8 @@ if triton is not None:
             src = tl.load(ptrs + 3 * t).to(tl.pointer_type(S_DTYPE))
         dst = tl.load(ptrs + 3 * t + 1).to(tl.pointer_type(D_DTYPE))
         n = tl.load(ptrs + 3 * t + 2)
-        for i in range(ITERS):
+        # the chunk's blocks that hold elements: a small tensor's program stops after its own
+        for i in range(tl.minimum(ITERS, tl.cdiv(n - start, BLOCK))):
             offs = start + i * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
             mask = offs < n
             if S_DTYPE == tl.bfloat16:
