@@ -13,6 +13,8 @@ foreach) and by dsfn stacks (`mixed_precision()` + `dsfn.optim.adamw`):
    metadata excluded), with CPU kernels (dsfn's foreach path) and with the GPU's choice
    forced (`DSFN_KERNELS=triton` under Triton's interpreter: the grouped AdamW and casts;
    the launches of dsfn's Triton kernels are counted besides).
+3. Python calls into dsfn per step of ZeRO-3 at world 2 (`sys.setprofile`): the per-leaf and
+   per-op Python left on the hot path.
 2. host time of one step on the `meta` device (no compute, no data: all of it is Python and
    dispatch overhead), torch (fp32, foreach AdamW: autocast and the fused kernel do not run
    on meta) against dsfn (fp32 and bf16) with the GPU's kernel choices emulated
@@ -101,11 +103,46 @@ def meta_times(layers: int, repeats: int) -> list[tuple[str, float]]:
     return out
 
 
+def _python_calls_rank() -> None:
+    import collections
+
+    import torch
+
+    import dsfn
+    from dsfn.runtime import init_mesh
+    from dsfn.testing import opcount as O
+    from dsfn.transforms import mixed_precision, shard_zero
+    init_mesh(dp=2)
+    torch.set_num_threads(1)
+    model = O.llama_for_counts(num_hidden_layers=16, hidden_size=64, intermediate_size=128, vocab_size=128)
+    step, state = O.dsfn_step(model, [shard_zero(3), mixed_precision()], donate=True)
+    b = O.count_batch(rows=2, seq=8, vocab=128)
+    for _ in range(3):
+        state, _ = step(state, b)
+    calls: collections.Counter[str] = collections.Counter()
+
+    def prof(frame, event, arg):
+        if event == "call" and "dsfn" in frame.f_code.co_filename:
+            calls[frame.f_code.co_name] += 1
+    sys.setprofile(prof)
+    state, _ = step(state, b)
+    sys.setprofile(None)
+    if dsfn.runtime.rank() == 0:
+        print(f"  Python calls into dsfn per step: {sum(calls.values())}; most: {calls.most_common(8)}")
+
+
+def python_calls() -> None:
+    """ZeRO-3 + mixed precision at world 2 (gloo), HF Llama 16 layers: Python calls into dsfn
+    per step (sys.setprofile over one step)."""
+    from dsfn.launch import spawn
+    spawn(_python_calls_rank, 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--section", choices=["counts", "meta"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--section", choices=["counts", "meta", "pycalls"], default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     layers = a.layers or (2 if a.quick else 4)
     if a.section == "counts":
@@ -114,6 +151,9 @@ def main() -> None:
         for name, total, comp, launches in rows:
             print(f"  {name:24s} {total:6d} {total / base_t:6.3f}x {comp:9d} {(comp + launches) / base_c:6.3f}x "
                   f"{launches:8d}")
+        return
+    if a.section == "pycalls":
+        python_calls()
         return
     if a.section == "meta":
         rows = meta_times(layers, 5 if a.quick else 20)
@@ -131,6 +171,9 @@ def main() -> None:
     print("\nhost time of one step on the meta device (no compute; GPU kernel choices emulated for dsfn):", flush=True)
     subprocess.run([sys.executable, __file__, "--section", "meta", "--layers", str(layers)]
                    + (["--quick"] if a.quick else []), check=True)
+    if not a.quick:
+        print("\nZeRO-3 + mixed precision at world 2 (gloo), HF Llama 16 layers d64, 147 tensors:", flush=True)
+        subprocess.run([sys.executable, __file__, "--section", "pycalls"], check=True)
 
 
 if __name__ == "__main__":
