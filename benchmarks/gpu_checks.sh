@@ -14,7 +14,7 @@
 #   (c) e2e      torchrun --nproc-per-node 1 benchmarks/gpu_e2e.py: ZeRO-3 + bf16 + clipping,
 #                fp16 + loss scaling, ZeRO-2 + offload("cpu", overlap=True) + async checkpoint
 #                through the host cache reloaded bitwise; the host syncs of one step each
-#   (d) kernels  benchmarks/kernels.py --cuda-only: fused AdamW >= 85% of copy bandwidth and >=
+#   (d) kernels  benchmarks/ops_kernels.py --cuda-only: fused AdamW >= 85% of copy bandwidth and >=
 #                torch.optim.AdamW(fused=True); tiled cross-entropy peak <= 1/4 of the
 #                materialised logits at vocab 128k; RMSNorm and Muon figures
 #   (e) nccl     torchrun --nproc-per-node min(GPUs, 2) benchmarks/gpu_nccl_probe.py: MoE-style
@@ -61,7 +61,7 @@ plan() {
     echo "ops|$CAP_OPS|DSFN_TEST_DEVICE=cuda TRITON_INTERPRET=0 $PY -m pytest tests/ops -p no:cacheprovider -q -rfE$xdist$per_test"
     echo "index|$CAP_INDEX|$PY benchmarks/gpu_index_math.py"
     echo "e2e|$CAP_E2E|$PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_e2e.py"
-    echo "kernels|$CAP_KERNELS|DSFN_KERNELS=triton $PY benchmarks/kernels.py --cuda-only"
+    echo "kernels|$CAP_KERNELS|DSFN_KERNELS=triton $PY benchmarks/ops_kernels.py --cuda-only"
     echo "nccl|$CAP_NCCL|$PY -m torch.distributed.run --standalone --nproc-per-node \$(min(GPUs, 2)) benchmarks/gpu_nccl_probe.py"
 }
 
@@ -123,7 +123,7 @@ if [ "$MODE" = dry ]; then
         grep -E "PASS|FAIL" "$LOGS/dry_$name.log" | sed 's/^/    /'
         [ $rc = 0 ] || tail -20 "$LOGS/dry_$name.log" | sed 's/^/    | /'
     }
-    step syntax bash -c "bash -n '$ROOT/benchmarks/gpu_checks.sh' && '$PY' -m py_compile benchmarks/gpu_index_math.py benchmarks/gpu_e2e.py benchmarks/gpu_nccl_probe.py benchmarks/kernels.py"
+    step syntax bash -c "bash -n '$ROOT/benchmarks/gpu_checks.sh' && '$PY' -m py_compile benchmarks/gpu_index_math.py benchmarks/gpu_e2e.py benchmarks/gpu_nccl_probe.py benchmarks/ops_kernels.py"
     step index "$PY" benchmarks/gpu_index_math.py --small --device cpu
     step e2e "$PY" benchmarks/gpu_e2e.py --device cpu --steps 3
     step nccl "$PY" benchmarks/gpu_nccl_probe.py --dry-run
