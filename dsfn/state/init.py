@@ -46,7 +46,7 @@ from dsfn.errors import ConfigError
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh, ensure_ready
 from dsfn.state.layout import Placed, Replicated, is_placed, mirrored_param
-from dsfn.state.train_state import TrainState
+from dsfn.state.train_state import TrainState, mark_placed
 
 __all__ = ["Initializer", "SafetensorsSource", "hf_checkpoint", "init_sharded", "store_constants"]
 
@@ -273,7 +273,7 @@ def init_sharded(step: Any, params: dict[str, torch.Tensor], tx: Any, *, source:
                 _init_constants(apply_fn, source, device)
     finally:
         source.done()
-    return state
+    return mark_placed(state)
 
 
 def _init_constants(apply_fn: Any, source: _Sources, device: torch.device) -> None:
