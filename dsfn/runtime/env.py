@@ -152,7 +152,7 @@ def init_distributed(timeout_s: float = 300) -> bool:
     dist.init_process_group(backend=be, init_method="env://", rank=rank_, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     # a process that exits with the group still open can abort in gloo's teardown
-    atexit.register(shutdown)
+    atexit.register(_shutdown_at_exit)
     return True
 
 
@@ -238,6 +238,23 @@ def shutdown() -> None:
     _bound = False
     if is_distributed():
         dist.destroy_process_group()
+
+
+def _shutdown_at_exit() -> None:
+    """At interpreter exit, after the user's script: the process group and everything that
+    holds it or its work handles go while the interpreter still runs. Left to finalisation,
+    gloo's worker threads free a finished collective's tensors during interpreter teardown
+    and a rank aborts ("terminate called without an active exception", exit -6) after a
+    script that succeeded. So: drop dsfn's mesh (its sub-groups), destroy every group, and
+    collect the cycles that still hold work handles and their tensors."""
+    import gc
+    from dsfn.runtime import mesh
+    try:
+        mesh.reset_mesh()
+        gc.collect()                  # work handles in garbage cycles go before their groups
+        shutdown()
+    finally:
+        gc.collect()
 
 
 _allocator_tuned = False
