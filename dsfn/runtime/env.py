@@ -97,14 +97,32 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _launched() -> tuple[int, int] | None:
+    """(RANK, WORLD_SIZE) a launcher set for this process when WORLD_SIZE > 1, else None."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        return (int(os.environ["RANK"]), world) if world > 1 else None
+    except (KeyError, ValueError):
+        return None
+
+
 def rank() -> int:
-    """Global rank in the default group; 0 when no group is initialised."""
-    return dist.get_rank() if is_distributed() else 0
+    """Global rank in the default group. Before the group exists (a launched script before its
+    first Step), the launcher's RANK, so `if rank() == 0:` picks one rank from the script's
+    first line; 0 for a single process."""
+    if is_distributed():
+        return dist.get_rank()
+    launched = _launched()
+    return launched[0] if launched else 0
 
 
 def world_size() -> int:
-    """Number of ranks in the default group; 1 when no group is initialised."""
-    return dist.get_world_size() if is_distributed() else 1
+    """Number of ranks in the default group; before it exists the launcher's WORLD_SIZE (as
+    `rank()`); 1 for a single process."""
+    if is_distributed():
+        return dist.get_world_size()
+    launched = _launched()
+    return launched[1] if launched else 1
 
 
 def _env_int(name: str) -> int:
