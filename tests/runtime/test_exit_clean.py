@@ -44,6 +44,7 @@ def _runs(tmp_path, n: int) -> list[tuple[int, str]]:
     return bad
 
 
+@pytest.mark.timeout(400)
 def test_a_script_ending_right_after_a_step_exits_0(tmp_path):
     # 3 runs here (each starts two interpreters: ~5 s on an idle 2-core machine); 50 in the slow one
     bad = _runs(tmp_path, 3)
@@ -51,6 +52,7 @@ def test_a_script_ending_right_after_a_step_exits_0(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_fifty_runs_all_exit_0(tmp_path):
     bad = _runs(tmp_path, 50)
     assert not bad, f"{len(bad)} of 50 runs failed: {bad[:3]}"
