@@ -290,7 +290,7 @@ def _run_block(block: Block, tmp: str) -> str:
     given = {n: _make(n, block.name, ns, tmp) for n in _given(block) if "." not in n}
     ns.update(given)
     exec(compile(block.code, f"{block.doc}:{block.line}", "exec"), ns)
-    then = THEN[block.name]
+    then = "import torch, dsfn\n" + THEN[block.name]        # the check's own imports, not the block's
     for n in THEN_NEEDS.get(block.name, ()):
         if n not in ns:
             ns[n] = _make(n, block.name, ns, tmp)
