@@ -5,6 +5,7 @@ A block is marked by the HTML comment on the line before its fence:
 
     <!-- doc-test: NAME; given: a, b, ds_config.json; world: N -->   run on N ranks with a, b
     <!-- doc-test: NAME; after: OTHER -->                             a bash block, run in OTHER's directory
+    <!-- doc-test: NAME; bench -->                                     `./dev bench ...` lines, run from the root
     <!-- doc-test: NAME; file: ds_config.json -->                      the input file a later block is given
     <!-- doc-test: NAME; skip -->                                      listed in SKIPPED below, with its reason
 
@@ -168,6 +169,8 @@ def test_every_block_is_marked_and_every_skip_is_said_in_the_text():
         assert said in b.before or said in b.code, f"{name}: the text does not say why it is skipped ({said!r})"
     assert set(SLOW) <= {b.name for b in RUNNABLE}
     for b in RUNNABLE:
+        if b.lang == "bash":
+            assert "after" in b.opts or "bench" in b.opts, f"{b.name}: a bash block runs after a block or is `bench`"
         if b.lang == "python":
             assert int(b.opts["world"]) >= 1, b.name
             assert b.name in THEN, f"{b.name}: say in THEN what the block must have done"
@@ -336,7 +339,7 @@ def test_slow_block_runs_as_written(block, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("bash", [b for b in RUNNABLE if b.lang == "bash"], ids=lambda b: b.name)
+@pytest.mark.parametrize("bash", [b for b in RUNNABLE if b.lang == "bash" and "after" in b.opts], ids=lambda b: b.name)
 def test_shell_block_runs_as_written(bash, tmp_path):
     """A bash block runs with `set -o pipefail` off (as typed), after the block it follows, in
     that block's directory, with the project's `dsfn` command first on PATH."""
@@ -348,3 +351,18 @@ def test_shell_block_runs_as_written(bash, tmp_path):
                        timeout=300)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
     assert "step:       100" in r.stdout and "FlatShard" in r.stdout, r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("bash", [b for b in RUNNABLE if b.lang == "bash" and "bench" in b.opts], ids=lambda b: b.name)
+def test_bench_block_runs_as_written(bash):
+    """Each `./dev bench NAME ARGS` line runs as `./dev` runs it once its .venv exists:
+    `python benchmarks/NAME.py ARGS` from the repository root (./dev would set up a .venv of
+    its own here first)."""
+    lines = [line.split("#")[0].split() for line in bash.code.splitlines() if line.strip()]
+    assert lines and all(w[:3] == ["./dev", "bench", w[2]] for w in lines), bash.code
+    for w in lines:
+        r = subprocess.run([sys.executable, f"benchmarks/{w[2]}.py", *w[3:]], cwd=ROOT, capture_output=True,
+                           text=True, timeout=400, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (w, r.stdout[-2000:], r.stderr[-2000:])
