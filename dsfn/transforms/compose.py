@@ -24,6 +24,7 @@ inside every `wrap_step`, so a checkpoint taken at the step boundary holds them.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -63,6 +64,7 @@ class Step:
         for t in reversed(self.stack):   # the innermost wraps first, so the outermost runs first
             wrapped = t.wrap_step(wrapped)
         self._wrapped = wrapped
+        self._last_out: weakref.ref | None = None    # the state the last call returned
 
     def _call_inner(self, state: Any, batch: Any) -> tuple[Any, dict]:
         held = getattr(state, "buffers", None)
@@ -133,7 +135,10 @@ class Step:
         if not isinstance(donate, bool):
             raise StackError(f"step(state, batch, donate={donate!r}): donate is True, False or None")
         ensure_ready(self.stack)
-        _check_placed(self.stack, state)
+        if self._last_out is None or self._last_out() is not state:
+            # a state this Step did not just return (the first, a loaded or a replaced one); the
+            # loop's `state, m = step(state, batch)` skips the walk over its leaves
+            _check_placed(self.stack, state)
         _check_batch(batch)
         if donate:
             donation.check_donatable(state)
@@ -148,6 +153,10 @@ class Step:
                 made = getattr(new_state, "step", None)
                 donation.mark_donated(state, "a step that failed part-way" if new_state is None
                                       else lambda: f"the step that made step {_step_number(made)}")
+        try:
+            self._last_out = weakref.ref(new_state)
+        except TypeError:                  # a state type without weak references: checked every call
+            self._last_out = None
         return new_state, _with_lr(metrics, new_state)
 
     def explain(self, state: Any, batch: Any) -> "Explanation":

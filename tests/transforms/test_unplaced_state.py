@@ -69,3 +69,27 @@ def test_an_unplaced_state_is_refused_and_the_placed_one_trains(world):
             continue
         assert refused is not None, f"{name} at world {world}: an unplaced state trained"
         assert "step.place(state)" in refused and "step.init_state(params, tx)" in refused, refused
+
+
+def test_the_check_walks_a_state_only_when_it_is_not_the_last_returned(monkeypatch):
+    """The loop `state, m = step(state, batch)` pays no walk over the leaves; a state the step
+    did not just return (the first, a loaded or a replaced one) is checked."""
+    import importlib
+    C = importlib.import_module("dsfn.transforms.compose")     # the module (the package exports the function)
+    calls = []
+    real = C._check_placed
+    monkeypatch.setattr(C, "_check_placed", lambda stack, state: (calls.append(1), real(stack, state)))
+    model = torch.nn.Linear(4, 2)
+    apply_fn, params = dsfn.functionalize(model)
+
+    def train_step(state, batch):
+        loss, grads = dsfn.value_and_grad(lambda p, b: apply_fn(p, b).square().mean())(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+    step = dsfn.compose(mixed_precision())(train_step)
+    state = step.init_state(params, dsfn.optim.sgd(0.1))
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        state, _ = step(state, x)
+    assert len(calls) == 1
+    step(state.replace(extra={"k": torch.zeros(())}), x)
+    assert len(calls) == 2
