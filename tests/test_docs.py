@@ -10,7 +10,7 @@ A block is marked by the HTML comment on the line before its fence:
     <!-- doc-test: NAME; skip -->                                      listed in SKIPPED below, with its reason
 
 `given` names exactly the block's free names (checked from its source), each made here by
-`_GIVEN`; a file name (`ds_config.json`) is written from the nearest `file:` block above. The
+`_make`; a file name (`ds_config.json`) is written from the nearest `file:` block above. The
 ranks share one temporary working directory. `THEN` holds what is checked after a block
 ran (its results are in the namespace). Blocks in `SLOW` run under `-m slow`; at least one
 block of every world size runs by default.
@@ -73,7 +73,7 @@ assert torch.isfinite(metrics['loss'])
 state, metrics = step(step.init_state(params, dsfn.optim.adamw(1e-3)), batch)
 assert torch.isfinite(metrics['loss'])
 """,
-    "checkpoints": "assert int(state.step) == 100",
+    "checkpoints": "import os\nassert int(state.step) == 100 and os.path.isdir('ckpt/step_00000100')",  # the text's name
     "donation": "assert int(state.step) == 2",
     "zero3-from-ds-config": "assert cfg.train_batch_size == 256 and int(state.step) == 2",
     "zero3-by-hand": """
@@ -86,7 +86,7 @@ assert torch.isfinite(metrics['loss'])
 THEN_NEEDS = {"remat": ("params", "batch", "shard_zero", "remat"),
               "tensor-parallel": ("batch",), "sequence-parallel": ("params", "batch"),
               "offload": ("params", "batch"), "zero3-by-hand": ("params", "batch"),
-              "intro": ("torch",), "sharded-eval": ("torch",), "buffers": (), "checkpoints": ()}
+              }
 # which model a block's `model` / `params` / `train_step` are: a tiny GPT (dsfn.models), a tiny
 # Hugging Face Llama, or a BatchNorm MLP
 MODEL = {"buffers": "bn", "remat": "llama", "tensor-parallel": "llama", "sequence-parallel": "llama",
@@ -110,7 +110,7 @@ def _blocks() -> list[Block]:
     out = []
     for path in DOCS:
         lines = path.read_text().splitlines()
-        i, last_end = 0, 0
+        i = 0
         while i < len(lines):
             fence = re.match(r"^```(\w+)", lines[i])
             if not fence:
@@ -126,7 +126,7 @@ def _blocks() -> list[Block]:
                     opts[key.strip()] = value.strip()
             out.append(Block(str(path.relative_to(ROOT)), i + 1, fence[1], name, "\n".join(lines[i + 1:j]) + "\n",
                              opts, "\n".join(lines[max(0, i - 30):i])))
-            i, last_end = j + 1, j + 1
+            i = j + 1
     return out
 
 
