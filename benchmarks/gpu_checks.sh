@@ -14,7 +14,7 @@
 #   (c) e2e      torchrun --nproc-per-node 1 benchmarks/gpu_e2e.py: ZeRO-3 + bf16 + clipping,
 #                fp16 + loss scaling, ZeRO-2 + offload("cpu", overlap=True) + async checkpoint
 #                through the host cache reloaded bitwise; the host syncs of one step each
-#   (d) kernels  benchmarks/kernels.py --cuda-only: fused AdamW >= 85% of copy bandwidth and >=
+#   (d) kernels  benchmarks/ops_kernels.py --cuda-only: fused AdamW >= 85% of copy bandwidth and >=
 #                torch.optim.AdamW(fused=True); tiled cross-entropy peak <= 1/4 of the
 #                materialised logits at vocab 128k; RMSNorm and Muon figures
 #   (e) nccl     torchrun --nproc-per-node min(GPUs, 2) benchmarks/gpu_nccl_probe.py: MoE-style
@@ -92,7 +92,7 @@ plan() {
     echo "step2|$CAP_STEP2|DSFN_BACKEND=gloo $PY -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/gpu_step.py --two-rank"
     echo "offload|$CAP_OFFLOAD|$PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/offload_gpu.py --warmup 1 --steps 3"
     echo "e2e|$CAP_E2E|$PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_e2e.py"
-    echo "kernels|$CAP_KERNELS|DSFN_KERNELS=triton $PY benchmarks/kernels.py --cuda-only"
+    echo "kernels|$CAP_KERNELS|DSFN_KERNELS=triton $PY benchmarks/ops_kernels.py --cuda-only"
     echo "group|$CAP_GROUP|$PY benchmarks/adamw_group.py"
     echo "ops|$CAP_OPS|DSFN_TEST_DEVICE=cuda TRITON_INTERPRET=0 $PY -m pytest tests/ops -p no:cacheprovider -q -rfE$xdist$per_test"
     echo "index|$CAP_INDEX|$PY benchmarks/gpu_index_math.py"
@@ -157,7 +157,7 @@ if [ "$MODE" = dry ]; then
         grep -E "PASS|FAIL" "$LOGS/dry_$name.log" | sed 's/^/    /'
         [ $rc = 0 ] || tail -20 "$LOGS/dry_$name.log" | sed 's/^/    | /'
     }
-    step syntax bash -c "bash -n '$ROOT/benchmarks/gpu_checks.sh' && '$PY' -m py_compile benchmarks/gpu_index_math.py benchmarks/gpu_e2e.py benchmarks/gpu_nccl_probe.py benchmarks/kernels.py benchmarks/gpu_step.py benchmarks/offload_gpu.py"
+    step syntax bash -c "bash -n '$ROOT/benchmarks/gpu_checks.sh' && '$PY' -m py_compile benchmarks/gpu_index_math.py benchmarks/gpu_e2e.py benchmarks/gpu_nccl_probe.py benchmarks/ops_kernels.py benchmarks/gpu_step.py benchmarks/offload_gpu.py"
     step step "$PY" benchmarks/gpu_step.py --quick
     step step2 "$PY" -m dsfn.launch --nproc 2 benchmarks/gpu_step.py --two-rank
     step offload "$PY" benchmarks/offload_gpu.py --quick

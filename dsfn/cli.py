@@ -159,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"dsfn: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader stopped (`dsfn ckpt inspect --leaves | head`): end quietly, as `cat` does.
+        # stdout goes to /dev/null so the interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141                                  # 128 + SIGPIPE, the shell's status for it
 
 
 if __name__ == "__main__":

@@ -32,6 +32,12 @@ class LayoutError(DsfnError, ValueError):
     (e.g. a global norm of sharded leaves outside the Step that placed them)."""
 
 
+class UnplacedStateError(LayoutError):
+    """A logical state (e.g. straight from `TrainState.create`) given to a Step whose stack
+    lays the state out (ZeRO shards, offloaded or master copies): place it first with
+    `step.place(state)`, or build it placed with `step.init_state(params, tx)`."""
+
+
 class LeafTypeError(DsfnError, TypeError):
     """A pytree leaf of the wrong kind (e.g. a Python float where a tensor is required)."""
 

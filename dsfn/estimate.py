@@ -86,7 +86,7 @@ class MemoryEstimate:
     def __str__(self) -> str:
         g = _human
         g = _human
-        lines = [f"memory estimate per rank ({self.num_params / 1e9:.3f}B params, world {self.world_size}, "
+        lines = [f"memory estimate per rank ({_count(self.num_params)} params, world {self.world_size}, "
                  f"mesh {self.mesh}, ZeRO {self.stage}{', offload ' + self.offload if self.offload else ''}):"]
         for k in ("params", "grads", "optimizer", "master", "largest_unit", "buckets", "host", "nvme"):
             lines.append(f"  {k:13s} {g(getattr(self, k))}")
@@ -94,6 +94,14 @@ class MemoryEstimate:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _count(n: int) -> str:
+    """A parameter count in the largest unit that keeps a digit before the point: 7.24B, 15.3M, 840."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(int(n))
 
 
 def _human(b: float) -> str:

@@ -203,17 +203,26 @@ def finish(out: Path, result: dict[str, Any], run: dict[str, Any], title: str,
            verbose: bool) -> dict[str, Any]:
     """Rank 0's outputs after training; returns the summary.
 
-    Plots out/metrics.jsonl and result["val_loss"] to out/loss.png (titled `title`), writes
-    `summarize(result, metrics, run, out)` to out/summary.json and, if `verbose`, prints
-    `report(summary)`.
+    Writes `summarize(result, metrics, run, out)` to out/summary.json (always) and, when
+    matplotlib is installed, plots out/metrics.jsonl and result["val_loss"] to out/loss.png
+    (titled `title`; without matplotlib a one-line note says so and the summary lists no
+    loss.png); if `verbose`, prints `report(summary)`.
     """
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    plot_loss(metrics, out / "loss.png", title=title, val_loss=result["val_loss"])
     summary = summarize(result, metrics, run, out)
+    plotted = plot_loss(metrics, out / "loss.png", title=title, val_loss=result["val_loss"])
+    if not plotted:
+        summary["files"].pop("loss.png", None)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if verbose:
         print(report(summary))
     return summary
+
+
+def file_names(s: dict[str, Any]) -> str:
+    """The report's `dir/{metrics.jsonl, loss.png, summary.json}` for the files summary `s` lists."""
+    names = [n for n in ("metrics.jsonl", "loss.png", "summary.json") if n in s["files"]]
+    return f"{Path(s['files']['metrics.jsonl']).parent}/{{{', '.join(names)}}}"
 
 
 def loss_stats(metrics: list[dict[str, Any]]) -> dict[str, float]:
@@ -252,9 +261,15 @@ def format_report(s: dict[str, Any], header: str, files: list[str]) -> str:
 
 
 def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str = "",
-              val_loss: float | None = None) -> None:
-    """Training loss per step (raw and smoothed) and the final validation loss, as a PNG."""
-    import matplotlib
+              val_loss: float | None = None) -> bool:
+    """Training loss per step (raw and smoothed) and the final validation loss, as a PNG.
+    Returns False (after a one-line note) when matplotlib is not installed: the plot is optional."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"note: matplotlib is not installed, so no {path.name} (pip install matplotlib); "
+              "metrics.jsonl and summary.json are written")
+        return False
     matplotlib.use("Agg")                    # no display needed
     import matplotlib.pyplot as plt
 
@@ -276,6 +291,7 @@ def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str = "",
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    return True
 
 
 def _moving_average(xs: list[float], half: int) -> list[float]:

@@ -187,7 +187,8 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
 
     ckpt_dir = Path(run["out"]) / "ckpt"
     ckpt = async_checkpoint(ckpt_dir, every=run["ckpt_every"], keep=2) if run["ckpt_every"] else None
-    step = dsfn.compose(*([ckpt] if ckpt else []), *stack_of(run))(train_step)
+    # donate: each step writes the new state into the old one's buffers (one state in memory, not two)
+    step = dsfn.compose(*([ckpt] if ckpt else []), *stack_of(run), donate=True)(train_step)
     state = step.place(state)
     first = 0
     if run["resume"]:
@@ -202,6 +203,10 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
     # committed (or its error raised) before the loop's time is taken.
     state, train_s = runner.train_loop(step, state, data_iter, run, tokens_per_step, rank, first=first,
                                        record_metrics=("lr",), on_done=ckpt.wait if ckpt else None)
+    if ckpt is not None and checkpoint.latest_step(ckpt_dir) != int(state.step):
+        # the last step is saved too (--steps below --ckpt-every, or not a multiple of it), so
+        # the summary's checkpoints exist and --resume continues from where this run stopped
+        checkpoint.save(ckpt_dir, state, keep=2)
 
     final = step.gather(state)               # logical state: every rank takes part
     if rank != 0:
@@ -264,7 +269,7 @@ def format_summary(s: dict[str, Any]) -> str:
     header = (f"== train_gpt: '{s['model']}' GPT, {s['num_params'] / 1e6:.2f}M params, "
               f"{s['world_size']} rank(s) with {s['stack']}, {s['steps']} steps of "
               f"{s['global_batch']}x{s['seq_len']} tokens")
-    files = (f"  files       {Path(s['files']['metrics.jsonl']).parent}/{{metrics.jsonl, loss.png, summary.json}}"
+    files = (f"  files       {runner.file_names(s)}"
              + (f"; checkpoints in {s['files']['ckpt']} (--resume continues)" if "ckpt" in s["files"] else ""))
     return runner.format_report(s, header, [files])
 

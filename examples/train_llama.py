@@ -273,7 +273,7 @@ def _train(train_data: torch.Tensor, val_data: torch.Tensor, run: dict[str, Any]
                   *runner.remat_transforms(run), clip_grad_norm(1.0)]
     if run["sp"] > 1:                 # outermost: it splits the batch before ZeRO sees it
         transforms.insert(0, sequence_parallel(labels_key="labels", shift_labels=False, ignore_index=-100))
-    step = compose(*transforms)(train_step)
+    step = compose(*transforms, donate=True)(train_step)   # the new state reuses the old one's buffers
     state = step.init_state(params, tx, seed=run["seed"])   # this rank's shards only
     del params
 
@@ -343,7 +343,7 @@ def format_summary(s: dict[str, Any]) -> str:
               + (f", {s['remat']}" if s.get("remat") else "")
               + f", {s['steps']} steps of {s['global_batch']}x{s['seq_len']} tokens")
     return runner.format_report(s, header, [
-        (f"  files       {Path(s['files']['metrics.jsonl']).parent}/{{metrics.jsonl, loss.png, summary.json}}; "
+        (f"  files       {runner.file_names(s)}; "
          f"checkpoint in {s['files']['ckpt']}"),
         f"  HF model    {s['hf_dir']}  (transformers.LlamaForCausalLM.from_pretrained(...))",
     ])

@@ -119,3 +119,12 @@ def test_formulas_equal_deepspeeds_own():
                                      zero_init=init)
                     assert deepspeed_zero3_estimate(psi, layer, per_node, nodes, off, off_p, init) == {
                         "gpu": gpu, "cpu": cpu}
+
+
+def test_header_names_small_models_params_in_a_readable_unit():
+    """A 50k-parameter model's header said "0.000B params"."""
+    import torch
+    from dsfn.estimate import _count
+    assert (_count(7_241_732_096), _count(15_300_000), _count(50_244), _count(840)) == ("7.24B", "15.3M", "50.2K", "840")
+    est = estimate_memory(torch.nn.Linear(100, 500), (), 1)
+    assert "(50.5K params, world 1" in str(est), str(est)

@@ -628,6 +628,13 @@ def own_loss(model: nn.Module, make_loss, args: tuple, kwargs: dict) -> Iterator
             else:
                 del m._loss_function
     if labelled and not calls:
+        if kwargs.get("shift_labels") is not None and kwargs.get("labels") is None:
+            # HF's causal LMs compute a loss only `if labels is not None`; shift_labels= alone is ignored
+            raise ConfigError(f"sequence_parallel: {name} was given shift_labels= without labels=, and a Hugging "
+                              "Face causal LM computes its loss only when labels= is given (its .loss is None). "
+                              "Pass both: model(input_ids=..., labels=batch['labels'], "
+                              "shift_labels=batch['shift_labels']) under sequence_parallel(shift_labels=True), "
+                              "or labels= alone (the transform then shifts them over the whole sequence)")
         raise ConfigError(f"sequence_parallel: {name} was given labels but did not compute its loss with the "
                           f"loss_function of {', '.join(type(m).__name__ for m in mods)}, so dsfn cannot shift them "
                           "over the whole sequence: its loss would be over this rank's slice only. Compute the "

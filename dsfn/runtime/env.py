@@ -110,14 +110,32 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _launched() -> tuple[int, int] | None:
+    """(RANK, WORLD_SIZE) a launcher set for this process when WORLD_SIZE > 1, else None."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        return (int(os.environ["RANK"]), world) if world > 1 else None
+    except (KeyError, ValueError):
+        return None
+
+
 def rank() -> int:
-    """Global rank in the default group; 0 when no group is initialised."""
-    return dist.get_rank() if is_distributed() else 0
+    """Global rank in the default group. Before the group exists (a launched script before its
+    first Step), the launcher's RANK, so `if rank() == 0:` picks one rank from the script's
+    first line; 0 for a single process."""
+    if is_distributed():
+        return dist.get_rank()
+    launched = _launched()
+    return launched[0] if launched else 0
 
 
 def world_size() -> int:
-    """Number of ranks in the default group; 1 when no group is initialised."""
-    return dist.get_world_size() if is_distributed() else 1
+    """Number of ranks in the default group; before it exists the launcher's WORLD_SIZE (as
+    `rank()`); 1 for a single process."""
+    if is_distributed():
+        return dist.get_world_size()
+    launched = _launched()
+    return launched[1] if launched else 1
 
 
 def _env_int(name: str) -> int:
@@ -165,7 +183,7 @@ def init_distributed(timeout_s: float = 300) -> bool:
     dist.init_process_group(backend=be, init_method="env://", rank=rank_, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     # a process that exits with the group still open can abort in gloo's teardown
-    atexit.register(shutdown)
+    atexit.register(_shutdown_at_exit)
     return True
 
 
@@ -251,6 +269,23 @@ def shutdown() -> None:
     _bound = False
     if is_distributed():
         dist.destroy_process_group()
+
+
+def _shutdown_at_exit() -> None:
+    """At interpreter exit, after the user's script: the process group and everything that
+    holds it or its work handles go while the interpreter still runs. Left to finalisation,
+    gloo's worker threads free a finished collective's tensors during interpreter teardown
+    and a rank aborts ("terminate called without an active exception", exit -6) after a
+    script that succeeded. So: drop dsfn's mesh (its sub-groups), destroy every group, and
+    collect the cycles that still hold work handles and their tensors."""
+    import gc
+    from dsfn.runtime import mesh
+    try:
+        mesh.reset_mesh()
+        gc.collect()                  # work handles in garbage cycles go before their groups
+        shutdown()
+    finally:
+        gc.collect()
 
 
 _allocator_tuned = False

@@ -89,10 +89,17 @@ def _round_up(n: int, k: int) -> int:
 
 
 def check_writable(path: str | os.PathLike | None, what: str = "offload(device='nvme')") -> str:
-    """`path` as an absolute directory this process can create files in, or ConfigError."""
+    """`path` as an absolute directory this process can create files in, or ConfigError.
+    Only its last level may be missing (then it is created): a missing parent is refused."""
     if path is None or str(path) == "":
         raise ConfigError(f"{what} needs path=<a directory on a fast local disk> to hold the state files")
     path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    if not os.path.exists(path) and not os.path.exists(parent):
+        # a missing mount point or a typo: creating the whole chain (as root, on the root disk)
+        # would put "NVMe" state on whatever disk holds `/`
+        raise ConfigError(f"{what}: neither path {path!r} nor its parent {parent!r} exists; pass a directory on a "
+                          "fast local disk (dsfn creates at most the last level of it)")
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".dsfn-probe-{os.getpid()}-{next(_counter)}")

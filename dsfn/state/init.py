@@ -25,7 +25,9 @@ Three phases, under the step's transforms:
    NVMe, the rank's pieces are in host memory once, before they are written to files.
 3. *Frozen parameters* (`apply_fn.frozen`, with `apply_fn=`): placed by the
    "place_constants" primitive (shard_zero(3): FlatShard) and filled the same way, into
-   `apply_fn.constants`; other meta constants (non-persistent buffers) are filled whole.
+   `apply_fn.constants`; other meta constants (non-persistent buffers, which no checkpoint
+   holds: rotary tables) are remade by their module as its construction makes them
+   (`remade_buffer`), or else filled whole from `source`.
 
 Peak per rank: this rank's state + the largest single tensor (an initialiser's full
 tensor; for a checkpoint only the runs being read). Every rank computes the same values
@@ -46,7 +48,7 @@ from dsfn.errors import ConfigError
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh, ensure_ready
 from dsfn.state.layout import Placed, Replicated, is_placed, mirrored_param
-from dsfn.state.train_state import TrainState
+from dsfn.state.train_state import TrainState, mark_placed
 
 __all__ = ["Initializer", "SafetensorsSource", "hf_checkpoint", "init_sharded", "store_constants"]
 
@@ -273,7 +275,7 @@ def init_sharded(step: Any, params: dict[str, torch.Tensor], tx: Any, *, source:
                 _init_constants(apply_fn, source, device)
     finally:
         source.done()
-    return state
+    return mark_placed(state)
 
 
 def _init_constants(apply_fn: Any, source: _Sources, device: torch.device) -> None:
@@ -283,8 +285,46 @@ def _init_constants(apply_fn: Any, source: _Sources, device: torch.device) -> No
     filled = {n: (_fill(x, n, logical[n], source, device) if _is_meta(x) else x) for n, x in placed.items()}
     for n, t in apply_fn.constants.items():       # non-persistent buffers: whole, replicated
         if n not in filled and _is_meta(t):
-            filled[n] = _fill(t, n, t, source, device)
+            made = remade_buffer(apply_fn.module, n, t)
+            filled[n] = made.to(device) if made is not None else _fill(t, n, t, source, device)
     store_constants(apply_fn, filled)
+
+
+def remade_buffer(module: torch.nn.Module, name: str, like: torch.Tensor) -> torch.Tensor | None:
+    """Non-persistent buffer `name` of `module` (built on meta) as the module's construction
+    computes it, or None when it cannot be remade (then a source must hold it).
+
+    A checkpoint never holds such buffers (a rotary `inv_freq`, a causal mask): their owner
+    submodule, when it holds no parameters and is built from its `config` alone (Hugging
+    Face's rotary embeddings) or from nothing, is constructed again on the CPU and its buffer
+    taken, if it has `like`'s shape. Costs the owner's buffers, no parameter."""
+    import inspect
+    owner_name, _, attr = name.rpartition(".")
+    try:
+        owner = module.get_submodule(owner_name) if owner_name else module
+    except AttributeError:
+        return None
+    if attr not in getattr(owner, "_non_persistent_buffers_set", ()) or next(owner.parameters(), None) is not None:
+        return None
+    try:
+        params = list(inspect.signature(type(owner).__init__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    required = [p for p in params if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    config = getattr(owner, "config", None)
+    if not required:
+        args = ()
+    elif len(required) == 1 and required[0].name == "config" and config is not None:
+        args = (config,)
+    else:
+        return None
+    with torch.device("cpu"):
+        fresh = type(owner)(*args)
+    made = dict(fresh.named_buffers(recurse=False)).get(attr)
+    if made is None or tuple(made.shape) != tuple(like.shape):
+        return None
+    return made.to(like.dtype)
 
 
 def store_constants(apply_fn: Any, placed: dict[str, Any]) -> None:

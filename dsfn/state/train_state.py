@@ -22,6 +22,7 @@ invalidates the input state object — every later read of its fields raises
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -56,7 +57,9 @@ class TrainState:
             from dsfn.errors import ConfigError
             raise ConfigError("TrainState.create needs tx=a dsfn optimizer (e.g. dsfn.optim.adamw(lr=1e-3)), "
                               f"got {tx!r}")
-        return cls(step=torch.zeros((), dtype=torch.int64), params=params,
+        step = torch.zeros((), dtype=torch.int64)
+        _FRESH[id(step)] = weakref.ref(step, lambda _r, k=id(step): _FRESH.pop(k, None))
+        return cls(step=step, params=params,
                    opt_state=tx.init(params) if init_optimizer else None,
                    rng=torch.tensor([int(seed), 0], dtype=torch.int64), buffers=buffers,
                    extra=dict(extra or {}), tx=tx)
@@ -115,3 +118,24 @@ def check_tensor_leaves(t: Any, what: str) -> None:
         if not isinstance(x, torch.Tensor):
             raise LeafTypeError(f"{what} leaf {path or '<root>'!r} is a {type(x).__name__}; dsfn needs "
                                 "torch.Tensor leaves here (wrap numbers with torch.tensor)")
+
+
+# The step counters of states `create` made, until a Step places them: a state that still
+# holds one never went through `Step.place` (its leaves are the logical, unplaced ones).
+# Keyed by id with a weak reference, so a freed counter's entry goes with it.
+_FRESH: dict[int, weakref.ref] = {}
+
+
+def never_placed(state: Any) -> bool:
+    """Whether `state` is (a `replace` of) a `TrainState.create` result no Step has placed."""
+    step = getattr(state, "step", None)
+    ref = _FRESH.get(id(step)) if isinstance(step, torch.Tensor) else None
+    return ref is not None and ref() is step
+
+
+def mark_placed(state: Any) -> Any:
+    """`state` with a step counter of its own (not the fresh one `create` made), so
+    `never_placed` is False for it and still True for the logical state it came from."""
+    if never_placed(state):
+        return state.replace(step=state.step.clone())
+    return state

@@ -24,17 +24,19 @@ inside every `wrap_step`, so a checkpoint taken at the step boundary holds them.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
 
 from dsfn import tree
-from dsfn.errors import LeafTypeError, StackError
+from dsfn.errors import LeafTypeError, StackError, UnplacedStateError
 from dsfn.functional import buffer_scope
 from dsfn.runtime import env
 from dsfn.runtime.mesh import ensure_ready
 from dsfn.state import donation
 from dsfn.state.layout import gather_tree
+from dsfn.state.train_state import mark_placed
 from dsfn.transforms.core import Transform, activate, bind, check_stack, register_step_class
 
 StepFn = Callable[[Any, Any], tuple[Any, dict]]
@@ -62,6 +64,7 @@ class Step:
         for t in reversed(self.stack):   # the innermost wraps first, so the outermost runs first
             wrapped = t.wrap_step(wrapped)
         self._wrapped = wrapped
+        self._last_out: weakref.ref | None = None    # the state the last call returned
 
     def _call_inner(self, state: Any, batch: Any) -> tuple[Any, dict]:
         held = getattr(state, "buffers", None)
@@ -87,7 +90,7 @@ class Step:
                 after = getattr(t, "place_after", None)
                 if after is not None:
                     state = after(state)
-        return state
+        return mark_placed(state)
 
     def init_state(self, params: Any, tx: Any, seed: int = 0, extra: dict | None = None,
                    buffers: dict | None = None) -> Any:
@@ -132,6 +135,10 @@ class Step:
         if not isinstance(donate, bool):
             raise StackError(f"step(state, batch, donate={donate!r}): donate is True, False or None")
         ensure_ready(self.stack)
+        if self._last_out is None or self._last_out() is not state:
+            # a state this Step did not just return (the first, a loaded or a replaced one); the
+            # loop's `state, m = step(state, batch)` skips the walk over its leaves
+            _check_placed(self.stack, state)
         _check_batch(batch)
         if donate:
             donation.check_donatable(state)
@@ -146,6 +153,10 @@ class Step:
                 made = getattr(new_state, "step", None)
                 donation.mark_donated(state, "a step that failed part-way" if new_state is None
                                       else lambda: f"the step that made step {_step_number(made)}")
+        try:
+            self._last_out = weakref.ref(new_state)
+        except TypeError:                  # a state type without weak references: checked every call
+            self._last_out = None
         return new_state, _with_lr(metrics, new_state)
 
     def explain(self, state: Any, batch: Any) -> "Explanation":
@@ -259,6 +270,18 @@ def _step_number(s: Any) -> str:
         return str(int(s))
     except (TypeError, ValueError, RuntimeError):
         return "?"
+
+
+def _check_placed(stack: tuple[Transform, ...], state: Any) -> None:
+    """UnplacedStateError when a transform sees that `state` never went through `place` (a
+    logical state would otherwise train unsharded, or fail deep inside an optimizer)."""
+    for t in stack:
+        why = t.unplaced(state)
+        if why is not None:
+            raise UnplacedStateError(
+                f"step(state, batch) was given a state that was never placed for this stack ({t.name}: "
+                f"{why}). Place it once before the loop: `state = step.place(state)`, or build it placed: "
+                "`state = step.init_state(params, tx)` (the optimizer state is then born as this rank's pieces).")
 
 
 def _check_batch(batch: Any) -> None:

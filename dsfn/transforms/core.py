@@ -52,6 +52,7 @@ class Transform:
     - `place(state)`: logical state -> this rank's physical state (run innermost first);
     - `gather(state)`: undo structural changes of `place` after the layouts on the
       leaves were gathered (run outermost first);
+    - `unplaced(state)`: say what shows `place` never ran on a state (see its docstring);
     - `wrap_step(fn)`: a step function around `fn` (same signature);
     - `handle_<primitive>(call_next, *args)`: see the module docstring;
     - `speculative_grad(state)`: see its docstring (offload's overlapped host update).
@@ -74,6 +75,13 @@ class Transform:
 
     def gather(self, state: Any) -> Any:
         return state
+
+    def unplaced(self, state: Any) -> str | None:
+        """What in `state` shows that this transform's `place` never ran on it (a phrase for
+        the error, e.g. "parameter 'w' is a whole tensor, not this rank's ZeRO-3 shard"), or
+        None when it is placed or there is nothing to tell by. A structural look, no
+        collectives; a Step refuses a state for which any transform answers."""
+        return None
 
     def wrap_step(self, fn: Callable[[Any, Any], tuple[Any, dict]]) -> Callable[[Any, Any], tuple[Any, dict]]:
         return fn

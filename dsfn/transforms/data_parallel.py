@@ -41,6 +41,7 @@ from dsfn.runtime.buckets import all_reduce_buckets  # noqa: F401  (re-exported 
 from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import Placed, is_placed
+from dsfn.state.train_state import never_placed
 from dsfn.transforms.core import Transform, make_transform, with_role
 from dsfn.transforms.grad_stats import reduce_over_axis
 
@@ -70,6 +71,12 @@ class DataParallel(Transform):
         tensors = [x for x in leaves if real(x)]
         synced = iter(all_reduce_buckets(tensors, self.axis, int(self.bucket_mb * 2**20), op=None))
         return tree.unflatten(spec, [next(synced) if real(x) else x for x in leaves])
+
+    def unplaced(self, state: Any) -> str | None:
+        if current_mesh().size(self.axis) > 1 and never_placed(state):
+            return (f"it is TrainState.create's state, whose replicas on the {self.axis!r} ranks were never "
+                    "made equal (place broadcasts dp rank 0's)")
+        return None
 
     def wrap_step(self, fn):
         if not self.split_batch:

@@ -220,6 +220,21 @@ class Offload(Transform):
     def place(self, state: Any) -> Any:
         return state
 
+    def unplaced(self, state: Any) -> str | None:
+        opt_state = getattr(state, "opt_state", None)
+        if opt_state is None:
+            return None
+        shapes = None
+        for path, x in tree.leaves_with_path(opt_state, is_leaf=is_placed):
+            if isinstance(x, Placed) and isinstance(x.layout, Offloaded):
+                return None
+            if isinstance(_data(x), torch.Tensor) and _data(x).dim() > 0:
+                if shapes is None:
+                    shapes = {p: _logical_shape(v) for p, v in tree.leaves_with_path(state.params, is_leaf=is_placed)}
+                if _mirrors(path, x, shapes):
+                    return f"optimizer state {path!r} is an ordinary tensor, not offloaded to {self.device}"
+        return None
+
     def place_after(self, state: Any) -> Any:
         """Runs after every transform's `place` (ZeRO sharded the leaves first)."""
         if self.params:

@@ -78,6 +78,12 @@ class MixedPrecision(Transform):
         return state.replace(params=tree.map(lambda p: p.to(self.param_dtype), state.params),
                              opt_state=MasterState(master=master, inner=state.opt_state))
 
+    def unplaced(self, state: Any) -> str | None:
+        opt_state = getattr(state, "opt_state", None)
+        if not self.active or opt_state is None or isinstance(opt_state, MasterState):
+            return None
+        return f"the optimizer state holds no {self.master_dtype} master weights (MasterState)"
+
     def gather(self, state: Any) -> Any:
         if isinstance(state.opt_state, MasterState):
             return state.replace(params=state.opt_state.master, opt_state=state.opt_state.inner)

@@ -310,12 +310,7 @@ class SequenceParallel(Transform):
         self._padded = isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.bool().all())
         # right padding (1...1 0...0) is exact even without the mask: no real token sees a pad key
         self._right_padded = not self._padded or bool((mask[:, 1:] <= mask[:, :-1]).all())
-        batch = dict(batch)
-        if self.shift_labels:
-            if self.labels_key not in batch:
-                raise ShapeError(f"sequence_parallel(shift_labels=True): the batch has no {self.labels_key!r}")
-            lab = batch[self.labels_key]
-            batch["shift_labels"] = torch.cat([lab[:, 1:], lab.new_full((b, 1), self.ignore_index)], dim=1)
+        batch = self._with_shift_labels(batch)
         n = current_mesh().size(self.axis)
         self._real_len = t          # before padding: labels the model is given are cut there
         if t % n:
@@ -335,6 +330,18 @@ class SequenceParallel(Transform):
         out = {k: (x[:, r * c:(r + 1) * c].contiguous() if isinstance(x, torch.Tensor) and x.dim() >= 2 else x)
                for k, x in batch.items()}
         return out
+
+    def _with_shift_labels(self, batch: dict) -> dict:
+        """A copy of `batch`, with "shift_labels" (each row's labels one to the left, the last
+        target ignored) under `shift_labels=True`; at sp = 1 too, so a step that reads
+        batch["shift_labels"] runs unchanged in one process."""
+        batch = dict(batch)
+        if self.shift_labels:
+            if self.labels_key not in batch:
+                raise ShapeError(f"sequence_parallel(shift_labels=True): the batch has no {self.labels_key!r}")
+            lab = batch[self.labels_key]
+            batch["shift_labels"] = torch.cat([lab[:, 1:], lab.new_full((lab.shape[0], 1), self.ignore_index)], dim=1)
+        return batch
 
     def _pad(self, batch: dict, t: int, to: int) -> dict:
         extra = to - t
@@ -362,6 +369,8 @@ class SequenceParallel(Transform):
     def wrap_step(self, fn):
         def step(state, batch):
             if current_mesh().size(self.axis) == 1:
+                if self.shift_labels and isinstance(batch, dict):
+                    batch = self._with_shift_labels(batch)
                 return fn(state, batch)
             return fn(state, self.shard_batch(batch))
         return step

@@ -186,6 +186,30 @@ class ShardZero(DataParallel):
             return self._as_shard(x)
         return state.replace(opt_state=tree.map_with_path(shard_mirror, state.opt_state, is_leaf=is_placed))
 
+    def unplaced(self, state: Any) -> str | None:
+        if self.stage == 0:
+            return super().unplaced(state)
+        if not hasattr(state, "params"):
+            return None
+        if self.stage == 3:
+            for path, x in tree.leaves_with_path(state.params, is_leaf=is_placed):
+                if self._mine(x):
+                    return None
+                if self._sharded(x):
+                    return f"parameter {path!r} is a whole tensor, not this rank's ZeRO-3 shard"
+            return None
+        shapes = None          # made only when a whole tensor comes before any shard
+        for path, x in tree.leaves_with_path(getattr(state, "opt_state", None), is_leaf=is_placed):
+            if self._mine(x):
+                return None
+            if isinstance(x, torch.Tensor) and x.dim() > 0:
+                if shapes is None:
+                    shapes = {n: _logical_shape(p) for n, p in tree.leaves_with_path(state.params, is_leaf=is_placed)}
+                if mirrored_param(path, _logical_shape(x), shapes) is not None:
+                    return (f"optimizer state {path!r} is a whole tensor, not this rank's "
+                            f"ZeRO-{self.stage} shard")
+        return None
+
     # -- gradients -------------------------------------------------------------------------
     def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
         if self._stage == 0:

@@ -244,3 +244,14 @@ def test_llama_export_loads_with_from_pretrained(tmp_path):
     sd = model.state_dict()
     for k, v in params.items():
         assert torch.equal(sd[k], v), k
+
+
+def test_cli_inspect_into_a_closed_pipe_is_quiet(sharded):
+    """`dsfn ckpt inspect --leaves | head`: a reader that stops early is no traceback."""
+    d, _ = sharded[False]
+    p = subprocess.Popen([sys.executable, "-m", "dsfn.cli", "ckpt", "inspect", d, "--leaves"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()                    # the reader is gone before the CLI writes its first line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -33,7 +33,7 @@ def test_dry_run_passes_and_lists_the_cuda_sections(tmp_path, monkeypatch):
         assert part in out, part
     plan = out.split("== on CUDA it would run")[1].split(":", 1)[1].split("== dry run")[0]
     for name, what in (("ops", "tests/ops"), ("index", "gpu_index_math.py"),
-                       ("e2e", "--nproc-per-node 1 benchmarks/gpu_e2e.py"), ("kernels", "kernels.py --cuda-only"),
+                       ("e2e", "--nproc-per-node 1 benchmarks/gpu_e2e.py"), ("kernels", "ops_kernels.py --cuda-only"),
                        ("nccl", "gpu_nccl_probe.py"), ("step", "--nproc-per-node 1 benchmarks/gpu_step.py"),
                        ("step2", "DSFN_BACKEND=gloo"), ("offload", "benchmarks/offload_gpu.py")):
         assert f"  {name}|" in plan and what in plan, (name, plan)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -135,7 +136,13 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     kw = dict(model="tiny", batch_size=8, lr=3e-3, warmup=1, max_bytes=200_000, eval_batches=1,
               sample_tokens=4, world_size=2, ckpt_every=3, progress=False, verbose=False)
     train_gpt.main(steps=6, out=tmp_path / "full", **kw)
-    train_gpt.main(steps=4, out=tmp_path / "resumed", **kw)       # checkpoints step 3, logs 4 steps
+    train_gpt.main(steps=4, out=tmp_path / "resumed", **kw)       # checkpoints steps 3 and 4 (its last)
+    # "crash" after step 4's log, before its save: the run's final save goes (a 4-step run's
+    # own schedule made step 4's update, so only a crash leaves step 3 to resume from)
+    ckpt = tmp_path / "resumed" / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000003", "step_00000004"]
+    shutil.rmtree(ckpt / "step_00000004")
+    (ckpt / "latest").write_text("step_00000003")
     train_gpt.main(steps=6, out=tmp_path / "resumed", resume=True, **kw)
 
     def losses(d):
@@ -186,3 +193,34 @@ def test_parse_args_remat_flags() -> None:
     args = train_gpt.parse_args(["--remat-offload", "--remat-policy", "matmuls"])
     assert (args.remat, args.remat_offload, args.remat_policy) == (False, True, "matmuls")
     assert train_gpt._stack_name(vars(args)) == "data_parallel + remat(policy=matmuls, offload=cpu)"
+
+
+def test_steps_below_ckpt_every_still_checkpoint_and_resume(tmp_path: Path) -> None:
+    """--steps below --ckpt-every: the run saves its last step, so the summary's checkpoints
+    exist and --resume continues (it failed: no checkpoint had been written)."""
+    kw = dict(model="tiny", batch_size=8, lr=3e-3, warmup=1, max_bytes=200_000, eval_batches=1,
+              sample_tokens=4, world_size=2, ckpt_every=50, progress=False, verbose=False)
+    s = train_gpt.main(steps=2, out=tmp_path, **kw)
+    assert "ckpt" in s["files"]
+    assert sorted(p.name for p in Path(s["files"]["ckpt"]).iterdir()) == ["latest", "step_00000002"]
+    s = train_gpt.main(steps=3, out=tmp_path, resume=True, **kw)
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_without_matplotlib_the_summary_is_written(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The plot is optional: without matplotlib a one-line note, summary.json still written."""
+    import builtins
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *a, **k):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    s = train_gpt.main(model="tiny", steps=2, world_size=1, batch_size=8, lr=3e-3, warmup=1, out=tmp_path,
+                       max_bytes=200_000, eval_batches=1, sample_tokens=4, progress=False, verbose=True)
+    out = capsys.readouterr().out
+    assert "matplotlib is not installed" in out
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
+    assert not (tmp_path / "loss.png").exists() and "loss.png" not in s["files"]
+    assert "loss.png" not in out.split("files")[1].splitlines()[0]

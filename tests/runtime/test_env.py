@@ -1,6 +1,8 @@
 """dsfn.runtime.env: device/backend choice and process-group set-up from torchrun's variables."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -108,7 +110,8 @@ def _inside_rank():
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_initialised_group_in_ranks(world_size):
     out = spawn(_inside_rank, world_size, timeout=60)
-    assert out == [(True, r, world_size, r, world_size, "cpu", "gloo", False, 0, 1)
+    # after shutdown: the launcher's rank and world (spawn's environment), as before the group
+    assert out == [(True, r, world_size, r, world_size, "cpu", "gloo", False, r, world_size)
                    for r in range(world_size)]
 
 
@@ -147,3 +150,25 @@ def _ensure_inside_rank():
 
 def test_ensure_distributed_keeps_an_existing_group():
     assert spawn(_ensure_inside_rank, 2, timeout=60) == [(True, 2), (True, 2)]
+
+
+def _rank_before_any_step():
+    import dsfn.runtime
+    return dsfn.runtime.rank(), env.is_distributed()
+
+
+def test_rank_before_the_first_step_reads_the_launcher(tmp_path):
+    """Launched ranks asked before any Step (no process group yet) each say their own rank
+    (every rank said 0)."""
+    import subprocess
+    import sys
+    script = tmp_path / "r.py"
+    script.write_text("import dsfn.runtime, torch.distributed as d\n"
+                      "print('RANK', dsfn.runtime.rank(), dsfn.runtime.world_size(), d.is_initialized())\n")
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "dsfn.launch", "--nproc", "2", str(script)], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(line for line in r.stdout.splitlines() if line.startswith("RANK")) == \
+        ["RANK 0 2 False", "RANK 1 2 False"], r.stdout

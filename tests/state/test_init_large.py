@@ -210,10 +210,32 @@ def test_replicated_params_read_everything(hf_dir):
         assert n == total
 
 
-def test_missing_tensor_names_the_fix(hf_dir):
+def test_hf_checkpoint_alone_remakes_the_rotary_buffers(hf_dir):
+    """A checkpoint holds no non-persistent buffer (rotary `inv_freq`): `hf_checkpoint(dir)`
+    alone is enough, the buffers are remade by their module as its construction makes them."""
+    import transformers
     init_mesh()
     with torch.device("meta"):
         model = llama(meta=True)
+    apply_fn, params = dsfn.functionalize(model)
+    step = dsfn.compose(shard_zero(3))(train_step_for(apply_fn, lm_loss))
+    state = init_sharded(step, params, dsfn.optim.adamw(lr=1e-2), source=hf_checkpoint(hf_dir), apply_fn=apply_fn)
+    ref = transformers.LlamaForCausalLM.from_pretrained(hf_dir)
+    for n, b in ref.named_buffers():
+        assert apply_fn.constants[n].device.type == "cpu" and torch.equal(apply_fn.constants[n], b), n
+    batch = token_batches(1, 2, 16, LLAMA["vocab_size"], seed=5)[0]
+    _, metrics = step(state, batch)
+    with torch.no_grad():
+        expect = lm_loss(dsfn.functionalize(ref)[0], dict(ref.named_parameters()), batch)
+    assert torch.allclose(metrics["loss"], expect, **FP32), (metrics["loss"], expect)
+
+
+def test_missing_tensor_names_the_fix(hf_dir):
+    """A parameter the checkpoint lacks (a layer more than was saved) still names the fix."""
+    import transformers
+    init_mesh()
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, "num_hidden_layers": 9}))
     apply_fn, params = dsfn.functionalize(model)
     step = dsfn.compose(shard_zero(3))(train_step_for(apply_fn, lm_loss))
     with pytest.raises(ConfigError, match="initialiser after the checkpoint"):

@@ -642,3 +642,15 @@ def test_offload_composes_with_accumulate_and_clipping(tmp_path, device):
         assert losses == rlosses
         assert_trees_equal(p, rp)
         assert_trees_equal(o, ro)
+
+
+def test_nvme_path_whose_parent_does_not_exist_is_refused(tmp_path):
+    """A typo or an unmounted disk is not created (as root it would land on the root disk);
+    only the last level of the path may be missing."""
+    missing = tmp_path / "not_mounted" / "dsfn"
+    with pytest.raises(ConfigError, match="nor its parent"):
+        offload("nvme", path=str(missing))
+    assert not (tmp_path / "not_mounted").exists()
+    t = offload("nvme", path=str(tmp_path / "made"))       # the last level is made
+    assert (tmp_path / "made").is_dir()
+    t.close()

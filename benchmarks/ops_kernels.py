@@ -1,8 +1,8 @@
 """The ops of `dsfn/ops/` and Muon: throughput of the paths that run here, against torch.
 
-    python benchmarks/kernels.py              # CPU: torch paths (~1 min); on CUDA also the GPU section
-    python benchmarks/kernels.py --quick      # small sizes (seconds)
-    python benchmarks/kernels.py --cuda-only  # only the GPU section (benchmarks/gpu_checks.sh)
+    python benchmarks/ops_kernels.py              # CPU: torch paths (~1 min); on CUDA also the GPU section
+    python benchmarks/ops_kernels.py --quick      # small sizes (seconds)
+    python benchmarks/ops_kernels.py --cuda-only  # only the GPU section (benchmarks/gpu_checks.sh)
 
 CPU (always, unless --cuda-only):
   adamw     the fused-AdamW torch reference (`adamw_update_torch`, one leaf) and dsfn's
