@@ -45,8 +45,6 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# benchmarks/ itself off the path: its kernels.py would shadow the `kernels` package transformers imports
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

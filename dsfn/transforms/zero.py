@@ -153,11 +153,17 @@ class ShardZero(DataParallel):
     # A leaf ZeRO sees is a tensor, a piece placed by a transform inside (tensor parallel's
     # DimShard), or ZeRO's own shard of either: FlatShard, or Nested(inner layout, FlatShard)
     # (possibly Offloaded). ZeRO's "full tensor" is the piece the transforms inside hold.
+    # tests that exercise the sharded machinery in one process (on `meta`, standing in for a
+    # GPU) set this; training never does
+    _shard_single_rank = False
+
     @property
     def _stage(self) -> int:
         """The stage in effect: 0 where the axis has one rank. A shard of one rank is the whole
         tensor, so world 1 lays out, gathers, copies and reduces nothing: it costs what
         `data_parallel` at world 1 costs (nothing)."""
+        if self._shard_single_rank:
+            return self.stage
         return 0 if current_mesh().size(self.axis) == 1 else self.stage
 
     def _sharded(self, x: Any) -> bool:
@@ -187,7 +193,7 @@ class ShardZero(DataParallel):
         return state.replace(opt_state=tree.map_with_path(shard_mirror, state.opt_state, is_leaf=is_placed))
 
     def unplaced(self, state: Any) -> str | None:
-        if self.stage == 0:
+        if self._stage == 0:          # world 1 included: nothing of ZeRO's to find
             return super().unplaced(state)
         if not hasattr(state, "params"):
             return None

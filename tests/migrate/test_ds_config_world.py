@@ -66,10 +66,11 @@ def deepspeed_sizes(cfg, world):
     return [int(c.train_batch_size), int(c.train_micro_batch_size_per_gpu), int(c.gradient_accumulation_steps)]
 
 out = {"group_before": env.is_distributed()}
-real = env.ensure_distributed
-env.ensure_distributed = lambda: False       # negative control: the old code never joined the group
+real, real_launched = env.ensure_distributed, env._launched
+# negative control: the old code never joined the group, and the world size came from the group alone
+env.ensure_distributed, env._launched = (lambda: False), (lambda: None)
 out["old"] = {n: sizes(c) for n, c in CONFIGS.items() if "sp" not in n}
-env.ensure_distributed = real
+env.ensure_distributed, env._launched = real, real_launched
 out["new"] = {n: sizes(c) for n, c in CONFIGS.items()}
 out["world"] = dist.get_world_size()
 out["deepspeed"] = {n: deepspeed_sizes(c, out["world"]) for n, c in CONFIGS.items()}

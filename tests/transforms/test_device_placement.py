@@ -20,6 +20,14 @@ import dsfn
 from dsfn import tree
 from dsfn.state.layout import Offloaded, Placed, is_placed
 from dsfn.transforms import offload, shard_zero
+from dsfn.transforms.zero import ShardZero
+
+
+@pytest.fixture(autouse=True)
+def _zero_machinery_in_one_process(monkeypatch):
+    """One process stands in for the ranks: ZeRO keeps its sharded machinery at world 1 (which
+    it otherwise skips: a one-rank shard is the whole tensor)."""
+    monkeypatch.setattr(ShardZero, "_shard_single_rank", True)
 
 
 class WithUnused(nn.Module):

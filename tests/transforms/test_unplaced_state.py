@@ -63,8 +63,9 @@ def test_an_unplaced_state_is_refused_and_the_placed_one_trains(world):
     for name in STACKS:
         refused, *steps = out[name]
         assert steps == [1.0, 1.0, 1.0], (name, steps)
-        if world == 1 and name in ("data_parallel", "zero0"):
-            # a dp axis of size 1: place is the identity, so the logical state is the placed one
+        if world == 1 and name in ("data_parallel", "zero0", "zero1", "zero2", "zero3", "zero3_default_threshold"):
+            # a dp axis of size 1: place is the identity (ZeRO shards nothing over one rank), so
+            # the logical state is the placed one
             assert refused is None, (name, refused)
             continue
         assert refused is not None, f"{name} at world {world}: an unplaced state trained"
