@@ -107,6 +107,19 @@ def test_negative_control_a_reference_that_does_not_move_fails(tmp_path):
             K.run_case(K.Case("zero2", "sgd", "mlp", 2), str(tmp_path))
 
 
+def test_a_mutation_named_in_the_environment_reaches_the_ranks():
+    """DSFN_MUTATION alone (nothing patched in this process) patches the ranks' code."""
+    from dsfn.optim import base
+    from dsfn.testing.ranks import run_on_ranks
+
+    def where():
+        from dsfn.optim import base
+        return base.step.__module__
+    with mock.patch.dict("os.environ", {M.ENV: "no_update"}):
+        assert run_on_ranks(where, 2) == ["dsfn.testing.mutations"] * 2
+    assert base.step.__module__ == "dsfn.optim.base"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", K.cases(), ids=lambda c: c.id)
 def test_the_whole_matrix(case, tmp_path):
