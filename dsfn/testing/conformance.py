@@ -1,22 +1,34 @@
 """The conformance matrix: every stack equals the single-process reference, or refuses.
 
-A *case* is (stack, optimizer, model, world size). `run_case` trains the single-process
-reference here (the same train_step, no parallel transform; transforms that change the
-math — accumulation, clipping, mixed precision — are in the reference too) and the stack
-on `world` gloo ranks, and compares:
+A *case* (row) is (stack, optimizer, model, world size). `run_case` trains the
+single-process reference here (the same train_step, no parallel transform; transforms that
+change the math — accumulation, clipping, mixed precision — are in the reference too) and
+the stack on `world` gloo ranks, for STEPS (3) steps, and promises, for every rank:
 
-- losses at every step (fp32: rtol 1e-5; mixed precision: rtol 2e-2);
-- the final logical state (params and optimizer state) where the optimizer keeps
-  reduction-order bits where they are (SGD-momentum and its variants): fp32 rtol 1e-5.
-  Adam-like optimizers divide each element by its own second moment, which turns
-  reduction-order bits near eps into visible differences (at world >= 2; and even at
-  world 1 for a bias feeding BatchNorm, whose gradient is all eps-level noise); for them
-  only the losses are compared (stated per optimizer in `OPTIMIZERS`).
+- fp32 rows: the loss of every step and every element of the final logical state
+  (parameters, the whole optimizer state — momentum, Adam's moments, Muon's momentum —
+  and the step count) within rtol 1e-5 (a model's own floor where larger: BatchNorm's
+  5e-5), atol 1e-6, for every optimizer. Adam-like optimizers use eps ADAM_EPS, above the
+  gradients' reduction-order noise (see its comment), so their state is comparable;
+- mixed-precision rows: compared with a reference in the same precision (bf16 compute and
+  gradients, fp32 master weights, the same casts; each rank's rows one bf16 micro-batch of
+  the reference, `_reference`): each leaf of the final state within MP_REL (1/20) of what
+  the reference's updates changed in it (L2 over the leaf), the losses within rtol
+  MP_LOSS_RTOL. `Verdict.worst` is the largest measured fraction;
+- every row: the reference's updates moved the parameters at least MIN_RATIO (10) times the
+  comparison's tolerance (`sensitivity`, reported as `Verdict.ratio`), so a lost update, a
+  zeroed gradient or a scaled update cannot pass.
 
 A case that cannot work is listed in `REFUSALS` — one place — with the dsfn error it
 must raise and why; `run_case` then checks the stack raises exactly that. `cases()`
 enumerates the matrix (combinations a model cannot take part in, e.g. tensor parallel of a
-model without a tp plan, are refusals too, not silent skips).
+model without a tp plan, are refusals too, not silent skips); `default_sample()` is the
+stratified subset CI runs. `dsfn.testing.mutations` lists the bugs the matrix must catch.
+
+What is not promised: a row whose every update is normalised by a clip below the gradient
+norm (`clip+sgd`, `clip+adamw`, `zero2+clip_grad_norm`) checks the global norm and is blind
+to the gradient's scale by construction; each stack also runs without such a clip. Mixed
+precision runs at worlds 1 and 2 only (see its StackSpec).
 """
 from __future__ import annotations
 
