@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# the repository, not benchmarks/ (its kernels.py would shadow the `kernels` package transformers imports)
+sys.path[0] = str(ROOT)
 
 
 def matrix_rows(name: str, all_rows: bool) -> tuple[list[str], list[str], list[str]]:
