@@ -58,7 +58,8 @@ def first_failure(name: str, paths: list[str]) -> tuple[str, float]:
         return "passes", wall
     if m:
         return m.group(1).split("::", 1)[-1][:90], wall
-    return f"pytest exit {out.returncode}: {out.stdout.strip().splitlines()[-1][:90] if out.stdout.strip() else ''}", wall
+    last = out.stdout.strip().splitlines()[-1][:90] if out.stdout.strip() else ""
+    return f"pytest exit {out.returncode}: {last}", wall
 
 
 def main() -> None:
