@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# the repository, not benchmarks/ (its kernels.py would shadow the `kernels` package transformers imports)
+sys.path[0] = str(ROOT)
 
 TIMING = r'''
 import json, statistics, sys, time
