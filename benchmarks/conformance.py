@@ -4,6 +4,7 @@
     python benchmarks/conformance.py --cases 0       # the step-time check only
     python benchmarks/conformance.py --steps 0       # the matrix sample only
     python benchmarks/conformance.py --all           # every case of the matrix (an hour or more)
+    python benchmarks/conformance.py --default --steps 0   # CI's default sample, each row's tolerance ratio
     python benchmarks/conformance.py --baseline-src /path/to/older/checkout   # step time vs that tree
 
 Part 1 (`dsfn.testing.conformance`): how many (stack, optimizer, model, world) combinations
@@ -32,6 +33,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# the repository, not benchmarks/ (its kernels.py would shadow the `kernels` package transformers imports)
+sys.path[0] = str(ROOT)
 
 TIMING = r'''
 import json, statistics, sys, time
@@ -81,18 +84,25 @@ def step_times(src: Path, steps: int) -> dict[str, float]:
 
 
 def run_matrix(n: int, all_cases: bool, seed: int, models: list[str] | None = None,
-               optimizers: list[str] | None = None, worlds: list[int] | None = None) -> dict:
+               optimizers: list[str] | None = None, worlds: list[int] | None = None, default: bool = False) -> dict:
     from dsfn.testing import conformance as K
     cases = [c for c in K.cases() if (not models or c.model in models) and (not optimizers or c.optimizer in optimizers)
              and (not worlds or c.world in worlds)]
-    chosen = cases if all_cases else random.Random(seed).sample(cases, min(n, len(cases)))
+    if default:
+        chosen = K.default_sample()
+    else:
+        chosen = cases if all_cases else random.Random(seed).sample(cases, min(n, len(cases)))
     counts = {"passed": 0, "refused": 0, "failed": 0}
     failures = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
         for i, case in enumerate(chosen):
             try:
-                counts[K.run_case(case, os.path.join(d, str(i)))] += 1
+                v = K.run_case(case, os.path.join(d, str(i)))
+                counts[v] += 1
+                if v.ratio is not None:     # how far above its tolerance the row's updates are
+                    worst = f", largest leaf error {v.worst:.3g} of its change" if v.worst is not None else ""
+                    print(f"  {case.id}: updates {v.ratio:.0f}x the tolerance{worst}", flush=True)
             except Exception as e:       # noqa: BLE001  (a failed case is a figure, not a crash)
                 counts["failed"] += 1
                 failures.append(f"{case}: {str(e).splitlines()[0][:200]}")
@@ -104,6 +114,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", type=int, default=40, help="sampled cases (0: skip the matrix)")
     p.add_argument("--all", action="store_true", help="run every case of the matrix")
+    p.add_argument("--default", action="store_true", help="run CI's default sample (conformance.default_sample())")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--models", default="", help="only these models, comma-separated (e.g. llama+labels,qwen2+labels)")
     p.add_argument("--optimizers", default="", help="only these optimizers, comma-separated")
@@ -114,10 +125,10 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     report: dict = {}
-    if args.cases or args.all:
+    if args.cases or args.all or args.default:
         split = lambda v: [x for x in v.split(",") if x]     # noqa: E731
         m = run_matrix(args.cases, args.all, args.seed, split(args.models), split(args.optimizers),
-                       [int(w) for w in split(args.worlds)])
+                       [int(w) for w in split(args.worlds)], args.default)
         report["matrix"] = m
         print(f"conformance matrix: {m['matrix']} combinations; ran {m['ran']}: {m['passed']} passed, "
               f"{m['refused']} refused with their listed error, {m['failed']} failed; {m['wall_s']:.0f} s")

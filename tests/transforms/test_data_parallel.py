@@ -108,6 +108,20 @@ def test_batch_not_divisible_by_dp_is_a_clear_error():
     assert all("'x'" in m and "divisible by 2" in m for m in msgs), msgs
 
 
+def _rows_seen():
+    mesh = init_mesh()
+    seen = []
+    step = dsfn.compose(data_parallel())(lambda s, b: (seen.append(b["x"].clone()) or s, {}))
+    step({}, {"x": torch.arange(8.0).reshape(4, 2)})
+    return mesh.rank, seen[0].tolist()
+
+
+def test_each_rank_trains_on_its_own_rows():
+    """The global batch is split, not replicated: with a mean loss a rank given the whole batch
+    computes the same gradient, so the comparisons above cannot see it (BatchNorm would)."""
+    assert run_on_ranks(_rows_seen, 2, timeout=60) == [(0, [[0.0, 1.0], [2.0, 3.0]]), (1, [[4.0, 5.0], [6.0, 7.0]])]
+
+
 def test_single_process_data_parallel_is_identity():
     init_mesh()
     apply_fn, params = dsfn.functionalize(make_mlp([4, 2], 0))

@@ -1,0 +1,282 @@
+"""Bugs injected on purpose, to show the tests that claim to catch them do.
+
+A *mutation* patches one function of dsfn (unittest.mock: nothing is written to the
+library) so that training is wrong in one known way. `tests/conformance/test_mutations.py`
+(`-m slow`) and `benchmarks/mutations.py` (the table) check, for each, that
+
+- every row of the conformance matrix it affects fails (`rows(name)`: the affected stacks,
+  each with an SGD-momentum, an AdamW and a Muon row where the mutation affects them), and
+- the default selection fails: the default conformance run (`tests/conformance`) or the
+  test file that owns the feature (`Mutation.owner`).
+
+Where a mutation applies:
+
+- in this process: `with active("name"): ...` installs it and sets `DSFN_MUTATION`, so rank
+  processes see it whatever their start method (forked ranks inherit the patch; spawned
+  ones, and a pytest run started as a subprocess, install it from the variable);
+- in a whole pytest run: `DSFN_MUTATION=name pytest ...` (`tests/conftest.py` calls
+  `activate_from_env()`), and `dsfn.testing.ranks.run_on_ranks` installs it at the start of
+  every rank it runs.
+
+A mutation with `ranks_only` changes a function that the single-process references use too
+(the optimizer update, `apply_gradients`); it misbehaves only where a process group is
+initialised (a rank), so a reference stays right and the stack's rows must differ from it.
+
+To add one (a new transform adds its own): a `Mutation` in `MUTATIONS` with the patch,
+`affects(case)` (which matrix rows must fail, and why the others cannot) and `owner`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import os
+from typing import Any, Callable, Iterator
+from unittest import mock
+
+import torch
+
+from dsfn.errors import ConfigError
+
+ENV = "DSFN_MUTATION"
+
+__all__ = ["ENV", "MUTATIONS", "Mutation", "activate_from_env", "active", "rows"]
+
+
+def in_rank() -> bool:
+    """True in a rank (a process group is initialised: `run_on_ranks` starts one even at world 1)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    bug: str                                   # the injected bug, in words
+    patch: Callable[[], contextlib.AbstractContextManager]
+    affects: Callable[[Any], bool]             # (conformance Case) -> this row must fail
+    owner: tuple[str, ...]                     # the test files that own the feature
+    ranks_only: bool = False
+
+
+# ------------------------------------------------------------------------------------------
+# the patches
+
+
+def _reducer_sums():
+    from dsfn.runtime import flat
+    orig = flat.ShardReducer.__init__
+
+    def init(self, axis, bucket_elems, op="avg", *args, **kwargs):
+        orig(self, axis, bucket_elems, "sum" if op == "avg" else op, *args, **kwargs)
+    return mock.patch.object(flat.ShardReducer, "__init__", init)
+
+
+def _update(transform: Callable[[Any, Any], Any]):
+    """base.step with its new params passed through `transform(old, new)` in a rank."""
+    from dsfn import tree
+    from dsfn.optim import base
+    orig = base.step
+
+    def step(tx, grads, state, params):
+        new_params, new_state = orig(tx, grads, state, params)
+        if not in_rank():
+            return new_params, new_state
+        return transform((params, state), (new_params, new_state), tree)
+    return mock.patch.object(base, "step", step)
+
+
+def _no_update():
+    return _update(lambda old, new, tree: old)
+
+
+def _update_scaled():
+    def scaled(old, new, tree):
+        def mix(p, q):
+            return p + 0.75 * (q - p) if isinstance(q, torch.Tensor) and q.is_floating_point() else q
+        return tree.map(mix, old[0], new[0]), new[1]
+    return _update(scaled)
+
+
+def _zero_grads():
+    from dsfn import tree
+    from dsfn.state import train_state
+    orig = train_state.TrainState.apply_gradients
+
+    def apply_gradients(self, grads):
+        if in_rank():
+            grads = tree.map(lambda g: torch.zeros_like(g) if isinstance(g, torch.Tensor) else g, grads)
+        return orig(self, grads)
+    return mock.patch.object(train_state.TrainState, "apply_gradients", apply_gradients)
+
+
+def _ckpt_drops_moments():
+    """Loading fills every optimizer moment (a >= 1-dim floating leaf of opt_state, master
+    weights aside) with zeros: a resumed run restarts its momentum / Adam moments."""
+    from dsfn.checkpoint import reader
+    orig = reader._assemble
+
+    def assemble(leaf, desc, region, shape, dtype, rd):
+        buf = orig(leaf, desc, region, shape, dtype, rd)
+        if leaf.startswith("opt_state.") and ".master" not in leaf and len(shape) >= 1 and dtype.is_floating_point:
+            return torch.zeros_like(buf)
+        return buf
+    return mock.patch.object(reader, "_assemble", assemble)
+
+
+def _host_adamw_no_wd():
+    from dsfn.ops import cpu_adam
+    orig = cpu_adam.cpu_adamw_multi_
+
+    def multi(*args, **kwargs):
+        kwargs["weight_decay"] = 0.0
+        return orig(*args, **kwargs)
+    return mock.patch.object(cpu_adam, "cpu_adamw_multi_", multi)
+
+
+def _whole_batch():
+    data_parallel = importlib.import_module("dsfn.transforms.data_parallel")    # (the package exports a function)
+    return mock.patch.object(data_parallel, "split_batch", lambda batch, axis: batch)
+
+
+# ------------------------------------------------------------------------------------------
+# which rows each must fail
+
+
+def _K():
+    from dsfn.testing import conformance as K
+    return K
+
+
+def _dp(case) -> int:
+    return _K().STACKS[case.stack].axes(case.world).get("dp", 1)
+
+
+def _scale_blind(case) -> bool:
+    """Every update is normalised by a clip below the gradient norm: a gradient scaled by
+    any factor gives the same update (the rows that check the norm, not the scale)."""
+    K = _K()
+    return K.STACKS[case.stack].clipped or K.OPTIMIZERS[case.optimizer].clipped
+
+
+def _uses_host_adamw(case) -> bool:
+    return "offload" in case.stack and "remat_offload" not in case.stack and \
+        case.optimizer in ("adamw", "clip+adamw", "muon")
+
+
+# a rank given the whole batch computes the same mean loss and gradient as the reference
+# (averaged over dp: the same again), unless what it computes depends on its own rows:
+# BatchNorm's batch statistics. (Hugging Face's token-count loss is normalised by the
+# all-reduced count times dp, so it is blind to this too: measured.)
+_SPLIT_SEEN = ("batchnorm",)
+
+MUTATIONS: dict[str, Mutation] = {m.name: m for m in [
+    # (ZeRO-1's reducer too: stages >= 1 reduce-scatter the gradients into the optimizer's shards)
+    Mutation("reducer_sums", "ZeRO's gradient reducer sums instead of averaging", _reducer_sums,
+             lambda c: any(z in c.stack for z in ("zero1", "zero2", "zero3")) and _dp(c) > 1 and not _scale_blind(c),
+             ("tests/transforms/test_zero.py",)),
+    Mutation("no_update", "the optimizer update switched off in the ranks", _no_update, lambda c: True,
+             ("tests/transforms/test_data_parallel.py",), ranks_only=True),
+    Mutation("zero_grads", "all gradients zeroed (in the ranks)", _zero_grads, lambda c: True,
+             ("tests/transforms/test_data_parallel.py",), ranks_only=True),
+    Mutation("ckpt_drops_moments", "checkpoint load drops the optimizer moments", _ckpt_drops_moments,
+             lambda c: _K().STACKS[c.stack].resume, ("tests/checkpoint/test_resume.py",)),
+    Mutation("host_adamw_no_wd", "host AdamW ignores weight decay", _host_adamw_no_wd, _uses_host_adamw,
+             ("tests/ops/test_cpu_adam.py", "tests/transforms/test_offload.py")),
+    Mutation("whole_batch", "every rank trains on the whole global batch", _whole_batch,
+             lambda c: _dp(c) > 1 and c.model in _SPLIT_SEEN, ("tests/transforms/test_data_parallel.py",)),
+    Mutation("update_scaled", "the update scaled by 0.75 (in the ranks)", _update_scaled, lambda c: True,
+             ("tests/transforms/test_data_parallel.py",), ranks_only=True),
+]}
+
+
+# ------------------------------------------------------------------------------------------
+# installing them
+
+_installed: dict[str, contextlib.ExitStack] = {}
+
+
+def _get(name: str) -> Mutation:
+    if name not in MUTATIONS:
+        raise ConfigError(f"{ENV}: no mutation {name!r}; known: {', '.join(MUTATIONS)}")
+    return MUTATIONS[name]
+
+
+def _install(name: str) -> None:
+    if name in _installed:
+        return
+    stack = contextlib.ExitStack()
+    stack.enter_context(_get(name).patch())
+    _installed[name] = stack
+
+
+def activate_from_env() -> list[str]:
+    """Install the mutations named in `DSFN_MUTATION` (comma-separated) for the rest of this
+    process (each once; a forked child inherits its parent's). Returns the names."""
+    names = [n for n in os.environ.get(ENV, "").split(",") if n]
+    for n in names:
+        _install(n)
+    return names
+
+
+@contextlib.contextmanager
+def active(name: str) -> Iterator[Mutation]:
+    """Install mutation `name` here, and name it in `DSFN_MUTATION` for the ranks, until exit."""
+    m = _get(name)
+    if name in _installed:
+        yield m
+        return
+    old = os.environ.get(ENV)
+    os.environ[ENV] = ",".join([x for x in (old or "").split(",") if x] + [name])
+    try:
+        with m.patch():
+            _installed[name] = contextlib.ExitStack()       # a forked rank must not install it again
+            try:
+                yield m
+            finally:
+                _installed.pop(name, None)
+    finally:
+        if old is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old
+
+
+class RankEntry:
+    """`fn` with the mutations of `DSFN_MUTATION` installed first (the entry of a rank)."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        activate_from_env()
+        return self.fn(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------
+# the rows a mutation must fail
+
+
+ROW_OPTIMIZERS = ("sgd", "adamw", "muon")
+
+
+def rows(name: str, all_rows: bool = False) -> list:
+    """The matrix rows mutation `name` must fail. By default one row per (affected stack,
+    optimizer in ROW_OPTIMIZERS, or the clipped ones where only those are affected), at the
+    stack's full world (every axis > 1; 2 where only world >= 2 is affected), the model
+    cycling over those the stack runs and the mutation affects. `all_rows`: every affected
+    runnable row of the whole matrix."""
+    K = _K()
+    m = _get(name)
+    affected = [c for c in K.cases() if K.refusal(c.stack, c.optimizer, c.model) is None and m.affects(c)]
+    if all_rows:
+        return affected
+    out, turn = [], 0
+    for stack, sspec in K.STACKS.items():
+        mine = [c for c in affected if c.stack == stack and c.world == sspec.full_world()]
+        opts = [o for o in ROW_OPTIMIZERS if any(c.optimizer == o for c in mine)] or \
+            sorted({c.optimizer for c in mine}, key=list(K.OPTIMIZERS).index)
+        for o in opts:
+            models = [c.model for c in mine if c.optimizer == o]
+            out.append(K.Case(stack, o, models[turn % len(models)], sspec.full_world()))
+            turn += 1
+    return out
