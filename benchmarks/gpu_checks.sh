@@ -27,12 +27,14 @@
 #                ranks on the one GPU (gloo over CUDA tensors) for ZeRO-3, tp2, sp2 vs one rank
 #   (i) group    benchmarks/adamw_group.py: the grouped AdamW launch vs one per tensor on the 1B model's
 #                147 tensors (>= 1.3x) and its share of copy bandwidth (>= 85%)
+#   (j) compile  benchmarks/gpu_step.py on the 1B Llama: eager torch vs per-layer compiled torch and dsfn
+#                dp / ZeRO-3 with compile_units() (target: <= 0.85x the eager torch step)
 #   (h) offload  torchrun --nproc-per-node 1 benchmarks/offload_gpu.py: issue 24's table (DeepSpeed
 #                ZeRO-3 + CPU offload and ZenFlow vs dsfn offload / overlap / zenflow: step, device
 #                peak, host syncs, per-stage host time)
 # Two groups, each one command under 10 minutes (a 15-minute lease holds the first and a start):
 #   bash benchmarks/gpu_checks.sh                                  # figures: step, step2, offload (530 s)
-#   bash benchmarks/gpu_checks.sh --sections e2e,kernels,group,ops,index,nccl   # the checks (310 s)
+#   bash benchmarks/gpu_checks.sh --sections e2e,kernels,group,compile,ops,index,nccl   # the checks (460 s)
 #
 # DeepSpeed: its sdist and the wheels it needs that the GPU image lacks (pydantic, pydantic-core,
 # annotated-types, typing-inspection, typing-extensions, hjson) are committed in benchmarks/wheels;
@@ -58,8 +60,9 @@ cd "$ROOT" || exit 2
 WHEELS="$ROOT/benchmarks/wheels"
 LOGS="${OUT:-${TMPDIR:-/tmp}/dsfn_gpu_checks}"
 NEED_MODULES="numpy optree einops pytest hypothesis"
-# caps in seconds: figures 210 + 50 + 270 = 530, checks 70 + 70 + 30 + 80 + 40 + 20 = 310
-CAP_STEP=210 CAP_STEP2=50 CAP_OFFLOAD=270 CAP_E2E=70 CAP_KERNELS=70 CAP_GROUP=30 CAP_OPS=80 CAP_INDEX=40 CAP_NCCL=20
+# caps in seconds: figures 210 + 50 + 270 = 530, checks 70 + 70 + 30 + 150 + 80 + 40 + 20 = 460
+CAP_STEP=210 CAP_STEP2=50 CAP_OFFLOAD=270 CAP_E2E=70 CAP_KERNELS=70 CAP_GROUP=30 CAP_COMPILE=150 CAP_OPS=80 CAP_INDEX=40
+CAP_NCCL=20
 SECTIONS="step,step2,offload"
 
 MODE=run
@@ -76,9 +79,9 @@ for arg in "$@"; do
     esac
 done
 for name in ${SECTIONS//,/ }; do
-    case " step step2 offload e2e kernels group ops index nccl " in
+    case " step step2 offload e2e kernels group compile ops index nccl " in
         *" $name "*) ;;
-        *) echo "gpu_checks: unknown section $name (sections: step step2 offload e2e kernels group ops index nccl)"; exit 2 ;;
+        *) echo "gpu_checks: unknown section $name (sections: step step2 offload e2e kernels group compile ops index nccl)"; exit 2 ;;
     esac
 done
 mkdir -p "$LOGS"
@@ -94,6 +97,7 @@ plan() {
     echo "e2e|$CAP_E2E|$PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_e2e.py"
     echo "kernels|$CAP_KERNELS|DSFN_KERNELS=triton $PY benchmarks/ops_kernels.py --cuda-only"
     echo "group|$CAP_GROUP|$PY benchmarks/adamw_group.py"
+    echo "compile|$CAP_COMPILE|$PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_step.py --sizes 1b --steps 6 --warmup 3 --configs torch,torch_compiled,dsfn_dp_compiled,dsfn_zero3_compiled"
     echo "ops|$CAP_OPS|DSFN_TEST_DEVICE=cuda TRITON_INTERPRET=0 $PY -m pytest tests/ops -p no:cacheprovider -q -rfE$xdist$per_test"
     echo "index|$CAP_INDEX|$PY benchmarks/gpu_index_math.py"
     echo "nccl|$CAP_NCCL|$PY -m torch.distributed.run --standalone --nproc-per-node \$(min(GPUs, 2)) benchmarks/gpu_nccl_probe.py"
@@ -245,5 +249,5 @@ for name in ${SECTIONS//,/ }; do
     echo "  ($name) exit $rc"
 done
 echo "== PASS/FAIL lines:"
-grep -hE "PASS|FAIL|passed|failed" "$LOGS"/{step,step2,offload,index,e2e,kernels,group,nccl}.log "$LOGS"/ops.log 2>/dev/null | sed 's/^/  /'
+grep -hE "PASS|FAIL|passed|failed" "$LOGS"/{step,step2,offload,index,e2e,kernels,group,compile,nccl}.log "$LOGS"/ops.log 2>/dev/null | sed 's/^/  /'
 exit $ALL

@@ -13,6 +13,10 @@ Configurations (same model, batch, AdamW lr 1e-4 wd 0.1, bf16 compute, fp32 mast
   dsfn_dp      compose(data_parallel(), mixed_precision(), donate=True)
   dsfn_zero2   compose(shard_zero(2), mixed_precision(), donate=True)
   dsfn_zero3   compose(shard_zero(3), mixed_precision(), donate=True)
+  torch_compiled      torch with each decoder layer compiled (`layer.compile()`, torchtitan's way)
+  dsfn_dp_compiled    compose(data_parallel(), compile_units(), mixed_precision(), donate=True)
+  dsfn_zero3_compiled compose(shard_zero(3), compile_units(), mixed_precision(), donate=True)
+  (target, issue 23: dsfn compiled <= 0.85x the eager torch step)
 
 Per configuration: step time (median of --steps after --warmup), tokens/s, MFU ((6N + 12 L h S)
 FLOPs per token over 790 TFLOP/s, N without the embedding), and from `torch.profiler` over 2 more
@@ -48,7 +52,8 @@ SIZES = {   # hidden, intermediate, layers, heads, kv heads, batch rows (seq 204
     "tiny": (64, 128, 2, 4, 2, 2),
 }
 PEAK_FLOPS = 790e12
-CONFIGS = ["torch", "fsdp2", "ds_zero2", "ds_zero3", "dsfn_dp", "dsfn_zero2", "dsfn_zero3"]
+CONFIGS = ["torch", "fsdp2", "ds_zero2", "ds_zero3", "dsfn_dp", "dsfn_zero2", "dsfn_zero3", "torch_compiled",
+           "dsfn_dp_compiled", "dsfn_zero3_compiled"]
 
 
 def llama(size: str, device: torch.device, seq: int, dtype=torch.float32):
@@ -129,8 +134,11 @@ def make_deepspeed(model, stage: int):
 
 def make_dsfn(model, stack_name: str):
     import dsfn
-    from dsfn.transforms import data_parallel, mixed_precision, shard_zero
-    stack = {"dsfn_dp": [data_parallel()], "dsfn_zero2": [shard_zero(2)], "dsfn_zero3": [shard_zero(3)]}[stack_name]
+    from dsfn.transforms import compile_units, data_parallel, mixed_precision, shard_zero
+    base = stack_name.removesuffix("_compiled")
+    stack = {"dsfn_dp": [data_parallel()], "dsfn_zero2": [shard_zero(2)], "dsfn_zero3": [shard_zero(3)]}[base]
+    if stack_name.endswith("_compiled"):
+        stack.append(compile_units())
     apply_fn, params = dsfn.functionalize(model, release=True)
 
     def loss_fn(p, b):
@@ -152,6 +160,10 @@ def make_dsfn(model, stack_name: str):
 def build(name: str, size: str, device, seq: int):
     model = llama(size, device, seq)
     if name == "torch":
+        return model, make_torch(model)
+    if name == "torch_compiled":
+        for layer in model.model.layers:
+            layer.compile()
         return model, make_torch(model)
     if name == "fsdp2":
         return model, make_fsdp2(model)
@@ -246,6 +258,8 @@ def single_rank_table(a) -> int:
                   f"{r['first_loss']:7.4f}/{r['last_loss']:7.4f}", flush=True)
         t, f = res.get("torch"), res.get("fsdp2")
         for name, target, what in (("dsfn_dp", t and 0.95 * t["step_s"], "<= 0.95x torch"),
+                                   ("dsfn_dp_compiled", t and 0.85 * t["step_s"], "<= 0.85x eager torch"),
+                                   ("dsfn_zero3_compiled", t and 0.85 * t["step_s"], "<= 0.85x eager torch"),
                                    ("dsfn_zero2", f and f["step_s"], "<= fsdp2"),
                                    ("dsfn_zero3", f and f["step_s"], "<= fsdp2")):
             if name in res and target:
@@ -316,7 +330,8 @@ def two_rank(a) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="350m,1b")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(c for c in CONFIGS if not c.endswith("_compiled")),
+                    help=f"comma-separated, of {','.join(CONFIGS)} (the compiled ones are not in the default)")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
@@ -328,7 +343,8 @@ def main() -> int:
     if a.quick:
         os.environ.setdefault("DSFN_FORCE_CPU", "1")
         a.sizes, a.seq, a.warmup, a.steps = "tiny", 32, 1, 2
-        a.configs = ",".join(c for c in a.configs.split(",") if c not in ("fsdp2",) and not c.startswith("ds_"))
+        a.configs = ",".join(c for c in a.configs.split(",") if c not in ("fsdp2",) and not c.startswith("ds_")
+                             and not c.endswith("_compiled"))
     return single_rank_table(a)
 
 

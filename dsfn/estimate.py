@@ -193,7 +193,7 @@ def _unit_params(module: nn.Module | None, zero: Any, names: set[str]) -> tuple[
     """(elements of the largest unit, elements outside every unit) for ZeRO 3."""
     if module is None:
         return 0, 0
-    from dsfn.transforms.zero import find_units        # a helper, not a transform: the same units as ZeRO-3
+    from dsfn.units import find_units        # the same units as ZeRO-3
     units = find_units(module, getattr(zero, "units", None))
     inside, largest = set(), 0
     for uname, m in units:

@@ -8,6 +8,7 @@ may sit anywhere.
 from dsfn.transforms.accumulate import accumulate
 from dsfn.transforms.checkpointing import async_checkpoint
 from dsfn.transforms.clip import clip_grad_norm
+from dsfn.transforms.compile import compile_units
 from dsfn.transforms.compose import Step, compose
 from dsfn.transforms.core import Transform, bind
 from dsfn.transforms.data_parallel import data_parallel
@@ -20,6 +21,6 @@ from dsfn.transforms.tensor_parallel import packed, tensor_parallel
 from dsfn.transforms.zenflow import zenflow
 from dsfn.transforms.zero import shard_zero
 
-__all__ = ["Step", "Transform", "accumulate", "async_checkpoint", "bind", "clip_grad_norm", "compose",
+__all__ = ["Step", "Transform", "accumulate", "async_checkpoint", "bind", "clip_grad_norm", "compile_units", "compose",
            "data_parallel", "loss_scale", "mixed_precision", "offload", "packed", "remat",
            "sequence_parallel", "shard_zero", "tensor_parallel", "zenflow"]

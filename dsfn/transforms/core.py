@@ -127,7 +127,8 @@ def make_transform(cls: type[Transform], factory_name: str, args: tuple, kwargs:
     sig = inspect.signature(cls.__init__)
     params = [p for p in sig.parameters.values() if p.name != "self"]
     names = [p.name for p in params]
-    unknown = [k for k in kwargs if k not in names]
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)   # e.g. options passed through
+    unknown = [] if takes_any else [k for k in kwargs if k not in names]
     if unknown:
         raise ConfigError(f"{factory_name}() got unknown argument(s) {unknown}; valid arguments: {names}")
     try:

@@ -9,7 +9,7 @@ remat (the same ops on the same values; RNG state, e.g. dropout, is replayed); t
 one more forward of each selected module per step.
 
 - `modules`: which modules to checkpoint. None (default): the model's repeated blocks,
-  found as ZeRO-3 finds its units (`dsfn.transforms.zero.find_units`: a Hugging Face
+  found as ZeRO-3 finds its units (`dsfn.units.find_units`: a Hugging Face
   `_no_split_modules` class, else the children of the model's largest `ModuleList`; e.g.
   `blocks.0 .. blocks.N-1` of `dsfn.models.GPT`, `model.layers.*` of a HF Llama). Or
   dotted-name patterns (`fnmatch`, as zero's `units=`), e.g. `["blocks.*.mlp"]`. A module
@@ -100,7 +100,7 @@ from dsfn.functional import in_backward, until_backward
 from dsfn.runtime import collectives as C
 from dsfn.runtime.host import copy_to_host
 from dsfn.transforms.core import Transform, make_transform, with_role
-from dsfn.transforms.zero import find_units
+from dsfn.units import find_units
 
 POLICIES = ("nothing", "matmuls", "dots")
 

@@ -89,6 +89,7 @@ from dsfn.state.layout import (
     shard_further,
 )
 from dsfn.transforms.core import make_transform
+from dsfn.units import find_units
 from dsfn.transforms.data_parallel import (
     DataParallel,
     all_reduce_buckets,
@@ -555,29 +556,6 @@ class _GatherUnit(torch.autograd.Function):
             # gathered weight (and so `grad`) is on the compute device
             out.append(torch.zeros((), dtype=grad.dtype, device=home).expand(g.shard_shape(i)))
         return (None, None, *out)
-
-
-def find_units(module: nn.Module, patterns: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
-    """The modules whose parameters are gathered together (in registration order)."""
-    named = list(module.named_modules())
-    if patterns is not None:
-        units = [(n, m) for n, m in named if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
-        if not units:
-            raise ConfigError(f"shard_zero(units={list(patterns)}) matches no module; module names look like "
-                              f"{[n for n, _ in named[1:6]]}")
-    else:
-        classes = set()
-        for _, m in named:
-            classes.update(getattr(m, "_no_split_modules", None) or ())
-        units = [(n, m) for n, m in named if n and type(m).__name__ in classes]
-        if not units:
-            lists = [(n, m) for n, m in named if isinstance(m, nn.ModuleList)]
-            if lists:
-                name, biggest = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
-                units = [(f"{name}.{k}", child) for k, child in biggest.named_children()]
-    # drop units nested in other units: the outer one gathers everything inside it
-    names = [n for n, _ in units]
-    return [(n, m) for n, m in units if not any(n != o and n.startswith(o + ".") for o in names)]
 
 
 class UnitGatherer:

@@ -1,0 +1,36 @@
+"""The repeated blocks of a model ("units"): what ZeRO-3 gathers together, what remat and
+`compile_units` wrap, and what the memory estimate counts per unit. A helper below the
+transforms, so none of them imports another."""
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+
+from torch import nn
+
+from dsfn.errors import ConfigError
+
+__all__ = ["find_units"]
+
+
+def find_units(module: nn.Module, patterns: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
+    """The modules whose parameters are gathered together (in registration order)."""
+    named = list(module.named_modules())
+    if patterns is not None:
+        units = [(n, m) for n, m in named if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+        if not units:
+            raise ConfigError(f"shard_zero(units={list(patterns)}) matches no module; module names look like "
+                              f"{[n for n, _ in named[1:6]]}")
+    else:
+        classes = set()
+        for _, m in named:
+            classes.update(getattr(m, "_no_split_modules", None) or ())
+        units = [(n, m) for n, m in named if n and type(m).__name__ in classes]
+        if not units:
+            lists = [(n, m) for n, m in named if isinstance(m, nn.ModuleList)]
+            if lists:
+                name, biggest = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
+                units = [(f"{name}.{k}", child) for k, child in biggest.named_children()]
+    # drop units nested in other units: the outer one gathers everything inside it
+    names = [n for n, _ in units]
+    return [(n, m) for n, m in units if not any(n != o and n.startswith(o + ".") for o in names)]
