@@ -46,11 +46,12 @@ def live_tensor_bytes() -> int:
             continue
         try:
             s = o.untyped_storage()
+            ptr, nbytes = s.data_ptr(), s.nbytes()
         except (RuntimeError, NotImplementedError):
-            continue
-        if s.nbytes() and s.data_ptr() not in seen:
-            seen.add(s.data_ptr())
-            total += s.nbytes()
+            continue         # no data of its own: fake/functional tensors a compile (earlier test, forked) left
+        if nbytes and ptr not in seen:
+            seen.add(ptr)
+            total += nbytes
     return total
 
 
