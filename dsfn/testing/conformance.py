@@ -151,6 +151,21 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
+def _lora_llama() -> nn.Module:
+    """The usual LoRA fine-tune: peft's `PeftModelForCausalLM` around a tiny Llama (r=4 on
+    q_proj / v_proj; B random too, so A trains from the first step); the base is frozen, and
+    the inner `LlamaForCausalLM` computes the loss."""
+    import peft
+    lm = make_tiny_causal_lm("llama")
+    torch.manual_seed(1)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                          init_lora_weights=False)
+    return peft.get_peft_model(lm, cfg)
+
+
+MODELS["llama+lora"] = ModelSpec(_lora_llama, _prompted_tokens, _hf_labels_loss, attention=True, tp="auto")
+
+
 # ---------------------------------------------------------------------------------------------
 # optimizers: (make, state compared at world >= 2)
 
@@ -283,6 +298,9 @@ class Refusal:
 
 
 REFUSALS: list[Refusal] = [
+    Refusal(lambda s, o, m: "tp" in s.split("+") and m == "llama+lora", ConfigError, "matches no module of PeftModel",
+            "the HF tp plan names the inner model's modules; peft's wrapper (and its LoRA layers) has no plan: "
+            "a clear error, not a silent replicated run"),
     Refusal(lambda s, o, m: "remat" in s and m == "batchnorm", ConfigError, "no repeated blocks to checkpoint",
             "remat's default picks the model's repeated blocks; this model has none (name them: modules=[...])"),
     Refusal(lambda s, o, m: s in ("tp", "zero1+tp", "zero1+tp+offload_cpu") and MODELS[m].tp is None, ConfigError,
