@@ -292,19 +292,11 @@ def two_rank(a) -> int:
             for _ in range(3)]
 
     def run(stack_fn, mesh):
+        from dsfn.testing.opcount import dsfn_step
         model = make_tiny_causal_lm("llama", seed=0, num_attention_heads=4, num_key_value_heads=2).to(device)
-        apply_fn, params = dsfn.functionalize(model)
-
-        def loss_fn(p, b):
-            return apply_fn(p, input_ids=b["input_ids"], labels=b["labels"]).loss
-
-        def train_step(state, b):
-            loss, grads = dsfn.value_and_grad(loss_fn)(state.params, b)
-            return state.apply_gradients(grads), {"loss": loss}
         if mesh:
             init_mesh(**mesh)
-        step = dsfn.compose(*stack_fn(model))(train_step)
-        state = step.place(dsfn.TrainState.create(params, tx=dsfn.optim.sgd(lr=0.1, momentum=0.9)))
+        step, state = dsfn_step(model, stack_fn(model), tx=dsfn.optim.sgd(lr=0.1, momentum=0.9))
         out = []
         for b in data:
             state, m = step(state, b)

@@ -25,7 +25,7 @@ for p in (ROOT, ROOT / "examples"):
 import torch  # noqa: E402
 
 import dsfn  # noqa: E402
-from dsfn.testing.syncs import later_step_syncs, meta_runs_kernels, per_leaf_adamw  # noqa: E402
+from dsfn.testing.syncs import later_step_syncs, meta_runs_kernels, patched, per_leaf_adamw  # noqa: E402
 from dsfn.transforms import clip_grad_norm, loss_scale, mixed_precision, offload, shard_zero  # noqa: E402
 
 STACKS = {
@@ -36,16 +36,6 @@ STACKS = {
     "zero3+offload(cpu)": (lambda: [shard_zero(3), offload("cpu")], "adamw"),
     "zero3+bf16 muon": (lambda: [shard_zero(3), mixed_precision(torch.bfloat16)], "muon"),
 }
-
-
-@contextlib.contextmanager
-def patched(obj, name, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
 
 
 def _tx(kind: str):

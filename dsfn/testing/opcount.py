@@ -152,8 +152,9 @@ def torch_step(model: torch.nn.Module, fused: bool = True, dtype: torch.dtype = 
 
 
 def dsfn_step(model: torch.nn.Module, transforms: Sequence[Any], lr: float = 1e-3, weight_decay: float = 0.1,
-              donate: bool = False, place: bool = True) -> tuple[Callable, Any]:
-    """(step, placed state) of the same model and AdamW under `compose(*transforms)`."""
+              donate: bool = False, place: bool = True, tx: Any = None) -> tuple[Callable, Any]:
+    """(step, placed state) of the model's own loss (`labels=`) under `compose(*transforms)`,
+    with AdamW(lr, weight_decay) or the optimizer `tx`."""
     apply_fn, params = dsfn.functionalize(model)
 
     def loss_fn(p, b):
@@ -163,5 +164,5 @@ def dsfn_step(model: torch.nn.Module, transforms: Sequence[Any], lr: float = 1e-
         loss, grads = dsfn.value_and_grad(loss_fn)(state.params, b)
         return state.apply_gradients(grads), {"loss": loss}
     step = dsfn.compose(*transforms, donate=donate)(train_step)
-    state = dsfn.TrainState.create(params, tx=dsfn.optim.adamw(lr=lr, weight_decay=weight_decay))
+    state = dsfn.TrainState.create(params, tx=tx if tx is not None else dsfn.optim.adamw(lr=lr, weight_decay=weight_decay))
     return step, (step.place(state) if place else state)

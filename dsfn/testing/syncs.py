@@ -51,8 +51,8 @@ def meta_runs_kernels() -> Iterator[None]:
             return lambda *a, **k: None
     fake = lambda *ts, dtypes=(): bool(ts) and all(t.device.type == "meta" for t in ts  # noqa: E731
                                                    if isinstance(t, torch.Tensor))
-    with _patched(dispatch, "use_triton", fake), _patched(A, "adamw_update_triton", A.adamw_update_torch), \
-            _patched(A, "_adamw_multi_kernel", NoLaunch()), _patched(C, "_cast_multi_kernel", NoLaunch()):
+    with patched(dispatch, "use_triton", fake), patched(A, "adamw_update_triton", A.adamw_update_torch), \
+            patched(A, "_adamw_multi_kernel", NoLaunch()), patched(C, "_cast_multi_kernel", NoLaunch()):
         yield
 
 
@@ -68,12 +68,13 @@ def per_leaf_adamw() -> Iterator[None]:
                 for i, (p, g, m, v) in enumerate(zip(params, grads, ms, vs))]
     old_scalar = lambda x, f64: (x.reshape(()).to(**f64) if isinstance(x, torch.Tensor)  # noqa: E731
                                  else torch.tensor(float(x), **f64))
-    with _patched(A, "adamw_update_multi", per_leaf), _patched(A, "_scalar_on", old_scalar):
+    with patched(A, "adamw_update_multi", per_leaf), patched(A, "_scalar_on", old_scalar):
         yield
 
 
 @contextlib.contextmanager
-def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """`obj.name = value` for the block, then the old value back."""
     old = getattr(obj, name)
     setattr(obj, name, value)
     try:

@@ -64,3 +64,12 @@ def no_interpreter(monkeypatch):
     from dsfn.ops import dispatch
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(dispatch, "_JIT_INTERPRET", False)
+
+
+@pytest.fixture(scope="module")
+def triton_forced():
+    """DSFN_KERNELS=triton for a module: functions that dispatch (`adamw_update_multi`,
+    `cast_tensors`) run the Triton kernels (the interpreter on CPU) instead of the references."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSFN_KERNELS", "triton")
+        yield

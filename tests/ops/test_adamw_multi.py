@@ -16,16 +16,10 @@ from hypothesis import strategies as st
 from dsfn.errors import ConfigError, LeafTypeError, ShapeError
 from dsfn.ops import adamw as A
 
+pytestmark = pytest.mark.usefixtures("triton_forced")
 ON_CUDA = os.environ.get("DSFN_TEST_DEVICE", "cpu").strip().lower() == "cuda"
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _kernels_forced():
-    """`adamw_update_multi` dispatches like `adamw_update`: force Triton (the interpreter on CPU)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DSFN_KERNELS", "triton")
-        yield
 
 
 def _group(sizes, grad_dtypes, seed, device):

@@ -13,15 +13,10 @@ from hypothesis import strategies as st
 from dsfn.errors import LeafTypeError, ShapeError
 from dsfn.ops import cast as C
 
+pytestmark = pytest.mark.usefixtures("triton_forced")
 ON_CUDA = os.environ.get("DSFN_TEST_DEVICE", "cpu").strip().lower() == "cuda"
 DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _kernels_forced():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DSFN_KERNELS", "triton")
-        yield
 
 
 def _values(n, seed, dtype):
