@@ -174,11 +174,12 @@ def host_adamw(n_params: float, repeats: int, shapes: list | None = None, label:
     return rows
 
 
-def _overlap_rank(preset: str, overlap: bool, warmup: int, steps: int) -> dict:
+def _gpt_train_step(preset: str):
+    """(config, params, train_step) of the example GPT `preset` on this rank's mesh: the
+    step both offload sections time."""
     import dsfn
     from dsfn.models import GPT, GPTConfig, gpt_loss
     from dsfn.runtime import init_mesh
-    from dsfn.transforms import mixed_precision, offload, shard_zero
     init_mesh()
     cfg = GPTConfig.preset(preset)
     apply_fn, params = dsfn.functionalize(GPT(cfg, seed=0))
@@ -187,6 +188,13 @@ def _overlap_rank(preset: str, overlap: bool, warmup: int, steps: int) -> dict:
         loss, grads = dsfn.value_and_grad(lambda p, b: gpt_loss(apply_fn(p, b["input_ids"]), b["labels"]))(
             state.params, batch)
         return state.apply_gradients(grads), {"loss": loss}
+    return cfg, params, train_step
+
+
+def _overlap_rank(preset: str, overlap: bool, warmup: int, steps: int) -> dict:
+    import dsfn
+    from dsfn.transforms import mixed_precision, offload, shard_zero
+    cfg, params, train_step = _gpt_train_step(preset)
     off = offload("cpu", overlap=overlap)
     step = dsfn.compose(shard_zero(2), off, mixed_precision())(train_step)
     state = step.init_state(params, dsfn.optim.adamw(lr=1e-4, weight_decay=0.1))
@@ -248,17 +256,8 @@ def _zero3_rank(preset: str, use_offload: bool, root: str, warmup: int, steps: i
     import re
 
     import dsfn
-    from dsfn.models import GPT, GPTConfig, gpt_loss
-    from dsfn.runtime import init_mesh
     from dsfn.transforms import mixed_precision, offload, shard_zero
-    init_mesh()
-    cfg = GPTConfig.preset(preset)
-    apply_fn, params = dsfn.functionalize(GPT(cfg, seed=0))
-
-    def train_step(state, batch):
-        loss, grads = dsfn.value_and_grad(lambda p, b: gpt_loss(apply_fn(p, b["input_ids"]), b["labels"]))(
-            state.params, batch)
-        return state.apply_gradients(grads), {"loss": loss}
+    cfg, params, train_step = _gpt_train_step(preset)
     off = offload("nvme", path=root, overlap=overlap) if use_offload else None
     stack = [shard_zero(3)] + ([off] if off else []) + [mixed_precision()]
     step = dsfn.compose(*stack)(train_step)
