@@ -9,6 +9,9 @@ against plain torch (autocast bf16 + `torch.optim.AdamW(fused=True)`) in the sam
   per step are at most torch's.
 - On CPU kernels, dsfn's aten ops per step are <= 1.1x torch's.
 - `shard_zero(s)` at world 1 dispatches exactly what `data_parallel` at world 1 does.
+- ZeRO-3 at world 2: its gather / release / reduce-scatter machinery makes the same number
+  of Python calls per step whatever the number of tensors per unit (no saved-tensor hook,
+  no per-module or per-tensor Python); negative control: a reducer fed tensor by tensor.
 Negative control: the old per-leaf AdamW (one launch and its scalar set-up per tensor) is
 seen by the same counters. `benchmarks/op_count.py` prints the figures.
 """
@@ -88,3 +91,57 @@ def test_counter_sees_backward_and_optimizer_ops():
     ops = _torch_counts(1)
     assert ops.ops["aten.mm"] > 0 and ops.ops["aten._fused_adamw_"] == 1
     assert any(k.endswith("_backward") for k in ops.ops), sorted(ops.ops)
+
+
+def _zero3_machinery():
+    """`where` for code of ZeRO-3's gather / release / reduce-scatter path: zero.py's stage-3
+    machinery and the runtime pieces it drives (flat buffers, bucket plans, collectives)."""
+    import inspect
+
+    from dsfn.transforms import zero as Z
+    first = inspect.getsourcelines(Z._Gather)[1]
+    runtime = ("dsfn/runtime/flat.py", "dsfn/runtime/buckets.py", "dsfn/runtime/collectives.py")
+
+    def where(code) -> bool:
+        f = code.co_filename.replace("\\", "/")
+        if f.endswith("dsfn/transforms/zero.py"):
+            return code.co_firstlineno >= first
+        return f.endswith(runtime)
+    return where
+
+
+def _zero3_calls(per_tensor_reducer: bool):
+    import torch
+
+    from dsfn.runtime import init_mesh
+    from dsfn.runtime.flat import ShardReducer
+    init_mesh(dp=2)
+    torch.set_num_threads(1)
+    if per_tensor_reducer:       # negative control: the reducer fed one gradient per call
+        many = ShardReducer.add_many
+        ShardReducer.add_many = lambda self, items: [many(self, [kv]) for kv in items] and None
+    out, where = {}, _zero3_machinery()
+    for bias in (False, True):   # 9 or 16 tensors per decoder layer, 3 layers
+        model = O.llama_for_counts(num_hidden_layers=3, hidden_size=32, intermediate_size=64, vocab_size=64,
+                                   attention_bias=bias, mlp_bias=bias)
+        step, state = O.dsfn_step(model, [shard_zero(3), mixed_precision()], donate=True)
+        batch = O.count_batch(rows=2, seq=8, vocab=64)
+        for _ in range(2):
+            state, _ = step(state, batch)
+        (state, _), calls = O.python_calls(lambda: step(state, batch), where)
+        out[bias] = (len(list(model.parameters())), sum(calls.values()), dict(calls))
+    return out
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["grouped", "per_tensor_control"])
+def test_zero3_python_calls_per_step_do_not_grow_with_tensors_per_unit(control):
+    from dsfn.testing import run_on_ranks
+    for r in run_on_ranks(_zero3_calls, 2, control, timeout=120):
+        (n9, c9, _), (n16, c16, calls) = r[False], r[True]
+        assert n16 - n9 == 3 * 7           # 7 more tensors in each of 3 units
+        if control:
+            assert c16 - c9 >= n16 - n9, (c9, c16)
+        else:
+            # equal, up to the transfer-buffer pool's retries while gloo drops a finished
+            # work's reference (timing: a call or two either way)
+            assert abs(c16 - c9) <= 3, (c9, c16, calls)

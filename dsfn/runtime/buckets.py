@@ -94,11 +94,16 @@ class FixedBuckets:
         return key in self.bucket_of
 
     def add(self, key: object, t: torch.Tensor) -> list[list[tuple[object, torch.Tensor]]]:
-        prev = self._round.get(key)
-        if key in self._round and self.bucket_of[key] < self._next:    # its bucket already went this round
-            raise RuntimeError(f"gradient of {key!r} arrived after its bucket was reduced; it belongs to "
-                               "the next round (end_round was not called between two backward passes)")
-        self._round[key] = t if prev is None else prev + t
+        return self.add_many([(key, t)])
+
+    def add_many(self, items: Sequence[tuple[object, torch.Tensor]]) -> list[list[tuple[object, torch.Tensor]]]:
+        """`add` of several keys at once (a unit's gradients): the buckets that may launch now."""
+        for key, t in items:
+            prev = self._round.get(key)
+            if key in self._round and self.bucket_of[key] < self._next:    # its bucket already went this round
+                raise RuntimeError(f"gradient of {key!r} arrived after its bucket was reduced; it belongs to "
+                                   "the next round (end_round was not called between two backward passes)")
+            self._round[key] = t if prev is None else prev + t
         return self._ready(fill=False)
 
     def end_round(self) -> list[list[tuple[object, torch.Tensor]]]:

@@ -166,3 +166,24 @@ def dsfn_step(model: torch.nn.Module, transforms: Sequence[Any], lr: float = 1e-
     step = dsfn.compose(*transforms, donate=donate)(train_step)
     state = dsfn.TrainState.create(params, tx=tx if tx is not None else dsfn.optim.adamw(lr=lr, weight_decay=weight_decay))
     return step, (step.place(state) if place else state)
+
+
+def python_calls(fn: Callable[[], Any], where: Callable[[Any], bool]) -> tuple[Any, "collections.Counter[str]"]:
+    """(fn(), Python function calls made during it whose code object satisfies `where`,
+    counted per function name). Generator and comprehension resumptions are not calls (a
+    generator expression's per-item resume would count items, not calls)."""
+    import collections
+    import inspect
+    import sys
+    calls: collections.Counter[str] = collections.Counter()
+    resumable = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+    def prof(frame, event, arg):
+        if event == "call" and not frame.f_code.co_flags & resumable and where(frame.f_code):
+            calls[frame.f_code.co_name] += 1
+    sys.setprofile(prof)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    return out, calls

@@ -342,15 +342,20 @@ def _call(module: nn.Module, forward: Callable, n_args: int, tkeys: tuple[str, .
     # module's re-gathered parameters when it owns some directly) run around it here
     marked = in_backward()
     if marked:
-        for h in list(module._forward_pre_hooks.values()):
+        for h in [*module._forward_pre_hooks.values(), *_global_hooks("_global_forward_pre_hooks")]:
             if getattr(h, "_dsfn_recompute", False):
                 h(module, args)
     out = forward(*args, **dict(zip(tkeys, flat[n_args:])), **rest)
     if marked:
-        for h in list(module._forward_hooks.values()):
+        for h in [*module._forward_hooks.values(), *_global_hooks("_global_forward_hooks")]:
             if getattr(h, "_dsfn_recompute", False):
                 h(module, args, out)
     return out
+
+
+def _global_hooks(name: str) -> list:
+    """torch's global module hooks (`register_module_forward_pre_hook` / `_hook`) of `name`."""
+    return list(getattr(nn.modules.module, name, {}).values())
 
 
 # ---------------------------------------------------------------------------------------------

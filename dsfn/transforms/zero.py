@@ -22,10 +22,13 @@ this), and the updated shards are all-gathered, bucketed (in a donated step, int
 full parameters where their size allows: no second full copy). Stage 3 keeps parameters
 sharded: `apply_fn` (the "apply_module" primitive) gathers a *unit*'s parameters just
 before the unit runs and frees them after it — straight into one flat buffer per dtype,
-the weights being views of it, the buffers reused across units and steps
-(`dsfn.runtime.flat.gather_into_buffers`, `BufferPool`); saved-tensor hooks store the shard
-instead of the gathered weight and re-gather it when backward needs it; the next unit
-is prefetched while the current one runs. Units default to the model's repeated
+the weights being views of it (`dsfn.runtime.flat.gather_into_buffers`). As in FSDP2, each
+unit's buffers are storages kept across steps (`_UnitStorage`): their memory exists while
+a gather of the unit is in use and is freed (storage resized to 0) when none is. Autograd
+saves the gathered weights themselves; backward re-gathers the unit into the same
+storages just before the unit's backward (a gradient hook on the unit's outputs), so the
+saved weights see the data again — no saved-tensor hooks, nothing per op or per tensor
+in forward or backward. The next unit is prefetched while the current one runs. Units default to the model's repeated
 blocks (a Hugging Face `_no_split_modules`, else the children of its largest
 ModuleList); the parameters outside every unit form a root unit, live for the whole
 forward. Parameters with at most `param_persistence_threshold` elements stay
@@ -128,8 +131,12 @@ class ShardZero(DataParallel):
         self._expect: dict[str, list] = {}            # stage 3: key -> [gradients still due, their sum]
         self._frozen_dtype: torch.dtype | None = None  # mixed precision's compute dtype (check_stack)
         self._views: dict[int, tuple] = {}             # id(apply_fn) -> (apply_fn, constants' ids, view, cast)
-        # stage 3: the units' gather buffers, reused across units and steps (same sizes every step)
-        self._pool = BufferPool(keep=prefetch + 1)
+        # stage 3: each unit's gather storages, kept across steps: (module, {unit: _UnitStorage})
+        self._storages: dict[int, tuple[nn.Module, dict[int, _UnitStorage]]] = {}
+        # stage 3: (module, parameter names) -> (module, _UnitPlan): what is the same every step
+        self._plans: dict[tuple, tuple[nn.Module, _UnitPlan]] = {}
+        # stage 3: a bucket's send and receive buffers, from launch to copy-out (same sizes every step)
+        self._scratch = BufferPool(keep=2 * (prefetch + 2))
         # stages 1-3: gradient buckets and shards, the same blocks every step
         self._grad_pool = BufferPool(keep=ShardReducer.MAX_INFLIGHT + 1)
 
@@ -300,16 +307,22 @@ class ShardZero(DataParallel):
         rec = self._expect.setdefault(key, [0, None])
         rec[0] += 1
 
-    def _grad_arrived(self, key: str, grad: torch.Tensor) -> None:
-        rec = self._expect.get(key)
-        if rec is None:                       # not counted (no grad mode at its forward): pass on
-            self._reducer.add(key, grad)
-            return
-        rec[0] -= 1
-        rec[1] = grad if rec[1] is None else rec[1] + grad
-        if rec[0] == 0:
-            del self._expect[key]
-            self._reducer.add(key, rec[1])
+    def _grads_arrived(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """(key, gradient) pairs of one backward node (a unit): summed per key as described
+        above, and the complete ones handed to the reducer in one call."""
+        ready = []
+        for key, grad in items:
+            rec = self._expect.get(key)
+            if rec is None:                       # not counted (no grad mode at its forward): pass on
+                ready.append((key, grad))
+                continue
+            rec[0] -= 1
+            rec[1] = grad if rec[1] is None else rec[1] + grad
+            if rec[0] == 0:
+                del self._expect[key]
+                ready.append((key, rec[1]))
+        if ready:
+            self._reducer.add_many(ready)
 
     # -- update ----------------------------------------------------------------------------
     def handle_apply_gradients(self, call_next, state, grads):
@@ -438,6 +451,13 @@ class ShardZero(DataParallel):
         return view, cast
 
     # -- stage 3: gather units just in time -----------------------------------------------------
+    def _unit_plan(self, module: nn.Module, names: tuple[str, ...], frozen: tuple[str, ...]) -> "_UnitPlan":
+        key = (id(module), names, frozen)
+        hit = self._plans.get(key)
+        if hit is None or hit[0] is not module:
+            hit = self._plans[key] = (module, _UnitPlan(module, names, frozen, self.units))
+        return hit[1]
+
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
         with self.token_mean(apply_fn, args, kwargs):       # HF's own loss: the whole batch's token mean
             return self._apply_module(call_next, apply_fn, params, args, kwargs)
@@ -524,7 +544,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.gatherer.grad_ready(ctx.index, grad)
+        ctx.gatherer.grads_ready([(ctx.index, grad)])
         # autograd wants the input's device: an offloaded shard lives on the host while its
         # gathered weight (and so `grad`) is on the compute device
         stand_in = torch.zeros((), dtype=grad.dtype, device=ctx.shard_device)
@@ -540,55 +560,44 @@ class _GatherUnit(torch.autograd.Function):
     def forward(ctx, gatherer, ids, *shards):
         ctx.gatherer, ctx.ids = gatherer, ids
         ctx.homes = [s.device for s in shards]
+        ctx.shapes = [s.shape for s in shards]
         ctx.set_materialize_grads(False)        # an unused weight's gradient stays None
-        return tuple(gatherer.full(i) for i in ids)
+        full = gatherer._full
+        return tuple([full[i] for i in ids])
 
     @staticmethod
     def backward(ctx, *grads):
-        g = ctx.gatherer
-        out = []
-        for i, grad, home in zip(ctx.ids, grads, ctx.homes):
+        arrived, out = [], []
+        for i, grad, home, shape in zip(ctx.ids, grads, ctx.homes, ctx.shapes):
             if grad is None:            # not reached by this loss: the reducer gets zeros at the end
                 out.append(None)
                 continue
-            g.grad_ready(i, grad)
+            arrived.append((i, grad))
             # autograd wants the input's device: an offloaded shard lives on the host while its
             # gathered weight (and so `grad`) is on the compute device
-            out.append(torch.zeros((), dtype=grad.dtype, device=home).expand(g.shard_shape(i)))
+            out.append(torch.zeros((), dtype=grad.dtype, device=home).expand(shape))
+        if arrived:
+            ctx.gatherer.grads_ready(arrived)     # the unit's gradients, in one call
         return (None, None, *out)
 
 
-class UnitGatherer:
-    """Gathers a forward's sharded parameters unit by unit (see the module docstring).
+class _UnitPlan:
+    """What a UnitGatherer needs to know about a module and its sharded parameters that does
+    not change from step to step (computed once per module and parameter names, cached by
+    ShardZero): index i = the i-th name (trainable shards, then frozen ones); each index's
+    (owner module, attribute) slots (tied aliases too); the units (unit 0: the root) and
+    the indices each holds; the modules owning sharded parameters directly (for a
+    recompute); backward's gather order."""
 
-    Index i refers to `params`' i-th sharded entry; unit 0 is the root. The number of
-    gathered units besides the root is published as the runtime gauge
-    "zero3.live_units" (current and max) for tests and explain.
-    """
-
-    def __init__(self, module: nn.Module, params: dict[str, Any], zero: ShardZero,
-                 frozen: dict[str, tuple[torch.Tensor, FlatShard]] | None = None):
-        self.zero, self.module = zero, module
-        self.names = [n for n, v in params.items() if zero._mine(v)]
-        self.shards = [params[n].data for n in self.names]
-        self.layouts = [_zero_layout(params[n].layout) for n in self.names]
-        # where each gathered weight must be (offload(params=True) keeps shards on the host)
-        self.homes = [compute_device(params[n]) for n in self.names]
-        # frozen parameters (`frozen`: name -> shard to gather) ride along: no gradients
-        self.frozen: set[int] = set()
-        for n, (piece, layout) in (frozen or {}).items():
-            self.frozen.add(len(self.names))
-            self.names.append(n)
-            self.shards.append(piece)
-            self.layouts.append(layout)
-            self.homes.append(piece.device)
+    def __init__(self, module: nn.Module, names: tuple[str, ...], frozen: tuple[str, ...], units: Any):
+        self.names = list(names) + list(frozen)
+        self.frozen = set(range(len(names), len(self.names)))
         self.index = {n: i for i, n in enumerate(self.names)}
-        self.call_params = {n: (v.data if isinstance(v, Placed) else v) for n, v in params.items()}
         # every (owner module, attribute) slot through which a parameter is reached (tied ones too)
         by_obj: dict[int, list[str]] = {}
         for full_name, p in module.named_parameters(remove_duplicate=False):
             by_obj.setdefault(id(p), []).append(full_name)
-        canonical = {n: names for names in by_obj.values() for n in names[:1]}
+        canonical = {n: aliases for aliases in by_obj.values() for n in aliases[:1]}
         self.slots: list[list[tuple[nn.Module, str]]] = []
         for n in self.names:
             slots = []
@@ -598,7 +607,8 @@ class UnitGatherer:
             self.slots.append(slots)
         # units: a sharded parameter reached from exactly one unit belongs to it; one reached
         # from several units (tied across units) or from none belongs to the root
-        unit_mods = find_units(module, zero.units)
+        unit_mods = find_units(module, units)
+
         def unit_holding(alias: str) -> int | None:
             return next((u for u, (uname, _) in enumerate(unit_mods) if alias.startswith(uname + ".")), None)
         owner_of: dict[int, int] = {}
@@ -614,6 +624,40 @@ class UnitGatherer:
         self.units = [module] + [m for _, m in unit_mods]
         self.unit_params.insert(0, root)
         self.unit_of = {i: u for u, ids in enumerate(self.unit_params) for i in ids}
+        # modules owning sharded parameters directly: (module, indices), for recompute hooks
+        owners: dict[int, tuple[nn.Module, list[int]]] = {}
+        for i, slots in enumerate(self.slots):
+            for owner, _ in slots:
+                owners.setdefault(id(owner), (owner, []))[1].append(i)
+        self.owners = [(m, sorted(set(ids))) for m, ids in owners.values()]
+        self.bw_seq = [0] + list(range(len(self.units) - 1, 0, -1))   # backward's gather order
+        self.bw_pos = {u: k for k, u in enumerate(self.bw_seq)}
+
+
+class UnitGatherer:
+    """Gathers a forward's sharded parameters unit by unit (see the module docstring).
+
+    Index i refers to `params`' i-th sharded entry; unit 0 is the root. The number of
+    gathered units besides the root is published as the runtime gauge
+    "zero3.live_units" (current and max) for tests and explain.
+    """
+
+    def __init__(self, module: nn.Module, params: dict[str, Any], zero: ShardZero,
+                 frozen: dict[str, tuple[torch.Tensor, FlatShard]] | None = None):
+        self.zero, self.module = zero, module
+        frozen = frozen or {}
+        names = [n for n, v in params.items() if zero._mine(v)]
+        plan = zero._unit_plan(module, tuple(names), tuple(frozen))
+        # the step's shards, in plan order: trainable ones, then frozen ones (no gradients)
+        self.names, self.frozen, self.index, self.slots = plan.names, plan.frozen, plan.index, plan.slots
+        self.units, self.unit_params, self.unit_of = plan.units, plan.unit_params, plan.unit_of
+        self._owners, self._bw_seq, self._bw_pos = plan.owners, plan.bw_seq, plan.bw_pos
+        placed = [params[n] for n in names]
+        self.shards = [v.data for v in placed] + [piece for piece, _ in frozen.values()]
+        self.layouts = [_zero_layout(v.layout) for v in placed] + [layout for _, layout in frozen.values()]
+        # where each gathered weight must be (offload(params=True) keeps shards on the host)
+        self.homes = [compute_device(v) for v in placed] + [piece.device for piece, _ in frozen.values()]
+        self.call_params = {n: (v.data if isinstance(v, Placed) else v) for n, v in params.items()}
         # a unit is gathered into flat buffers (`FlatGather.slabs`); its weights are views of them
         self._full: dict[int, torch.Tensor] = {}              # index -> gathered weight, in use
         self._pending: dict[int, FlatGather] = {}             # unit -> in-flight gather
@@ -622,21 +666,17 @@ class UnitGatherer:
         self._bw_left: dict[int, set[int]] = {}               # unit -> trainable indices whose grad is due
         self._grads_done: set[int] = set()                    # indices whose gradient arrived this backward
         self._bw_pending: dict[int, FlatGather] = {}          # unit -> prefetched backward gather
-        self._storage: dict[int, tuple[int, int]] = {}        # buffer storage ptr -> (unit, slab), for pack
-        self._pool = zero._pool
+        # each unit's storages, shared by every gatherer of this module (see _UnitStorage)
+        kept = zero._storages.get(id(module))
+        if kept is None or kept[0] is not module:
+            kept = zero._storages[id(module)] = (module, {})
+        self._unit_storage = kept[1]
+        self._recompute_hooks: list[Any] = []
         self._live: set[int] = set()
         self._hooks: list[Any] = []
         self._phase = "forward"                               # "backward" once the forward returned
         self._installed: dict[tuple[int, str], torch.Tensor] = {}   # recompute: slot -> what we put there
-        # modules owning sharded parameters directly: (module, indices), for recompute hooks
-        owners: dict[int, tuple[nn.Module, list[int]]] = {}
-        for i, slots in enumerate(self.slots):
-            for owner, _ in slots:
-                owners.setdefault(id(owner), (owner, []))[1].append(i)
-        self._owners = [(m, sorted(set(ids))) for m, ids in owners.values()]
         self._fw_next = 0                                     # next unit forward launches
-        self._bw_seq = [0] + list(range(len(self.units) - 1, 0, -1))   # backward's gather order
-        self._bw_pos = {u: k for k, u in enumerate(self._bw_seq)}
         self._bw_next = 0
 
     # -- gathering -------------------------------------------------------------------------------
@@ -672,7 +712,7 @@ class UnitGatherer:
         """Units launched ahead of `before` that this rank never ran: wait for their gathers
         (the ranks that run them need the collective) and free them."""
         for v in [v for v in self._pending if 0 < v < before]:
-            self._pending.pop(v).release(self._pool)
+            self._release(v, self._pending.pop(v))
             self._live.discard(v)
         _gauge_live(self._live)
 
@@ -687,18 +727,12 @@ class UnitGatherer:
             for i, t in zip(self.unit_params[u], handle.wait()):
                 self._full[i] = t
             self._fw[u] = handle
-            self._track(u, handle)
 
-    def _track(self, u: int, handle: FlatGather) -> None:
-        """Saved tensors in unit u's buffers are packed as (unit, buffer, view): see `_pack`."""
-        for k, slab in enumerate(handle.slabs):
-            self._storage[slab.untyped_storage().data_ptr()] = (u, k)
-
-    def _release(self, handle: FlatGather) -> None:
-        """A gather's weights are no longer used: forget its buffers, give them to the pool."""
-        for slab in handle.slabs:
-            self._storage.pop(slab.untyped_storage().data_ptr(), None)
-        handle.release(self._pool)
+    def _release(self, u: int, handle: FlatGather) -> None:
+        """A gather of unit u is no longer used (waited for first: a collective may still be
+        writing): its storages' memory goes once no gather of the unit is in use."""
+        handle.release(None)
+        self._unit_storage[u].done()
 
     def finish_forward(self) -> None:
         """The forward is over: launch the units this rank never reached, and drop them."""
@@ -746,33 +780,37 @@ class UnitGatherer:
                     owner._parameters[attr] = self.shards[i]
             handle = self._fw.pop(u, None)
             if handle is not None:
-                self._release(handle)
+                self._release(u, handle)
+                self._before_backward(u, out)
             self._live.discard(u)
             _gauge_live(self._live)
         return hook
 
-    # -- saved tensors: keep the shard, re-gather in backward ---------------------------------------
-    # A saved tensor in a unit's buffer (a weight, or a view of one: `w.t()`) is stored as
-    # (unit, buffer k, shape, stride, offset); backward's re-gather of the unit lays its
-    # buffers out alike, so the same view of its buffer k is the same tensor.
-    def _pack(self, t: torch.Tensor) -> Any:
-        at = self._storage.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
-        if at is None:
-            return t
-        return ("dsfn.zero3", at[0], at[1], tuple(t.shape), t.stride(), t.storage_offset())
+    def _before_backward(self, u: int, out: Any) -> None:
+        """Re-gather unit u just before its backward: when the first gradient of its outputs
+        is computed (FSDP2's pre-backward hook). Its saved weights are views of the unit's
+        storages, which the re-gather fills again."""
+        if not torch.is_grad_enabled():
+            return
+        ts = [t for t in _tensors_in(out) if t.requires_grad]
+        if ts:
+            torch.autograd.graph.register_multi_grad_hook(ts, lambda _g: self._needed_in_backward(u), mode="any")
 
-    def _unpack(self, x: Any) -> torch.Tensor:
-        if not (isinstance(x, tuple) and len(x) == 6 and x[0] == "dsfn.zero3"):
-            return x
-        _, u, k, shape, stride, offset = x
+    def _needed_in_backward(self, u: int) -> None:
         if u not in self._bw:
             self._gather_for_backward(u)
-        return self._bw[u][0].slabs[k].as_strided(shape, stride, offset)
 
     def _gather_async(self, u: int) -> FlatGather:
+        """Start gathering unit u into its storages (the same ones in forward and backward)."""
         ids = self.unit_params[u]
-        return gather_into_buffers([self._on_home(j) for j in ids], [self.layouts[j].shape for j in ids],
-                                   self.zero.axis, self.zero.allgather_bucket_size, self._pool)
+        store = self._unit_storage.get(u)
+        if store is None:
+            store = self._unit_storage[u] = _UnitStorage()
+        shards, homes, layouts = self.shards, self.homes, self.layouts
+        on_home = [shards[j] if shards[j].device == homes[j] else self._on_home(j) for j in ids]
+        return store.gather(lambda pool: gather_into_buffers(
+            on_home, [layouts[j].shape for j in ids], self.zero.axis, self.zero.allgather_bucket_size, pool,
+            self.zero._scratch))
 
     def _bw_launch_upto(self, pos: int) -> None:
         """Launch the backward sequence's units up to position `pos` not launched yet."""
@@ -791,10 +829,9 @@ class UnitGatherer:
             self._bw_launch_upto(p)
         handle = self._bw_pending.pop(u, None) or self._gather_async(u)
         for v in [v for v in self._bw_pending if v != 0 and self._bw_pos[v] < p]:
-            self._release(self._bw_pending.pop(v))     # a unit this rank skipped: its gather, dropped
+            self._release(v, self._bw_pending.pop(v))     # a unit this rank skipped: its gather, dropped
         ids = self.unit_params[u]
         self._bw[u] = (handle, dict(zip(ids, handle.wait())))
-        self._track(u, handle)
         # the unit is dropped when its last trainable weight's gradient arrives (every use of
         # its weights in backward is then done); one holding frozen weights, which no
         # gradient marks done, when backward has passed it
@@ -811,66 +848,68 @@ class UnitGatherer:
     def _drop_bw(self, u: int) -> None:
         handle = self._bw.pop(u)[0]          # its weights' views go with the entry
         self._bw_left.pop(u, None)
-        self._release(handle)
+        self._release(u, handle)
 
     def finish_backward(self) -> None:
         """Backward is over: gather (and drop) the units this rank's backward never reached,
         so every rank has issued the whole backward sequence."""
         self._bw_launch_upto(len(self._bw_seq) - 1)
         for v in list(self._bw_pending):
-            self._release(self._bw_pending.pop(v))
+            self._release(v, self._bw_pending.pop(v))
         for v in list(self._bw):
             self._drop_bw(v)
         self._grads_done.clear()
 
-    def grad_ready(self, i: int, grad: torch.Tensor) -> None:
-        # every use of the weight in backward is done; its unit's buffers go with the last one
-        self._grads_done.add(i)
-        u = self.unit_of[i]
-        left = self._bw_left.get(u)
-        if left is not None:
-            left.discard(i)
-            if not left and not self._has_frozen(u):
+    def grads_ready(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
+        """Gradients (index, grad) arrived: every use of those weights in backward is done; a
+        unit's buffers go with its last one. Then they go to the reducer, in one call."""
+        touched = set()
+        for i, _ in pairs:
+            self._grads_done.add(i)
+            u = self.unit_of[i]
+            left = self._bw_left.get(u)
+            if left is not None:
+                left.discard(i)
+                touched.add(u)
+        for u in touched:
+            if not self._bw_left[u] and not self._has_frozen(u):
                 self._drop_bw(u)
-        self.zero._grad_arrived(self.names[i], grad)
+        names = self.names
+        self.zero._grads_arrived([(names[i], g) for i, g in pairs])
 
     # -- context -----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def module_hooks(self):
-        """The units' forward hooks, and each parameter-owning module's hooks for a recompute
-        in backward (Hugging Face checkpoints a layer's `forward`, past the layer's own
-        hooks; its submodules' calls still pass theirs). Kept until backward is over."""
+        """The units' forward hooks, kept until backward is over; from the forward's end, the
+        hooks that install re-gathered weights for a recompute (`_recompute_hooks_on`)."""
         hooks = []
         for u, m in enumerate(self.units):
             hooks.append(m.register_forward_pre_hook(self._pre(u)))
             hooks.append(m.register_forward_hook(self._post(u)))
-        for m, ids in self._owners:
-            hooks.append(m.register_forward_pre_hook(self._leaf_pre(ids)))
-            hooks.append(m.register_forward_hook(self._leaf_post(ids)))
         try:
             yield self
         finally:
-            for h in hooks:
+            for h in hooks + self._recompute_hooks:
                 h.remove()
+            self._recompute_hooks = []
 
     def __enter__(self):
-        self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._saved.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self._saved.__exit__(*exc)
         if exc[0] is None:
             self.finish_forward()
+        # left by an exception inside the forward: waited for, their storages freed
+        for u, handle in [*self._pending.items(), *self._fw.items()]:
+            self._release(u, handle)
         self._pending.clear()
-        for handle in self._fw.values():    # left by an exception inside the forward: not pooled
-            for slab in handle.slabs:
-                self._storage.pop(slab.untyped_storage().data_ptr(), None)
         self._fw.clear()
         self._full.clear()
         self._live.clear()
         _gauge_live(self._live)
         self._phase = "backward"
+        if exc[0] is None:
+            self._recompute_hooks_on()
         return False
 
     # -- recompute in backward (activation checkpointing) -------------------------------------------
@@ -900,17 +939,26 @@ class UnitGatherer:
                 if mine is not None and owner._parameters.get(attr) is mine:
                     owner._parameters[attr] = self.shards[i]
 
-    def _leaf_pre(self, ids: list[int]):
-        def hook(mod, args):
-            if self._phase == "backward":
-                self._install_for_recompute(ids)
-        return recompute_hook(hook)
+    def _recompute_hooks_on(self) -> None:
+        """Hooks for a recompute in backward (activation checkpointing), installed once the
+        forward is over: a module owning sharded parameters directly gets its unit's
+        re-gathered weights around its forward. Global module hooks (one pair, a dict
+        lookup per module call), so the forward itself runs no per-module Python; Hugging
+        Face and `remat` checkpoint a layer's `forward` past the layer's own hooks, its
+        submodules' calls still pass them (and `remat` runs marked global hooks itself)."""
+        owners = {id(m): ids for m, ids in self._owners}
 
-    def _leaf_post(self, ids: list[int]):
-        def hook(mod, args, out):
-            if self._phase == "backward":
+        def pre(mod, args):
+            ids = owners.get(id(mod))
+            if ids is not None:
+                self._install_for_recompute(ids)
+
+        def post(mod, args, out):
+            ids = owners.get(id(mod))
+            if ids is not None:
                 self._restore(ids)
-        return recompute_hook(hook)
+        self._recompute_hooks = [nn.modules.module.register_module_forward_pre_hook(recompute_hook(pre)),
+                                 nn.modules.module.register_module_forward_hook(recompute_hook(post))]
 
 
 def recompute_hook(hook):
@@ -919,6 +967,61 @@ def recompute_hook(hook):
     ZeRO-3's hooks install the unit's re-gathered parameters for it."""
     hook._dsfn_recompute = True
     return hook
+
+
+class _UnitStorage:
+    """One unit's gather buffers, kept across steps (FSDP2's unsharded storage): the same
+    tensors, so the same storage objects, every time the unit is gathered. Their memory
+    exists while some gather of the unit is in use (`users` > 0) and is freed — storages
+    resized to 0 bytes, the tensor objects kept — when none is. A weight autograd saved
+    in forward (a view of a buffer) is therefore valid again once backward re-gathers the
+    unit into the same storages. Writes into a buffer that saved views share keep its
+    version counter (the data is the same weights again)."""
+
+    def __init__(self) -> None:
+        self.slabs: list[torch.Tensor] = []
+        self.users = 0
+        self._next = 0
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """`gather_into_buffers`' k-th bucket buffer (its pool interface): the k-th kept one,
+        with its memory (re)allocated; a new one on the first gather or a changed plan."""
+        k, self._next = self._next, self._next + 1
+        s = self.slabs[k] if k < len(self.slabs) else None
+        if s is None or s.numel() != numel or s.dtype != dtype or s.device != torch.device(device):
+            s = torch.empty(numel, dtype=dtype, device=device)
+            self.slabs[k:k + 1] = [s]
+        nbytes = numel * s.element_size()
+        if s.untyped_storage().nbytes() != nbytes:
+            s.untyped_storage().resize_(nbytes)
+        return s
+
+    def gather(self, start: Any) -> FlatGather:
+        """`start(pool)` (a gather_into_buffers call taking its buffers from here), counted
+        as one more user."""
+        self._next = 0
+        handle = start(self)      # its writes keep the buffers' version counters (FlatGather)
+        self.users += 1
+        return handle
+
+    def done(self) -> None:
+        """A gather is no longer used (its collectives are complete); the last one frees the memory."""
+        self.users -= 1
+        if self.users == 0:
+            for s in self.slabs:
+                s.untyped_storage().resize_(0)
+
+
+def _tensors_in(out: Any) -> list[torch.Tensor]:
+    """The tensors of a module's output: a tensor, or (nested) tuples, lists and mappings of
+    them (a Hugging Face ModelOutput is a mapping)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for x in out for t in _tensors_in(x)]
+    if isinstance(out, dict):
+        return [t for x in out.values() for t in _tensors_in(x)]
+    return []
 
 
 def _gauge_live(live: set[int]) -> None:

@@ -1,7 +1,8 @@
 """Once `shard_zero(3)` has placed a frozen base as shards, no full copy of it is left: the
 tensors `functionalize` put in `apply_fn.constants` are collected, the module's frozen
-parameters are empty, and after a step a rank holds base/N of it plus ZeRO-3's pooled
-gather buffers (`prefetch + 1` unit-sized buffers per unit size, reused step after step).
+parameters are empty, and after a step a rank holds base/N of it and nothing of ZeRO-3's
+gather buffers (each unit's storages are kept across steps but resized to 0 bytes while
+no gather of the unit is in use).
 
 Measured as the bytes of every distinct storage reachable from a live Python tensor
 (`gc.get_objects`). Negative controls: a stand-in for the old placement that leaves the
@@ -82,7 +83,7 @@ def run(stage: int, keep_full: bool = False):
     state = step.init_state(params, dsfn.optim.sgd(0.1, momentum=0.9))
     g = torch.Generator().manual_seed(1)
     batch = {"x": torch.randn(4, D_IN, generator=g), "y": torch.randn(4, 4, generator=g)}
-    before = live_tensor_bytes() - inherited      # the first step allocates the pool's buffers
+    before = live_tensor_bytes() - inherited
     state, _ = step(state, batch)
     state, _ = step(state, batch)
     return dict(base=base, before=before, after=live_tensor_bytes() - inherited,
@@ -91,10 +92,9 @@ def run(stage: int, keep_full: bool = False):
 
 
 def _bound(base: int) -> int:
-    unit = base // LAYERS
-    # base/N + one unit (prefetch=0 keeps one gather buffer per unit size) + the small rest
-    # (head, its gradient and momentum, the batch, the root unit's buffer)
-    return base // 2 + unit + MIB // 4
+    # base/N + the small rest (head, its gradient and momentum, the batch); no gather buffer
+    # holds memory between steps
+    return base // 2 + MIB // 4
 
 
 def test_sharded_frozen_base_leaves_no_full_copy():
