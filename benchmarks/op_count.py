@@ -13,8 +13,9 @@ foreach) and by dsfn stacks (`mixed_precision()` + `dsfn.optim.adamw`):
    metadata excluded), with CPU kernels (dsfn's foreach path) and with the GPU's choice
    forced (`DSFN_KERNELS=triton` under Triton's interpreter: the grouped AdamW and casts;
    the launches of dsfn's Triton kernels are counted besides).
-3. Python calls into dsfn per step of ZeRO-3 at world 2 (`sys.setprofile`): the per-leaf and
-   per-op Python left on the hot path.
+3. Python calls per step of ZeRO-3 at world 2 (`dsfn.testing.opcount.python_calls`), with 9
+   and 16 tensors per layer: its gather / release / reduce-scatter machinery (per unit: the
+   same count for both), and all of dsfn (the step boundary's per-leaf tree work grows).
 2. host time of one step on the `meta` device (no compute, no data: all of it is Python and
    dispatch overhead), torch (fp32, foreach AdamW: autocast and the fused kernel do not run
    on meta) against dsfn (fp32 and bf16) with the GPU's kernel choices emulated
@@ -102,7 +103,7 @@ def meta_times(layers: int, repeats: int) -> list[tuple[str, float]]:
 
 
 def _python_calls_rank() -> None:
-    import collections
+    import inspect
 
     import torch
 
@@ -110,28 +111,39 @@ def _python_calls_rank() -> None:
     from dsfn.runtime import init_mesh
     from dsfn.testing import opcount as O
     from dsfn.transforms import mixed_precision, shard_zero
+    from dsfn.transforms import zero as Z
     init_mesh(dp=2)
     torch.set_num_threads(1)
-    model = O.llama_for_counts(num_hidden_layers=16, hidden_size=64, intermediate_size=128, vocab_size=128)
-    step, state = O.dsfn_step(model, [shard_zero(3), mixed_precision()], donate=True)
-    b = O.count_batch(rows=2, seq=8, vocab=128)
-    for _ in range(3):
-        state, _ = step(state, b)
-    calls: collections.Counter[str] = collections.Counter()
+    first = inspect.getsourcelines(Z._Gather)[1]
+    runtime = ("dsfn/runtime/flat.py", "dsfn/runtime/buckets.py", "dsfn/runtime/collectives.py")
 
-    def prof(frame, event, arg):
-        if event == "call" and "dsfn" in frame.f_code.co_filename:
-            calls[frame.f_code.co_name] += 1
-    sys.setprofile(prof)
-    state, _ = step(state, b)
-    sys.setprofile(None)
+    def machinery(code) -> bool:      # ZeRO-3's gather / release / reduce-scatter path
+        f = code.co_filename.replace("\\", "/")
+        return code.co_firstlineno >= first if f.endswith("dsfn/transforms/zero.py") else f.endswith(runtime)
+
+    def in_dsfn(code) -> bool:
+        return "/dsfn/" in code.co_filename.replace("\\", "/")
+    rows = []
+    for bias in (False, True):       # 9 or 16 tensors per decoder layer
+        model = O.llama_for_counts(num_hidden_layers=16, hidden_size=64, intermediate_size=128, vocab_size=128,
+                                   attention_bias=bias, mlp_bias=bias)
+        step, state = O.dsfn_step(model, [shard_zero(3), mixed_precision()], donate=True)
+        b = O.count_batch(rows=2, seq=8, vocab=128)
+        for _ in range(3):
+            state, _ = step(state, b)
+        (state, _), zero3 = O.python_calls(lambda: step(state, b), machinery)
+        (state, _), calls = O.python_calls(lambda: step(state, b), in_dsfn)
+        rows.append((len(list(model.parameters())), sum(zero3.values()), sum(calls.values()), calls))
     if dsfn.runtime.rank() == 0:
-        print(f"  Python calls into dsfn per step: {sum(calls.values())}; most: {calls.most_common(8)}")
+        for tensors, z3, total, calls in rows:
+            print(f"  {tensors:4d} tensors: ZeRO-3 gather/release/reduce-scatter {z3:6d}   all of dsfn {total:6d}  "
+                  f"(most: {', '.join(f'{k} {v}' for k, v in calls.most_common(4))})")
 
 
 def python_calls() -> None:
-    """ZeRO-3 + mixed precision at world 2 (gloo), HF Llama 16 layers: Python calls into dsfn
-    per step (sys.setprofile over one step)."""
+    """ZeRO-3 + mixed precision at world 2 (gloo), HF Llama 16 layers with 9 and 16 tensors per
+    layer: Python calls per step (generator resumptions excluded) into ZeRO-3's stage-3
+    machinery and into all of dsfn."""
     from dsfn.launch import spawn
     spawn(_python_calls_rank, 2)
 
@@ -170,7 +182,7 @@ def main() -> None:
     subprocess.run([sys.executable, __file__, "--section", "meta", "--layers", str(layers)]
                    + (["--quick"] if a.quick else []), check=True)
     if not a.quick:
-        print("\nZeRO-3 + mixed precision at world 2 (gloo), HF Llama 16 layers d64, 147 tensors:", flush=True)
+        print("\nPython calls per step, ZeRO-3 + mixed precision at world 2 (gloo), HF Llama 16 layers d64:", flush=True)
         subprocess.run([sys.executable, __file__, "--section", "pycalls"], check=True)
 
 

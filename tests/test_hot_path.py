@@ -104,8 +104,8 @@ def _zero3_machinery():
 
     def where(code) -> bool:
         f = code.co_filename.replace("\\", "/")
-        if f.endswith("dsfn/transforms/zero.py"):
-            return code.co_firstlineno >= first
+        if f.endswith("dsfn/transforms/zero.py"):    # + the gradient accounting of ShardZero
+            return code.co_firstlineno >= first or code.co_name in ("_gathers_made", "_grads_arrived")
         return f.endswith(runtime)
     return where
 

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -230,15 +231,8 @@ class ShardZero(DataParallel):
             return super().handle_value_and_grad(call_next, fn, params, args, kwargs, has_aux)
         outer = self._reducer
         if outer is None:
-            # the keys that may reach the reducer: every parameter (stages 1-2), or the
-            # stage-3 shards (persistent ones are all-reduced below); the full gradient's shape
-            named, devices = [], {}
-            for path, x in registration_order(params):
-                if self.stage == 3 and not self._mine(x):
-                    continue
-                full = _zero_layout(x.layout).shape if self._mine(x) else tuple(_data(x).shape)
-                named.append((path, torch.empty(full, dtype=_data(x).dtype, device="meta")))
-                devices[path] = compute_device(x)     # zeros of an unused one: where grads are
+            plan = self._grad_plan(params)
+            named, devices = plan["named"], plan["devices"]
             # stage 3 reduce-scatters on a channel of their own: its all-gathers are issued on
             # demand during backward, so the two sequences interleave differently on ranks
             # whose data reached different units; each channel's own order is the same
@@ -262,25 +256,54 @@ class ShardZero(DataParallel):
                 self._gatherers, self._expect = [], {}
         if outer is not None:      # nested call: the outermost call reduces
             return value, grads
-        # reducer keys are leaf paths; stage 1 reduces everything after backward, in order
-        g_paths = tree.leaves_with_path(grads, is_leaf=is_placed)
+        # reducer keys are leaf paths (flatten order: plan["paths"]); stage 1 reduces everything
+        # after backward, in order
+        paths, gs = plan["paths"], tree.leaves(grads, is_leaf=is_placed)
         if self.stage == 1:
-            for path, g in g_paths:
+            for path, g in zip(paths, gs):
                 reducer.add(path, _data(g))
         shards = reducer.finish()
-        leaves = tree.leaves_with_path(params, is_leaf=is_placed)
-        replicated = [k for k, (_, x) in enumerate(leaves) if self.stage == 3 and not self._mine(x)]
-        reduced = dict(zip(replicated, all_reduce_buckets([_data(g_paths[k][1]) for k in replicated], self.axis,
+        replicated = plan["replicated"]
+        reduced = dict(zip(replicated, all_reduce_buckets([_data(gs[k]) for k in replicated], self.axis,
                                                           self.reduce_bucket_size * 4, "avg")))
         out = []
-        for k, (path, x) in enumerate(leaves):
+        for k, (path, layout) in enumerate(zip(paths, plan["layouts"])):
             if k in reduced:
-                g = g_paths[k][1]
+                g = gs[k]
                 out.append(Placed(reduced[k], g.layout) if isinstance(g, Placed) else reduced[k])
                 continue
-            layout = self._shard_layout(x)
             out.append(Placed(shards[path], layout))   # zeros where this rank's loss did not reach it
-        return value, tree.unflatten(tree.structure(params, is_leaf=is_placed), out)
+        return value, tree.unflatten(plan["spec"], out)
+
+    def _grad_plan(self, params: Any) -> dict[str, Any]:
+        """What handle_value_and_grad decides per parameter leaf — the reducer's keys (paths in
+        registration order), full gradient shapes and devices; each leaf's path, whether it
+        is all-reduced (stage-3 persistent) and its gradient shard's layout — computed once
+        per structure and leaf layouts (the same objects step after step: compared by
+        identity first, so a hit costs no Python call per leaf)."""
+        leaves, spec = tree.flatten(params, is_leaf=is_placed)
+        key = [x.layout if type(x) is Placed else (x.shape, x.dtype, x.device) for x in leaves]
+        hit = self._grad_plan_cache
+        if hit is not None and hit[0] == spec and hit[1] == key:
+            return hit[2]
+        # the keys that may reach the reducer: every parameter (stages 1-2), or the
+        # stage-3 shards (persistent ones are all-reduced); the full gradient's shape
+        named, devices = [], {}
+        for path, x in registration_order(params):
+            if self.stage == 3 and not self._mine(x):
+                continue
+            full = _zero_layout(x.layout).shape if self._mine(x) else tuple(_data(x).shape)
+            named.append((path, torch.empty(full, dtype=_data(x).dtype, device="meta")))
+            devices[path] = compute_device(x)     # zeros of an unused one: where grads are
+        with_path = tree.leaves_with_path(params, is_leaf=is_placed)
+        replicated = [k for k, (_, x) in enumerate(with_path) if self.stage == 3 and not self._mine(x)]
+        plan = dict(named=named, devices=devices, paths=[p for p, _ in with_path], replicated=replicated,
+                    layouts=[None if k in replicated else self._shard_layout(x) for k, (_, x) in enumerate(with_path)],
+                    spec=spec)
+        self._grad_plan_cache = (spec, key, plan)
+        return plan
+
+    _grad_plan_cache = None
 
     def _rounds(self, fn, reducer: ShardReducer):
         """`fn` that, at each call (each forward of the step: a micro-batch), first closes the
@@ -303,9 +326,15 @@ class ShardZero(DataParallel):
     # A stage-3 parameter gathered n times in a forward (a loss calling apply_fn twice, a
     # re-used unit) gets n gradients in backward; they are summed here and handed to the
     # reducer once, as one key per round, when the last one arrives (or at backward's end).
-    def _gather_made(self, key: str) -> None:
-        rec = self._expect.setdefault(key, [0, None])
-        rec[0] += 1
+    def _gathers_made(self, keys: list[str]) -> None:
+        """A unit's weights were gathered for a forward under grad: one more gradient due per key."""
+        expect = self._expect
+        for key in keys:
+            rec = expect.get(key)
+            if rec is None:
+                expect[key] = [1, None]
+            else:
+                rec[0] += 1
 
     def _grads_arrived(self, items: list[tuple[str, torch.Tensor]]) -> None:
         """(key, gradient) pairs of one backward node (a unit): summed per key as described
@@ -451,6 +480,23 @@ class ShardZero(DataParallel):
         return view, cast
 
     # -- stage 3: gather units just in time -----------------------------------------------------
+    def _shard_leaves(self, params: dict[str, Any]) -> tuple[tuple[str, ...], list[FlatShard], list[torch.device]]:
+        """(names of ZeRO's shards among `params`, their FlatShards, their compute devices).
+        Depends only on the leaves' layout objects, which a step hands on to the next: cached
+        on their identities (the objects are kept, so an identity cannot be reused)."""
+        vals = list(params.values())
+        key = [v.layout if type(v) is Placed else None for v in vals]
+        hit = self._shard_leaves_cache
+        if hit is not None and len(hit[0]) == len(key) and all(map(operator.is_, hit[0], key)) \
+                and hit[1] == list(params):
+            return hit[2]
+        names = tuple(n for n, v in params.items() if self._mine(v))
+        out = (names, [_zero_layout(params[n].layout) for n in names], [compute_device(params[n]) for n in names])
+        self._shard_leaves_cache = (key, list(params), out)
+        return out
+
+    _shard_leaves_cache = None
+
     def _unit_plan(self, module: nn.Module, names: tuple[str, ...], frozen: tuple[str, ...]) -> "_UnitPlan":
         key = (id(module), names, frozen)
         hit = self._plans.get(key)
@@ -646,17 +692,16 @@ class UnitGatherer:
                  frozen: dict[str, tuple[torch.Tensor, FlatShard]] | None = None):
         self.zero, self.module = zero, module
         frozen = frozen or {}
-        names = [n for n, v in params.items() if zero._mine(v)]
-        plan = zero._unit_plan(module, tuple(names), tuple(frozen))
+        names, layouts, homes = zero._shard_leaves(params)
+        plan = zero._unit_plan(module, names, tuple(frozen))
         # the step's shards, in plan order: trainable ones, then frozen ones (no gradients)
         self.names, self.frozen, self.index, self.slots = plan.names, plan.frozen, plan.index, plan.slots
         self.units, self.unit_params, self.unit_of = plan.units, plan.unit_params, plan.unit_of
         self._owners, self._bw_seq, self._bw_pos = plan.owners, plan.bw_seq, plan.bw_pos
-        placed = [params[n] for n in names]
-        self.shards = [v.data for v in placed] + [piece for piece, _ in frozen.values()]
-        self.layouts = [_zero_layout(v.layout) for v in placed] + [layout for _, layout in frozen.values()]
+        self.shards = [params[n].data for n in names] + [piece for piece, _ in frozen.values()]
+        self.layouts = layouts + [layout for _, layout in frozen.values()]
         # where each gathered weight must be (offload(params=True) keeps shards on the host)
-        self.homes = [compute_device(v) for v in placed] + [piece.device for piece, _ in frozen.values()]
+        self.homes = homes + [piece.device for piece, _ in frozen.values()]
         self.call_params = {n: (v.data if isinstance(v, Placed) else v) for n, v in params.items()}
         # a unit is gathered into flat buffers (`FlatGather.slabs`); its weights are views of them
         self._full: dict[int, torch.Tensor] = {}              # index -> gathered weight, in use
@@ -755,8 +800,8 @@ class UnitGatherer:
             ids = self.unit_params[u]
             trainable = [i for i in ids if i not in self.frozen]
             if torch.is_grad_enabled() and self.zero._reducer is not None:
-                for i in trainable:
-                    self.zero._gather_made(self.names[i])
+                names = self.names
+                self.zero._gathers_made([names[i] for i in trainable])
             # one autograd node for the unit's trainable weights (one Python call forward and
             # backward per unit, not per tensor); frozen weights take no part in autograd
             fulls = dict(zip(trainable, _GatherUnit.apply(self, tuple(trainable),
