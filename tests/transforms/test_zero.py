@@ -491,6 +491,72 @@ def test_stage3_live_units_bounded_by_prefetch_depth():
         assert_trees_equal(res[2]["params"], res[0]["params"])
 
 
+class _ProbeBlock(nn.Module):
+    """A unit that records, while it runs, the hooks active around its forward."""
+
+    seen: list = []
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        from torch.nn.modules import module as M
+        _ProbeBlock.seen.append(dict(
+            saved_tensor_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False) is not None,
+            global_hooks=len(M._global_forward_pre_hooks) + len(M._global_forward_hooks),
+            leaf_hooks=sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in (self.a, self.b)),
+            grad_hooks=torch.is_grad_enabled()))
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+class _ProbeNet(nn.Module):
+    def __init__(self, d: int = 8, n: int = 3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_ProbeBlock(d) for _ in range(n))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(x)
+
+
+def _forward_hooks_probe():
+    init_mesh(dp=2)
+    model = _ProbeNet()
+    apply_fn, params = dsfn.functionalize(model)
+
+    def train_step(state, batch):
+        loss = lambda p, b: ((apply_fn(p, b["x"]) - b["y"]) ** 2).mean()
+        value, grads = dsfn.value_and_grad(loss)(state.params, batch)
+        return state.apply_gradients(grads), {"loss": value}
+    zero = shard_zero(3)
+    step = compose(zero)(train_step)
+    state = step.place(dsfn.TrainState.create(params, dsfn.optim.sgd(0.1, momentum=0.9)))
+    g = torch.Generator().manual_seed(1)
+    batch = {"x": torch.randn(4, 8, generator=g), "y": torch.randn(4, 1, generator=g)}
+    _ProbeBlock.seen.clear()
+    for _ in range(2):
+        state, _ = step(state, batch)
+    freed = [s.untyped_storage().nbytes() for store in zero._storages.values() for u in store[1].values()
+             for s in u.slabs]
+    return dict(seen=list(_ProbeBlock.seen), freed=freed)
+
+
+def test_stage3_forward_runs_without_saved_tensor_or_per_module_hooks():
+    """ZeRO-3's forward at world 2 runs each unit with no saved-tensor hooks, no global module
+    hooks and no hooks on the unit's submodules (only the unit's own pre/post hooks, O(1)
+    per unit); backward re-gathers into the unit's storages, which hold no memory between
+    steps (resized to 0 bytes)."""
+    for r in run_on_ranks(_forward_hooks_probe, 2, timeout=60):
+        assert len(r["seen"]) == 2 * 3
+        for seen in r["seen"]:
+            assert seen == dict(saved_tensor_hooks=False, global_hooks=0, leaf_hooks=0, grad_hooks=True), seen
+        assert r["freed"] and all(n == 0 for n in r["freed"]), r["freed"]
+
+
 # ----------------------------------------------------------------------------------------------
 # 8. bad input
 # ----------------------------------------------------------------------------------------------
