@@ -79,3 +79,12 @@ def test_inductor_compiled_blocks_train_like_eager():
     _, _, ref = _run([data_parallel()], sgd)
     _, _, got = _run([data_parallel(), compile_units()], sgd)
     assert_trees_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_blocks_under_zero3_at_two_ranks_equal_the_reference():
+    """Inductor-compiled blocks whose weights live in ZeRO-3's resized unit storages (saved by
+    the compiled forward, re-gathered before the compiled backward)."""
+    assert_matches_reference(lambda: [shard_zero(3), compile_units()], make_tiny_llama,
+                             lambda: dsfn.optim.sgd(lr=0.1, momentum=0.9), token_batches(2, 4, 16, 128), 2,
+                             loss_fn=hf_loss, rtol=1e-5, atol=1e-6)
