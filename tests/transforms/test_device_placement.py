@@ -150,8 +150,8 @@ def test_offloaded_zero3_stand_in_gradient_matches_the_host_shard():
         def shard_shape(self, i):
             return tuple(self.shard.shape)
 
-        def grad_ready(self, i, grad):
-            self.got = grad
+        def grads_ready(self, pairs):
+            (_, self.got), = pairs
 
     shard = torch.zeros(2, requires_grad=True)
     g = FakeGatherer(shard)
