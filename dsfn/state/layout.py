@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import abc
 import math
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -457,14 +458,22 @@ def _check_shape(full: torch.Tensor, shape: tuple[int, ...], layout: Layout) -> 
         raise ShapeError(f"{layout} describes a tensor of shape {tuple(shape)}, got {tuple(full.shape)}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Placed:
     """A physical leaf: this rank's `data` under `layout`. A pytree node, not a leaf."""
     data: torch.Tensor
     layout: Layout
+    # its pytree flattening ((data,), layout), made once: optree reads it through a C-level
+    # attrgetter, so flattening a state of Placed leaves runs no Python per leaf
+    _flat: tuple = field(init=False, repr=False, compare=False)
+
+    def __init__(self, data: torch.Tensor, layout: Layout):
+        object.__setattr__(self, "data", data)
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "_flat", ((data,), layout))
 
 
-tree.register_node(Placed, lambda p: ((p.data,), p.layout), lambda layout, children: Placed(children[0], layout))
+tree.register_node(Placed, operator.attrgetter("_flat"), lambda layout, children: Placed(children[0], layout))
 
 
 def is_placed(x: Any) -> bool:
