@@ -26,8 +26,13 @@ Sections (one function each; `main()` runs them in order):
   llama_adamw  host_adamw on the 1B HF Llama's tensor shapes (`--llama-layers` of its 16
                layers, embeddings and head included), with the ratio to torch's fused CPU
                AdamW (issue 24: keep the C++ extension only if >= 1.2x it on the GPU host).
-  overlap_cpu  shard_zero(2) + offload("cpu") + mixed_precision on 2 ranks, overlap=False vs
-               True: with no device, overlap must cost no more than the plain path (ratio).
+  overlap_cpu  shard_zero(2) + offload("cpu") + mixed_precision, overlap=False vs True, at
+               world 2 (ZeRO's reducer feeds the overlap pipeline) and world 1 (offload's own
+               bucket source would): with no device, overlap must cost no more than the plain
+               path (the ratio, overlap / plain, per world; started/hits show that nothing is
+               speculated on CPU).
+
+    python benchmarks/offload.py --sections overlap_cpu
 
     python benchmarks/offload.py --sections llama_adamw --llama-layers 16   # on the GPU host
 """
@@ -214,27 +219,31 @@ def _overlap_rank(preset: str, overlap: bool, warmup: int, steps: int) -> dict:
             "spec": (sess.started, sess.hits) if sess else None}
 
 
-def overlap_cpu(preset: str, warmup: int, steps: int) -> float:
-    """Section: shard_zero(2) + offload("cpu") + mixed_precision on 2 CPU ranks, overlap=False
-    vs True, alternated run by run (2 pairs). With no device, overlap=True must cost what the
-    plain path costs (its buckets' work runs at the update, no core contention): the ratio."""
+def overlap_cpu(preset: str, warmup: int, steps: int, worlds: tuple[int, ...] = (2, 1)) -> dict[int, float]:
+    """Section: shard_zero(2) + offload("cpu") + mixed_precision on CPU ranks (2 and 1),
+    overlap=False vs True, alternated run by run (2 pairs). With no device there is nothing to
+    overlap with: overlap=True speculates nothing and must cost what the plain path costs.
+    The ratio overlap / plain per world (the baseline: overlap=False in the same run)."""
     import dsfn.launch
-    ts: dict[bool, list[float]] = {False: [], True: []}
-    same = True
-    for _ in range(2):
-        res = {}
-        for overlap in (False, True):
-            r = dsfn.launch.spawn(_overlap_rank, 2, args=(preset, overlap, warmup, steps), timeout=1800)
-            res[overlap] = r
-            ts[overlap].append(max(x["step_s"] for x in r))
-        same = same and res[True][0]["losses"] == res[False][0]["losses"]
-    plain, over = min(ts[False]), min(ts[True])
-    r = over / plain
-    print(f"\n== overlap on CPU: GPT {preset}, 2 ranks, shard_zero(2) + offload('cpu') + mixed_precision, "
-          f"best of 2 runs x median of {steps} steps ==")
-    print(f"  plain {plain:.3f} s/step, overlap=True {over:.3f} s/step: ratio {r:.3f} (target <= 1.0 + noise); "
-          f"same losses: {same}")
-    return r
+    ratios = {}
+    for world in worlds:
+        ts: dict[bool, list[float]] = {False: [], True: []}
+        same, spec = True, None
+        for _ in range(2):
+            res = {}
+            for overlap in (False, True):
+                r = dsfn.launch.spawn(_overlap_rank, world, args=(preset, overlap, warmup, steps), timeout=1800)
+                res[overlap] = r
+                ts[overlap].append(max(x["step_s"] for x in r))
+            same = same and res[True][0]["losses"] == res[False][0]["losses"]
+            spec = res[True][0]["spec"]
+        plain, over = min(ts[False]), min(ts[True])
+        ratios[world] = r = over / plain
+        print(f"\n== overlap on CPU: GPT {preset}, {world} rank{'s' if world > 1 else ''}, shard_zero(2) + "
+              f"offload('cpu') + mixed_precision, best of 2 runs x median of {steps} steps ==")
+        print(f"  plain {plain:.3f} s/step, overlap=True {over:.3f} s/step: ratio {r:.3f} (target <= 1.0 + noise); "
+              f"same losses: {same}; speculated/hits (rank 0, all steps): {spec[0]}/{spec[1]}")
+    return ratios
 
 
 def _state_resident_bytes(state, root: str | None) -> int:

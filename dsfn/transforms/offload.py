@@ -49,14 +49,31 @@ results are used only when their inputs prove identical to the real update's, so
 are bitwise those without overlap (`_OverlapSession`). The speculation applies to the
 shard what the transforms inside `offload` will do to it (`Transform.speculative_grad`:
 mixed precision's cast to the master dtype, the loss scale's unscaling by the scale the step
-started with). With no device (CPU training) nothing is copied and the buckets' work runs
-right before the update on the training thread (backward and the update share the cores:
-running them concurrently would only make them compete).
+started with).
+Where the buckets come from: exactly one source per step. With a data-parallel axis of
+size > 1, ZeRO's `ShardReducer` (`flat.grad_bucket_listener`: each reduced bucket of
+shards). At world 1 ZeRO is stage 0 (it lays out and reduces nothing, there is no
+reducer), so offload is its own source (`Offload.handle_value_and_grad`): the parameters'
+gradients are watched as backward makes them (`data_parallel.tap_gradients(keep=True)`,
+an identity in backward: the gradients stay the step's, the same tensors), grouped in
+arrival order into buckets of at least the enclosing ZeRO's `reduce_bucket_size` elements
+(4e6 without ZeRO; `pipeline.ArrivalBuckets`), and each complete bucket goes to the
+pipeline at once, during backward; the last, partial one right after backward. A "shard"
+is then the whole gradient (the optimizer's leaf has its shape). Not with `accumulate` in
+the stack (a micro-batch's gradient is not the step's); under a plain `data_parallel` of
+size > 1 there is no source (its all-reduced gradients are not reported in buckets), so
+nothing is speculated there.
+With no device (CPU training) there is nothing to overlap with: backward and the host
+update share the cores, and a speculation could only run on the training thread right
+before the real update, costing that update plus copies and checks. So buckets of host
+tensors are dropped (the world-1 source is not even installed) and nothing is speculated:
+the update is the plain one, at the plain path's cost.
 fp16: a step whose gradients overflow skips the update, so its speculations are never used
 (discarded, as SuperOffload rolls back). With `clip_grad_norm` the update needs the global
 norm, known only after backward: nothing is speculated and the host update waits for the
-norm (no wasted host work). Hits need the parameter's fp32 copy to persist between steps
-(ZeRO-3 shards, or mixed precision's master weights). Buckets reduced after backward (the
+norm (no wasted host work; the buckets still leave the device early). Hits need the
+parameter's fp32 copy to persist between steps (ZeRO-3 shards, or mixed precision's master
+weights; at world 1 on a GPU only the master weights). Buckets reduced after backward (the
 last ones, all of ZeRO-1's) are speculated after backward.
 
 `cores` (a fraction in (0, 1], None: torch's thread count): the threads the host AdamW uses,
@@ -486,10 +503,11 @@ class _OverlapSession:
     user swapped) is a miss and is computed normally. So results are bitwise those of
     `overlap=False`: a wrong speculation is discarded, never applied.
 
-    With no device (CPU training: the shards are host tensors) nothing is copied, and the
-    buckets' work runs at `drain()`, right before the real update, on the training thread:
-    backward and the host update would share the same cores, so running them concurrently
-    only makes them compete. The overlap path then does the plain path's work."""
+    With no device (CPU training: the shards are host tensors, no copy engine set) buckets
+    are dropped (`on_bucket`): their work could only run on the training thread right before
+    the real update (backward and the host update share the cores), so nothing is
+    speculated and the update is the plain path's. Tests set `pipe.engine` to a
+    `SimulatedCopyEngine` to take host shards as device ones."""
 
     def __init__(self, cores: float | None = None, engine: Any = None) -> None:
         from dsfn.runtime.pipeline import HostPipeline
