@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 1 benchmarks/offload_gpu.py            # the GPU host: 1B HF Llama, bf16, 4 x 2048
     python benchmarks/offload_gpu.py --quick                         # here: tiny Llama on CPU (a smoke test)
+    python benchmarks/offload_gpu.py --quick --sim-copy --rows overlap,overlap-z2   # + the overlap pipeline
 
 Rows (each: median step seconds after warm-up, ratio to DeepSpeed ZeRO-3 + CPU offload when it
 ran, device peak GiB, host syncs of one later step, per-stage host time):
@@ -159,6 +160,9 @@ def dsfn_row(name, a, device, data):
     state = step.init_state(params, dsfn.optim.adamw(lr=1e-4, weight_decay=0.1))
     del model, params
     session = next((t._session for t in stack if getattr(t, "_session", None) is not None), None)
+    if session is not None and a.sim_copy and device.type == "cpu":
+        from dsfn.runtime.pipeline import SimulatedCopyEngine
+        session.pipe.engine = SimulatedCopyEngine()     # host gradients staged as a device's would be
     return _time(lambda st, b: step(st, b), state, a, device, data, session)
 
 
@@ -312,6 +316,9 @@ def parse(argv=None):
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rows", default=",".join(DS_ROWS + tuple(DSFN_ROWS)))
     ap.add_argument("--profile", default=None, help="write torch.profiler traces of 2 steps per row here")
+    ap.add_argument("--sim-copy", action="store_true",
+                    help="on CPU: the overlap rows stage their gradients through a simulated device stream "
+                         "(exercises the bucket source, pipeline and speculation without a GPU; not a timing)")
     a = ap.parse_args(argv)
     if a.quick:
         a.layers, a.hidden, a.intermediate, a.heads, a.kv_heads, a.vocab = 2, 64, 176, 4, 2, 128
