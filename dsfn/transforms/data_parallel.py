@@ -191,7 +191,7 @@ def tap_gradients(fn, sink, keep: bool = False):
     def tap(path: str, x: Any) -> Any:      # keys are leaf paths with placed pieces as leaves
         if isinstance(x, Placed):
             return Placed(_Tap.apply(x.data, sink, path, keep), x.layout)
-        return _Tap.apply(x, sink, path, keep)
+        return _Tap.apply(x, sink, path, keep) if isinstance(x, torch.Tensor) else x
 
     def tapped(params, *args, **kwargs):
         return fn(tree.map_with_path(tap, params, is_leaf=is_placed), *args, **kwargs)
