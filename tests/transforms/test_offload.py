@@ -567,6 +567,30 @@ def test_world1_overlap_buckets_leave_during_backward_and_hit(stage, mp):
             assert (started, hits, misses) == (n_params, n_params, 0), (i, started, hits, misses)
 
 
+def test_world1_source_stays_off_under_accumulate():
+    """With accumulate in the stack a micro-batch's gradient is not the step's: offload's
+    world-1 source submits nothing (no wasted speculation), results stay bitwise."""
+    from dsfn.runtime.pipeline import SimulatedCopyEngine
+    from dsfn.transforms import accumulate
+    init_mesh()
+    out = []
+    for overlap in (True, False):
+        apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 4], 0))
+        o = offload("cpu", overlap=overlap)
+        if overlap:
+            o._session.pipe.engine = SimulatedCopyEngine()
+        step = compose(shard_zero(2), accumulate(2), o, mixed_precision(torch.bfloat16))(
+            train_step_for(apply_fn, mse_loss_fp32))
+        state = step.init_state(params, dsfn.optim.adamw(lr=1e-2))
+        for b in regression_batches(3, 8, 6, 4, seed=7):
+            state, _ = step(state, b)
+        out.append((step.gather(state), o._session))
+    (s, sess), (r, _) = out
+    assert_trees_equal(s.params, r.params)
+    assert_trees_equal(s.opt_state, r.opt_state)
+    assert sess.pipe.items == 0 and sess.started == 0
+
+
 # ----------------------------------------------------------------------------------------------
 # params=True: ZeRO-3 parameter shards in host memory too
 # ----------------------------------------------------------------------------------------------
