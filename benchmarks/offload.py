@@ -26,8 +26,13 @@ Sections (one function each; `main()` runs them in order):
   llama_adamw  host_adamw on the 1B HF Llama's tensor shapes (`--llama-layers` of its 16
                layers, embeddings and head included), with the ratio to torch's fused CPU
                AdamW (issue 24: keep the C++ extension only if >= 1.2x it on the GPU host).
-  overlap_cpu  shard_zero(2) + offload("cpu") + mixed_precision on 2 ranks, overlap=False vs
-               True: with no device, overlap must cost no more than the plain path (ratio).
+  overlap_cpu  shard_zero(2) + offload("cpu") + mixed_precision, overlap=False vs True, at
+               world 2 (ZeRO's reducer feeds the overlap pipeline) and world 1 (offload's own
+               bucket source would): with no device, overlap must cost no more than the plain
+               path (the ratio, overlap / plain, per world; started/hits show that nothing is
+               speculated on CPU).
+
+    python benchmarks/offload.py --sections overlap_cpu
 
     python benchmarks/offload.py --sections llama_adamw --llama-layers 16   # on the GPU host
 """
@@ -191,50 +196,57 @@ def _gpt_train_step(preset: str):
     return cfg, params, train_step
 
 
-def _overlap_rank(preset: str, overlap: bool, warmup: int, steps: int) -> dict:
+def _overlap_rank(preset: str, warmup: int, steps: int) -> dict:
+    """Both stacks (overlap=False and True) in this rank, from the same parameters, stepped
+    alternately on the same batch (the order swapped step by step): the same process,
+    allocator and neighbours for both, so their ratio is not run-to-run noise."""
     import dsfn
     from dsfn.transforms import mixed_precision, offload, shard_zero
     cfg, params, train_step = _gpt_train_step(preset)
-    off = offload("cpu", overlap=overlap)
-    step = dsfn.compose(shard_zero(2), off, mixed_precision())(train_step)
-    state = step.init_state(params, dsfn.optim.adamw(lr=1e-4, weight_decay=0.1))
+    steps_of, states, offs = {}, {}, {}
+    for overlap in (False, True):
+        offs[overlap] = offload("cpu", overlap=overlap)
+        steps_of[overlap] = dsfn.compose(shard_zero(2), offs[overlap], mixed_precision())(train_step)
+        states[overlap] = steps_of[overlap].init_state({k: v.clone() for k, v in params.items()},
+                                                       dsfn.optim.adamw(lr=1e-4, weight_decay=0.1))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=g)
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
-    times, losses = [], []
+    times: dict[bool, list[float]] = {False: [], True: []}
+    losses: dict[bool, list[float]] = {False: [], True: []}
     for i in range(warmup + steps):
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
-        state, m = step(state, batch)
-        losses.append(float(m["loss"]))
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    sess = off._session
-    return {"step_s": statistics.median(times), "losses": losses,
-            "spec": (sess.started, sess.hits) if sess else None}
+        for overlap in ((False, True) if i % 2 == 0 else (True, False)):
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            states[overlap], m = steps_of[overlap](states[overlap], batch)
+            losses[overlap].append(float(m["loss"]))
+            if i >= warmup:
+                times[overlap].append(time.perf_counter() - t0)
+    sess = offs[True]._session
+    return {"step_s": {k: statistics.median(v) for k, v in times.items()}, "losses": losses,
+            "spec": (sess.started, sess.hits, sess.pipe.buckets)}
 
 
-def overlap_cpu(preset: str, warmup: int, steps: int) -> float:
-    """Section: shard_zero(2) + offload("cpu") + mixed_precision on 2 CPU ranks, overlap=False
-    vs True, alternated run by run (2 pairs). With no device, overlap=True must cost what the
-    plain path costs (its buckets' work runs at the update, no core contention): the ratio."""
+def overlap_cpu(preset: str, warmup: int, steps: int, worlds: tuple[int, ...] = (2, 1)) -> dict[int, float]:
+    """Section: shard_zero(2) + offload("cpu") + mixed_precision on CPU ranks (2, then 1),
+    overlap=False (the baseline) vs True, stepped alternately in the same processes
+    (`_overlap_rank`). With no device there is nothing to overlap with: overlap=True
+    speculates nothing and must cost what the plain path costs. The ratio overlap / plain
+    (medians of the steps, the slowest rank's) per world."""
     import dsfn.launch
-    ts: dict[bool, list[float]] = {False: [], True: []}
-    same = True
-    for _ in range(2):
-        res = {}
-        for overlap in (False, True):
-            r = dsfn.launch.spawn(_overlap_rank, 2, args=(preset, overlap, warmup, steps), timeout=1800)
-            res[overlap] = r
-            ts[overlap].append(max(x["step_s"] for x in r))
-        same = same and res[True][0]["losses"] == res[False][0]["losses"]
-    plain, over = min(ts[False]), min(ts[True])
-    r = over / plain
-    print(f"\n== overlap on CPU: GPT {preset}, 2 ranks, shard_zero(2) + offload('cpu') + mixed_precision, "
-          f"best of 2 runs x median of {steps} steps ==")
-    print(f"  plain {plain:.3f} s/step, overlap=True {over:.3f} s/step: ratio {r:.3f} (target <= 1.0 + noise); "
-          f"same losses: {same}")
-    return r
+    ratios = {}
+    for world in worlds:
+        res = dsfn.launch.spawn(_overlap_rank, world, args=(preset, warmup, steps), timeout=1800)
+        plain = max(r["step_s"][False] for r in res)
+        over = max(r["step_s"][True] for r in res)
+        ratios[world] = r = over / plain
+        same = all(x["losses"][True] == x["losses"][False] for x in res)
+        started, hits, buckets = res[0]["spec"]
+        print(f"\n== overlap on CPU: GPT {preset}, {world} rank{'s' if world > 1 else ''}, shard_zero(2) + "
+              f"offload('cpu') + mixed_precision, median of {steps} steps each, alternated step by step ==")
+        print(f"  plain {plain:.3f} s/step, overlap=True {over:.3f} s/step: ratio {r:.3f} (target <= 1.0 + noise); "
+              f"same losses: {same}; rank 0's buckets/speculated/hits (all steps): {buckets}/{started}/{hits}")
+    return ratios
 
 
 def _state_resident_bytes(state, root: str | None) -> int:
@@ -346,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     if "zero3_nvme" in sections:
         zero3_nvme(args.model, 2, args.steps)
     if "overlap_cpu" in sections:
-        overlap_cpu(args.model, 1, args.steps)
+        overlap_cpu(args.model, 1, max(args.steps, 10))
 
 
 if __name__ == "__main__":

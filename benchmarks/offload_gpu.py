@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 1 benchmarks/offload_gpu.py            # the GPU host: 1B HF Llama, bf16, 4 x 2048
     python benchmarks/offload_gpu.py --quick                         # here: tiny Llama on CPU (a smoke test)
+    python benchmarks/offload_gpu.py --quick --sim-copy --rows overlap,overlap-z2   # + the overlap pipeline
 
 Rows (each: median step seconds after warm-up, ratio to DeepSpeed ZeRO-3 + CPU offload when it
 ran, device peak GiB, host syncs of one later step, per-stage host time):
@@ -13,10 +14,16 @@ ran, device peak GiB, host syncs of one later step, per-stage host time):
   overlap            dsfn shard_zero(3), offload("cpu", overlap=True), mixed_precision()
   overlap-z2         dsfn shard_zero(2), offload("cpu", overlap=True), mixed_precision()
   zenflow            dsfn shard_zero(2), offload("cpu"), mixed_precision(), zenflow(overlap=True)
-(At world 1 shard_zero lays out nothing: these are the offload paths without ZeRO, and since
-the overlap pipeline is fed by ZeRO's bucketed reduce-scatter (`flat.grad_bucket_listener`),
-the overlap rows then do what plain offload does: their worker-wait column says 0. With
->= 2 GPUs run `--nproc-per-node 2` to see the pipeline.)
+(At world 1 shard_zero lays out nothing: these are the offload paths without ZeRO's sharding.
+The overlap pipeline is then fed by offload's own world-1 source: it watches the gradients as
+backward makes them and submits them in buckets of about shard_zero's reduce_bucket_size
+elements, so buckets leave the GPU and their host AdamW is speculated during backward; the
+worker-wait column counts one event wait per bucket. With >= 2 GPUs (`--nproc-per-node 2`)
+ZeRO's bucketed reduce-scatter (`flat.grad_bucket_listener`) is the source instead.
+The `spec/step` column: the overlap rows' buckets, speculated leaves (started) and used ones
+(hits) per timed step; hits == started == the number of parameters when every speculation is
+used. On CPU (`--quick` without a GPU) there is no device to overlap with: nothing is
+speculated, 0/0.)
 
 Targets (H200 + 16-core host, issue 24): offload <= 0.9x DeepSpeed's step, overlap <= 0.6x,
 zenflow <= 0.35x; host syncs <= 3 per step; device peak <= 0.4x DeepSpeed's.
@@ -152,14 +159,26 @@ def dsfn_row(name, a, device, data):
     step = dsfn.compose(*stack)(train_step)
     state = step.init_state(params, dsfn.optim.adamw(lr=1e-4, weight_decay=0.1))
     del model, params
-    return _time(lambda st, b: step(st, b), state, a, device, data)
+    session = next((t._session for t in stack if getattr(t, "_session", None) is not None), None)
+    if session is not None and a.sim_copy and device.type == "cpu":
+        from dsfn.runtime.pipeline import SimulatedCopyEngine
+        session.pipe.engine = SimulatedCopyEngine()     # host gradients staged as a device's would be
+    return _time(lambda st, b: step(st, b), state, a, device, data, session)
 
 
-def _time(step, state, a, device, data):
+def _spec_counts(session):
+    """(buckets, speculated leaves, used speculations) so far of an overlap session."""
+    return (session.pipe.buckets, session.started, session.hits) if session is not None else None
+
+
+def _time(step, state, a, device, data, session=None):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, losses = [], []
+    spec0 = None
     for i, b in enumerate(data[:a.warmup + a.steps]):
+        if i == a.warmup:
+            spec0 = _spec_counts(session)
         _sync(device)
         t0 = time.perf_counter()
         state, m = step(state, b)
@@ -167,6 +186,9 @@ def _time(step, state, a, device, data):
         _sync(device)
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
+    spec = None
+    if session is not None and times:        # per timed step: buckets, speculated leaves, hits
+        spec = tuple((x - y) / len(times) for x, y in zip(_spec_counts(session), spec0))
     with count_host_syncs(devices=("cuda",) if device.type == "cuda" else ("cuda", "meta")) as syncs:
         state, m = step(state, data[0])
     _sync(device)
@@ -186,7 +208,7 @@ def _time(step, state, a, device, data):
         _profile(step, state, data, device, a.profile)
     return {"step_s": statistics.median(times), "peak_gib": peak, "syncs": syncs.total,
             "syncs_kinds": dict(syncs.by_kind), "worker_waits": syncs.background["synchronize"],
-            "stages_ms": ms, "losses": losses}
+            "stages_ms": ms, "losses": losses, "spec": spec}
 
 
 def _profile(step, state, data, device, out_dir):
@@ -255,8 +277,8 @@ def report(rows, a, device):
              f"{os.cpu_count()} host CPUs; Llama {a.layers} layers h{a.hidden} i{a.intermediate} vocab {a.vocab}, "
              f"batch {a.batch} x {a.seq}; median of {a.steps} steps after {a.warmup}",
              f"| row | step s | vs DS ZeRO-3+offload | device peak GiB | vs DS peak | host syncs/step "
-             f"(worker waits) | d2h | drain | update | h2d | waits | rest (ms) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"(worker waits) | spec/step: buckets, hits/started | d2h | drain | update | h2d | waits | rest (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         if "error" in r:
             lines.append(f"| {name} | skipped: {r['error']} |")
@@ -269,6 +291,7 @@ def report(rows, a, device):
             verdict = f" {'PASS' if rel <= targets[name] else 'FAIL'} (<= {targets[name]})"
         lines.append(f"| {name} | {r['step_s']:.3f} | {rel:.2f}{verdict} | {r['peak_gib']:.1f} | {prel:.2f} | "
                      f"{r['syncs']} {'PASS' if r['syncs'] <= 3 else 'FAIL'} ({r['worker_waits']}) | "
+                     + (f"{r['spec'][0]:.1f}, {r['spec'][2]:.0f}/{r['spec'][1]:.0f} | " if r.get("spec") else "- | ")
                      + " | ".join(f"{st.get(k, 0.0):.1f}" for k in ("d2h", "drain", "update", "h2d", "waits", "rest"))
                      + " |")
     ok = [name for name, r in rows.items() if "error" not in r]
@@ -293,6 +316,9 @@ def parse(argv=None):
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rows", default=",".join(DS_ROWS + tuple(DSFN_ROWS)))
     ap.add_argument("--profile", default=None, help="write torch.profiler traces of 2 steps per row here")
+    ap.add_argument("--sim-copy", action="store_true",
+                    help="on CPU: the overlap rows stage their gradients through a simulated device stream "
+                         "(exercises the bucket source, pipeline and speculation without a GPU; not a timing)")
     a = ap.parse_args(argv)
     if a.quick:
         a.layers, a.hidden, a.intermediate, a.heads, a.kv_heads, a.vocab = 2, 64, 176, 4, 2, 128

@@ -44,7 +44,7 @@ import torch
 from dsfn.errors import ConfigError
 from dsfn.runtime.host import SimulatedEvent
 
-__all__ = ["HostPipeline", "SimulatedCopyEngine", "StreamCopyEngine", "engine_for"]
+__all__ = ["ArrivalBuckets", "HostPipeline", "SimulatedCopyEngine", "StreamCopyEngine", "engine_for"]
 
 
 class StreamCopyEngine:
@@ -133,6 +133,33 @@ def engine_for(device: torch.device | str) -> StreamCopyEngine | None:
     return None if torch.device(device).type == "cpu" else StreamCopyEngine()
 
 
+class ArrivalBuckets:
+    """Gradients grouped into buckets in the order they arrive: `add(key, grad)` appends, and
+    once the open bucket holds at least `bucket_elems` elements it goes to `emit(items)` (a
+    list of (key, grad)); `flush()` emits the last, partial one. The bucket source of
+    offload's pipeline where no ZeRO reducer reports buckets (one data-parallel rank)."""
+
+    def __init__(self, bucket_elems: int, emit: Callable[[list[tuple[Any, torch.Tensor]]], None]) -> None:
+        if not isinstance(bucket_elems, int) or bucket_elems < 1:
+            raise ConfigError(f"ArrivalBuckets(bucket_elems={bucket_elems!r}): a positive number of elements")
+        self.bucket_elems, self.emit = bucket_elems, emit
+        self._items: list[tuple[Any, torch.Tensor]] = []
+        self._elems = 0
+        self.emitted = 0
+
+    def add(self, key: Any, grad: torch.Tensor) -> None:
+        self._items.append((key, grad))
+        self._elems += grad.numel()
+        if self._elems >= self.bucket_elems:
+            self.flush()
+
+    def flush(self) -> None:
+        items, self._items, self._elems = self._items, [], 0
+        if items:
+            self.emitted += 1
+            self.emit(items)
+
+
 class _Slot:
     """One staging buffer: flat bytes, grown to the largest bucket it has held."""
 
@@ -174,6 +201,7 @@ class HostPipeline:
         self._deferred: list[tuple[int, list]] = []
         self._engines: dict[torch.device, Any] = {}
         self.buckets = 0
+        self.items = 0                  # tensors submitted, all buckets together
         self.staged = 0                 # buckets copied through a staging buffer
         self.buffer_waits = 0           # submits that waited for a buffer's host work
 
@@ -191,6 +219,7 @@ class HostPipeline:
             return
         k = self.buckets
         self.buckets += 1
+        self.items += len(items)
         srcs = [t.detach() for _, t in items]
         engine = self._engine(srcs[0].device)
         if engine is None:                       # host tensors: nothing to copy

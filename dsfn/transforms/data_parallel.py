@@ -150,17 +150,18 @@ def data_parallel(*args: Any, **kwargs: Any) -> DataParallel:
 
 class _Tap(torch.autograd.Function):
     """Identity in forward; in backward hands the parameter's full gradient to `sink`
-    (a reducer) and returns a zero-stride zero, so the full gradient is not kept."""
+    (a reducer) and returns a zero-stride zero, so the full gradient is not kept (with
+    `keep`: returns the gradient itself, which the sink only watches)."""
 
     @staticmethod
-    def forward(ctx, x, sink, key):
-        ctx.sink, ctx.key = sink, key
+    def forward(ctx, x, sink, key, keep=False):
+        ctx.sink, ctx.key, ctx.keep = sink, key, keep
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.sink(ctx.key, grad)
-        return stand_in_grad(grad, grad.shape), None, None
+        return (grad if ctx.keep else stand_in_grad(grad, grad.shape)), None, None, None
 
 
 def registration_order(params: Any) -> list[tuple[str, Any]]:
@@ -183,12 +184,14 @@ def stand_in_grad(grad: torch.Tensor, shape) -> torch.Tensor:
     return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(shape)
 
 
-def tap_gradients(fn, sink):
-    """`fn` whose parameter leaves report their gradients to `sink(path, grad)` during backward."""
+def tap_gradients(fn, sink, keep: bool = False):
+    """`fn` whose parameter leaves report their gradients to `sink(path, grad)` during backward
+    (the sink takes them over; with `keep=True` it only watches: the gradients are still the
+    result, the same tensors)."""
     def tap(path: str, x: Any) -> Any:      # keys are leaf paths with placed pieces as leaves
         if isinstance(x, Placed):
-            return Placed(_Tap.apply(x.data, sink, path), x.layout)
-        return _Tap.apply(x, sink, path)
+            return Placed(_Tap.apply(x.data, sink, path, keep), x.layout)
+        return _Tap.apply(x, sink, path, keep) if isinstance(x, torch.Tensor) else x
 
     def tapped(params, *args, **kwargs):
         return fn(tree.map_with_path(tap, params, is_leaf=is_placed), *args, **kwargs)

@@ -49,14 +49,31 @@ results are used only when their inputs prove identical to the real update's, so
 are bitwise those without overlap (`_OverlapSession`). The speculation applies to the
 shard what the transforms inside `offload` will do to it (`Transform.speculative_grad`:
 mixed precision's cast to the master dtype, the loss scale's unscaling by the scale the step
-started with). With no device (CPU training) nothing is copied and the buckets' work runs
-right before the update on the training thread (backward and the update share the cores:
-running them concurrently would only make them compete).
+started with).
+Where the buckets come from: exactly one source per step. With a data-parallel axis of
+size > 1, ZeRO's `ShardReducer` (`flat.grad_bucket_listener`: each reduced bucket of
+shards). At world 1 ZeRO is stage 0 (it lays out and reduces nothing, there is no
+reducer), so offload is its own source (`Offload.handle_value_and_grad`): the parameters'
+gradients are watched as backward makes them (`data_parallel.tap_gradients(keep=True)`,
+an identity in backward: the gradients stay the step's, the same tensors), grouped in
+arrival order into buckets of at least the enclosing ZeRO's `reduce_bucket_size` elements
+(4e6 without ZeRO; `pipeline.ArrivalBuckets`), and each complete bucket goes to the
+pipeline at once, during backward; the last, partial one right after backward. A "shard"
+is then the whole gradient (the optimizer's leaf has its shape). Not with `accumulate` in
+the stack (a micro-batch's gradient is not the step's); under a plain `data_parallel` of
+size > 1 there is no source (its all-reduced gradients are not reported in buckets), so
+nothing is speculated there.
+With no device (CPU training) there is nothing to overlap with: backward and the host
+update share the cores, and a speculation could only run on the training thread right
+before the real update, costing that update plus copies and checks. So buckets of host
+tensors are dropped (the world-1 source is not even installed) and nothing is speculated:
+the update is the plain one, at the plain path's cost.
 fp16: a step whose gradients overflow skips the update, so its speculations are never used
 (discarded, as SuperOffload rolls back). With `clip_grad_norm` the update needs the global
 norm, known only after backward: nothing is speculated and the host update waits for the
-norm (no wasted host work). Hits need the parameter's fp32 copy to persist between steps
-(ZeRO-3 shards, or mixed precision's master weights). Buckets reduced after backward (the
+norm (no wasted host work; the buckets still leave the device early). Hits need the
+parameter's fp32 copy to persist between steps (ZeRO-3 shards, or mixed precision's master
+weights; at world 1 on a GPU only the master weights). Buckets reduced after backward (the
 last ones, all of ZeRO-1's) are speculated after backward.
 
 `cores` (a fraction in (0, 1], None: torch's thread count): the threads the host AdamW uses,
@@ -94,6 +111,8 @@ from dsfn.state.layout import (
 )
 from dsfn.state.master import MasterState
 from dsfn.transforms.core import Transform, make_transform, with_role
+
+DEFAULT_BUCKET_ELEMS = 4_000_000     # the world-1 bucket source's bucket without an enclosing ZeRO
 
 _STORES: weakref.WeakValueDictionary[str, nvme.FileStore] = weakref.WeakValueDictionary()
 
@@ -149,6 +168,11 @@ class Offload(Transform):
             cpu_adam_threads(cores)             # validates: a fraction in (0, 1]
         self.cores = cores
         self._session = _OverlapSession(cores) if self.overlap else None
+        # set by check_stack: the data-parallel transforms outside, the bucket size of the
+        # world-1 bucket source (the enclosing ZeRO's reduce_bucket_size), accumulation
+        self._outer_dp: tuple[Transform, ...] = ()
+        self._bucket_elems = DEFAULT_BUCKET_ELEMS
+        self._accumulates = False
         self._store: nvme.FileStore | None = None
         if device == "nvme":
             self._store = nvme.FileStore(path)     # ConfigError when path is missing or not writable
@@ -165,6 +189,10 @@ class Offload(Transform):
         if self.params and not any(t.stage == 3 for t in with_role(stack, "zero")):
             raise StackError("offload(params=True) offloads ZeRO-3's parameter shards; it needs "
                              "shard_zero(3) outside it in the stack (or use params=False)")
+        self._outer_dp = tuple(with_role(stack[:index], "data_parallel"))
+        self._bucket_elems = next((int(t.reduce_bucket_size) for t in with_role(stack[:index], "zero")),
+                                  DEFAULT_BUCKET_ELEMS)
+        self._accumulates = bool(with_role(stack, "accumulate"))
 
     def explain_note(self) -> str:
         where = "host memory" if self.device == "cpu" else f"files under {self.path}"
@@ -365,6 +393,28 @@ class Offload(Transform):
             session.commit(stored)     # next step's inputs are the stored tensors
         return new.replace(params=new_params, opt_state=tree.unflatten(spec, out))
 
+    def _reducer_feeds(self) -> bool:
+        """Whether an enclosing ZeRO's `ShardReducer` reports this step's buckets (dp size > 1,
+        or a ZeRO whose stage in effect is not 0): then it is the pipeline's only source."""
+        from dsfn.runtime.mesh import current_mesh
+        mesh = current_mesh()
+        return any(mesh.size(t.axis) > 1 or getattr(t, "_stage", 0) != 0 for t in self._outer_dp)
+
+    def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
+        """The world-1 bucket source of `overlap=True` (module docstring): with no ZeRO reducer
+        reporting buckets, the parameters' gradients are watched as backward makes them and
+        handed to the pipeline in buckets of about the enclosing ZeRO's `reduce_bucket_size`
+        elements, in arrival order; the last, partial one right after backward."""
+        session = self._session
+        if session is None or self._accumulates or self._reducer_feeds() or not session.take_source(params):
+            return call_next(fn, params, args, kwargs, has_aux)
+        from dsfn.runtime.pipeline import ArrivalBuckets
+        from dsfn.transforms.data_parallel import tap_gradients
+        feed = ArrivalBuckets(self._bucket_elems, session.on_bucket)
+        out = call_next(tap_gradients(fn, feed.add, keep=True), params, args, kwargs, has_aux)
+        feed.flush()
+        return out
+
     def wrap_step(self, fn):
         if self._session is None:
             return fn
@@ -453,10 +503,11 @@ class _OverlapSession:
     user swapped) is a miss and is computed normally. So results are bitwise those of
     `overlap=False`: a wrong speculation is discarded, never applied.
 
-    With no device (CPU training: the shards are host tensors) nothing is copied, and the
-    buckets' work runs at `drain()`, right before the real update, on the training thread:
-    backward and the host update would share the same cores, so running them concurrently
-    only makes them compete. The overlap path then does the plain path's work."""
+    With no device (CPU training: the shards are host tensors, no copy engine set) buckets
+    are dropped (`on_bucket`): their work could only run on the training thread right before
+    the real update (backward and the host update share the cores), so nothing is
+    speculated and the update is the plain path's. Tests set `pipe.engine` to a
+    `SimulatedCopyEngine` to take host shards as device ones."""
 
     def __init__(self, cores: float | None = None, engine: Any = None) -> None:
         from dsfn.runtime.pipeline import HostPipeline
@@ -470,14 +521,40 @@ class _OverlapSession:
         self.hits = self.misses = self.started = self.reused = 0
         self._pending: tuple | None = None
         self._step_args: tuple | None = None
+        self._sourced = False        # offload's world-1 source fed this step already
 
     # -- during backward --------------------------------------------------------------------
     def begin(self, prep) -> None:
         """A step starts: this step's gradient map and scalars, for every bucket's work."""
         self.prep = prep
         self._step_args = (self.recipe, self.scalars, prep)
+        self._sourced = False
+
+    def _no_device(self, t: torch.Tensor) -> bool:
+        """`t` is a host tensor and no copy engine is set (CPU training): nothing to overlap."""
+        return self.pipe.engine is None and t.device.type == "cpu"
+
+    def take_source(self, params: Any) -> bool:
+        """Whether offload's own (world-1) bucket source should watch this value_and_grad's
+        gradients: inside a step, its first call, and a device to overlap with (with none the
+        buckets would be dropped: `on_bucket`). With clipping nothing is speculated, but the
+        buckets still leave the device during backward (the update reuses their copies)."""
+        if self._step_args is None or self._sourced:
+            return False
+        first = next((x for x in tree.leaves(params, is_leaf=is_placed)
+                      if isinstance(_data(x), torch.Tensor)), None)
+        if first is None or self._no_device(_data(first)):
+            return False
+        self._sourced = True
+        return True
 
     def on_bucket(self, items: list[tuple[Any, torch.Tensor]]) -> None:
+        """A bucket of final gradients (ZeRO's reduced shards, or at world 1 whole gradients).
+        With no device nothing is speculated: the bucket's update could only run on the
+        training thread, before the real one, at the same cost plus copies and checks, so
+        the real update simply does it (the plain path's cost, bitwise its result)."""
+        if not items or self._no_device(items[0][1]):
+            return
         self.pipe.submit([((path, shard), shard) for path, shard in items])
 
     def _work(self, k: int, items: list) -> None:

@@ -116,3 +116,17 @@ def test_pageable_engine_and_errors_are_refused():
     pipe.submit([("a", torch.ones(2))])
     with pytest.raises(KeyError):
         pipe.drain()
+
+
+def test_arrival_buckets_close_at_the_size_in_arrival_order_and_flush_the_rest():
+    from dsfn.runtime.pipeline import ArrivalBuckets
+    got = []
+    b = ArrivalBuckets(10, got.append)
+    for key, n in [("a", 4), ("b", 5), ("c", 3), ("d", 12), ("e", 2)]:
+        b.add(key, torch.zeros(n))
+    assert [[k for k, _ in items] for items in got] == [["a", "b", "c"], ["d"]]    # closed at >= 10 elements
+    b.flush()
+    b.flush()                                                                      # nothing left: no empty bucket
+    assert [[k for k, _ in items] for items in got] == [["a", "b", "c"], ["d"], ["e"]] and b.emitted == 3
+    with pytest.raises(ConfigError, match="positive"):
+        ArrivalBuckets(0, got.append)

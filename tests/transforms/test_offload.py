@@ -427,13 +427,19 @@ def test_disk_full_errors_before_any_state_changes(tmp_path, monkeypatch):
 # overlap (SuperOffload-style speculation)
 # ----------------------------------------------------------------------------------------------
 
-def _overlap_rank(stage, device, path, mp, fp16_overflow, clip=False):
+def _overlap_rank(stage, device, path, mp, fp16_overflow, clip=False, simulated=True):
+    """Both runs' results; `simulated`: the overlap run's host shards are taken as device ones
+    (a `SimulatedCopyEngine` stages them: the pipeline and the speculation run), else it is
+    CPU training (no device: nothing to overlap with, nothing speculated)."""
+    from dsfn.runtime.pipeline import SimulatedCopyEngine
     init_mesh()
     out = []
     for overlap in (True, False):
         apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 7, 4], 0))
         kw = dict(path=path) if device == "nvme" else {}
         o = offload(device, overlap=overlap, cores=0.5 if overlap else None, **kw)
+        if overlap and simulated:
+            o._session.pipe.engine = SimulatedCopyEngine()
         t = [shard_zero(stage, reduce_bucket_size=16), o]
         if mp:
             t.append(mixed_precision(torch.float16 if fp16_overflow else torch.bfloat16))
@@ -449,26 +455,34 @@ def _overlap_rank(stage, device, path, mp, fp16_overflow, clip=False):
             losses.append(float(m["loss"]))
         g = step.gather(state)
         s = o._session
-        out.append((g.params, g.opt_state, losses, (s.started, s.hits, s.misses, int(state.step)) if s else None))
+        out.append((g.params, g.opt_state, losses,
+                    (s.started, s.hits, s.misses, int(state.step), s.pipe.items, s.reused) if s else None))
         o.close()
     return out
 
 
-@pytest.mark.parametrize("stage,device,mp,fp16,clip", [
-    (3, "cpu", False, False, False), (2, "nvme", True, False, False), (3, "nvme", True, False, False),
-    (2, "cpu", True, True, False), (3, "cpu", True, True, False), (1, "cpu", True, False, False),
-    (2, "cpu", True, False, True)])
-def test_overlap_is_bitwise_the_plain_offloaded_run(tmp_path, stage, device, mp, fp16, clip):
-    """Speculative host updates (started as gradient shards are reduced, from what the inner
-    transforms will make of them: master cast, unscaling) are used only when their inputs are
-    exactly the real ones: results equal overlap=False bitwise. An fp16 overflow skips the step
-    (its speculations are discarded), the steps after it hit. With clipping nothing is
-    speculated: the update waits for the global norm."""
-    for (p, o, losses, (started, hits, misses, n_updates)), (rp, ro, rlosses, _) in run_on_ranks(
-            _overlap_rank, 2, stage, device, str(tmp_path), mp, fp16, clip, timeout=120):
+@pytest.mark.parametrize("world,stage,device,mp,fp16,clip", [
+    (2, 3, "cpu", False, False, False), (2, 2, "nvme", True, False, False), (2, 3, "nvme", True, False, False),
+    (2, 2, "cpu", True, True, False), (2, 3, "cpu", True, True, False), (2, 1, "cpu", True, False, False),
+    (2, 2, "cpu", True, False, True),
+    # world 1: ZeRO lays out and reduces nothing; offload's own source feeds the pipeline
+    (1, 3, "cpu", False, False, False), (1, 2, "cpu", False, False, False), (1, 2, "cpu", True, False, False),
+    (1, 3, "nvme", True, False, False), (1, 2, "cpu", True, True, False), (1, 3, "cpu", True, True, False),
+    (1, 3, "cpu", True, False, True)])
+def test_overlap_is_bitwise_the_plain_offloaded_run(tmp_path, world, stage, device, mp, fp16, clip):
+    """Speculative host updates (started as gradient shards are reduced, or at world 1 as
+    backward makes the gradients, from what the inner transforms will make of them: master
+    cast, unscaling) are used only when their inputs are exactly the real ones: results equal
+    overlap=False bitwise. An fp16 overflow skips the step (its speculations are discarded),
+    the steps after it hit. With clipping nothing is speculated: the update waits for the
+    global norm (the gradients still leave the device in buckets and are not copied again)."""
+    for (p, o, losses, (started, hits, misses, n_updates, items, reused)), (rp, ro, rlosses, _) in run_on_ranks(
+            _overlap_rank, world, stage, device, str(tmp_path), mp, fp16, clip, timeout=120):
         assert losses == rlosses
         assert_trees_equal(p, rp)
         assert_trees_equal(o, ro)
+        assert items == 6 * len(losses)    # one source: each of the 6 parameters' gradient once a step
+        assert reused > 0                  # the update used the buckets' host copies
         if clip:
             assert started == 0 and hits == 0      # no host work wasted on updates that must wait
             continue
@@ -476,6 +490,105 @@ def test_overlap_is_bitwise_the_plain_offloaded_run(tmp_path, stage, device, mp,
         if fp16:
             assert 0 < n_updates < 6     # the scripted overflow skipped steps, later ones trained
         assert hits > 0, (started, hits, misses)
+
+
+@pytest.mark.parametrize("world,stage", [(1, 3), (2, 2)])
+def test_overlap_without_a_device_speculates_nothing(tmp_path, world, stage):
+    """CPU training (no device, no copy engine): there is nothing to overlap with, so no
+    bucket is submitted and nothing is speculated (that work could only run on the training
+    thread before the real update, costing more than it): the plain update, bitwise."""
+    for (p, o, losses, (started, hits, misses, n_updates, items, _)), (rp, ro, rlosses, _) in run_on_ranks(
+            _overlap_rank, world, stage, "cpu", str(tmp_path), True, False, False, False, timeout=120):
+        assert losses == rlosses
+        assert_trees_equal(p, rp)
+        assert_trees_equal(o, ro)
+        assert items == 0 and started == 0 and hits == 0 and misses > 0
+
+
+def _world1_overlap_run(stage, mp, overlap, events):
+    from dsfn.runtime.pipeline import SimulatedCopyEngine
+    from dsfn.runtime.syncs import count_host_syncs
+    init_mesh()
+    apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 7, 4], 0))
+
+    def train_step(state, batch):
+        def loss_fn(p, b):
+            for k, x in p.items():      # the model's use of each parameter: its gradient is made here
+                x.register_hook(lambda g, k=k: events.append(("grad", k)))
+            return mse_loss_fp32(apply_fn, p, b)
+        loss, grads = dsfn.value_and_grad(loss_fn)(state.params, batch)
+        events.append(("backward done", None))
+        return state.apply_gradients(grads), {"loss": loss}
+    o = offload("cpu", overlap=overlap)
+    if overlap:         # a slow simulated device stream: the host shards are staged as device ones
+        sess = o._session
+        sess.pipe.engine = SimulatedCopyEngine(seconds_per_byte=1e-6, latency=2e-3)
+        submit = sess.pipe.submit
+        sess.pipe.submit = lambda items: (events.append(("submit", len(items))), submit(items))[1]
+    t = [shard_zero(stage, reduce_bucket_size=16), o] + ([mixed_precision(torch.bfloat16)] if mp else [])
+    step = compose(*t)(train_step)
+    state = step.init_state(params, dsfn.optim.adamw(lr=1e-2, weight_decay=0.1))
+    per_step = []
+    for b in regression_batches(4, 4, 6, 4, seed=2):
+        events.clear()
+        before = (o._session.hits, o._session.misses, o._session.started) if overlap else None
+        with count_host_syncs() as syncs:
+            state, m = step(state, b)
+        after = (o._session.hits, o._session.misses, o._session.started) if overlap else None
+        per_step.append((list(events), float(m["loss"]), syncs.total, syncs.background["synchronize"],
+                         before and tuple(a - b for a, b in zip(after, before))))
+    return per_step, step.gather(state), len(params)
+
+
+@pytest.mark.parametrize("stage,mp", [(3, False), (2, True), (3, True)])
+def test_world1_overlap_buckets_leave_during_backward_and_hit(stage, mp):
+    """World 1 (ZeRO reduces nothing, so no reducer reports buckets): offload's own source
+    hands each bucket of finished gradients to the pipeline while backward still runs (the
+    first bucket is submitted before backward's last gradient is made), the host AdamW of
+    every parameter is speculated and used after the first step, host syncs stay <= 3 per
+    step (one background event wait per bucket, none on the training thread), and the results
+    are bitwise those without overlap."""
+    events: list = []
+    runs, states, n_params = _world1_overlap_run(stage, mp, True, events)
+    plain, pstates, _ = _world1_overlap_run(stage, mp, False, [])
+    assert [r[1] for r in runs] == [r[1] for r in plain]
+    assert_trees_equal(states.params, pstates.params)
+    assert_trees_equal(states.opt_state, pstates.opt_state)
+    for i, (ev, _, main_syncs, worker_waits, (hits, misses, started)) in enumerate(runs):
+        kinds = [k for k, _ in ev]
+        submits = [j for j, k in enumerate(kinds) if k == "submit"]
+        grads = [j for j, k in enumerate(kinds) if k == "grad"]
+        assert len(grads) == n_params and len(submits) >= 3, ev
+        assert submits[0] < grads[-1], ev             # the first bucket left during backward
+        assert submits[-1] < kinds.index("backward done"), ev   # the last right after it
+        assert sum(n for k, n in ev if k == "submit") == n_params    # every gradient, once
+        assert main_syncs <= 3 and worker_waits == len(submits)
+        if i > 0:       # after warm-up (the first step leaves the inputs): every leaf speculated and used
+            assert (started, hits, misses) == (n_params, n_params, 0), (i, started, hits, misses)
+
+
+def test_world1_source_stays_off_under_accumulate():
+    """With accumulate in the stack a micro-batch's gradient is not the step's: offload's
+    world-1 source submits nothing (no wasted speculation), results stay bitwise."""
+    from dsfn.runtime.pipeline import SimulatedCopyEngine
+    from dsfn.transforms import accumulate
+    init_mesh()
+    out = []
+    for overlap in (True, False):
+        apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 4], 0))
+        o = offload("cpu", overlap=overlap)
+        if overlap:
+            o._session.pipe.engine = SimulatedCopyEngine()
+        step = compose(shard_zero(2), accumulate(2), o, mixed_precision(torch.bfloat16))(
+            train_step_for(apply_fn, mse_loss_fp32))
+        state = step.init_state(params, dsfn.optim.adamw(lr=1e-2))
+        for b in regression_batches(3, 8, 6, 4, seed=7):
+            state, _ = step(state, b)
+        out.append((step.gather(state), o._session))
+    (s, sess), (r, _) = out
+    assert_trees_equal(s.params, r.params)
+    assert_trees_equal(s.opt_state, r.opt_state)
+    assert sess.pipe.items == 0 and sess.started == 0
 
 
 # ----------------------------------------------------------------------------------------------
