@@ -12,10 +12,13 @@ Layout and invariants:
   copied back to back into one buffer, as one batch on the copy engine's stream, and one
   event is recorded after them: the worker waits for that event once per bucket, never once
   per tensor, and the training thread never waits for a device event at all.
-- `submit` takes a free buffer first: when both hold buckets whose host work has not
-  finished, the training thread waits for the older one's *host* work (not for the device).
-  So at most two buckets are staged, and `work(k, ...)` must not keep references to the
-  staged tensors after it returns (copy what it keeps: the buffer is reused by bucket k+2).
+- Two worker threads: the *unstage* thread waits for bucket k's event and copies its
+  tensors out of the staging buffer into host tensors of their own (a memcpy), which frees
+  the buffer; the *update* thread then runs `work(k, ...)` on those copies (its to keep).
+  So a host update slower than backward (AdamW on the host usually is) never holds a
+  staging buffer: `submit` waits for a free buffer only while a bucket is still being
+  copied out (the training thread waits for that memcpy, never for the device or the
+  update), and buckets queue for the update thread as host copies.
 - No pageable copies: the staging buffers are pinned whenever the engine copies from CUDA.
 - Host tensors (CPU training, no device) are not staged: `work` gets them as they are, and
   with `defer_host=True` (the default) their work runs at `drain()`, on the calling thread:
@@ -197,13 +200,15 @@ class HostPipeline:
         self._free: collections.deque[_Slot] = collections.deque(self.slots)
         self._busy: collections.deque[tuple[_Slot, concurrent.futures.Future]] = collections.deque()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsfn-offload")
+        self._unstage_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                   thread_name_prefix="dsfn-offload-unstage")
         self._futures: list[concurrent.futures.Future] = []
         self._deferred: list[tuple[int, list]] = []
         self._engines: dict[torch.device, Any] = {}
         self.buckets = 0
         self.items = 0                  # tensors submitted, all buckets together
         self.staged = 0                 # buckets copied through a staging buffer
-        self.buffer_waits = 0           # submits that waited for a buffer's host work
+        self.buffer_waits = 0           # submits that waited for a buffer to be copied out
 
     def _engine(self, device: torch.device):
         if self.engine is not None:
@@ -235,29 +240,39 @@ class HostPipeline:
         dsts = slot.views(srcs, pin=engine.pinned)
         event = engine.copy(k, dsts, srcs)       # one batch, one event for the bucket
         self.staged += 1
-        fut = self._pool.submit(self._run, k, list(zip([key for key, _ in items], dsts)), event, engine, slot)
-        self._busy.append((slot, fut))
-        self._futures.append(fut)
+        staged = list(zip([key for key, _ in items], dsts))
+        out = self._unstage_pool.submit(self._unstage, k, staged, event)
+        self._busy.append((slot, out))           # the buffer is free once its bucket is copied out
+        self._futures.append(self._pool.submit(self._update, k, out, engine))
 
     def _take_slot(self) -> _Slot:
         while not self._free:
             slot, fut = self._busy.popleft()
             if not fut.done():
                 self.buffer_waits += 1
-            fut.result()                         # a host wait: that bucket's work has finished
+            fut.result()                         # a host wait: that bucket is copied out of it
             self._free.append(slot)
         # buffers whose work is done go back first, oldest first
         while self._busy and self._busy[0][1].done():
             self._free.append(self._busy.popleft()[0])
         return self._free.popleft()
 
-    def _run(self, k, items, event, engine, slot) -> None:
-        if event is not None:
-            event.synchronize()                  # the bucket's one wait
+    def _unstage(self, k: int, staged: list, event) -> list:
+        """Bucket k out of its staging buffer (unstage thread): its one event wait, then a
+        host copy of each tensor, after which the buffer may take bucket k+2."""
+        event.synchronize()                      # the bucket's one wait
+        return [(key, t.clone()) for key, t in staged]
+
+    def _update(self, k: int, unstaged: concurrent.futures.Future, engine) -> None:
+        items = unstaged.result()                # (update thread) in bucket order
         start = engine.now() if hasattr(engine, "now") else None
         self.work(k, items)
         if start is not None:
             engine.note(k, "update", start, engine.now())
+
+    def _run(self, k, items, event, engine, slot) -> None:
+        """Work on host tensors that were never staged (`defer_host=False`)."""
+        self.work(k, items)
 
     def drain(self) -> None:
         """Wait for every submitted bucket's work; run deferred host work here. Re-raises
@@ -279,4 +294,5 @@ class HostPipeline:
             raise first
 
     def close(self) -> None:
+        self._unstage_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)

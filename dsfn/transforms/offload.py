@@ -41,10 +41,12 @@ arithmetic (bitwise the run without offload).
 
 `overlap=True` (SuperOffload-style): as ZeRO finishes reducing a bucket of gradient shards,
 while backward continues, the bucket leaves the device as one asynchronous copy on a side
-stream into one of two pinned staging buffers, and a worker thread waits for that copy (one
-event per bucket, never one per tensor; the training thread waits for none) and runs the
-bucket's host AdamW at once, while the next bucket copies (`dsfn.runtime.pipeline`). The
-staged gradients are kept and the update uses them (no second copy). The speculative
+stream into one of two pinned staging buffers; a worker thread waits for that copy (one
+event per bucket, never one per tensor; the training thread waits for none) and copies the
+bucket out of the buffer, freeing it for the next bucket, and a second worker runs the
+bucket's host AdamW on that copy, while the next buckets copy (`dsfn.runtime.pipeline`): a
+host update slower than backward never holds a staging buffer, so it never stalls
+backward. The host copies are kept and the update uses them (no second copy). The speculative
 results are used only when their inputs prove identical to the real update's, so results
 are bitwise those without overlap (`_OverlapSession`). The speculation applies to the
 shard what the transforms inside `offload` will do to it (`Transform.speculative_grad`:
@@ -558,14 +560,13 @@ class _OverlapSession:
         self.pipe.submit([((path, shard), shard) for path, shard in items])
 
     def _work(self, k: int, items: list) -> None:
-        """Bucket k on the host (`items`: ((path, source shard), host tensor); a staged host
-        tensor lives in a reused buffer: copied before anything keeps it)."""
+        """Bucket k on the host (`items`: ((path, source shard), host tensor); a staged bucket's
+        host tensors are the pipeline's copies out of its staging buffer, ours to keep)."""
         from dsfn.ops.cpu_adam import cpu_adamw_multi_
         recipe, scalars, prep = self._step_args or ({}, None, None)
         todo = []
         for (path, src), h in items:
-            if h is not src:                     # staged: keep this step's host gradient
-                h = h.clone()
+            if h is not src:                     # staged (the pipeline's own host copy): keep it
                 self.host_grads[id(src)] = (src, h)
             entry = recipe.get(path)
             if entry is None or scalars is None or prep is None or h.shape != entry[0].shape:

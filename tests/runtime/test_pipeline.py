@@ -73,10 +73,10 @@ def test_control_per_tensor_waits_are_counted():
     eng = SimulatedCopyEngine()
 
     class PerTensor(HostPipeline):
-        def _run(self, k, items, event, engine, slot):
-            for _ in items:
+        def _unstage(self, k, staged, event):
+            for _ in staged:
                 event.synchronize()
-            self.work(k, items)
+            return [(key, t.clone()) for key, t in staged]
     pipe = PerTensor(lambda k, items: None, engine=eng)
     with count_host_syncs() as syncs:
         for items in _buckets(4):
@@ -85,12 +85,47 @@ def test_control_per_tensor_waits_are_counted():
     assert syncs.background == {"synchronize": 12}
 
 
-def test_slow_host_work_bounds_staging_to_two_buckets():
+def test_slow_host_work_never_holds_the_staging_buffers():
+    """A host update much slower than the copies (the usual case: host AdamW vs the device's
+    backward) does not hold the staging buffers: buckets are copied out at once and queue for
+    the update as host copies, so copy k+2 starts long before update k ends; every bucket
+    arrives intact, updates run in bucket order. Negative control: a pipeline that frees a
+    buffer only after its bucket's update (the old one) starts copy k+2 after update k."""
     eng, pipe, seen, _, _, _ = _run(n=6, copy_s=0.001, work_s=0.03)
-    assert pipe.buffer_waits >= 1 and len(seen) == 6
-    # never more than two buckets staged: copy k+2 starts after update k ended
+    assert len(seen) == 6 and sum(s.allocations for s in pipe.slots) == 2
     for k in range(4):
-        assert _span(eng.timeline, k + 2, "copy")[0] >= _span(eng.timeline, k, "update")[1]
+        assert _span(eng.timeline, k + 2, "copy")[0] < _span(eng.timeline, k, "update")[1], eng.timeline
+    ups = [_span(eng.timeline, k, "update") for k in range(6)]
+    assert all(a[1] <= b[0] for a, b in zip(ups, ups[1:]))     # updates in bucket order
+
+    class HeldUntilUpdated(HostPipeline):
+        def _unstage(self, k, staged, event):
+            event.synchronize()
+            return staged, threading.Event()        # no copy out: the update reads the buffer
+
+        def _update(self, k, unstaged, engine):
+            staged, done = unstaged.result()
+            start = engine.now()
+            try:
+                self.work(k, staged)
+            finally:
+                engine.note(k, "update", start, engine.now())
+                done.set()
+
+        def _take_slot(self):
+            while not self._free:
+                slot, fut = self._busy.popleft()
+                fut.result()[1].wait()              # the buffer is free once its update ended
+                self._free.append(slot)
+            return self._free.popleft()
+    ctl_eng = SimulatedCopyEngine(seconds_per_byte=0.001 / (3 * 4096 * 4))
+    ctl = HeldUntilUpdated(lambda k, items: time.sleep(0.03), engine=ctl_eng)
+    for items in _buckets(6):
+        ctl.submit(items)
+    ctl.drain()
+    ctl.close()
+    for k in range(4):
+        assert _span(ctl_eng.timeline, k + 2, "copy")[0] >= _span(ctl_eng.timeline, k, "update")[1]
 
 
 def test_host_tensors_are_not_staged_and_run_at_drain_on_the_caller():
