@@ -580,7 +580,7 @@ class _OverlapSession:
         self.started += len(todo)
         cpu_adamw_multi_([o[0] for o in outs], [g.contiguous() for _, _, g in todo], [o[1] for o in outs],
                          [o[2] for o in outs], lr=lr, step=t, beta1=b1, beta2=b2, eps=eps, weight_decay=wd,
-                         cores=self.cores)
+                         cores=self.cores if self.cores is not None else _cores_beside_training())
         for (path, entry, g), out in zip(todo, outs):
             self.memo[path] = (entry, g, lr, t, (b1, b2, eps, wd), out)
 
@@ -634,6 +634,16 @@ def offload(*args: Any, **kwargs: Any) -> Offload:
     see the module docstring. `path` (nvme only) is a writable directory on a fast local
     disk; call `.close()` (or use it as a context manager) to remove its files early."""
     return make_transform(Offload, "offload", args, kwargs)
+
+
+def _cores_beside_training() -> float:
+    """`cores` for a speculative host AdamW (on a worker, while the training thread keeps
+    feeding the device): torch's threads (the physical cores) but one, as the fraction of
+    os.cpu_count() that `cpu_adam_threads` turns back into that count (int(fraction * n):
+    the half absorbs float error)."""
+    n = os.cpu_count() or 1
+    want = max(1, min(torch.get_num_threads(), n) - 1)
+    return min(1.0, (want + 0.5) / n)
 
 
 def _data(x: Any) -> Any:

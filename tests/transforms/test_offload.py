@@ -767,3 +767,14 @@ def test_nvme_path_whose_parent_does_not_exist_is_refused(tmp_path):
     t = offload("nvme", path=str(tmp_path / "made"))       # the last level is made
     assert (tmp_path / "made").is_dir()
     t.close()
+
+
+def test_speculative_host_adamw_leaves_one_core_to_the_training_thread(monkeypatch):
+    """overlap=True's host AdamW runs beside the thread feeding the device: by default on
+    torch's threads but one (issue 24: host threads = the cores not feeding the GPU)."""
+    from dsfn.ops.cpu_adam import cpu_adam_threads
+    from dsfn.transforms.offload import _cores_beside_training
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    for threads, want in ((16, 15), (8, 7), (2, 1), (1, 1)):
+        monkeypatch.setattr(torch, "get_num_threads", lambda t=threads: t)
+        assert cpu_adam_threads(_cores_beside_training()) == want
