@@ -78,7 +78,8 @@ parameter's fp32 copy to persist between steps (ZeRO-3 shards, or mixed precisio
 weights; at world 1 on a GPU only the master weights). Buckets reduced after backward (the
 last ones, all of ZeRO-1's) are speculated after backward.
 
-`cores` (a fraction in (0, 1], None: torch's thread count): the threads the host AdamW uses,
+`cores` (a fraction in (0, 1], None: torch's thread count; for overlap's speculative update,
+which runs beside the thread feeding the device, torch's threads but one): the threads the host AdamW uses,
 DeepSpeed's `cpuadam_cores_perc` (leave cores to the training loop's own host work).
 
 `params=True` (with `shard_zero(3)`): ZeRO-3's parameter shards live in host memory or files
