@@ -103,37 +103,18 @@ def meta_times(layers: int, repeats: int) -> list[tuple[str, float]]:
 
 
 def _python_calls_rank() -> None:
-    import inspect
-
     import torch
 
     import dsfn
     from dsfn.runtime import init_mesh
     from dsfn.testing import opcount as O
-    from dsfn.transforms import mixed_precision, shard_zero
-    from dsfn.transforms import zero as Z
     init_mesh(dp=2)
     torch.set_num_threads(1)
-    first = inspect.getsourcelines(Z._Gather)[1]
-    runtime = ("dsfn/runtime/flat.py", "dsfn/runtime/buckets.py", "dsfn/runtime/collectives.py")
-
-    def machinery(code) -> bool:      # ZeRO-3's gather / release / reduce-scatter path
-        f = code.co_filename.replace("\\", "/")
-        return code.co_firstlineno >= first if f.endswith("dsfn/transforms/zero.py") else f.endswith(runtime)
-
-    def in_dsfn(code) -> bool:
-        return "/dsfn/" in code.co_filename.replace("\\", "/")
     rows = []
     for bias in (False, True):       # 9 or 16 tensors per decoder layer
-        model = O.llama_for_counts(num_hidden_layers=16, hidden_size=64, intermediate_size=128, vocab_size=128,
-                                   attention_bias=bias, mlp_bias=bias)
-        step, state = O.dsfn_step(model, [shard_zero(3), mixed_precision()], donate=True)
-        b = O.count_batch(rows=2, seq=8, vocab=128)
-        for _ in range(3):
-            state, _ = step(state, b)
-        (state, _), zero3 = O.python_calls(lambda: step(state, b), machinery)
-        (state, _), calls = O.python_calls(lambda: step(state, b), in_dsfn)
-        rows.append((len(list(model.parameters())), sum(zero3.values()), sum(calls.values()), calls))
+        n, calls = O.zero3_step_calls(bias, {"zero3": O.zero3_machinery(), "all": O.in_dsfn}, layers=16,
+                                      hidden=64)
+        rows.append((n, sum(calls["zero3"].values()), sum(calls["all"].values()), calls["all"]))
     if dsfn.runtime.rank() == 0:
         for tensors, z3, total, calls in rows:
             print(f"  {tensors:4d} tensors: ZeRO-3 gather/release/reduce-scatter {z3:6d}   all of dsfn {total:6d}  "

@@ -93,23 +93,6 @@ def test_counter_sees_backward_and_optimizer_ops():
     assert any(k.endswith("_backward") for k in ops.ops), sorted(ops.ops)
 
 
-def _zero3_machinery():
-    """`where` for code of ZeRO-3's gather / release / reduce-scatter path: zero.py's stage-3
-    machinery and the runtime pieces it drives (flat buffers, bucket plans, collectives)."""
-    import inspect
-
-    from dsfn.transforms import zero as Z
-    first = inspect.getsourcelines(Z._Gather)[1]
-    runtime = ("dsfn/runtime/flat.py", "dsfn/runtime/buckets.py", "dsfn/runtime/collectives.py")
-
-    def where(code) -> bool:
-        f = code.co_filename.replace("\\", "/")
-        if f.endswith("dsfn/transforms/zero.py"):    # + the gradient accounting of ShardZero
-            return code.co_firstlineno >= first or code.co_name in ("_gathers_made", "_grads_arrived")
-        return f.endswith(runtime)
-    return where
-
-
 def _zero3_calls(per_tensor_reducer: bool):
     import torch
 
@@ -120,16 +103,10 @@ def _zero3_calls(per_tensor_reducer: bool):
     if per_tensor_reducer:       # negative control: the reducer fed one gradient per call
         many = ShardReducer.add_many
         ShardReducer.add_many = lambda self, items: [many(self, [kv]) for kv in items] and None
-    out, where = {}, _zero3_machinery()
+    out = {}
     for bias in (False, True):   # 9 or 16 tensors per decoder layer, 3 layers
-        model = O.llama_for_counts(num_hidden_layers=3, hidden_size=32, intermediate_size=64, vocab_size=64,
-                                   attention_bias=bias, mlp_bias=bias)
-        step, state = O.dsfn_step(model, [shard_zero(3), mixed_precision()], donate=True)
-        batch = O.count_batch(rows=2, seq=8, vocab=64)
-        for _ in range(2):
-            state, _ = step(state, batch)
-        (state, _), calls = O.python_calls(lambda: step(state, batch), where)
-        out[bias] = (len(list(model.parameters())), sum(calls.values()), dict(calls))
+        n, calls = O.zero3_step_calls(bias, {"zero3": O.zero3_machinery()})
+        out[bias] = (n, sum(calls["zero3"].values()), dict(calls["zero3"]))
     return out
 
 

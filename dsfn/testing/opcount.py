@@ -187,3 +187,45 @@ def python_calls(fn: Callable[[], Any], where: Callable[[Any], bool]) -> tuple[A
     finally:
         sys.setprofile(None)
     return out, calls
+
+
+def zero3_machinery() -> Callable[[Any], bool]:
+    """`where` (for `python_calls`) selecting the code of ZeRO-3's gather / release /
+    reduce-scatter path: zero.py's stage-3 machinery with ShardZero's gradient accounting,
+    and the runtime pieces it drives (flat buffers, bucket plans, collectives)."""
+    import inspect
+
+    from dsfn.transforms import zero as Z
+    first = inspect.getsourcelines(Z._Gather)[1]
+    runtime = ("dsfn/runtime/flat.py", "dsfn/runtime/buckets.py", "dsfn/runtime/collectives.py")
+
+    def where(code) -> bool:
+        f = code.co_filename.replace("\\", "/")
+        if f.endswith("dsfn/transforms/zero.py"):
+            return code.co_firstlineno >= first or code.co_name in ("_gathers_made", "_grads_arrived")
+        return f.endswith(runtime)
+    return where
+
+
+def in_dsfn(code: Any) -> bool:
+    """`where` selecting all of dsfn's code."""
+    return "/dsfn/" in code.co_filename.replace("\\", "/")
+
+
+def zero3_step_calls(bias: bool, wheres: dict[str, Callable[[Any], bool]], layers: int = 3,
+                     hidden: int = 32) -> tuple[int, dict[str, "collections.Counter[str]"]]:
+    """Python calls of one ZeRO-3 + mixed precision step (donated, after 2 warm-up steps) of
+    an HF Llama with 9 (bias=False) or 16 (bias=True) tensors per layer, counted per `wheres`
+    entry (one step each): (number of parameter tensors, {name: calls}). Call inside a
+    process group (dp = the world)."""
+    from dsfn.transforms import mixed_precision, shard_zero
+    model = llama_for_counts(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
+                             vocab_size=2 * hidden, attention_bias=bias, mlp_bias=bias)
+    step, state = dsfn_step(model, [shard_zero(3), mixed_precision()], donate=True)
+    batch = count_batch(rows=2, seq=8, vocab=2 * hidden)
+    for _ in range(2):
+        state, _ = step(state, batch)
+    out = {}
+    for name, where in wheres.items():
+        (state, _), out[name] = python_calls(lambda: step(state, batch), where)
+    return len(list(model.parameters())), out
