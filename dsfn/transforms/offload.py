@@ -667,9 +667,17 @@ def _wrap(t: torch.Tensor, layout: Layout) -> Any:
 
 
 def _move(x: Any, device: torch.device) -> Any:
+    """An updated parameter back to its device. A host tensor bound for CUDA goes through pinned
+    memory (torch's caching host allocator: the block is reused only once its copy is done),
+    so the copy is asynchronous: a pageable source would make the host wait for the whole
+    transfer, and the next forward queues behind the copy on the stream anyway."""
     if isinstance(x, Placed):
-        return Placed(x.data.to(device, non_blocking=True), x.layout)
-    return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
+        return Placed(_move(x.data, device), x.layout)
+    if not isinstance(x, torch.Tensor):
+        return x
+    if torch.device(device).type == "cuda" and x.device.type == "cpu" and not x.is_pinned():
+        x = x.pin_memory()
+    return x.to(device, non_blocking=True)
 
 
 def _logical_shape(x: Any) -> tuple[int, ...] | None:
