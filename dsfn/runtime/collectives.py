@@ -197,7 +197,9 @@ def all_gather_into_(outs: list[torch.Tensor], ts: list[torch.Tensor], axis: str
     (any shape, k elements) lands in `outs[k]` (contiguous, size * k elements) at
     [r * k, (r + 1) * k). Counted as one call (the outputs' bytes). No output-sized buffer
     is made here (the caller's are written; gloo copies through one of its own, NCCL
-    writes them directly; a host buffer under NCCL is staged on the device). Returns
+    writes them directly; a host buffer under NCCL is staged on the device). Under NCCL the
+    tensors travel as one coalesced all-gather (one grouped kernel, one Python call into
+    torch, whatever their number), as DeepSpeed's and FSDP1's coalesced gathers. Returns
     `outs` (a `Pending` of it with `async_op`)."""
     m = _mesh(mesh)
     n = m.size(axis)
@@ -209,20 +211,25 @@ def all_gather_into_(outs: list[torch.Tensor], ts: list[torch.Tensor], axis: str
         for o, t in zip(outs, ts):
             o.copy_(t.reshape(-1))
         return _done(outs, async_op)
-    counters.record(axis, "all_gather", sum(_nbytes(o) for o in outs))
-    pendings = []
-    if env.backend() == "gloo" and all(o.device.type == "cpu" for o in outs):
+    counters.record(axis, "all_gather", sum(o.numel() * o.element_size() for o in outs))
+    backend = env.backend()
+    if backend == "gloo" and all(o.device.type == "cpu" for o in outs):
         # gloo's all-gather receives into an output-sized buffer of its own and copies out;
         # its broadcast receives in place: rank r's piece is broadcast into its slot
         group, ranks, me = m.group(axis), m.ranks(axis), m.local_rank(axis)
+        works = []
         for o, t in zip(outs, ts):
             k = t.numel()
             o[me * k:(me + 1) * k].copy_(t.reshape(-1))
             for r in range(n):
-                work = dist.broadcast(o[r * k:(r + 1) * k], src=ranks[r], group=group, async_op=True)
-                pendings.append(Pending(work, o))
-        done = _PendingAll(pendings, outs)
+                works.append(dist.broadcast(o[r * k:(r + 1) * k], src=ranks[r], group=group, async_op=True))
+        done = _PendingWorks(works, outs)
         return done if async_op else done.wait()
+    if backend == "nccl" and all(o.device.type == "cuda" for o in outs):
+        ins = [_to_backend(t.contiguous()).view(-1) for t in ts]
+        done = _PendingWorks([_coalesced_all_gather(m.group(axis), [o.view(-1) for o in outs], ins)], outs)
+        return done if async_op else done.wait()
+    pendings = []
     for o, t in zip(outs, ts):
         dev = _to_backend(o)
         work = _all_gather_tensor(dev.view(-1), _to_backend(t.contiguous()).view(-1), group=m.group(axis),
@@ -230,6 +237,29 @@ def all_gather_into_(outs: list[torch.Tensor], ts: list[torch.Tensor], axis: str
         pendings.append(_result(work, dev, o.device, True, target=o))
     done = _PendingAll(pendings, outs)
     return done if async_op else done.wait()
+
+
+def _coalesced_all_gather(group, outs: list[torch.Tensor], ins: list[torch.Tensor]):
+    """One coalesced all-gather of `ins` into `outs` (NCCL: one grouped launch; the process
+    group call torch's own _coalescing_manager makes, torch >= 2.1); its work."""
+    return group.allgather_into_tensor_coalesced(outs, ins)
+
+
+class _PendingWorks:
+    """Several in-flight torch works (no result conversion) waited for as one; `wait()`
+    returns `result`."""
+
+    def __init__(self, works: list, result):
+        self._works, self._all = works, result
+
+    def done(self) -> bool:
+        return all(getattr(w, "is_completed", lambda: False)() for w in self._works)
+
+    def wait(self):
+        for w in self._works:
+            w.wait()
+        self._works = []
+        return self._all
 
 
 def reduce_scatter(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | None = None,

@@ -328,53 +328,35 @@ def _sole(buf: torch.Tensor) -> bool:
 
 
 class FlatGather:
-    """In-flight all-gathers of several shards, each into its place in a flat buffer (`slabs`).
+    """In-flight all-gathers of several shards, each straight into a flat buffer (`slabs`).
 
     Buffer layout: a bucket's tensors back to back, tensor i taking n * c_i elements
     (c_i = its shard's numel; the tensor's own numel, then its zero padding), so the full
     tensor i is the contiguous view `slabs[slab_of[i]][at_i : at_i + numel_i].view(shape_i)`:
-    `wait()` returns these views in input order. Size-1 axis: the views are views of the
-    shards themselves (`slabs` are the shards).
+    `wait()` returns these views in input order, without copying anything. Size-1 axis:
+    the views are views of the shards themselves (`slabs` are the shards).
 
-    A bucket of several tensors travels as FSDP2's does: its shards are copied into one
-    send buffer (one kernel), all-gathered rank-major in one collective into a receive
-    buffer (rank r's shards back to back), and `wait()` lays that out tensor-major into the
-    slab with one `split_with_sizes_copy`; one tensor's bucket is gathered straight into
-    its slab. Writes into a slab keep its version counter: a slab refilled with the same
-    weights (ZeRO-3's backward re-gather) leaves the views autograd saved valid.
+    Each bucket is one collective call (`collectives.all_gather_into_`: under NCCL one
+    coalesced all-gather, one grouped kernel, whatever the number of tensors). Writes into a
+    slab keep its version counter: a slab refilled with the same weights (ZeRO-3's backward
+    re-gather) leaves the views autograd saved valid.
     """
 
-    def __init__(self, views: list[tuple[int, int, tuple[int, ...]]], slabs: list[torch.Tensor], pendings: list,
-                 copies: list | None = None, scratch: "BufferPool | None" = None):
+    def __init__(self, views: list[tuple[int, int, tuple[int, ...]]], slabs: list[torch.Tensor], pendings: list):
         self._spec, self.slabs, self._pendings = views, slabs, pendings
-        self._copies, self._scratch = copies or [], scratch
         self.slab_of = [k for k, _, _ in views]
 
-    def _complete(self, copy_out: bool) -> None:
+    def wait(self) -> list[torch.Tensor]:
         for p in self._pendings:
             p.wait()
         self._pendings = []
-        copies, self._copies = self._copies, []
-        if copy_out and copies:
-            slabs = tuple(self.slabs)
-            versions = tuple(s._version for s in slabs)
-            for recv, _, sizes, outs in copies:
-                torch.split_with_sizes_copy(recv.view(len(outs[0]), -1), sizes, dim=1, out=outs)
-            torch._C._autograd._unsafe_set_version_counter(slabs, versions)
-        if self._scratch is not None:
-            for recv, send, _, _ in copies:
-                self._scratch.give(recv)
-                self._scratch.give(send)
-
-    def wait(self) -> list[torch.Tensor]:
-        self._complete(copy_out=True)
         return [self.slabs[k][at:at + math.prod(shape)].view(shape) for k, at, shape in self._spec]
 
     def release(self, pool: BufferPool | None) -> None:
-        """Give the buffers back to `pool` (after `wait`; the views must be dropped by now).
-        A gather released without `wait` (a unit gathered and dropped) is waited for here."""
-        self._complete(copy_out=False)
-        slabs, self.slabs = self.slabs, []
+        """Give the buffers back to `pool` (after `wait`; the views must be dropped by now)."""
+        for p in self._pendings:
+            p.wait()
+        slabs, self.slabs, self._pendings = self.slabs, [], []
         if pool is not None and not self._own:
             for s in slabs:
                 pool.give(s)
@@ -383,19 +365,15 @@ class FlatGather:
 
 
 def gather_into_buffers(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]], axis: str,
-                        bucket_elems: int, pool: BufferPool | None = None,
-                        scratch: BufferPool | None = None) -> FlatGather:
+                        bucket_elems: int, pool: BufferPool | None = None) -> FlatGather:
     """Start all-gathering full tensors of `shapes` from every rank's `shards` (FlatShard
-    pieces), each into its place in a flat buffer (see `FlatGather`), taken from `pool`
-    when one is given (anything with BufferPool's `take`). Shards are grouped by (dtype,
-    device) and packed into buckets of at most `bucket_elems` shard elements: one
-    all-gather call per bucket (every rank issues the same sequence: it depends only on
-    shapes, dtypes and devices), whatever the number of tensors in it.
+    pieces), each directly into its place in a flat buffer (see `FlatGather`), taken from
+    `pool` when one is given. Shards are grouped by (dtype, device) and packed into buckets
+    of at most `bucket_elems` shard elements: one all-gather call per bucket (every rank
+    issues the same sequence: it depends only on shapes, dtypes and devices).
 
-    Bytes made per bucket: its buffer, n * sum(c_i); for a bucket of several tensors also
-    the send and receive buffers (sum(c_i) and n * sum(c_i), from `scratch` when given,
-    returned to it by `wait`/`release`). Kernels per bucket: the copy-in, the all-gather,
-    the copy-out (FSDP2's three), against one all-gather per tensor.
+    Bytes made per bucket: its buffer, n * sum(c_i) — no concatenation of the shards and no
+    per-tensor copy out of a gathered buffer (`all_gather_full` makes both).
     """
     n = current_mesh().size(axis)
     shards = [s.detach() for s in shards]      # collectives write outside autograd
@@ -405,40 +383,26 @@ def gather_into_buffers(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[i
         g._own = True
         return g
     views: list[tuple[int, int, tuple[int, ...]] | None] = [None] * len(shards)
-    slabs, pendings, copies = [], [], []
+    slabs, pendings = [], []
     groups = [(str(s.dtype), str(s.device)) for s in shards]
     order = sorted(range(len(shards)), key=groups.__getitem__)  # stable
     bucket: list[int] = []
-
-    def new(numel: int, dtype: torch.dtype, device: torch.device, source: Any) -> torch.Tensor:
-        if source is None:
-            return torch.empty(numel, dtype=dtype, device=device)
-        return source.take(numel, dtype, device)
 
     def flush() -> None:
         if not bucket:
             return
         s0 = shards[bucket[0]]
-        sizes = [shards[i].numel() for i in bucket]
-        total = sum(sizes)
-        buf = new(n * total, s0.dtype, s0.device, pool)
-        version = buf._version
-        at = 0
-        for i, size in zip(bucket, sizes):
+        buf = (pool.take if pool is not None else
+               lambda numel, dtype, device: torch.empty(numel, dtype=dtype, device=device))(
+            n * sum(shards[i].numel() for i in bucket), s0.dtype, s0.device)
+        outs, at = [], 0
+        for i in bucket:
+            size = n * shards[i].numel()
+            outs.append(buf[at:at + size])
             views[i] = (len(slabs), at, tuple(shapes[i]))
-            at += n * size
-        if len(bucket) == 1:
-            pendings.append(C.all_gather_into_([buf], [s0.reshape(-1)], axis, async_op=True))
-        else:
-            send = new(total, s0.dtype, s0.device, scratch)
-            torch.cat([shards[i].reshape(-1) for i in bucket], out=send)
-            recv = new(n * total, s0.dtype, s0.device, scratch)
-            pendings.append(C.all_gather_into_([recv], [send], axis, async_op=True))
-            outs, at = [], 0
-            for size in sizes:
-                outs.append(buf[at:at + n * size].view(n, size))
-                at += n * size
-            copies.append((recv, send, sizes, outs))
+            at += size
+        version = buf._version
+        pendings.append(C.all_gather_into_(outs, [shards[i] for i in bucket], axis, async_op=True))
         torch._C._autograd._unsafe_set_version_counter((buf,), (version,))
         slabs.append(buf)
         bucket.clear()
@@ -453,7 +417,7 @@ def gather_into_buffers(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[i
         bucket.append(i)
         used += s.numel()
     flush()
-    return FlatGather(views, slabs, pendings, copies, scratch)  # type: ignore[arg-type]
+    return FlatGather(views, slabs, pendings)  # type: ignore[arg-type]
 
 
 def owners_by_size(numels: Sequence[int], n: int) -> list[int]:

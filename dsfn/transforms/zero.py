@@ -22,7 +22,8 @@ this), and the updated shards are all-gathered, bucketed (in a donated step, int
 full parameters where their size allows: no second full copy). Stage 3 keeps parameters
 sharded: `apply_fn` (the "apply_module" primitive) gathers a *unit*'s parameters just
 before the unit runs and frees them after it — straight into one flat buffer per dtype,
-the weights being views of it (`dsfn.runtime.flat.gather_into_buffers`). As in FSDP2, each
+the weights being views of it (`dsfn.runtime.flat.gather_into_buffers`: one collective per
+bucket, under NCCL one coalesced all-gather, whatever its number of tensors). As in FSDP2, each
 unit's buffers are storages kept across steps (`_UnitStorage`): their memory exists while
 a gather of the unit is in use and is freed (storage resized to 0) when none is. Autograd
 saves the gathered weights themselves; backward re-gathers the unit into the same
@@ -136,8 +137,6 @@ class ShardZero(DataParallel):
         self._storages: dict[int, tuple[nn.Module, dict[int, _UnitStorage]]] = {}
         # stage 3: (module, parameter names) -> (module, _UnitPlan): what is the same every step
         self._plans: dict[tuple, tuple[nn.Module, _UnitPlan]] = {}
-        # stage 3: a bucket's send and receive buffers, from launch to copy-out (same sizes every step)
-        self._scratch = BufferPool(keep=2 * (prefetch + 2))
         # stages 1-3: gradient buckets and shards, the same blocks every step
         self._grad_pool = BufferPool(keep=ShardReducer.MAX_INFLIGHT + 1)
 
@@ -854,8 +853,7 @@ class UnitGatherer:
         shards, homes, layouts = self.shards, self.homes, self.layouts
         on_home = [shards[j] if shards[j].device == homes[j] else self._on_home(j) for j in ids]
         return store.gather(lambda pool: gather_into_buffers(
-            on_home, [layouts[j].shape for j in ids], self.zero.axis, self.zero.allgather_bucket_size, pool,
-            self.zero._scratch))
+            on_home, [layouts[j].shape for j in ids], self.zero.axis, self.zero.allgather_bucket_size, pool))
 
     def _bw_launch_upto(self, pos: int) -> None:
         """Launch the backward sequence's units up to position `pos` not launched yet."""

@@ -1,4 +1,5 @@
 """Collectives: results equal the math, and the counters record calls and bytes per axis."""
+import pytest
 import torch
 
 from dsfn.runtime import collectives as C
@@ -51,3 +52,22 @@ def test_single_process_collectives_are_identity_and_count_nothing():
     x = torch.ones(4)
     assert torch.equal(C.all_reduce(x, "dp"), x) and torch.equal(C.all_gather(x, "dp"), x)
     assert counters.calls() == 0
+
+
+def _coalesced_gather():
+    from dsfn.runtime import collectives as C
+    m = init_mesh()
+    n, r = m.size("dp"), m.local_rank("dp")
+    ins = [torch.arange(3.0) + 10 * r, torch.full((2,), 100.0 + r)]
+    want = [torch.cat([torch.arange(3.0) + 10 * q for q in range(n)]),
+            torch.cat([torch.full((2,), 100.0 + q) for q in range(n)])]
+    outs = [torch.empty(n * t.numel()) for t in ins]
+    C._coalesced_all_gather(m.group("dp"), outs, ins).wait()
+    return all(torch.equal(o, w) for o, w in zip(outs, want))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_coalesced_all_gather_lands_every_rank_in_its_slot(world):
+    """The NCCL path of all_gather_into_ (one coalesced process-group call per bucket), run
+    through gloo's implementation of the same call: rank r's tensor k lands at [r*k, (r+1)*k)."""
+    assert all(run_on_ranks(_coalesced_gather, world, timeout=60))
