@@ -8,7 +8,8 @@ rank's row holds its shards back to back.
 
 ZeRO-3's gathers use the transposed layout (`gather_into_buffers`): each full tensor
 contiguous in a flat buffer, written there by the collective itself, so the weights are
-views of it; `BufferPool` keeps such buffers between uses.
+views of it; the buffers come from a `pool` (ZeRO-3: each unit's own storages, kept across
+steps; `BufferPool`: buffers kept between uses, ZeRO's gradient shards).
 """
 from __future__ import annotations
 
@@ -260,9 +261,10 @@ def all_gather_full(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[int, 
 
 class BufferPool:
     """Flat buffers kept for reuse, keyed by (numel, dtype, device): at most `keep` idle ones
-    per key. ZeRO-3 gathers every unit of a model into buffers of a few sizes, step after
-    step: taking them from here lets the allocator see the same blocks every time, instead
-    of fresh unit-sized blocks interleaved with activations (holes glibc cannot reuse).
+    per key. Long-lived buffers of the same sizes step after step (ZeRO's gradient shards,
+    `take_lent`; gathers with a pool): taking them from here lets the allocator see the same
+    blocks every time, instead of fresh blocks interleaved with activations (holes glibc
+    cannot reuse).
 
     A buffer is handed out again only when nothing else references its storage (no view
     of it is alive): a weight someone still holds is never overwritten by a later gather.
