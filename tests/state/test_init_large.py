@@ -426,12 +426,13 @@ def test_export_and_eval_of_sharded_state_stay_within_a_tensor(tmp_path):
     results = run_on_ranks(_export_and_eval, 2, str(tmp_path), timeout=120)
     for r, res in enumerate(results):
         assert (res["file"] is not None) == (r == 0)
-        # export gathers every flat shard into one reused buffer, eval takes its unit buffer
-        # from the pool (kept from the unmeasured run): measured export 3.9-4.1 MiB (one
-        # tensor), eval 0-0.3 MiB, gather 64 MiB (params + momentum). The bounds allow one
-        # more tensor (a pool buffer gloo's worker thread still references is not reused)
+        # export gathers every flat shard into one reused buffer: measured 3.9-4.1 MiB (one
+        # tensor); eval gathers one unit at a time into its storage, whose memory exists only
+        # while the unit runs (ZeRO-3 holds nothing between uses): measured 4.0-4.3 MiB (one
+        # unit); gather 64 MiB (params + momentum). The bounds allow one more tensor (a
+        # block freed on gloo's worker thread a moment late, seen once in a loaded full run)
         assert res["export_peak"] <= 2 * largest, (r, res["export_peak"], largest)
-        assert res["eval_peak"] <= 2 * largest and res["eval_live_units"] == 1, (r, res)
+        assert res["eval_peak"] <= 3 * largest and res["eval_live_units"] == 1, (r, res)
         assert res["gather_peak"] >= 0.9 * full_params, (r, res["gather_peak"], full_params)
     written = load_file(results[0]["file"])
     assert set(written) == set(results[0]["params"])
