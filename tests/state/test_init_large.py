@@ -406,8 +406,12 @@ def _export_and_eval(out_dir):
         with torch.no_grad():
             return s, {"loss": mse_loss(apply_fn, s.params, batch)}
     evaluate = dsfn.compose(shard_zero(3, prefetch=0))(eval_step)     # one unit gathered at a time
+    evaluate(state, batches[0])                                        # unmeasured first call
     C.reset_gauges()
-    (_, m), eval_peak = _resident_peak(lambda: evaluate(state, batches[0]))
+    # torch's allocations minus frees in time order: a unit's storage is allocated and freed
+    # on this thread (resize_), while resident memory would also count where glibc places the
+    # freed blocks in a heap this forked rank inherited from the test process
+    (_, m), eval_peak = allocation_peak(lambda: evaluate(state, batches[0]))
     eval_live_units = C.gauge_max.get("zero3.live_units")
     full, gather_peak = _resident_peak(lambda: step.gather(state))
     return dict(file=file, export_peak=export_peak, eval_peak=eval_peak, gather_peak=gather_peak,
@@ -426,13 +430,12 @@ def test_export_and_eval_of_sharded_state_stay_within_a_tensor(tmp_path):
     results = run_on_ranks(_export_and_eval, 2, str(tmp_path), timeout=120)
     for r, res in enumerate(results):
         assert (res["file"] is not None) == (r == 0)
-        # export gathers every flat shard into one reused buffer: measured 3.9-4.1 MiB (one
-        # tensor); eval gathers one unit at a time into its storage, whose memory exists only
-        # while the unit runs (ZeRO-3 holds nothing between uses): measured 4.0-4.3 MiB (one
-        # unit); gather 64 MiB (params + momentum). The bounds allow one more tensor (a
-        # block freed on gloo's worker thread a moment late, seen once in a loaded full run)
+        # export gathers every flat shard into one reused buffer: measured 3.9-4.1 MiB resident
+        # (one tensor); eval gathers one unit at a time into its storage, whose memory exists
+        # only while the unit runs (ZeRO-3 holds nothing between uses): its allocation peak is
+        # one unit; gather 64 MiB (params + momentum). The bounds allow one more tensor
         assert res["export_peak"] <= 2 * largest, (r, res["export_peak"], largest)
-        assert res["eval_peak"] <= 3 * largest and res["eval_live_units"] == 1, (r, res)
+        assert res["eval_peak"] <= 2 * largest and res["eval_live_units"] == 1, (r, res)
         assert res["gather_peak"] >= 0.9 * full_params, (r, res["gather_peak"], full_params)
     written = load_file(results[0]["file"])
     assert set(written) == set(results[0]["params"])
