@@ -177,13 +177,14 @@ def all_gather(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None, async_op
 
 
 class _PendingAll(Pending):
-    """Several in-flight collectives waited for as one; `wait()` returns `result`."""
+    """Several in-flight collectives (`Pending`s, or torch works needing no conversion)
+    waited for as one; `wait()` returns `result`."""
 
-    def __init__(self, pendings: list[Pending], result):
+    def __init__(self, pendings: list, result):
         self._pendings, self._all = pendings, result
 
     def done(self) -> bool:
-        return all(p.done() for p in self._pendings)
+        return all(p.done() if isinstance(p, Pending) else p.is_completed() for p in self._pendings)
 
     def wait(self):
         for p in self._pendings:
@@ -223,11 +224,11 @@ def all_gather_into_(outs: list[torch.Tensor], ts: list[torch.Tensor], axis: str
             o[me * k:(me + 1) * k].copy_(t.reshape(-1))
             for r in range(n):
                 works.append(dist.broadcast(o[r * k:(r + 1) * k], src=ranks[r], group=group, async_op=True))
-        done = _PendingWorks(works, outs)
+        done = _PendingAll(works, outs)
         return done if async_op else done.wait()
     if backend == "nccl" and all(o.device.type == "cuda" for o in outs):
         ins = [_to_backend(t.contiguous()).view(-1) for t in ts]
-        done = _PendingWorks([_coalesced_all_gather(m.group(axis), [o.view(-1) for o in outs], ins)], outs)
+        done = _PendingAll([_coalesced_all_gather(m.group(axis), [o.view(-1) for o in outs], ins)], outs)
         return done if async_op else done.wait()
     pendings = []
     for o, t in zip(outs, ts):
@@ -243,23 +244,6 @@ def _coalesced_all_gather(group, outs: list[torch.Tensor], ins: list[torch.Tenso
     """One coalesced all-gather of `ins` into `outs` (NCCL: one grouped launch; the process
     group call torch's own _coalescing_manager makes, torch >= 2.1); its work."""
     return group.allgather_into_tensor_coalesced(outs, ins)
-
-
-class _PendingWorks:
-    """Several in-flight torch works (no result conversion) waited for as one; `wait()`
-    returns `result`."""
-
-    def __init__(self, works: list, result):
-        self._works, self._all = works, result
-
-    def done(self) -> bool:
-        return all(getattr(w, "is_completed", lambda: False)() for w in self._works)
-
-    def wait(self):
-        for w in self._works:
-            w.wait()
-        self._works = []
-        return self._all
 
 
 def reduce_scatter(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | None = None,

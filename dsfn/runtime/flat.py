@@ -28,11 +28,19 @@ from dsfn.runtime.mesh import current_mesh
 
 def padded_rows(full: torch.Tensor, n: int) -> torch.Tensor:
     """`full` flattened, zero-padded and viewed as [n, ceil(numel / n)]."""
-    flat = full.reshape(-1)
-    c = -(-flat.numel() // n)
-    if flat.numel() < n * c:
-        flat = torch.cat([flat, flat.new_zeros(n * c - flat.numel())])
-    return flat.view(n, c)
+    return padded_rows_many([full], n)[0]
+
+
+def padded_rows_many(fulls: Sequence[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """`padded_rows` of each tensor, in one Python call (a ZeRO-3 unit's gradients)."""
+    out = []
+    for full in fulls:
+        flat = full.reshape(-1)
+        c = -(-flat.numel() // n)
+        if flat.numel() < n * c:
+            flat = torch.cat([flat, flat.new_zeros(n * c - flat.numel())])
+        out.append(flat.view(n, c))
+    return out
 
 
 _shard_listeners: list[Callable[[Any, torch.Tensor], None]] = []
@@ -128,19 +136,13 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
 
     def add_many(self, items: Sequence[tuple[Any, torch.Tensor]]) -> None:
         """`add` of several gradients at once (a ZeRO-3 unit's): one Python call per unit."""
-        n, rows, known = self.n, [], self.plan.bucket_of
+        keys, grads, known = [], [], self.plan.bucket_of
         for key, grad in items:
             if key not in known:
                 raise KeyError(f"ShardReducer: {key!r} is not one of the keys it was made for")
-            if self.dtype is not None and grad.dtype != self.dtype:
-                grad = grad.to(self.dtype)
-            # padded_rows, inline: a loop here, not a call per tensor
-            flat = grad.reshape(-1)
-            c = -(-flat.numel() // n)
-            if flat.numel() < n * c:
-                flat = torch.cat([flat, flat.new_zeros(n * c - flat.numel())])
-            rows.append((key, flat.view(n, c)))
-        self._launch(self.plan.add_many(rows))
+            keys.append(key)
+            grads.append(grad.to(self.dtype) if self.dtype is not None and grad.dtype != self.dtype else grad)
+        self._launch(self.plan.add_many(list(zip(keys, padded_rows_many(grads, self.n)))))
 
     def _launch(self, buckets: list) -> None:
         for items in buckets:

@@ -231,7 +231,7 @@ class HostPipeline:
             if self.defer_host:
                 self._deferred.append((k, items))
             else:
-                self._futures.append(self._pool.submit(self._run, k, items, None, None, None))
+                self._futures.append(self._pool.submit(self.work, k, items))
             return
         if engine.pinned is False:
             raise ConfigError("HostPipeline: the copy engine stages into pageable memory, which cannot be "
@@ -269,10 +269,6 @@ class HostPipeline:
         self.work(k, items)
         if start is not None:
             engine.note(k, "update", start, engine.now())
-
-    def _run(self, k, items, event, engine, slot) -> None:
-        """Work on host tensors that were never staged (`defer_host=False`)."""
-        self.work(k, items)
 
     def drain(self) -> None:
         """Wait for every submitted bucket's work; run deferred host work here. Re-raises

@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,9 +132,8 @@ class ShardZero(DataParallel):
         self._expect: dict[str, list] = {}            # stage 3: key -> [gradients still due, their sum]
         self._frozen_dtype: torch.dtype | None = None  # mixed precision's compute dtype (check_stack)
         self._views: dict[int, tuple] = {}             # id(apply_fn) -> (apply_fn, constants' ids, view, cast)
-        # stage 3: each unit's gather storages, kept across steps: (module, {unit: _UnitStorage})
-        self._storages: dict[int, tuple[nn.Module, dict[int, _UnitStorage]]] = {}
-        # stage 3: (module, parameter names) -> (module, _UnitPlan): what is the same every step
+        # stage 3: (module, parameter names) -> (module, _UnitPlan): what is the same every step,
+        # the units' gather storages included
         self._plans: dict[tuple, tuple[nn.Module, _UnitPlan]] = {}
         # stages 1-3: gradient buckets and shards, the same blocks every step
         self._grad_pool = BufferPool(keep=ShardReducer.MAX_INFLIGHT + 1)
@@ -481,13 +479,11 @@ class ShardZero(DataParallel):
     # -- stage 3: gather units just in time -----------------------------------------------------
     def _shard_leaves(self, params: dict[str, Any]) -> tuple[tuple[str, ...], list[FlatShard], list[torch.device]]:
         """(names of ZeRO's shards among `params`, their FlatShards, their compute devices).
-        Depends only on the leaves' layout objects, which a step hands on to the next: cached
-        on their identities (the objects are kept, so an identity cannot be reused)."""
-        vals = list(params.values())
-        key = [v.layout if type(v) is Placed else None for v in vals]
+        Depends only on the names and the leaves' layouts, which a step hands on to the next
+        (the same objects: a list comparison checks identity first, no Python call per leaf)."""
+        key = [v.layout if type(v) is Placed else None for v in params.values()]
         hit = self._shard_leaves_cache
-        if hit is not None and len(hit[0]) == len(key) and all(map(operator.is_, hit[0], key)) \
-                and hit[1] == list(params):
+        if hit is not None and hit[0] == key and hit[1] == list(params):
             return hit[2]
         names = tuple(n for n, v in params.items() if self._mine(v))
         out = (names, [_zero_layout(params[n].layout) for n in names], [compute_device(params[n]) for n in names])
@@ -632,7 +628,8 @@ class _UnitPlan:
     ShardZero): index i = the i-th name (trainable shards, then frozen ones); each index's
     (owner module, attribute) slots (tied aliases too); the units (unit 0: the root) and
     the indices each holds; the modules owning sharded parameters directly (for a
-    recompute); backward's gather order."""
+    recompute); backward's gather order; each unit's gather storages (`storages`: unit ->
+    _UnitStorage, shared by every gatherer of this module)."""
 
     def __init__(self, module: nn.Module, names: tuple[str, ...], frozen: tuple[str, ...], units: Any):
         self.names = list(names) + list(frozen)
@@ -677,6 +674,7 @@ class _UnitPlan:
         self.owners = [(m, sorted(set(ids))) for m, ids in owners.values()]
         self.bw_seq = [0] + list(range(len(self.units) - 1, 0, -1))   # backward's gather order
         self.bw_pos = {u: k for k, u in enumerate(self.bw_seq)}
+        self.storages: dict[int, _UnitStorage] = {u: _UnitStorage() for u in range(len(self.units))}
 
 
 class UnitGatherer:
@@ -710,14 +708,9 @@ class UnitGatherer:
         self._bw_left: dict[int, set[int]] = {}               # unit -> trainable indices whose grad is due
         self._grads_done: set[int] = set()                    # indices whose gradient arrived this backward
         self._bw_pending: dict[int, FlatGather] = {}          # unit -> prefetched backward gather
-        # each unit's storages, shared by every gatherer of this module (see _UnitStorage)
-        kept = zero._storages.get(id(module))
-        if kept is None or kept[0] is not module:
-            kept = zero._storages[id(module)] = (module, {})
-        self._unit_storage = kept[1]
+        self._unit_storage = plan.storages          # each unit's, shared by every gatherer (_UnitStorage)
         self._recompute_hooks: list[Any] = []
         self._live: set[int] = set()
-        self._hooks: list[Any] = []
         self._phase = "forward"                               # "backward" once the forward returned
         self._installed: dict[tuple[int, str], torch.Tensor] = {}   # recompute: slot -> what we put there
         self._fw_next = 0                                     # next unit forward launches
@@ -847,9 +840,7 @@ class UnitGatherer:
     def _gather_async(self, u: int) -> FlatGather:
         """Start gathering unit u into its storages (the same ones in forward and backward)."""
         ids = self.unit_params[u]
-        store = self._unit_storage.get(u)
-        if store is None:
-            store = self._unit_storage[u] = _UnitStorage()
+        store = self._unit_storage[u]
         shards, homes, layouts = self.shards, self.homes, self.layouts
         on_home = [shards[j] if shards[j].device == homes[j] else self._on_home(j) for j in ids]
         return store.gather(lambda pool: gather_into_buffers(
