@@ -23,23 +23,34 @@ def active_stack() -> tuple[Any, ...]:
     return getattr(_local, "stack", ())
 
 
+def active_segments() -> tuple["_Activate", ...]:
+    """The active blocks, innermost first: each has `.stack` and `.facts` (the stack's
+    facts, dsfn.transforms.facts; None until derived)."""
+    return getattr(_local, "segments", ())
+
+
 class _Activate:
-    def __init__(self, stack: Sequence[Any]):
+    def __init__(self, stack: Sequence[Any], facts: Any = None):
         self.stack = tuple(stack)
+        self.facts = facts
 
     def __enter__(self):
         self.prev = active_stack()
+        self.prev_segments = active_segments()
         _local.stack = self.prev + self.stack
+        _local.segments = (self,) + self.prev_segments
         return self
 
     def __exit__(self, *exc):
         _local.stack = self.prev
+        _local.segments = self.prev_segments
         return False
 
 
-def activate(stack: Sequence[Any]) -> _Activate:
-    """Context manager: `stack`'s transforms handle primitives inside the block."""
-    return _Activate(stack)
+def activate(stack: Sequence[Any], facts: Any = None) -> _Activate:
+    """Context manager: `stack`'s transforms handle primitives inside the block; `facts` is
+    what the stack implies (a Step passes its own; else derived when first asked for)."""
+    return _Activate(stack, facts)
 
 
 def bind(primitive: str, default: Callable[..., Any], *args: Any) -> Any:

@@ -20,6 +20,7 @@ Keys and defaults are DeepSpeed 0.19's (`deepspeed/runtime/config.py`, `zero/con
 | `gradient_accumulation_steps: n` (> 1) | `accumulate(n)` |
 | `offload_optimizer.device` cpu / nvme (+ `offload_param` on the same device) | `offload(device, params=, path=nvme_path, pin_memory=, overlap=super_offload, cores=cpuadam_cores_perc)` |
 | `bf16.enabled` / `fp16.enabled` | `mixed_precision(torch.bfloat16 / torch.float16, reduce_dtype=communication_data_type)` |
+| `communication_data_type` bf16 / fp16 without bf16/fp16 (fp32 training) | `mixed_precision(torch.float32, reduce_dtype=...)`: only the gradient reductions run in it |
 | `fp16` loss_scale, initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale | `loss_scale(init_scale=2**p, window, hysteresis, min_scale, static=loss_scale if > 0, consecutive_hysteresis)` |
 | `gradient_clipping` (default **1.0**; 0 disables) | `clip_grad_norm(c)` |
 | `zero_optimization.zenflow` | `zenflow(topk_ratio, update_interval, select_interval, full_warm_up_rounds, overlap=overlap_step)` |
@@ -598,8 +599,11 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
     if half is not None:
         precision.append(_make("bf16" if half == torch.bfloat16 else "fp16", T.mixed_precision, half,
                                reduce_dtype=_DTYPES[comm] if comm else None))
-    elif comm not in (None, "fp32", "float32"):
-        c.no("communication_data_type", "without fp16/bf16 gradients are fp32 and reduced in fp32")
+    elif comm is not None and _DTYPES[comm] != torch.float32:
+        # fp32 training whose gradients travel in bf16/fp16: parameters, optimizer state and
+        # accumulation stay fp32, the gradient reductions run in the given dtype
+        precision.append(_make("communication_data_type", T.mixed_precision, torch.float32,
+                               reduce_dtype=_DTYPES[comm]))
 
     clip = cfg.pop("gradient_clipping", 1.0)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:

@@ -183,14 +183,20 @@ class OverlappedAllReduce:
 
 
 def all_reduce_buckets(tensors: Sequence[torch.Tensor], axis: str, bucket_bytes: int,
-                       op: str | None) -> list[torch.Tensor]:
+                       op: str | None, wire_dtype: torch.dtype | None = None,
+                       keep_dtype: bool = False) -> list[torch.Tensor]:
     """Reduce (op="avg"/"sum") or broadcast from index 0 (op=None) a list of tensors in buckets.
 
     All buckets are launched before any is waited on, so transfers pipeline.
-    Returns new tensors; the inputs are not modified.
+    Returns new tensors; the inputs are not modified. `wire_dtype`: floating tensors travel
+    (and are reduced) in that dtype, and come back in it, or in their own with `keep_dtype`.
     """
     from dsfn.runtime import collectives as C     # collectives imports this module
     tensors = list(tensors)
+    if wire_dtype is not None:
+        wired = [t.to(wire_dtype) if t.is_floating_point() else t for t in tensors]
+        out = all_reduce_buckets(wired, axis, bucket_bytes, op)
+        return [o.to(t.dtype) if keep_dtype else o for o, t in zip(out, tensors)]
     buckets = pack(tensors, bucket_bytes)
     pending = []
     for b in buckets:

@@ -96,11 +96,16 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
     glibc cannot reuse). A bucket packed here (several tensors) is reduced in place
     (`consume`: no input-sized clone under gloo). Without a pool every shard is a fresh
     tensor. The values are bitwise the same either way.
+
+    `dtype` is the wire dtype (None: each gradient's own). With `keep_dtype` the reduced
+    shards go back to the dtype of the key's gradient (`named`) as they arrive, so rounds
+    are summed there (fp32 training that communicates in bf16: DeepSpeed's
+    communication_data_type); without it they stay in the wire dtype.
     """
 
     def __init__(self, axis: str, bucket_elems: int, op: str = "avg", dtype: torch.dtype | None = None,
                  named: Sequence[tuple[Any, torch.Tensor]] = (), devices: dict | None = None,
-                 pool: BufferPool | None = None):
+                 pool: BufferPool | None = None, keep_dtype: bool = False):
         from dsfn.runtime.buckets import FixedBuckets, backward_order
         self.axis, self.op, self.dtype = axis, op, dtype
         self.n = current_mesh().size(axis)
@@ -124,6 +129,9 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
             self._out_total[dt] = self._out_total.get(dt, 0) + w
         self._out: dict[torch.dtype, torch.Tensor] = {}
         self._out_used: set[int] = set()
+        # key -> the dtype its reduced shard goes back to (only keys whose wire dtype differs)
+        self._home_dtype = {k: t.dtype for k, t in named if keep_dtype and dtype is not None and t.dtype != dtype
+                            and t.is_floating_point()}
 
     def new_round(self) -> None:
         """A forward of the same step begins (accumulation): close the previous round."""
@@ -194,7 +202,10 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
                 return
             self._inflight.pop(0)
             row = pending.wait()
+            home = self._home_dtype
             for (i, c), piece in zip(items, row.split([c for _, c in items])):
+                if home:
+                    piece = piece.to(home.get(i, piece.dtype))
                 # views of the bucket's row (a fresh tensor of exactly the shards' size)
                 self.shards[i] = piece if i not in self.shards else self.shards[i] + piece
                 for fn in _shard_listeners:

@@ -261,7 +261,7 @@ def init_sharded(step: Any, params: dict[str, torch.Tensor], tx: Any, *, source:
     # while it is made; pieces offload leaves alone move to the device one at a time
     fill_on = torch.device("cpu") if afters else device
     try:
-        with activate(step.stack):
+        with activate(step.stack, getattr(step, "facts", None)):
             for t in reversed(step.stack):
                 state = t.place(state)
             state, filled = _fill_tree(state, name_of, logical, source, fill_on,

@@ -38,6 +38,7 @@ from dsfn.state import donation
 from dsfn.state.layout import gather_tree
 from dsfn.state.train_state import mark_placed
 from dsfn.transforms.core import Transform, activate, bind, check_stack, register_step_class
+from dsfn.transforms.facts import StackFacts
 
 StepFn = Callable[[Any, Any], tuple[Any, dict]]
 
@@ -55,6 +56,7 @@ class Step:
             raise StackError(f"compose(...) must be applied to a train_step function, got {fn!r}")
         self.fn = fn
         self.stack = check_stack(stack)
+        self.facts = StackFacts(self.stack)      # what the stack implies: read by its transforms
         if not donate:
             # a functional step reallocates its state every step: keep freed host memory for
             # reuse. A donating step updates its state in place, so glibc's own policy (which
@@ -83,7 +85,7 @@ class Step:
         donation.check_live(state, "step.place(state)")
         ensure_ready(self.stack)     # under torchrun: init the process group; mesh axes exist
         env.check_state_device(_computed_on(getattr(state, "params", state)), "the state's params")
-        with activate(self.stack):
+        with activate(self.stack, self.facts):
             for t in reversed(self.stack):
                 state = t.place(state)
             for t in reversed(self.stack):   # layouts that wrap the finished ones (offload)
@@ -107,7 +109,7 @@ class Step:
         from dsfn.state.train_state import TrainState
         state = TrainState.create(params, tx, seed=seed, extra=extra, init_optimizer=False, buffers=buffers)
         state = self.place(state)
-        with activate(self.stack):
+        with activate(self.stack, self.facts):
             opt_state = bind("init_optimizer", lambda s: s.tx.init(s.params), state)
         return state.replace(opt_state=opt_state)
 
@@ -120,7 +122,7 @@ class Step:
         donation.check_live(state, "step.gather(state)")
         ensure_ready(self.stack)
         state = gather_tree(state)
-        with activate(self.stack):
+        with activate(self.stack, self.facts):
             for t in self.stack:
                 state = t.gather(state)
         return state
@@ -145,7 +147,7 @@ class Step:
             donation.settle_readers()      # background readers of the old buffers (async checkpoints)
         new_state = None
         try:
-            with activate(self.stack), donation.donating(donate):
+            with activate(self.stack, self.facts), donation.donating(donate):
                 new_state, metrics = self._wrapped(state, batch)
                 metrics = bind("reduce_metrics", lambda m: m, _metrics_to_tensors(metrics))
         finally:
@@ -191,7 +193,8 @@ class Step:
                 t = x.data if isinstance(x, Placed) else x
                 leaves.append((f"constants.{name}", layout_of(x), tuple(t.shape), t.dtype,
                                t.numel() * t.element_size()))
-        notes = [getattr(t, "explain_note", t.describe)() for t in self.stack]
+        with activate(self.stack, self.facts):
+            notes = [getattr(t, "explain_note", t.describe)() for t in self.stack]
         out = Explanation(notes, leaves, comm, dict(C.gauge_max))
         from dsfn.estimate import explain_estimate     # dsfn.estimate_memory for this stack, beside the leaves
         out.estimate = explain_estimate(self.stack, state)

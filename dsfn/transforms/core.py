@@ -68,7 +68,14 @@ class Transform:
     roles: ClassVar[frozenset[str]] = frozenset()
 
     def check_stack(self, stack: Sequence["Transform"], index: int) -> None:
-        """Raise StackError when this transform cannot work at `stack[index]`."""
+        """Raise StackError when this transform cannot work at `stack[index]`. Reads the
+        stack's roles and facts only; never writes to a transform (this one included): what a
+        handler needs of its neighbours it reads from `dsfn.transforms.facts.stack_facts`."""
+
+    def facts(self) -> dict[str, Any]:
+        """Plain facts this transform publishes to the others in its stack (an axis name, a
+        dtype, a stage: values fixed by its options; see dsfn.transforms.facts)."""
+        return {}
 
     def place(self, state: Any) -> Any:
         return state

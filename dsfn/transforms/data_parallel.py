@@ -37,12 +37,13 @@ import torch
 from dsfn import tree
 from dsfn.errors import ConfigError, ShapeError
 from dsfn.runtime import buckets as B
-from dsfn.runtime.buckets import all_reduce_buckets  # noqa: F401  (re-exported for zero)
+from dsfn.runtime.buckets import all_reduce_buckets
 from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import Placed, is_placed
 from dsfn.state.train_state import never_placed
-from dsfn.transforms.core import Transform, make_transform, with_role
+from dsfn.transforms.core import Transform, make_transform
+from dsfn.transforms.facts import stack_facts
 from dsfn.transforms.grad_stats import reduce_over_axis
 
 
@@ -58,8 +59,9 @@ class DataParallel(Transform):
         self.axis = axis
         self.split_batch = bool(split_batch)
         self.bucket_mb = float(bucket_mb)
-        self._overlap = True                      # set from the stack by check_stack
-        self._reduce_dtype: torch.dtype | None = None
+
+    def facts(self) -> dict[str, Any]:
+        return {"dp_axis": self.axis}
 
     def place(self, state: Any) -> Any:
         mesh = current_mesh()
@@ -86,13 +88,6 @@ class DataParallel(Transform):
             return fn(state, split_batch(batch, self.axis))
         return step
 
-    def check_stack(self, stack, index):
-        inner = stack[index + 1:]
-        # with accumulation inside, reduce once at the end rather than per micro-batch
-        self._overlap = not with_role(inner, "accumulate")
-        # gradients travel in mixed precision's reduce dtype
-        self._reduce_dtype = next((t.reduce_dtype for t in with_role(inner, "mixed_precision") if t.active), None)
-
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
         with self.token_mean(apply_fn, args, kwargs):
             return call_next(apply_fn, params, args, kwargs)
@@ -110,11 +105,13 @@ class DataParallel(Transform):
         if current_mesh().size(self.axis) == 1:
             return call_next(fn, params, args, kwargs, has_aux)
         bucket_bytes = int(self.bucket_mb * 2**20)
-        if not self._overlap:
+        facts = stack_facts(self)
+        if facts.inside(self).has_role("accumulate"):
+            # with accumulation inside, reduce once at the end rather than per micro-batch
             value, grads = call_next(fn, params, args, kwargs, has_aux)
             leaves, spec = tree.flatten(grads)
-            return value, tree.unflatten(spec, all_reduce_buckets(leaves, self.axis, bucket_bytes, op="avg"))
-        dtype = self._reduce_dtype
+            return value, tree.unflatten(spec, reduce_grads(leaves, self.axis, bucket_bytes, "avg", facts))
+        dtype = facts.grad_wire_dtype      # gradients travel in the stack's wire dtype
         leaves = registration_order(params)
         reducer = B.OverlappedAllReduce(self.axis, bucket_bytes, "avg", [(p, _grad_like(x, dtype)) for p, x in leaves],
                                         {p: (x.data if isinstance(x, Placed) else x).device for p, x in leaves})
@@ -123,7 +120,7 @@ class DataParallel(Transform):
         reduced = reducer.finish()      # every parameter, zeros where this rank's loss did not reach it
 
         def take(path: str, g: Any) -> Any:
-            t = reduced[path]
+            t = facts.from_wire(reduced[path], (g.data if isinstance(g, Placed) else g).dtype)
             return Placed(t, g.layout) if isinstance(g, Placed) else t
         return value, tree.map_with_path(take, grads, is_leaf=is_placed)
 
@@ -141,6 +138,13 @@ class DataParallel(Transform):
     def handle_reduce_leaves(self, call_next, partials, pending, op):
         """Leaves split over this transform's axis (ZeRO's shards) are combined over it."""
         return call_next(*reduce_over_axis(partials, pending, self.axis, op), op)
+
+
+def reduce_grads(grads: Sequence[torch.Tensor], axis: str, bucket_bytes: int, op: str, facts: Any
+                 ) -> list[torch.Tensor]:
+    """`grads` reduced with `op` over `axis` in bucketed all-reduces, travelling in the stack's
+    wire dtype (`facts.to_wire`) and handed back as the stack says (`facts.from_wire`)."""
+    return all_reduce_buckets(grads, axis, bucket_bytes, op, facts.grad_wire_dtype, facts.grads_keep_dtype)
 
 
 def data_parallel(*args: Any, **kwargs: Any) -> DataParallel:

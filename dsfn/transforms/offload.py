@@ -114,6 +114,7 @@ from dsfn.state.layout import (
 )
 from dsfn.state.master import MasterState
 from dsfn.transforms.core import Transform, make_transform, with_role
+from dsfn.transforms.facts import stack_facts
 
 DEFAULT_BUCKET_ELEMS = 4_000_000     # the world-1 bucket source's bucket without an enclosing ZeRO
 
@@ -171,11 +172,6 @@ class Offload(Transform):
             cpu_adam_threads(cores)             # validates: a fraction in (0, 1]
         self.cores = cores
         self._session = _OverlapSession(cores) if self.overlap else None
-        # set by check_stack: the data-parallel transforms outside, the bucket size of the
-        # world-1 bucket source (the enclosing ZeRO's reduce_bucket_size), accumulation
-        self._outer_dp: tuple[Transform, ...] = ()
-        self._bucket_elems = DEFAULT_BUCKET_ELEMS
-        self._accumulates = False
         self._store: nvme.FileStore | None = None
         if device == "nvme":
             self._store = nvme.FileStore(path)     # ConfigError when path is missing or not writable
@@ -192,10 +188,6 @@ class Offload(Transform):
         if self.params and not any(t.stage == 3 for t in with_role(stack, "zero")):
             raise StackError("offload(params=True) offloads ZeRO-3's parameter shards; it needs "
                              "shard_zero(3) outside it in the stack (or use params=False)")
-        self._outer_dp = tuple(with_role(stack[:index], "data_parallel"))
-        self._bucket_elems = next((int(t.reduce_bucket_size) for t in with_role(stack[:index], "zero")),
-                                  DEFAULT_BUCKET_ELEMS)
-        self._accumulates = bool(with_role(stack, "accumulate"))
 
     def explain_note(self) -> str:
         where = "host memory" if self.device == "cpu" else f"files under {self.path}"
@@ -401,7 +393,9 @@ class Offload(Transform):
         or a ZeRO whose stage in effect is not 0): then it is the pipeline's only source."""
         from dsfn.runtime.mesh import current_mesh
         mesh = current_mesh()
-        return any(mesh.size(t.axis) > 1 or getattr(t, "_stage", 0) != 0 for t in self._outer_dp)
+        outside = stack_facts(self).outside(self)
+        return any(mesh.size(ax) > 1 for ax in outside.all("dp_axis")) or \
+            any(z["zero_stage"] != 0 and z.get("zero_single_rank", False) for z in outside.with_role("zero"))
 
     def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
         """The world-1 bucket source of `overlap=True` (module docstring): with no ZeRO reducer
@@ -409,11 +403,14 @@ class Offload(Transform):
         handed to the pipeline in buckets of about the enclosing ZeRO's `reduce_bucket_size`
         elements, in arrival order; the last, partial one right after backward."""
         session = self._session
-        if session is None or self._accumulates or self._reducer_feeds() or not session.take_source(params):
+        if session is None or stack_facts(self).whole.has_role("accumulate") or self._reducer_feeds() or \
+                not session.take_source(params):
             return call_next(fn, params, args, kwargs, has_aux)
         from dsfn.runtime.pipeline import ArrivalBuckets
         from dsfn.transforms.data_parallel import tap_gradients
-        feed = ArrivalBuckets(self._bucket_elems, session.on_bucket)
+        # buckets of about the enclosing ZeRO's reduce_bucket_size
+        bucket_elems = int(stack_facts(self).outside(self).first("reduce_bucket_size", DEFAULT_BUCKET_ELEMS))
+        feed = ArrivalBuckets(bucket_elems, session.on_bucket)
         out = call_next(tap_gradients(fn, feed.add, keep=True), params, args, kwargs, has_aux)
         feed.flush()
         return out

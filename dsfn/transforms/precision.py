@@ -65,11 +65,30 @@ class MixedPrecision(Transform):
     def active(self) -> bool:
         return self.param_dtype != self.master_dtype
 
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """The dtype gradients travel in over the stack's reductions: `reduce_dtype` when
+        active; inactive (parameters already in the master dtype), a `reduce_dtype` other
+        than theirs — communication only (module docstring) —, else None (their own)."""
+        if self.active or self.reduce_dtype != self.param_dtype:
+            return self.reduce_dtype
+        return None
+
+    def facts(self) -> dict[str, Any]:
+        return {"compute_dtype": self.param_dtype if self.active else None, "master_dtype": self.master_dtype,
+                "grad_wire_dtype": self.wire_dtype, "grads_keep_dtype": not self.active}
+
     def check_stack(self, stack, index):
         for t in with_role(stack[index + 1:], "data_parallel"):
             raise StackError(f"mixed_precision must sit inside {t.name}: write "
                              f"compose({t.name}(...), mixed_precision(...)) so the parallel transform "
                              "moves low-precision parameters and shards the master weights")
+        if not self.active and self.wire_dtype is not None and not any(
+                with_role(stack, r) for r in ("data_parallel", "tensor_parallel", "sequence_parallel")):
+            raise StackError(f"mixed_precision({self.param_dtype}, reduce_dtype={self.reduce_dtype}) only sets the "
+                             "dtype gradients travel in over data, tensor or sequence parallel reductions, and this "
+                             "stack has none: it would change nothing. Add the parallel transform (e.g. "
+                             "compose(shard_zero(2), mixed_precision(...))) or drop reduce_dtype")
 
     def place(self, state: Any) -> Any:
         if not self.active or isinstance(state.opt_state, MasterState):

@@ -100,6 +100,7 @@ from dsfn.functional import in_backward, until_backward
 from dsfn.runtime import collectives as C
 from dsfn.runtime.host import copy_to_host
 from dsfn.transforms.core import Transform, make_transform, with_role
+from dsfn.transforms.facts import stack_facts
 from dsfn.units import find_units
 
 POLICIES = ("nothing", "matmuls", "dots")
@@ -151,7 +152,6 @@ class Remat(Transform):
         self.policy = policy
         self.offload = offload
         self.partition_activations = partition_activations
-        self._tp_axis: str | None = None
         self._partition_checked: set[int] = set()          # id(model) whose premise was checked
         # id(model) -> (model, (targets, skipped names))
         self._selected: dict[int, tuple[nn.Module, tuple[list[tuple[str, nn.Module]], list[str]]]] = {}
@@ -171,7 +171,11 @@ class Remat(Transform):
                 raise StackError("remat(partition_activations=True) splits the saved inputs over the tensor parallel "
                                  "group: add tensor_parallel(...) outside it (compose(tensor_parallel(...), "
                                  "remat(partition_activations=True))) or drop partition_activations")
-            self._tp_axis = tp[0].axis
+
+    @property
+    def _tp_axis(self) -> str | None:
+        """The tensor-parallel axis outside (partition_activations splits over it): a stack fact."""
+        return stack_facts(self).outside(self).first("tp_axis")
 
     def explain_note(self) -> str:
         what = {"nothing": "only their inputs are saved (everything inside is recomputed in backward)",
@@ -181,7 +185,8 @@ class Remat(Transform):
             else "saved per the given policy"
         where = "; inputs held in host memory (offload='cpu')" if self.offload else ""
         if self.partition_activations:
-            where += f"; each {self._tp_axis} rank keeps 1/{self._tp_axis} of them (partition_activations)"
+            tp = self._tp_axis or "tensor-parallel"
+            where += f"; each {tp} rank keeps 1/{tp} of them (partition_activations)"
         if self._last is None:
             which = (f"modules matching {list(self.modules)}" if self.modules is not None
                      else "the model's repeated blocks")

@@ -110,6 +110,7 @@ from dsfn.runtime import collectives as C
 from dsfn.runtime.buckets import all_reduce_buckets
 from dsfn.runtime.mesh import current_mesh
 from dsfn.transforms.core import Transform, make_transform
+from dsfn.transforms.facts import stack_facts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,7 +258,6 @@ class SequenceParallel(Transform):
         self._positions: torch.Tensor | None = None     # this step's global positions of local tokens
         self._arange: torch.Tensor | None = None        # the positions shard_batch made (no documents)
         self._weight: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._dp_axes: list[str] = []          # data-parallel axes inside (they average over their axis)
         self._batch_shifted = False            # this step's batch holds whole-sequence `shift_labels`
         self._local_len: int | None = None     # this rank's slice length, this step
         self._real_len: int | None = None      # the batch's sequence length before padding to sp
@@ -273,8 +273,11 @@ class SequenceParallel(Transform):
             raise StackError(f"sequence_parallel must be the outermost transform (async_checkpoint may sit outside); "
                              f"{outside[0].name} is outside it: write compose(sequence_parallel(), "
                              f"{outside[0].name}(...), ...)")
-        from dsfn.transforms.core import with_role
-        self._dp_axes = [t.axis for t in with_role(stack[index + 1:], "data_parallel")]
+
+    @property
+    def _dp_axes(self) -> tuple[str, ...]:
+        """The data-parallel axes inside (they average over their axis): a stack fact."""
+        return stack_facts(self).inside(self).all("dp_axis")
 
     def explain_note(self) -> str:
         return f"sequence_parallel over {self.axis!r} (size {current_mesh().size(self.axis)}): Ulysses all-to-all"
@@ -408,8 +411,10 @@ class SequenceParallel(Transform):
         value = C.all_reduce(value.reshape(1), self.axis, "sum").reshape(())
         # the ranks' weighted gradients add up to the group's (bucketed: few, large all-reduces)
         leaves, spec = tree.flatten(grads)
+        facts = stack_facts(self)        # (in the stack's wire dtype)
         return ((value, aux) if has_aux else value), tree.unflatten(
-            spec, all_reduce_buckets(leaves, self.axis, self.bucket_mb * 2**20, op="sum"))
+            spec, all_reduce_buckets(leaves, self.axis, self.bucket_mb * 2**20, "sum", facts.grad_wire_dtype,
+                                     facts.grads_keep_dtype))
 
     def _weigh(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, torch.Tensor | None]:
         """The local loss's weight n_rank / n_group, from the labels in the step's batch (the

@@ -102,6 +102,7 @@ from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import (DimShard, GroupDimShard, Layout, Offloaded, PackedDimShard, Placed, Replicated,
                                mirrored_param, place)
 from dsfn.transforms.core import Transform, make_transform, with_role
+from dsfn.transforms.facts import stack_facts
 from dsfn.transforms.grad_stats import reduce_over_axis
 
 
@@ -187,13 +188,21 @@ class _CopyToTP(torch.autograd.Function):
     parameters of a `replicated` module (their gradients are partial)."""
 
     @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
+    def forward(ctx, x, axis, wire=None):
+        ctx.axis, ctx.wire = axis, wire
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return C.all_reduce(g.contiguous(), ctx.axis, "sum"), None
+        if ctx.wire is None:
+            return C.all_reduce(g.contiguous(), ctx.axis, "sum"), None, None
+        return _wired(g, ctx.wire, lambda w: C.all_reduce(w.contiguous(), ctx.axis, "sum")), None, None
+
+
+def _wired(g: torch.Tensor, wire: Any, reduce: Any) -> torch.Tensor:
+    """A parameter's gradient reduced in the stack's wire dtype (`wire`: its StackFacts),
+    back in the parameter's dtype (autograd hands a gradient in its input's dtype)."""
+    return reduce(wire.to_wire(g)).to(g.dtype)
 
 
 def sum_replica_grads(g: torch.Tensor, axis: str, groups: int) -> torch.Tensor:
@@ -215,13 +224,15 @@ class _SumReplicas(torch.autograd.Function):
     summed over the tp ranks sharing the block (`sum_replica_grads`)."""
 
     @staticmethod
-    def forward(ctx, w, axis, groups):
-        ctx.axis, ctx.groups = axis, groups
+    def forward(ctx, w, axis, groups, wire=None):
+        ctx.axis, ctx.groups, ctx.wire = axis, groups, wire
         return w.view_as(w)
 
     @staticmethod
     def backward(ctx, g):
-        return sum_replica_grads(g, ctx.axis, ctx.groups), None, None
+        if ctx.wire is None:
+            return sum_replica_grads(g, ctx.axis, ctx.groups), None, None, None
+        return _wired(g, ctx.wire, lambda w: sum_replica_grads(w, ctx.axis, ctx.groups)), None, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -294,7 +305,7 @@ def _shared_kv(mod: nn.Linear, copy: Any, groups: int, forward: Any, x: torch.Te
     own = {k: v for k, v in mod._parameters.items() if v is not None}
     try:
         for k, v in own.items():
-            mod._parameters[k] = _SumReplicas.apply(v, copy.axis, groups)
+            mod._parameters[k] = _SumReplicas.apply(v, copy.axis, groups, copy.wire)
         return forward(copy(x))
     finally:
         for k, v in own.items():
@@ -333,11 +344,13 @@ def _embedding_cols(mod: nn.Embedding, axis: str, n_cols: int, forward: Any, ids
     return _GatherLastDim.apply(forward(ids), axis, n_cols)
 
 
-def _replicated(mod: nn.Module, axis: str, forward: Any, *args: Any, **kwargs: Any) -> Any:
+def _replicated(mod: nn.Module, copy: Any, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    """The module's parameters are whole on every tp rank; their partial gradients are summed
+    over tp (in the stack's wire dtype)."""
     own = {k: v for k, v in mod._parameters.items() if v is not None}
     try:
         for k, v in own.items():
-            mod._parameters[k] = _CopyToTP.apply(v, axis)
+            mod._parameters[k] = _CopyToTP.apply(v, copy.axis, copy.wire)
         return forward(*args, **kwargs)
     finally:
         for k, v in own.items():
@@ -455,6 +468,9 @@ class TensorParallel(Transform):
         return out
 
     # -- stack ----------------------------------------------------------------------------------
+    def facts(self) -> dict[str, Any]:
+        return {"tp_axis": self.axis}
+
     def check_stack(self, stack, index):
         for t in with_role(stack[index + 1:], "data_parallel"):
             raise StackError(f"{t.name} must be outside tensor_parallel (it shards the tp shards over dp): "
@@ -542,7 +558,9 @@ class TensorParallel(Transform):
             self._resolved = self.module_styles(module)
         # installed until backward is over: a recompute (activation checkpointing) re-issues
         # the same collectives
-        with until_backward(_TPForwards(module, self._resolved, self.axis, n)):
+        facts = stack_facts(self)
+        wire = facts if facts.grad_wire_dtype is not None else None
+        with until_backward(_TPForwards(module, self._resolved, self.axis, n, wire)):
             return call_next(apply_fn, params, args, kwargs)
 
     # -- values of the whole (dsfn.logical) -------------------------------------------------------
@@ -701,8 +719,9 @@ class _SharedCopy:
     their input gradients are summed by autograd first and all-reduced once (Megatron's `f`),
     not once per projection. Lives for one forward."""
 
-    def __init__(self, axis: str):
+    def __init__(self, axis: str, wire: Any = None):
         self.axis = axis
+        self.wire = wire          # the stack's facts when its gradients travel in another dtype, else None
         self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -715,9 +734,9 @@ class _SharedCopy:
 class _TPForwards:
     """Installs the tp forward of every planned module (instance `forward`), restores on exit."""
 
-    def __init__(self, module: nn.Module, styles: dict[str, Any], axis: str, n: int):
+    def __init__(self, module: nn.Module, styles: dict[str, Any], axis: str, n: int, wire: Any = None):
         self.items = []
-        self.copy = _SharedCopy(axis)
+        self.copy = _SharedCopy(axis, wire)
         named = dict(module.named_modules())
         # attentions whose ranks share replicated kv heads: each rank has q_per_rank query heads
         # for its one kv head, which their attention reads as num_key_value_groups
@@ -777,7 +796,7 @@ def _tp_forward(mod: nn.Module, style: Any, copy: _SharedCopy, n: int) -> Any:
     if style == "embedding_colwise":
         return functools.partial(_embedding_cols, mod, axis, mod.embedding_dim, own)
     if style == "replicated":
-        return functools.partial(_replicated, mod, axis, own)
+        return functools.partial(_replicated, mod, copy, own)
     return None      # "replicate": unchanged
 
 

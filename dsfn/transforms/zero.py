@@ -93,10 +93,11 @@ from dsfn.state.layout import (
     shard_further,
 )
 from dsfn.transforms.core import make_transform
+from dsfn.transforms.facts import stack_facts
 from dsfn.units import find_units
 from dsfn.transforms.data_parallel import (
     DataParallel,
-    all_reduce_buckets,
+    reduce_grads,
     registration_order,
     tap_gradients,
 )
@@ -130,7 +131,6 @@ class ShardZero(DataParallel):
         self._reducer: ShardReducer | None = None
         self._gatherers: list[UnitGatherer] = []     # stage 3: this round's forwards, for backward's end
         self._expect: dict[str, list] = {}            # stage 3: key -> [gradients still due, their sum]
-        self._frozen_dtype: torch.dtype | None = None  # mixed precision's compute dtype (check_stack)
         self._views: dict[int, tuple] = {}             # id(apply_fn) -> (apply_fn, constants' ids, view, cast)
         # stage 3: (module, parameter names) -> (module, _UnitPlan): what is the same every step,
         # the units' gather storages included
@@ -140,15 +140,15 @@ class ShardZero(DataParallel):
 
     # -- stack rules -------------------------------------------------------------------
     def check_stack(self, stack, index):
-        super().check_stack(stack, index)    # overlap and reduce dtype, as data parallel
+        super().check_stack(stack, index)
         for t in stack:
             if type(t) is DataParallel:
                 raise StackError("shard_zero already does data parallelism over "
                                  f"{self.axis!r}; remove data_parallel() from the stack")
-        # frozen parameters are gathered in the compute dtype of a mixed precision inside
-        inner = stack[index + 1:]
-        self._frozen_dtype = next((t.param_dtype for t in inner if "mixed_precision" in getattr(t, "roles", ())
-                                   and getattr(t, "active", False)), None)
+
+    def facts(self) -> dict[str, Any]:
+        return {**super().facts(), "zero_stage": self.stage, "reduce_bucket_size": self.reduce_bucket_size,
+                "zero_single_rank": self._shard_single_rank}
 
     def explain_note(self) -> str:
         if current_mesh().size(self.axis) == 1:
@@ -227,6 +227,7 @@ class ShardZero(DataParallel):
         if self._stage == 0:
             return super().handle_value_and_grad(call_next, fn, params, args, kwargs, has_aux)
         outer = self._reducer
+        facts = stack_facts(self)
         if outer is None:
             plan = self._grad_plan(params)
             named, devices = plan["named"], plan["devices"]
@@ -234,8 +235,8 @@ class ShardZero(DataParallel):
             # demand during backward, so the two sequences interleave differently on ranks
             # whose data reached different units; each channel's own order is the same
             axis = grad_channel(self.axis) if self.stage == 3 else self.axis
-            reducer = ShardReducer(axis, self.reduce_bucket_size, "avg", self._reduce_dtype, named, devices,
-                                   pool=self._grad_pool)
+            reducer = ShardReducer(axis, self.reduce_bucket_size, "avg", facts.grad_wire_dtype, named, devices,
+                                   pool=self._grad_pool, keep_dtype=facts.grads_keep_dtype)
         else:
             reducer = outer
         self._reducer = reducer
@@ -261,8 +262,8 @@ class ShardZero(DataParallel):
                 reducer.add(path, _data(g))
         shards = reducer.finish()
         replicated = plan["replicated"]
-        reduced = dict(zip(replicated, all_reduce_buckets([_data(gs[k]) for k in replicated], self.axis,
-                                                          self.reduce_bucket_size * 4, "avg")))
+        reduced = dict(zip(replicated, reduce_grads([_data(gs[k]) for k in replicated], self.axis,
+                                                    self.reduce_bucket_size * 4, "avg", facts)))
         out = []
         for k, (path, layout) in enumerate(zip(paths, plan["layouts"])):
             if k in reduced:
@@ -461,12 +462,13 @@ class ShardZero(DataParallel):
         """(an ApplyFn whose constants are plain tensors — a sharded frozen parameter's local
         piece —, {name: (the piece to gather, in the compute dtype; its FlatShard)}); cached
         per apply_fn."""
-        ids = tuple(map(id, apply_fn.constants.values()))
+        # frozen parameters are gathered in the compute dtype of a mixed precision inside
+        dtype = stack_facts(self).inside(self).first("compute_dtype")
+        ids = (tuple(map(id, apply_fn.constants.values())), dtype)
         hit = self._views.get(id(apply_fn))
         if hit is not None and hit[0] is apply_fn and hit[1] == ids:
             return hit[2], hit[3]
         from dsfn.functional import ApplyFn
-        dtype = self._frozen_dtype
         pieces = {n: v.data for n, v in apply_fn.constants.items() if self._mine(v)}
         cast = {n: (t.to(dtype) if dtype is not None and t.is_floating_point() else t,
                     _zero_layout(apply_fn.constants[n].layout)) for n, t in pieces.items()}

@@ -4,14 +4,20 @@ Each config below is one of DeepSpeed's documented examples (docs/_pages/config-
 the ZeRO / offload / Muon / Ulysses tutorials), sized for 2 gloo ranks. On 2 ranks the
 stack and optimizer `from_ds_config` builds and the hand-written dsfn equivalent train a
 few steps with bitwise equal losses and final state. Negative controls: the same config
-with its main feature switched off (fp16, bf16, offload, Muon, sequence parallel) gives
-another stack and, where the arithmetic differs, other numbers. Unsupported keys raise
+with its main feature switched off (fp16, bf16, offload, Muon, sequence parallel, a bf16
+communication dtype) gives another stack and, where the feature changes the arithmetic by
+design (another precision or optimizer), other numbers. Offload computes what the device
+would (the host AdamW and the device AdamW may round the same), so its numeric control
+breaks the feature instead: the offloaded optimizer state is never written back (the
+update's new moments lost), and the run must miss. Unsupported keys raise
 one ConfigError listing all of them (exact message); performance keys give one warning;
 DeepSpeed's batch-size rule accepts every consistent combination and rejects the others
 with DeepSpeed's meaning of each size.
 """
+import contextlib
 import copy
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -27,6 +33,7 @@ from dsfn.runtime import init_mesh
 from dsfn.testing import assert_trees_equal, run_on_ranks
 from dsfn.testing.models import make_mlp, regression_batches, token_batches
 from dsfn.testing.reference import lm_loss, mse_loss_fp32, train_step_for
+from dsfn.transforms.offload import Offload
 from dsfn.transforms import (accumulate, clip_grad_norm, loss_scale, mixed_precision, offload, sequence_parallel,
                              shard_zero)
 
@@ -68,6 +75,10 @@ MUON = {            # the Muon tutorial's config
     "optimizer": {"type": "Muon", "params": {"lr": 0.01, "momentum": 0.95, "weight_decay": 0.1, "adam_lr": 3e-3}},
     "zero_optimization": {"stage": 2},
 }
+FP32_COMM_BF16 = {  # fp32 training whose gradients travel in bf16 (communication_data_type)
+    "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "communication_data_type": "bf16",
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2},
+}
 SP = {              # Ulysses: sequence_parallel_size 2 on 2 ranks (dp 1)
     "train_micro_batch_size_per_gpu": 4, "sequence_parallel_size": 2, "gradient_clipping": 1.0,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
@@ -96,6 +107,10 @@ def _hand(name, model, tmp):
     if name == "muon":
         return ([shard_zero(2, reduce_bucket_size=500_000_000, allgather_bucket_size=500_000_000),
                  clip_grad_norm(1.0)], dsfn.optim.muon(0.01, momentum=0.95, weight_decay=0.1, adam_lr=3e-3))
+    if name == "fp32_comm_bf16":
+        return ([shard_zero(2, reduce_bucket_size=500_000_000, allgather_bucket_size=500_000_000),
+                 mixed_precision(torch.float32, reduce_dtype=torch.bfloat16), clip_grad_norm(1.0)],
+                dsfn.optim.adamw(1e-3, weight_decay=0.0))         # FusedAdam default: no decay
     if name == "sp":
         return ([sequence_parallel(), shard_zero(1, reduce_bucket_size=500_000_000,
                                                  allgather_bucket_size=500_000_000), clip_grad_norm(1.0)],
@@ -104,13 +119,15 @@ def _hand(name, model, tmp):
 
 
 CONFIGS = {"zero2_fp16": (ZERO2_FP16, "fp16"), "zero3_bf16_cpu": (ZERO3_BF16_CPU, "bf16"),
-           "zero3_nvme": (ZERO3_NVME, "offload"), "muon": (MUON, "optimizer"), "sp": (SP, "sequence_parallel_size")}
+           "zero3_nvme": (ZERO3_NVME, "offload"), "muon": (MUON, "optimizer"), "sp": (SP, "sequence_parallel_size"),
+           "fp32_comm_bf16": (FP32_COMM_BF16, "communication_data_type")}
 EXPECTED = {   # transform names, outermost first
     "zero2_fp16": ["shard_zero", "mixed_precision", "loss_scale", "clip_grad_norm"],
     "zero3_bf16_cpu": ["shard_zero", "accumulate", "offload", "mixed_precision", "clip_grad_norm"],
     "zero3_nvme": ["shard_zero", "offload", "clip_grad_norm"],
     "muon": ["shard_zero", "clip_grad_norm"],
     "sp": ["sequence_parallel", "shard_zero", "clip_grad_norm"],
+    "fp32_comm_bf16": ["shard_zero", "mixed_precision", "clip_grad_norm"],
 }
 
 
@@ -134,8 +151,24 @@ def _with_path(cfg, tmp):
     return cfg
 
 
+@contextlib.contextmanager
+def _offloaded_state_never_written():
+    """The offload's update runs, but its new optimizer state is dropped: every step starts
+    again from the state placed at the start (the moments written to host memory / NVMe lost)."""
+    orig = Offload.handle_apply_gradients
+
+    def lossy(self, call_next, state, grads):
+        return orig(self, call_next, state, grads).replace(opt_state=state.opt_state)
+    with mock.patch.object(Offload, "handle_apply_gradients", lossy):
+        yield
+
+
 def _train(name, how, tmp):
-    """Losses and the final logical state of config `name` built `how` ("config", "hand", "off")."""
+    """Losses and the final logical state of config `name` built `how` ("config", "hand", "off",
+    "broken": the config with its offload's state never written)."""
+    if how == "broken":
+        with _offloaded_state_never_written():
+            return _train(name, "config", tmp)
     sp = name == "sp" and how != "off"
     init_mesh(dp=1, sp=2) if sp else init_mesh(dp=WORLD)
     torch.manual_seed(0)
@@ -167,7 +200,8 @@ def _train(name, how, tmp):
 
 
 def _all(tmp):
-    return {name: {how: _train(name, how, f"{tmp}/{name}-{how}") for how in ("config", "hand", "off")}
+    return {name: {how: _train(name, how, f"{tmp}/{name}-{how}")
+                   for how in ("config", "hand", "off") + (("broken",) if CONFIGS[name][1] == "offload" else ())}
             for name in CONFIGS}
 
 
@@ -177,11 +211,15 @@ def test_example_configs_train_like_the_hand_written_stack(tmp_path):
             (names, got), (hand_names, hand), (off_names, off) = runs["config"], runs["hand"], runs["off"]
             assert names == hand_names == EXPECTED[name], (name, names)
             assert_trees_equal(got, hand, msg=name)
-            # negative control: the feature switched off changes the stack, and the numbers where they can differ
+            # negative control: the feature switched off changes the stack, and the numbers where the
+            # feature changes the arithmetic by design (precision, optimizer)
             assert off_names != names or name == "muon", name      # Muon -> AdamW: the same stack, other tx
-            if name != "sp":          # Ulysses is exact: without it the numbers may agree bitwise
+            if CONFIGS[name][1] in ("fp16", "bf16", "optimizer", "communication_data_type"):
                 with pytest.raises(AssertionError):
                     assert_trees_equal(off, hand)
+            if "broken" in runs:      # offload: its state never written back must be seen
+                with pytest.raises(AssertionError):
+                    assert_trees_equal(runs["broken"][1], hand)
 
 
 def test_unsupported_keys_are_listed_in_one_error():

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import dsfn
+from dsfn.effects import activate
 import dsfn.functional as functional
 from dsfn.errors import ConfigError, StackError
 from dsfn.models.gpt import GPT, GPTConfig
@@ -243,8 +244,9 @@ def test_partition_activations_needs_tensor_parallel():
     with pytest.raises(ConfigError, match="partition_activations"):
         remat(partition_activations="tp")
     r = remat(partition_activations=True)
-    dsfn.compose(tensor_parallel({"x": "colwise"}), r)             # the documented stack is accepted
-    assert "each tp rank keeps 1/tp of them (partition_activations)" in r.explain_note()
+    step = dsfn.compose(tensor_parallel({"x": "colwise"}), r)(lambda s, b: (s, {}))   # the documented stack
+    with activate(step.stack, step.facts):       # the note names the stack's tp axis (a stack fact)
+        assert "each tp rank keeps 1/tp of them (partition_activations)" in r.explain_note()
 
 
 def test_custom_policies_and_module_patterns():
