@@ -17,11 +17,14 @@ per device (`ns_compute_dtype`): fp32 on CPU, so default CPU updates equal fp32 
 from __future__ import annotations
 
 import itertools
+import sys
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dsfn
 import dsfn.optim as O
@@ -334,12 +337,43 @@ def test_gram_optimizer_states_agree_with_standard():
         torch.testing.assert_close(out["gram"][1].momentum[n], out["standard"][1].momentum[n], rtol=1e-4, atol=1e-5)
 
 
-def test_gram_kernel_is_not_the_standard_kernel():
-    # the Gram path must really iterate on X Xᵀ: same result, different rounding
+class _MatmulShapes(TorchDispatchMode):
+    """The operand shapes of every matrix product dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default):
+            self.shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+def _check_gram_path(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """orthogonalize(ns_method="gram") on a wide [n, m] matrix iterates on R = X Xᵀ (n x n): X
+    itself (the long side m) enters 4 products — R at the start and at the restart, Q X at the
+    restart and at the end — where the standard iteration has 2 per step (X Xᵀ and B X)."""
+    n, m = g.shape
+    with _MatmulShapes() as mode:
+        out = orthogonalize(g, ns_steps=steps, ns_method="gram", ns_dtype=F32)
+    long_side = [s for s in mode.shapes if m in s[0] + s[1]]
+    assert len(long_side) == 4, f"the gram path multiplied through X {len(long_side)} times: {mode.shapes}"
+    assert all(a[-2:] == b[-2:] == (n, n) for a, b in mode.shapes if (a, b) not in long_side), mode.shapes
+    return out
+
+
+def test_gram_kernel_iterates_on_the_gram_matrix():
+    """The Gram path really iterates on X Xᵀ (counted: products through the long side), and
+    gives the standard iteration's result. Negative control: "gram" dispatched to the
+    standard kernel (the bug this catches) multiplies through X 2 x 5 times and fails it."""
     g = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
-    a, b = newton_schulz(g, 5, F32), gram_newton_schulz(g, 5, F32)
-    assert not torch.equal(a, b)
-    torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+    b = _check_gram_path(g)
+    assert torch.equal(b, gram_newton_schulz(g, 5, F32))          # orthogonalize's gram path is this kernel
+    torch.testing.assert_close(newton_schulz(g, 5, F32), b, rtol=0, atol=1e-4)
+    with mock.patch.object(sys.modules["dsfn.optim.muon"], "gram_newton_schulz", newton_schulz):
+        with pytest.raises(AssertionError, match="multiplied through X 10 times"):
+            _check_gram_path(g)
 
 
 @pytest.mark.parametrize("method", ["standard", "gram"])
