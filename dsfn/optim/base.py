@@ -12,7 +12,7 @@ A `GradientTransformation` is a pair of pure functions (optax's protocol):
 - Purity: `update` never writes to `grads`, `state` or `params`; it returns new tensors
   (it may return an input tensor unchanged, e.g. `identity`). In-place ops are used only
   on tensors a transform allocated itself in the same call. The exception is a donated
-  step (`dsfn.state.donation.may_alias()`): there `apply`/`apply_updates` and the state
+  step (`dsfn.aliasing.may_alias()`): there `apply`/`apply_updates` and the state
   updates of Adam and SGD momentum write their results into their inputs (the same
   kernels, so the same values); `update`'s returned updates are never affected.
 - Every stateful transform keeps `count`, a 0-dim int64 tensor on the CPU, in its state:
@@ -27,7 +27,7 @@ import torch
 
 from dsfn import tree
 from dsfn.errors import ConfigError, LeafTypeError
-from dsfn.state.donation import writable
+from dsfn.aliasing import writable
 
 PyTree = Any
 Params = Any

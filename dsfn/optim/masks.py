@@ -20,7 +20,7 @@ import torch
 from dsfn import logical, tree
 from dsfn.errors import ConfigError, LeafTypeError
 from dsfn.optim.base import GradientTransformation, PyTree, tensor_leaves
-from dsfn.state.layout import is_placed
+from dsfn.placed import is_placed
 
 MaskFn = Callable[[str, torch.Tensor], bool]
 Mask = Union[PyTree, MaskFn]

@@ -108,7 +108,7 @@ from dsfn.optim.transform import (
     adam_step,
     check_learning_rate,
 )
-from dsfn.state.layout import Placed, is_placed
+from dsfn.placed import Placed, is_placed
 
 __all__ = ["MuonState", "MuonTransformation", "gram_newton_schulz", "muon", "muon_matrix_update", "muon_split",
            "newton_schulz", "ns_compute_dtype", "orthogonalize"]

@@ -58,7 +58,7 @@ from dsfn import tree
 from dsfn.errors import ConfigError, LeafTypeError
 from dsfn.optim.base import GradientTransformation, PyTree, tensor_leaves, zero_count
 from dsfn.optim.transform import LearningRate, _flatten_like, _lr_record, _lr_value, check_learning_rate
-from dsfn.state.layout import is_placed
+from dsfn.placed import is_placed
 
 __all__ = ["FromTorchState", "from_torch"]
 

@@ -36,7 +36,7 @@ from dsfn.optim.base import (
     tensor_leaves,
     zero_count,
 )
-from dsfn.state.donation import donating, writable
+from dsfn.aliasing import donating, writable
 
 Schedule = Callable[[torch.Tensor], float | torch.Tensor]
 LearningRate = Union[float, torch.Tensor, Schedule]
@@ -398,7 +398,7 @@ def _host_adamw_step(g, p, state: AdamState, spec, v, t: int, count, b1, b2, eps
     new_p, mu, nu = [None] * len(g), [None] * len(g), [None] * len(g)
     todo = list(range(len(g)))
     if session is not None:
-        from dsfn.state.layout import is_placed
+        from dsfn.placed import is_placed
         # parameter paths (a sharded leaf is one Placed node: its path, not its child's)
         paths = [q for q, _ in tree.leaves_with_path(tree.unflatten(spec, todo), is_leaf=is_placed)]
         hits = {k: session.lookup(paths[k], g[k], p[k], mu_in[k], nu_in[k], lr_f, t, hyper) for k in todo}

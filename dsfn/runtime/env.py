@@ -271,17 +271,27 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+_before_exit: list = []      # what holds sub-groups (the mesh registers its reset): dropped first
+
+
+def before_exit(fn) -> None:
+    """Run `fn()` at interpreter exit before the process groups are destroyed (a holder of
+    groups or work handles lets go of them: `dsfn.runtime.mesh` registers its reset)."""
+    if fn not in _before_exit:
+        _before_exit.append(fn)
+
+
 def _shutdown_at_exit() -> None:
     """At interpreter exit, after the user's script: the process group and everything that
     holds it or its work handles go while the interpreter still runs. Left to finalisation,
     gloo's worker threads free a finished collective's tensors during interpreter teardown
     and a rank aborts ("terminate called without an active exception", exit -6) after a
-    script that succeeded. So: drop dsfn's mesh (its sub-groups), destroy every group, and
-    collect the cycles that still hold work handles and their tensors."""
+    script that succeeded. So: drop dsfn's mesh (its sub-groups: `before_exit`), destroy
+    every group, and collect the cycles that still hold work handles and their tensors."""
     import gc
-    from dsfn.runtime import mesh
     try:
-        mesh.reset_mesh()
+        for fn in _before_exit:
+            fn()
         gc.collect()                  # work handles in garbage cycles go before their groups
         shutdown()
     finally:

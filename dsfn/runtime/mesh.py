@@ -198,6 +198,9 @@ def reset_mesh() -> None:
     _current = None
 
 
+env.before_exit(reset_mesh)      # its sub-groups go before the process groups are destroyed
+
+
 def ensure_ready(stack: Sequence[Any]) -> None:
     """Run at the start of every Step entry point: the process group and the mesh axes.
 

@@ -41,51 +41,17 @@ step reallocates its whole state every step, which a donating one does not.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import torch
-
+from dsfn.aliasing import donating, may_alias, writable  # noqa: F401  (the flag lives below the state floor)
 from dsfn.errors import ConfigError, DonatedStateError
 
-_local = threading.local()
 _readers: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 # Attribute a donated state carries (set with object.__setattr__: states are frozen).
 _MARK = "_dsfn_donated"
-
-
-def may_alias() -> bool:
-    """True inside a donated step: update outputs may reuse (overwrite) their inputs' buffers."""
-    return getattr(_local, "on", False)
-
-
-@contextlib.contextmanager
-def donating(enabled: bool = True) -> Iterator[None]:
-    """Within this block `may_alias()` is `enabled` (nested blocks restore the outer value)."""
-    prev = may_alias()
-    _local.on = bool(enabled)
-    try:
-        yield
-    finally:
-        _local.on = prev
-
-
-def writable(tensors: Iterable[torch.Tensor]) -> bool:
-    """Whether an update may write its results into `tensors` in place: donation is on, and
-    no two of them share a first element (the same tensor twice would be updated twice)."""
-    if not may_alias():
-        return False
-    seen = set()
-    for t in tensors:
-        key = (t.device, t.data_ptr())
-        if t.numel() and key in seen:
-            return False
-        seen.add(key)
-    return True
 
 
 def register_reader(reader: Any) -> None:
@@ -99,10 +65,15 @@ def settle_readers() -> None:
         r.settle_for_donation()
 
 
+def _donatable(state: Any) -> bool:
+    """A state whose fields can be invalidated: a class that declares `donatable = True`
+    (dsfn.TrainState; checked by a class flag, so this module stays below train_state)."""
+    return getattr(type(state), "donatable", False) is True
+
+
 def check_donatable(state: Any) -> None:
     """ConfigError unless `state` can be donated: a dsfn TrainState (its invalidation needs one)."""
-    from dsfn.state.train_state import TrainState
-    if not isinstance(state, TrainState):
+    if not _donatable(state):
         raise ConfigError(f"donate=True needs a dsfn.TrainState as the step's state, got {type(state).__name__}; "
                           "build it with dsfn.TrainState.create / step.init_state, or call the step without donation")
 
@@ -111,8 +82,7 @@ def mark_donated(state: Any, note: str | Callable[[], str]) -> None:
     """Invalidate a donated TrainState: its child fields are removed, so every later read
     (attribute, tree op, a step) raises DonatedStateError (`TrainState.__getattr__`)."""
     import dataclasses
-    from dsfn.state.train_state import TrainState
-    if not isinstance(state, TrainState) or is_donated(state):
+    if not _donatable(state) or is_donated(state):
         return
     object.__setattr__(state, _MARK, note)
     for f in dataclasses.fields(state):

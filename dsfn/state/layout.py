@@ -39,8 +39,7 @@ from __future__ import annotations
 
 import abc
 import math
-import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +47,7 @@ import torch
 from dsfn import tree
 from dsfn.errors import ShapeError
 from dsfn.runtime import collectives as C
+from dsfn.placed import Placed, is_placed  # noqa: F401  (re-exported: the leaf these layouts describe)
 from dsfn.runtime.mesh import Mesh, current_mesh
 
 
@@ -456,28 +456,6 @@ def _check_shape(full: torch.Tensor, shape: tuple[int, ...], layout: Layout) -> 
         raise LeafTypeError(f"{layout} needs a torch.Tensor, got {type(full).__name__}")
     if tuple(full.shape) != tuple(shape):
         raise ShapeError(f"{layout} describes a tensor of shape {tuple(shape)}, got {tuple(full.shape)}")
-
-
-@dataclass(frozen=True, init=False)
-class Placed:
-    """A physical leaf: this rank's `data` under `layout`. A pytree node, not a leaf."""
-    data: torch.Tensor
-    layout: Layout
-    # its pytree flattening ((data,), layout), made once: optree reads it through a C-level
-    # attrgetter, so flattening a state of Placed leaves runs no Python per leaf
-    _flat: tuple = field(init=False, repr=False, compare=False)
-
-    def __init__(self, data: torch.Tensor, layout: Layout):
-        object.__setattr__(self, "data", data)
-        object.__setattr__(self, "layout", layout)
-        object.__setattr__(self, "_flat", ((data,), layout))
-
-
-tree.register_node(Placed, operator.attrgetter("_flat"), lambda layout, children: Placed(children[0], layout))
-
-
-def is_placed(x: Any) -> bool:
-    return isinstance(x, Placed)
 
 
 def layout_of(x: Any) -> Layout:

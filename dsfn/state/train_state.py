@@ -30,6 +30,7 @@ import torch
 from dsfn import tree
 from dsfn.errors import LeafTypeError
 from dsfn.effects import bind
+from dsfn.state import donation
 
 
 @tree.dataclass
@@ -41,6 +42,7 @@ class TrainState:
     buffers: dict = tree.field(default_factory=dict)
     extra: dict = tree.field(default_factory=dict)
     tx: Any = tree.static_field(default=None)
+    donatable = True        # (a class attribute, not a field) a donated step may invalidate it
 
     @classmethod
     def create(cls, params: Any, tx: Any, seed: int = 0, extra: dict | None = None,
@@ -70,7 +72,6 @@ class TrainState:
     def __getattr__(self, name: str) -> Any:
         # only reached when normal lookup fails: a donated state's fields were removed
         # (dsfn.state.donation.mark_donated), so reading one names the problem
-        from dsfn.state import donation
         if name != "__dict__" and donation.is_donated(self):
             raise donation.donated_error(self, f"TrainState.{name}")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

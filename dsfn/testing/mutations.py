@@ -37,6 +37,7 @@ from unittest import mock
 import torch
 
 from dsfn.errors import ConfigError
+from dsfn.testing import ranks
 
 ENV = "DSFN_MUTATION"
 
@@ -241,17 +242,6 @@ def active(name: str) -> Iterator[Mutation]:
             os.environ[ENV] = old
 
 
-class RankEntry:
-    """`fn` with the mutations of `DSFN_MUTATION` installed first (the entry of a rank)."""
-
-    def __init__(self, fn: Callable[..., Any]):
-        self.fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        activate_from_env()
-        return self.fn(*args, **kwargs)
-
-
 # ------------------------------------------------------------------------------------------
 # the rows a mutation must fail
 
@@ -280,3 +270,7 @@ def rows(name: str, all_rows: bool = False) -> list:
             out.append(K.Case(stack, o, models[turn % len(models)], sspec.full_world()))
             turn += 1
     return out
+
+
+# every rank `run_on_ranks` starts installs the mutations named in DSFN_MUTATION first
+ranks.at_rank_start(activate_from_env)

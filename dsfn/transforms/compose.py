@@ -25,7 +25,7 @@ inside every `wrap_step`, so a checkpoint taken at the step boundary holds them.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -37,7 +37,7 @@ from dsfn.runtime.mesh import ensure_ready
 from dsfn.state import donation
 from dsfn.state.layout import gather_tree
 from dsfn.state.train_state import mark_placed
-from dsfn.transforms.core import Transform, activate, bind, check_stack, register_step_class
+from dsfn.effects import activate, bind
 from dsfn.transforms.facts import StackFacts
 
 StepFn = Callable[[Any, Any], tuple[Any, dict]]
@@ -46,7 +46,7 @@ StepFn = Callable[[Any, Any], tuple[Any, dict]]
 class Step:
     """A train step with a stack of transforms around it."""
 
-    def __init__(self, fn: StepFn, stack: tuple[Transform, ...] = (), donate: bool = False):
+    def __init__(self, fn: StepFn, stack: tuple[Any, ...] = (), donate: bool = False):
         if isinstance(fn, Step):
             stack, fn, donate = tuple(stack) + fn.stack, fn.fn, donate or fn.donate
         if not isinstance(donate, bool):
@@ -238,10 +238,7 @@ class Explanation:
     __repr__ = __str__
 
 
-register_step_class(Step)
-
-
-def compose(*transforms: Transform, donate: bool = False) -> Callable[[StepFn], Step]:
+def compose(*transforms: Any, donate: bool = False) -> Callable[[StepFn], Step]:
     """`compose(a, b, c)(f) == a(b(c(f)))`; the stack is validated now, not at the first step.
 
     `donate=True`: every call of the Step donates its input state (module docstring)."""
@@ -275,7 +272,7 @@ def _step_number(s: Any) -> str:
         return "?"
 
 
-def _check_placed(stack: tuple[Transform, ...], state: Any) -> None:
+def _check_placed(stack: tuple[Any, ...], state: Any) -> None:
     """UnplacedStateError when a transform sees that `state` never went through `place` (a
     logical state would otherwise train unsharded, or fail deep inside an optimizer)."""
     for t in stack:
@@ -325,3 +322,29 @@ def _computed_on(params: Any) -> list[torch.Tensor]:
     from dsfn.state.layout import Offloaded, Placed, is_placed
     return [x.data if isinstance(x, Placed) else x for x in tree.leaves(params, is_leaf=is_placed)
             if not (isinstance(x, Placed) and isinstance(x.layout, Offloaded))]
+
+
+def is_transform(t: Any) -> bool:
+    """Whether `t` keeps the transform protocol (`dsfn.transforms.core.Transform`'s methods
+    a Step calls; checked by shape, so this module stays below the protocol's)."""
+    return all(callable(getattr(t, m, None)) for m in ("check_stack", "place", "gather", "unplaced", "wrap_step")) \
+        and isinstance(getattr(t, "name", None), str)
+
+
+def check_stack(stack: Sequence[Any]) -> tuple[Any, ...]:
+    """Validate a stack at compose time; returns it as a tuple."""
+    for i, t in enumerate(stack):
+        if not is_transform(t):
+            hint = ""
+            if callable(t) and getattr(t, "__module__", "").startswith("dsfn.transforms"):
+                hint = f" Did you forget to call it, e.g. {getattr(t, '__name__', 'transform')}()?"
+            raise StackError(f"compose() takes dsfn transforms; argument {i} is {t!r}.{hint}")
+    seen: dict[type, int] = {}
+    for i, t in enumerate(stack):
+        if getattr(t, "unique", True) and type(t) in seen:
+            raise StackError(f"{t.name} appears twice in the stack (positions {seen[type(t)]} and {i}); "
+                             f"use it once")
+        seen.setdefault(type(t), i)
+    for i, t in enumerate(stack):
+        t.check_stack(stack, i)
+    return tuple(stack)

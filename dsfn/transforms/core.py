@@ -34,13 +34,11 @@ physical; the generic `gather` of layouts inverts it) and wrap the whole step
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 from dsfn.effects import activate, active_stack, bind  # noqa: F401  (the mechanism lives in dsfn.effects)
-from dsfn.errors import ConfigError, StackError
-
-if TYPE_CHECKING:
-    from dsfn.transforms.compose import Step
+from dsfn.errors import ConfigError
+from dsfn.transforms.compose import Step, check_stack  # noqa: F401  (a Step runs a stack; check_stack is its rule)
 
 
 class Transform:
@@ -110,18 +108,9 @@ class Transform:
     def __repr__(self) -> str:
         return self.describe()
 
-    def __call__(self, fn: Callable) -> "Step":
+    def __call__(self, fn: Callable) -> Step:
         """`t(f)`: a Step with `t` outermost; `t(Step)` prepends `t` to its stack."""
-        return _STEP_CLASS[0](fn, (self,))      # Step(a_step, stack) prepends stack to a_step's
-
-
-# The Step class, registered by dsfn.transforms.compose when it is imported (it builds on
-# this module, so importing it here would be a circle).
-_STEP_CLASS: list[type] = []
-
-
-def register_step_class(cls: type) -> None:
-    _STEP_CLASS[:] = [cls]
+        return Step(fn, (self,))      # Step(a_step, stack) prepends stack to a_step's
 
 
 def with_role(stack: Sequence[Transform], role: str) -> list[Transform]:
@@ -147,22 +136,3 @@ def make_transform(cls: type[Transform], factory_name: str, args: tuple, kwargs:
 
 def _public_sig(sig: inspect.Signature) -> str:
     return str(sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "self"]))
-
-
-def check_stack(stack: Sequence[Any]) -> tuple[Transform, ...]:
-    """Validate a stack at compose time; returns it as a tuple."""
-    for i, t in enumerate(stack):
-        if not isinstance(t, Transform):
-            hint = ""
-            if callable(t) and getattr(t, "__module__", "").startswith("dsfn.transforms"):
-                hint = f" Did you forget to call it, e.g. {getattr(t, '__name__', 'transform')}()?"
-            raise StackError(f"compose() takes dsfn transforms; argument {i} is {t!r}.{hint}")
-    seen: dict[type, int] = {}
-    for i, t in enumerate(stack):
-        if t.unique and type(t) in seen:
-            raise StackError(f"{t.name} appears twice in the stack (positions {seen[type(t)]} and {i}); "
-                             f"use it once")
-        seen.setdefault(type(t), i)
-    for i, t in enumerate(stack):
-        t.check_stack(stack, i)
-    return tuple(stack)
