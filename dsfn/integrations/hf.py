@@ -183,16 +183,16 @@ def _ulysses_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     `kv_replication`'s factor f (in `repeat_kv`'s order), and the module's
     `num_key_value_groups` is H / (Hkv * f) while its own implementation runs."""
     from dsfn.runtime.mesh import current_mesh
-    from dsfn.transforms.sequence_parallel import heads_to_seq, kv_replication, replicate_kv, seq_to_heads
+    from dsfn.engines import ulysses
     ctx = _ACTIVE[-1]
     axis, impl = ctx.axis, ctx.inner
     n = current_mesh().size(axis)
-    f = kv_replication(query.shape[1], key.shape[1], n, type(module).__name__)
-    key, value = replicate_kv(key, f), replicate_kv(value, f)
+    f = ulysses.kv_replication(query.shape[1], key.shape[1], n, type(module).__name__)
+    key, value = ulysses.replicate_kv(key, f), ulysses.replicate_kv(value, f)
     full_positions, docs = _documents(ctx, kwargs.get("position_ids"))
     keys = (_valid_keys(ctx, attention_mask) if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
             else None)                                                       # [b, T]: padding (left, right, holes)
-    q, k, v = (seq_to_heads(t, axis) for t in (query, key, value))
+    q, k, v = (ulysses.seq_to_heads(t, axis) for t in (query, key, value))
     t = q.shape[2]
     mask = None
     window = kwargs.get("sliding_window")        # this layer's window (Mistral, Gemma2's sliding layers)
@@ -238,7 +238,7 @@ def _ulysses_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     finally:
         if f > 1 and isinstance(groups, int):
             module.num_key_value_groups = groups
-    out = heads_to_seq(out.transpose(1, 2).contiguous(), axis)                  # [B, H, T/sp, d]
+    out = ulysses.heads_to_seq(out.transpose(1, 2).contiguous(), axis)                  # [B, H, T/sp, d]
     return out.transpose(1, 2), None
 
 

@@ -54,7 +54,7 @@ def chunk_table(numels: Sequence[int], chunk: int, device: torch.device) -> torc
     t = _CHUNK_TABLES.get(key)
     if t is None:
         rows = _chunk_rows(key[0], key[1])
-        t = _to_device(torch.tensor(rows, dtype=torch.int64).reshape(-1, 2), key[2])
+        t = host_to_device(torch.tensor(rows, dtype=torch.int64).reshape(-1, 2), key[2])
         if len(_CHUNK_TABLES) > 256:        # a bound: groups of changing shapes must not leak
             _CHUNK_TABLES.clear()
         _CHUNK_TABLES[key] = t
@@ -68,10 +68,10 @@ def pointer_table(columns: Sequence[Sequence[torch.Tensor]], device: torch.devic
     The caller keeps every tensor alive until the kernel has run (they are its operands)."""
     n = len(columns[0])
     rows = [[c[i].data_ptr() for c in columns] + [columns[0][i].numel()] for i in range(n)]
-    return _to_device(torch.tensor(rows, dtype=torch.int64), torch.device(device))
+    return host_to_device(torch.tensor(rows, dtype=torch.int64), torch.device(device))
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host table on `device`: pinned and copied without blocking on CUDA (the caching
     host allocator keeps the pinned block until the copy has run)."""
     if device.type == "cpu":

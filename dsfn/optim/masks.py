@@ -48,7 +48,7 @@ def by_ndim(min_ndim: int) -> MaskFn:
     return mask
 
 
-def _evaluate(sel: Any, params: PyTree, kind: str, check: Callable[[Any], Any]) -> tuple:
+def evaluate_mask(sel: Any, params: PyTree, kind: str, check: Callable[[Any], Any]) -> tuple:
     """Per-leaf values of a mask/labels callable or pytree, in flatten order of params.
 
     Decided on the *logical* parameters (`dsfn.logical.logical_view`): a callable sees each
@@ -68,7 +68,7 @@ def _evaluate(sel: Any, params: PyTree, kind: str, check: Callable[[Any], Any]) 
     return tuple(check(v) for v in sel_leaves)
 
 
-def _as_bool(v: Any) -> bool:
+def as_bool(v: Any) -> bool:
     if isinstance(v, torch.Tensor) and v.numel() == 1 and v.dtype == torch.bool:
         return bool(v)
     if not isinstance(v, bool):
@@ -128,7 +128,7 @@ def masked(inner: GradientTransformation, mask: Mask,
                           "(leave their updates unchanged)")
 
     def init(params: PyTree) -> MaskedState:
-        keep = _evaluate(mask, params, "mask", _as_bool)
+        keep = evaluate_mask(mask, params, "mask", as_bool)
         leaves, spec = _pieces(params, "params")
         return MaskedState(inner=inner.init(_select(leaves, keep, spec)), mask=keep)
 
@@ -176,7 +176,7 @@ def partition(transforms: Mapping[Hashable, GradientTransformation],
         return v
 
     def init(params: PyTree) -> PartitionState:
-        labs = _evaluate(labels, params, "labels", check_label)
+        labs = evaluate_mask(labels, params, "labels", check_label)
         leaves, spec = _pieces(params, "params")
         inner = {k: t.init(_select(leaves, tuple(x == k for x in labs), spec)) for k, t in txs.items()}
         return PartitionState(inner=inner, labels=labs)

@@ -99,12 +99,12 @@ from dsfn import logical, tree
 from dsfn.errors import ConfigError, LeafTypeError
 from dsfn.optim._foreach import check_betas, check_int, check_real, mul_scalar
 from dsfn.optim.base import GradientTransformation, PyTree, tensor_leaves, zero_count
-from dsfn.optim.masks import Mask, _as_bool, _evaluate
+from dsfn.optim.masks import Mask, as_bool, evaluate_mask
 from dsfn.optim.transform import (
     AdamState,
     LearningRate,
-    _lr_record,
-    _lr_value,
+    lr_record,
+    lr_value,
     adam_step,
     check_learning_rate,
 )
@@ -327,7 +327,7 @@ def _split(params: PyTree, mask: Mask | None, num_heads: Any, num_kv_heads: int 
     if mask is None:
         use = tuple(default_use_muon(p, x) for p, x in zip(paths, leaves))
     else:
-        use = _evaluate(mask, params, "mask", _as_bool)
+        use = evaluate_mask(mask, params, "mask", as_bool)
         for p, x, u in zip(paths, leaves, use):
             if u and x.dim() < 2:
                 raise ConfigError(f"muon(mask=...) selects {p!r} of shape {tuple(x.shape)} for Muon; Muon "
@@ -527,7 +527,7 @@ def muon(lr: LearningRate | None = None, momentum: float = 0.95, *, nesterov: bo
         momentum_tree = _select([tree.map(torch.zeros_like, x) for x in leaves], use, spec)
         adam_state = adam_tx.init(_select(leaves, [not u for u in use], spec))
         return MuonState(count=count, momentum=momentum_tree, adam=adam_state,
-                         lr=_lr_record(_lr_value(mu_lr, count)), use_muon=use, heads=heads)
+                         lr=lr_record(lr_value(mu_lr, count)), use_muon=use, heads=heads)
 
     def step(grads: PyTree, state: MuonState, params: PyTree):
         """(new param leaves, param leaves, spec, new state)."""
@@ -559,7 +559,7 @@ def muon(lr: LearningRate | None = None, momentum: float = 0.95, *, nesterov: bo
         if len(m_leaves) != sum(use):
             raise LeafTypeError(f"muon: state.momentum holds {len(m_leaves)} buffers for {sum(use)} Muon params; "
                                 "pass the state this optimizer's init/update returned")
-        v = _lr_value(mu_lr, state.count)
+        v = lr_value(mu_lr, state.count)
         new_p: list[Any] = [None] * len(p)
         new_m: list[Any] = [None] * len(p)
         directions: dict[int, Any] = {}
@@ -578,7 +578,7 @@ def muon(lr: LearningRate | None = None, momentum: float = 0.95, *, nesterov: bo
             if not u:
                 new_p[k] = next(it_a)
         new = MuonState(count=state.count + 1, momentum=tree.unflatten(m_spec, [x for x in new_m if x is not None]),
-                        adam=adam_state, lr=_lr_record(v), use_muon=use, heads=state.heads)
+                        adam=adam_state, lr=lr_record(v), use_muon=use, heads=state.heads)
         return new_p, p, spec, new
 
     def update(grads: PyTree, state: MuonState, params: PyTree = None) -> tuple[PyTree, MuonState]:

@@ -57,7 +57,7 @@ import torch
 from dsfn import tree
 from dsfn.errors import ConfigError, LeafTypeError
 from dsfn.optim.base import GradientTransformation, PyTree, tensor_leaves, zero_count
-from dsfn.optim.transform import LearningRate, _flatten_like, _lr_record, _lr_value, check_learning_rate
+from dsfn.optim.transform import LearningRate, flatten_like, lr_record, lr_value, check_learning_rate
 from dsfn.placed import is_placed
 
 __all__ = ["FromTorchState", "from_torch"]
@@ -393,7 +393,7 @@ def from_torch(optimizer: Callable[..., torch.optim.Optimizer], lr: LearningRate
     core = _TorchStep(optimizer, hyper, who)
     probe_lr = None
     if lr is not None:
-        v = float(_lr_value(lr, zero_count()))
+        v = float(lr_value(lr, zero_count()))
         probe_lr = v if v > 0 else 1e-2        # a warm-up schedule may start at 0: the probe needs a real step
     spec = _probe(core, probe_lr)
     state_dtypes: dict[tuple[torch.dtype, str], dict[str, tuple[torch.dtype, torch.device]]] = {}
@@ -417,9 +417,9 @@ def from_torch(optimizer: Callable[..., torch.optim.Optimizer], lr: LearningRate
 
     def lr_now(count: torch.Tensor) -> tuple[float | None, torch.Tensor | None]:
         if lr is None:
-            return None, (None if spec.lr_default is None else _lr_record(float(spec.lr_default)))
-        v = _lr_value(lr, count)
-        return float(v), _lr_record(v)
+            return None, (None if spec.lr_default is None else lr_record(float(spec.lr_default)))
+        v = lr_value(lr, count)
+        return float(v), lr_record(v)
 
     def init(params: PyTree) -> FromTorchState:
         leaves, tspec = tensor_leaves(params, "params")
@@ -449,13 +449,13 @@ def from_torch(optimizer: Callable[..., torch.optim.Optimizer], lr: LearningRate
             return None, None, tspec, state._replace(count=count, lr=lr_rec)
         if params is None:
             raise LeafTypeError(f"{who} needs params: call update(grads, state, params)")
-        p = _flatten_like(params, tspec, "params")
+        p = flatten_like(params, tspec, "params")
         missing = [k for k in spec.tensor_keys if k not in state.tensors] + \
             [k for k in spec.scalar_keys + tuple(k for k, _ in spec.number_keys) if k not in state.scalars]
         if missing:
             raise LeafTypeError(f"{who}: the state lacks {missing}; pass the state this transform's init/update "
                                 "returned")
-        tens = {k: _flatten_like(state.tensors[k], tspec, f"{who} state.tensors[{k!r}]") for k in spec.tensor_keys}
+        tens = {k: flatten_like(state.tensors[k], tspec, f"{who} state.tensors[{k!r}]") for k in spec.tensor_keys}
 
         def names() -> list[str]:
             return [q for q, _ in tree.leaves_with_path(tree.unflatten(tspec, range(len(g))), is_leaf=is_placed)]

@@ -42,7 +42,7 @@ Schedule = Callable[[torch.Tensor], float | torch.Tensor]
 LearningRate = Union[float, torch.Tensor, Schedule]
 
 
-def _flatten_like(t: PyTree, spec: tree.TreeSpec, what: str) -> list[torch.Tensor]:
+def flatten_like(t: PyTree, spec: tree.TreeSpec, what: str) -> list[torch.Tensor]:
     leaves, s = tree.flatten(t)
     if s != spec:
         raise LeafTypeError(f"{what} does not have the structure of the updates ({s} vs {spec}); pass the "
@@ -68,7 +68,7 @@ def check_learning_rate(lr: Any, who: str) -> None:
                "dsfn.optim.schedules.WarmupLR(...)) or a 1-element tensor")
 
 
-def _lr_value(lr: LearningRate, count: torch.Tensor) -> float | torch.Tensor:
+def lr_value(lr: LearningRate, count: torch.Tensor) -> float | torch.Tensor:
     if isinstance(lr, torch.Tensor):
         return lr
     if callable(lr):
@@ -82,7 +82,7 @@ def _lr_value(lr: LearningRate, count: torch.Tensor) -> float | torch.Tensor:
     return float(lr)
 
 
-def _lr_record(v: float | torch.Tensor) -> torch.Tensor:
+def lr_record(v: float | torch.Tensor) -> torch.Tensor:
     return v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64)
 
 
@@ -127,7 +127,7 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         u, spec = tensor_leaves(updates, "updates")
         if not u:
             return updates, state
-        p = _flatten_like(params, spec, "params")
+        p = flatten_like(params, spec, "params")
         return tree.unflatten(spec, torch._foreach_add(u, p, alpha=wd)), state
 
     return GradientTransformation(init, update)
@@ -165,9 +165,9 @@ def _adam_moments(g: list[torch.Tensor], state: Any, spec: tree.TreeSpec, b1: fl
                   amsgrad: bool) -> tuple[list, list, list | None]:
     """torch.optim.Adam's moment updates (same kernels, so bitwise torch's), out of place,
     or into the input moments inside a donated step (`dsfn.state.donation`)."""
-    mu_in = _flatten_like(state.mu, spec, "Adam state.mu")
-    nu_in = _flatten_like(state.nu, spec, "Adam state.nu")
-    max_in = _flatten_like(state.nu_max, spec, "Adam state.nu_max") if amsgrad else []
+    mu_in = flatten_like(state.mu, spec, "Adam state.mu")
+    nu_in = flatten_like(state.nu, spec, "Adam state.nu")
+    max_in = flatten_like(state.nu_max, spec, "Adam state.nu_max") if amsgrad else []
     if writable(mu_in + nu_in + max_in):
         with torch.no_grad():
             torch._foreach_lerp_(mu_in, g, 1.0 - b1)
@@ -253,7 +253,7 @@ def adam_step(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float =
 
     def init(params: PyTree) -> AdamState:
         count = zero_count()
-        return AdamState(count, *_adam_init(params, amsgrad), lr=_lr_record(_lr_value(lr, count)))
+        return AdamState(count, *_adam_init(params, amsgrad), lr=lr_record(lr_value(lr, count)))
 
     def update(updates: PyTree, state: AdamState, params: PyTree = None) -> tuple[PyTree, AdamState]:
         with donating(False):           # returns p' - p: p itself must stay as it was
@@ -271,12 +271,12 @@ def adam_step(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float =
         """(new param leaves, param leaves, spec, new state); leaves are None for an empty tree."""
         g, spec = tensor_leaves(updates, "updates")
         count = state.count + 1
-        v = _lr_value(lr, state.count)
+        v = lr_value(lr, state.count)
         if not g:
-            return None, None, spec, state._replace(count=count, lr=_lr_record(v))
+            return None, None, spec, state._replace(count=count, lr=lr_record(v))
         if params is None:
             raise LeafTypeError("adam_step needs params: call update(grads, state, params)")
-        p = _flatten_like(params, spec, "params")
+        p = flatten_like(params, spec, "params")
         t = int(count)
         if not amsgrad and _fused_adamw_applies(p, state, spec):
             return _fused_adamw_step(g, p, state, spec, v, t, count, b1, b2, eps, wd)
@@ -287,7 +287,7 @@ def adam_step(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float =
         if donated and not isinstance(v, torch.Tensor):
             mu, nu, nu_max = _adam_in_place(g, p, state, spec, b1, b2, eps, wd, v, bc1, bc2_sqrt, amsgrad)
             new = AdamState(count, tree.unflatten(spec, mu), tree.unflatten(spec, nu),
-                            tree.unflatten(spec, nu_max) if amsgrad else None, lr=_lr_record(v))
+                            tree.unflatten(spec, nu_max) if amsgrad else None, lr=lr_record(v))
             return p, p, spec, new
         mu, nu, nu_max = _adam_moments(g, state, spec, b1, b2, amsgrad)
         denom = torch._foreach_sqrt(nu_max if amsgrad else nu)
@@ -317,7 +317,7 @@ def adam_step(lr: LearningRate, b1: float = 0.9, b2: float = 0.999, eps: float =
                 torch._foreach_copy_(p, new_p)
             new_p = p
         new = AdamState(count, tree.unflatten(spec, mu), tree.unflatten(spec, nu),
-                        tree.unflatten(spec, nu_max) if amsgrad else None, lr=_lr_record(v))
+                        tree.unflatten(spec, nu_max) if amsgrad else None, lr=lr_record(v))
         return new_p, p, spec, new
 
     return GradientTransformation(init, update, apply)
@@ -332,9 +332,9 @@ def _adam_in_place(g, p, state, spec, b1, b2, eps, wd, lr: float, bc1, bc2_sqrt,
     """A donated step's Adam (float lr): the kernels and order of `adam_step`'s foreach path,
     writing m, v (v_max) and p' into the state's own tensors (`dsfn.state.donation`), group
     by group. Elementwise, so bitwise the out-of-place result. Returns (mu, nu, nu_max) leaves."""
-    mu = _flatten_like(state.mu, spec, "Adam state.mu")
-    nu = _flatten_like(state.nu, spec, "Adam state.nu")
-    mx = _flatten_like(state.nu_max, spec, "Adam state.nu_max") if amsgrad else None
+    mu = flatten_like(state.mu, spec, "Adam state.mu")
+    nu = flatten_like(state.nu, spec, "Adam state.nu")
+    mx = flatten_like(state.nu_max, spec, "Adam state.nu_max") if amsgrad else None
     groups, cur, size = [], [], 0
     for k, x in enumerate(p):
         cur.append(k)
@@ -390,8 +390,8 @@ def _host_adamw_step(g, p, state: AdamState, spec, v, t: int, count, b1, b2, eps
     backward from these very inputs (`lookup` checks them); those are taken as they are.
     The step's recipe (inputs of the next step per leaf path, scalars) is recorded for it."""
     from dsfn.ops import dispatch
-    mu_in = _flatten_like(state.mu, spec, "Adam state.mu")
-    nu_in = _flatten_like(state.nu, spec, "Adam state.nu")
+    mu_in = flatten_like(state.mu, spec, "Adam state.mu")
+    nu_in = flatten_like(state.nu, spec, "Adam state.nu")
     session = dispatch.host_session()
     lr_f = float(v)
     hyper = (b1, b2, eps, wd)
@@ -411,8 +411,8 @@ def _host_adamw_step(g, p, state: AdamState, spec, v, t: int, count, b1, b2, eps
                            {"lr": lr_f, "step": t, "beta1": b1, "beta2": b2, "eps": eps, "weight_decay": wd,
                             "cores": dispatch.host_cores()})
     if session is not None:
-        session.record(paths, new_p, mu, nu, hyper, lambda c: float(_lr_value(lr, c)), int(count))
-    new = AdamState(count, tree.unflatten(spec, mu), tree.unflatten(spec, nu), None, lr=_lr_record(v))
+        session.record(paths, new_p, mu, nu, hyper, lambda c: float(lr_value(lr, c)), int(count))
+    new = AdamState(count, tree.unflatten(spec, mu), tree.unflatten(spec, nu), None, lr=lr_record(v))
     return new_p, p, spec, new
 
 
@@ -463,8 +463,8 @@ def _fused_adamw_step(g, p, state: AdamState, spec, v, t: int, count, b1, b2, ep
     per leaf, and the new leaves of a non-donated step are views into one flat buffer per
     kind."""
     from dsfn.ops.adamw import adamw_update_multi
-    mu = _flatten_like(state.mu, spec, "Adam state.mu")
-    nu = _flatten_like(state.nu, spec, "Adam state.nu")
+    mu = flatten_like(state.mu, spec, "Adam state.mu")
+    nu = flatten_like(state.nu, spec, "Adam state.nu")
     # a donated step: each element is read and written by the same program, so out= may be the input
     in_place = writable(p + mu + nu) and all(x.is_contiguous() for x in p + mu + nu)
     by_device: dict[torch.device, list[int]] = {}
@@ -481,7 +481,7 @@ def _fused_adamw_step(g, p, state: AdamState, spec, v, t: int, count, b1, b2, ep
                                   out=[(p[k], mu[k], nu[k]) for k in idx] if in_place else None)
         for k, o in zip(idx, outs):
             new_p[k], new_m[k], new_v[k] = o.param, o.exp_avg, o.exp_avg_sq
-    new = AdamState(count, tree.unflatten(spec, new_m), tree.unflatten(spec, new_v), None, lr=_lr_record(v))
+    new = AdamState(count, tree.unflatten(spec, new_m), tree.unflatten(spec, new_v), None, lr=lr_record(v))
     return new_p, p, spec, new
 
 
@@ -517,7 +517,7 @@ def trace(momentum: float, dampening: float = 0.0, nesterov: bool = False) -> Gr
         count = state.count + 1
         if not g:
             return updates, state._replace(count=count)
-        buf = _flatten_like(state.trace, spec, "trace state")
+        buf = flatten_like(state.trace, spec, "trace state")
         in_place = writable(buf)                    # a donated step: the buffer is updated in place
         if int(state.count) == 0:
             if in_place:
@@ -560,13 +560,13 @@ def scale_by_learning_rate(lr: LearningRate, *, flip_sign: bool = True) -> Gradi
 
     def init(params: PyTree) -> ScaleByLearningRateState:
         count = zero_count()
-        return ScaleByLearningRateState(count=count, lr=_lr_record(_lr_value(lr, count)))
+        return ScaleByLearningRateState(count=count, lr=lr_record(lr_value(lr, count)))
 
     def update(updates: PyTree, state: ScaleByLearningRateState,
                params: PyTree = None) -> tuple[PyTree, ScaleByLearningRateState]:
         u, spec = tensor_leaves(updates, "updates")
-        v = _lr_value(lr, state.count)
-        new = ScaleByLearningRateState(count=state.count + 1, lr=_lr_record(v))
+        v = lr_value(lr, state.count)
+        new = ScaleByLearningRateState(count=state.count + 1, lr=lr_record(v))
         if not u:
             return updates, new
         if isinstance(v, torch.Tensor):

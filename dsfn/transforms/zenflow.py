@@ -654,8 +654,8 @@ def _gather(flat: torch.Tensor, segs, sel: list[int], out: torch.Tensor) -> None
 def _index(cols: list[int], c0: int, device: torch.device) -> torch.Tensor:
     """int64 column indices `cols - c0` on `device`: built on the host, pinned and copied
     without blocking (a blocking host-to-device copy per matrix would be a host sync each)."""
-    from dsfn.ops.multi_tensor import _to_device
-    return _to_device(torch.tensor([c - c0 for c in cols], dtype=torch.int64), torch.device(device))
+    from dsfn.ops.multi_tensor import host_to_device
+    return host_to_device(torch.tensor([c - c0 for c in cols], dtype=torch.int64), torch.device(device))
 
 
 def _scatter(flat: torch.Tensor, segs, sel: list[int], src: torch.Tensor) -> None:

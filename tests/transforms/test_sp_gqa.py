@@ -103,7 +103,7 @@ def train(family, stack, batches, mesh=None, wrong_order=False):
         init_mesh(**mesh)
     if wrong_order:         # negative control: k0 k1 k0 k1 instead of k0 k0 k1 k1
         import sys
-        module = sys.modules["dsfn.transforms.sequence_parallel"]
+        module = sys.modules["dsfn.engines.ulysses"]
         module.replicate_kv = lambda x, f: x if f == 1 else x.repeat(1, f, 1, 1)
     model = MODELS[family]()
     apply_fn, params = dsfn.functionalize(model)
