@@ -59,10 +59,6 @@ def path_str(path: Sequence[Any]) -> str:
     return ".".join(str(k) for k in path)
 
 
-def all_leaves(tree: PyTree, pred: Callable[[Any], bool]) -> bool:
-    return all(pred(x) for x in leaves(tree))
-
-
 def dataclass(cls=None, /, **kwargs):
     """A frozen dataclass registered as a pytree node under dsfn's namespace.
 

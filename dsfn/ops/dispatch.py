@@ -144,11 +144,6 @@ def triton_problem(*tensors: torch.Tensor, dtypes: Iterable[torch.dtype] = ()) -
     return _cuda_problem(devices.pop(), {t.dtype for t in ts} | set(dtypes))
 
 
-def can_run_triton(*tensors: torch.Tensor, dtypes: Iterable[torch.dtype] = ()) -> bool:
-    """Whether a Triton kernel can run on these tensors' devices (see `triton_problem`)."""
-    return triton_problem(*tensors, dtypes=dtypes) is None
-
-
 _warned: set[str] = set()
 
 

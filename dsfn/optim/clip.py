@@ -24,6 +24,14 @@ def global_norm(t: PyTree) -> torch.Tensor:
     return logical.global_norm(t)
 
 
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's `clip_grad_norm_` factor min(1, max_norm / (norm + 1e-6)), a tensor (no host
+    sync). The one home of the clipping rule: `clip_by_global_norm` here and the
+    `clip_grad_norm` transform (DeepSpeed's gradient_clipping, fused with loss_scale's
+    unscale) both multiply by it."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """`u -> u * min(max_norm / (global_norm(u) + 1e-6), 1)` (no state).
 
@@ -41,7 +49,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         u, spec = tensor_leaves(updates, "updates")
         if not u:
             return updates, state
-        coef = torch.clamp(max_norm / (logical.global_norm(updates) + 1e-6), max=1.0)
+        coef = clip_coefficient(logical.global_norm(updates), max_norm)
         return tree.unflatten(spec, mul_scalar(u, coef, promote=True)), state   # torch: grads.mul_(coef)
 
     return GradientTransformation(init, update)

@@ -43,7 +43,6 @@ def padded_rows_many(fulls: Sequence[torch.Tensor], n: int) -> list[torch.Tensor
     return out
 
 
-_shard_listeners: list[Callable[[Any, torch.Tensor], None]] = []
 _bucket_listeners: list[Callable[[list[tuple[Any, torch.Tensor]]], None]] = []
 
 
@@ -58,18 +57,6 @@ def grad_bucket_listener(fn: Callable[[list[tuple[Any, torch.Tensor]]], None]):
         yield
     finally:
         _bucket_listeners.remove(fn)
-
-
-@contextlib.contextmanager
-def grad_shard_listener(fn: Callable[[Any, torch.Tensor], None]):
-    """Within this block, `fn(key, shard)` is called as each reduced gradient shard of a
-    `ShardReducer` is complete (while backward still runs, for all but the last buckets).
-    `offload(overlap=True)` uses it to start host updates early."""
-    _shard_listeners.append(fn)
-    try:
-        yield
-    finally:
-        _shard_listeners.remove(fn)
 
 
 class ShardReducer:
@@ -208,8 +195,6 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
                     piece = piece.to(home.get(i, piece.dtype))
                 # views of the bucket's row (a fresh tensor of exactly the shards' size)
                 self.shards[i] = piece if i not in self.shards else self.shards[i] + piece
-                for fn in _shard_listeners:
-                    fn(i, self.shards[i])
             if _bucket_listeners:
                 bucket = [(i, self.shards[i]) for i, _ in items]
                 for fn in _bucket_listeners:
@@ -326,9 +311,6 @@ class BufferPool:
         # still viewed (a caller's view, or a finished collective's work object not yet
         # destroyed): kept aside and taken again only once nothing else references it
         (idle if _sole(buf) else held).append(buf)
-
-    def idle_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for bs in self._idle.values() for b in bs)
 
     def clear(self) -> None:
         self._idle.clear()

@@ -485,13 +485,6 @@ def gather_tree(physical: Any, mesh: Mesh | None = None) -> Any:
     return tree.map(lambda x: unplace(x, mesh), physical, is_leaf=is_placed)
 
 
-def outer_layout(x: Any) -> Layout:
-    """The layout the outermost sharding transform put on a leaf: Nested's `outer`, else the
-    leaf's layout (Replicated for a plain tensor)."""
-    layout = layout_of(x)
-    return layout.outer if isinstance(layout, Nested) else layout
-
-
 def shard_further(x: Any, make: Any) -> Placed:
     """Put the layout `make(shape)` on top of whatever layout leaf `x` has: `shape` is the
     shape of x's local piece; a placed leaf becomes `Nested(its layout, make(shape))`."""

@@ -4,23 +4,28 @@ Canonical order, outermost first: compose(sequence_parallel(), shard_zero(s) | d
 tensor_parallel(plan), remat(...), accumulate(n),
 offload(...), mixed_precision(...), loss_scale(), clip_grad_norm(c), zenflow(...)); async_checkpoint
 may sit anywhere.
+
+This package exports the factories (and `compose`, `Step`, the `Transform` base for new
+transforms), as optax's top level does. Mechanisms live where they belong: primitives
+and `bind` in `dsfn.effects`, plan helpers beside their transform
+(`dsfn.transforms.tensor_parallel.packed`), stack facts in `dsfn.transforms.facts`.
 """
 from dsfn.transforms.accumulate import accumulate
 from dsfn.transforms.checkpointing import async_checkpoint
 from dsfn.transforms.clip import clip_grad_norm
 from dsfn.transforms.compile import compile_units
 from dsfn.transforms.compose import Step, compose
-from dsfn.transforms.core import Transform, bind
+from dsfn.transforms.core import Transform
 from dsfn.transforms.data_parallel import data_parallel
 from dsfn.transforms.loss_scale import loss_scale
 from dsfn.transforms.offload import offload
 from dsfn.transforms.precision import mixed_precision
 from dsfn.transforms.remat import remat
 from dsfn.transforms.sequence_parallel import sequence_parallel
-from dsfn.transforms.tensor_parallel import packed, tensor_parallel
+from dsfn.transforms.tensor_parallel import tensor_parallel
 from dsfn.transforms.zenflow import zenflow
 from dsfn.transforms.zero import shard_zero
 
-__all__ = ["Step", "Transform", "accumulate", "async_checkpoint", "bind", "clip_grad_norm", "compile_units", "compose",
-           "data_parallel", "loss_scale", "mixed_precision", "offload", "packed", "remat",
+__all__ = ["Step", "Transform", "accumulate", "async_checkpoint", "clip_grad_norm", "compile_units", "compose",
+           "data_parallel", "loss_scale", "mixed_precision", "offload", "remat",
            "sequence_parallel", "shard_zero", "tensor_parallel", "zenflow"]

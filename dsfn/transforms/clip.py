@@ -3,7 +3,8 @@
 The norm is the single-process one: a sharded gradient contributes its piece once per
 shard axis, a replicated one once (dsfn.transforms.grad_stats), so ZeRO stages 0-3 report
 the same norm as the reference. Clipping follows torch's `clip_grad_norm_`: grads are
-multiplied by min(1, max_norm / (norm + 1e-6)). Inside `loss_scale`, unscaling is the
+multiplied by min(1, max_norm / (norm + 1e-6)) (`dsfn.optim.clip.clip_coefficient`, the rule
+`dsfn.optim.clip_by_global_norm` applies to updates inside an optimizer chain). Inside `loss_scale`, unscaling is the
 same multiply: factor = (1/scale) * min(1, max_norm / (norm/scale + 1e-6)) — one pass,
 DeepSpeed's combined unscale-and-clip. Metric: `grad_norm` (unscaled, before clipping;
 NaN on a step that `loss_scale` skipped for overflow, where no norm is computed).
@@ -16,6 +17,7 @@ import torch
 
 from dsfn import tree
 from dsfn.errors import ConfigError
+from dsfn.optim.clip import clip_coefficient
 from dsfn.transforms.core import Transform, active_stack, make_transform, with_role
 from dsfn.transforms.grad_stats import global_sq_norm
 
@@ -49,7 +51,7 @@ class ClipGradNorm(Transform):
         inv = unscale.double() if unscale is not None else torch.ones((), dtype=torch.float64)
         norm = global_sq_norm(grads).sqrt() * inv
         self._norm = norm.float()
-        factor = (inv * torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)).float()
+        factor = (inv * clip_coefficient(norm, self.max_norm)).float()
         leaves, spec = tree.flatten(grads)
         return call_next(state, tree.unflatten(
             spec, torch._foreach_mul(leaves, _to(factor, leaves[0].device)) if leaves else []))

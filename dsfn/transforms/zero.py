@@ -41,7 +41,7 @@ too, as DeepSpeed ZeRO-3 and FSDP2 do: at the Step's first forward (or when
 `dsfn.state.init.init_sharded` builds the state) each entry of `apply_fn.constants` it
 names becomes this rank's `FlatShard` piece (`Placed`) and the module's own full tensor is
 released, so a frozen base costs 1/N per rank. They are gathered per unit with the
-trainable ones (same all-gathers, same saved-tensor re-gathers in backward), in mixed
+trainable ones (same all-gathers, same re-gathers in backward), in mixed
 precision's compute dtype when one is inside, and never get gradients or optimizer state;
 a unit's frozen weights re-gathered for backward are dropped once backward moves to the
 next unit (trainable ones go when their gradient arrives).
@@ -516,7 +516,7 @@ class ShardZero(DataParallel):
         if self._reducer is not None:           # inside value_and_grad: its backward ends the sequence
             self._gatherers.append(gatherer)
         # unit hooks stay until backward is over, so a recompute (activation checkpointing)
-        # re-gathers its unit in backward's fixed order; saved-tensor hooks cover the forward
+        # re-gathers its unit in backward's fixed order
         with until_backward(gatherer.module_hooks()), gatherer:
             return call_next(view, gatherer.call_params, args, kwargs)
 
