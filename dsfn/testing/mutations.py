@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import os
 from typing import Any, Callable, Iterator
 from unittest import mock
@@ -135,7 +134,7 @@ def _host_adamw_no_wd():
 
 
 def _whole_batch():
-    data_parallel = importlib.import_module("dsfn.transforms.data_parallel")    # (the package exports a function)
+    from dsfn.engines import data_parallel       # the replicas' machinery, under data_parallel and shard_zero
     return mock.patch.object(data_parallel, "split_batch", lambda batch, axis: batch)
 
 

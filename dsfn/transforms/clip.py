@@ -1,7 +1,7 @@
 """`clip_grad_norm(max_norm)`: clip by the global gradient norm over all shards and axes.
 
 The norm is the single-process one: a sharded gradient contributes its piece once per
-shard axis, a replicated one once (dsfn.transforms.grad_stats), so ZeRO stages 0-3 report
+shard axis, a replicated one once (dsfn.engines.grad_stats), so ZeRO stages 0-3 report
 the same norm as the reference. Clipping follows torch's `clip_grad_norm_`: grads are
 multiplied by min(1, max_norm / (norm + 1e-6)) (`dsfn.optim.clip.clip_coefficient`, the rule
 `dsfn.optim.clip_by_global_norm` applies to updates inside an optimizer chain). Inside `loss_scale`, unscaling is the
@@ -19,7 +19,7 @@ from dsfn import tree
 from dsfn.errors import ConfigError
 from dsfn.optim.clip import clip_coefficient
 from dsfn.transforms.core import Transform, active_stack, make_transform, with_role
-from dsfn.transforms.grad_stats import global_sq_norm
+from dsfn.engines.grad_stats import global_sq_norm
 
 
 class ClipGradNorm(Transform):

@@ -30,7 +30,7 @@ import torch
 from dsfn import tree
 from dsfn.errors import ConfigError, DsfnError
 from dsfn.transforms.core import Transform, active_stack, make_transform, with_role
-from dsfn.transforms.grad_stats import any_nonfinite_everywhere
+from dsfn.engines.grad_stats import any_nonfinite_everywhere
 
 KEY = "loss_scale"
 

@@ -407,7 +407,7 @@ class Offload(Transform):
                 not session.take_source(params):
             return call_next(fn, params, args, kwargs, has_aux)
         from dsfn.runtime.pipeline import ArrivalBuckets
-        from dsfn.transforms.data_parallel import tap_gradients
+        from dsfn.engines.data_parallel import tap_gradients
         # buckets of about the enclosing ZeRO's reduce_bucket_size
         bucket_elems = int(stack_facts(self).outside(self).first("reduce_bucket_size", DEFAULT_BUCKET_ELEMS))
         feed = ArrivalBuckets(bucket_elems, session.on_bucket)

@@ -103,7 +103,7 @@ from dsfn.state.layout import (DimShard, GroupDimShard, Layout, Offloaded, Packe
                                mirrored_param, place)
 from dsfn.transforms.core import Transform, make_transform, with_role
 from dsfn.transforms.facts import stack_facts
-from dsfn.transforms.grad_stats import reduce_over_axis
+from dsfn.engines.grad_stats import reduce_over_axis
 
 
 # ---------------------------------------------------------------------------------------------

@@ -65,7 +65,6 @@ choice: only shards are ever held).
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 from collections.abc import Sequence
 from typing import Any
 
@@ -92,18 +91,14 @@ from dsfn.state.layout import (
     mirrored_param,
     shard_further,
 )
-from dsfn.transforms.core import make_transform
+from dsfn.state.train_state import never_placed
+from dsfn.transforms.core import Transform, make_transform, with_role
 from dsfn.transforms.facts import stack_facts
 from dsfn.units import find_units
-from dsfn.transforms.data_parallel import (
-    DataParallel,
-    reduce_grads,
-    registration_order,
-    tap_gradients,
-)
+from dsfn.engines.data_parallel import Replicas, reduce_grads, registration_order, tap_gradients
 
 
-class ShardZero(DataParallel):
+class ShardZero(Transform):
     name = "shard_zero"
     roles = frozenset({"data_parallel", "zero"})
 
@@ -121,7 +116,12 @@ class ShardZero(DataParallel):
                               "use an element count >= 0 (0 shards every parameter)")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigError(f"shard_zero(prefetch={prefetch!r}): prefetch depth is an int >= 0")
-        super().__init__(axis=axis, split_batch=split_batch, bucket_mb=reduce_bucket_size * 4 / 2**20)
+        if not isinstance(axis, str):
+            raise ConfigError(f"shard_zero(axis=...) takes a mesh axis name, got {axis!r}")
+        self.axis = axis
+        self.split_batch = bool(split_batch)
+        # what is replicated (stage 0, world 1, persistent parameters) is data parallel's work
+        self._replicas = Replicas(axis, reduce_bucket_size * 4)
         self.stage = stage
         self.reduce_bucket_size = reduce_bucket_size
         self.allgather_bucket_size = allgather_bucket_size
@@ -140,14 +140,13 @@ class ShardZero(DataParallel):
 
     # -- stack rules -------------------------------------------------------------------
     def check_stack(self, stack, index):
-        super().check_stack(stack, index)
-        for t in stack:
-            if type(t) is DataParallel:
+        for t in with_role(stack, "data_parallel"):
+            if t is not self:
                 raise StackError("shard_zero already does data parallelism over "
-                                 f"{self.axis!r}; remove data_parallel() from the stack")
+                                 f"{self.axis!r}; remove {t.name}() from the stack")
 
     def facts(self) -> dict[str, Any]:
-        return {**super().facts(), "zero_stage": self.stage, "reduce_bucket_size": self.reduce_bucket_size,
+        return {"dp_axis": self.axis, "zero_stage": self.stage, "reduce_bucket_size": self.reduce_bucket_size,
                 "zero_single_rank": self._shard_single_rank}
 
     def explain_note(self) -> str:
@@ -181,7 +180,7 @@ class ShardZero(DataParallel):
         return isinstance(x, Placed) and _zero_layout(x.layout) is not None
 
     def place(self, state: Any) -> Any:
-        state = super().place(state)            # replicas start equal (broadcast from dp rank 0)
+        state = self._replicas.broadcast(state)     # replicas start equal (broadcast from dp rank 0)
         if self._stage == 0:
             return state
         params = dict(tree.leaves_with_path(state.params, is_leaf=is_placed))
@@ -200,7 +199,10 @@ class ShardZero(DataParallel):
 
     def unplaced(self, state: Any) -> str | None:
         if self._stage == 0:          # world 1 included: nothing of ZeRO's to find
-            return super().unplaced(state)
+            if self._replicas.size() > 1 and never_placed(state):
+                return (f"it is TrainState.create's state, whose replicas on the {self.axis!r} ranks were never "
+                        "made equal (place broadcasts dp rank 0's)")
+            return None
         if not hasattr(state, "params"):
             return None
         if self.stage == 3:
@@ -224,10 +226,11 @@ class ShardZero(DataParallel):
 
     # -- gradients -------------------------------------------------------------------------
     def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
-        if self._stage == 0:
-            return super().handle_value_and_grad(call_next, fn, params, args, kwargs, has_aux)
-        outer = self._reducer
         facts = stack_facts(self)
+        if self._stage == 0:         # data parallel's reduction (once, after backward, with accumulation inside)
+            return self._replicas.value_and_grad(call_next, fn, params, args, kwargs, has_aux, facts,
+                                                 overlap=not facts.inside(self).has_role("accumulate"))
+        outer = self._reducer
         if outer is None:
             plan = self._grad_plan(params)
             named, devices = plan["named"], plan["devices"]
@@ -350,6 +353,26 @@ class ShardZero(DataParallel):
                 ready.append((key, rec[1]))
         if ready:
             self._reducer.add_many(ready)
+
+    # -- the replicated parts: data parallel's machinery --------------------------------------
+    def wrap_step(self, fn):
+        if not self.split_batch:
+            return fn
+
+        def step(state, batch):
+            return fn(state, self._replicas.split(batch))
+        return step
+
+    def handle_reduce_metrics(self, call_next, metrics):
+        return call_next(self._replicas.average_metrics(metrics))
+
+    def handle_sync_buffers(self, call_next, buffers):
+        """Every replica takes dp rank 0's buffers (data_parallel's rule)."""
+        return call_next(self._replicas.sync_buffers(buffers))
+
+    def handle_reduce_leaves(self, call_next, partials, pending, op):
+        """Leaves split over this transform's axis (its shards) are combined over it."""
+        return call_next(*self._replicas.reduce_leaves(partials, pending, op), op)
 
     # -- update ----------------------------------------------------------------------------
     def handle_apply_gradients(self, call_next, state, grads):
@@ -502,7 +525,7 @@ class ShardZero(DataParallel):
         return hit[1]
 
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
-        with self.token_mean(apply_fn, args, kwargs):       # HF's own loss: the whole batch's token mean
+        with self._replicas.token_mean(apply_fn, args, kwargs):       # HF's own loss: the whole batch's token mean
             return self._apply_module(call_next, apply_fn, params, args, kwargs)
 
     def _apply_module(self, call_next, apply_fn, params, args, kwargs):

@@ -37,7 +37,7 @@ from dsfn.ops.tiled import (
     tiled_loss,
     untile_mlps,
 )
-from dsfn.transforms.data_parallel import _Tap
+from dsfn.engines.data_parallel import _Tap
 
 
 def make_mlp(d: int, ratio: int = 4, dropout: float = 0.0, seed: int = 0) -> nn.Module:

@@ -30,10 +30,10 @@ from dsfn.transforms import (
     clip_grad_norm,
     compose,
     mixed_precision,
-    packed,
     shard_zero,
     tensor_parallel,
 )
+from dsfn.transforms.tensor_parallel import packed
 
 pytest.importorskip("transformers")
 
