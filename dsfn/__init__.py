@@ -11,7 +11,7 @@ from dsfn.functional import functionalize, value_and_grad
 from dsfn.state import TrainState, gather_tree as gather
 from dsfn.transforms import compose
 
-from dsfn import optim, runtime, transforms  # noqa: E402  (after the core names)
+from dsfn import integrations, optim, runtime, transforms  # noqa: E402,F401  (after the core names)
 from dsfn.estimate import estimate_memory  # noqa: E402
 from dsfn.migrate import from_ds_config  # noqa: E402
 

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from dsfn import tree
+from dsfn.adapters import adapter_for
 from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.errors import ShapeError
 from dsfn.placed import Placed, is_placed
@@ -99,13 +100,13 @@ class Replicas:
         return reduce_over_axis(partials, pending, self.axis, op)
 
     def token_mean(self, apply_fn: Any, args: tuple, kwargs: dict):
-        """A Hugging Face causal LM's own loss normalised by the whole batch's token count
-        (`dsfn.integrations.hf.token_mean_over`); a no-op context for any other model."""
-        from dsfn.integrations import hf
+        """A model's own loss (a Hugging Face causal LM's) normalised by the whole batch's token
+        count, through its adapter (`dsfn.adapters`); a no-op context for a plain model."""
         module = getattr(apply_fn, "module", None)
-        if self.size() == 1 or not hf.holds_hf_model(module):
+        adapter = adapter_for(module) if self.size() > 1 else None
+        if adapter is None:
             return contextlib.nullcontext()
-        return hf.token_mean_over(module, [self.axis], args, kwargs)
+        return adapter.token_mean_over(module, [self.axis], args, kwargs)
 
 
 def reduce_grads(grads: Sequence[torch.Tensor], axis: str, bucket_bytes: int, op: str, facts: Any

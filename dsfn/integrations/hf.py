@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsfn.adapters import micro_batch_counts, register_adapter
 from dsfn.errors import ConfigError
 
 NAME = "dsfn_ulysses"
@@ -287,59 +288,10 @@ def _labels_passed(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     return bound.arguments.get("labels") is not None
 
 
-class MicroBatchCounts:
-    """Set by `accumulate(n)` while its micro-batches run (`accumulating`): a Hugging Face
-    causal-LM loss divides by the valid targets of the *whole* batch, not of its micro-batch.
-
-    `whole_of` maps each micro-batch tensor accumulate made (by id: a slice of a batch
-    tensor) to that whole (rank-local) batch tensor. A loss given labels that are such a
-    slice counts the valid targets of the whole tensor (`target_of`: labels -> targets, e.g.
-    shifted; `reduce`: summed over the parallel axes), once per step (cached), and returns
-    `num_items_in_batch` = that count / (dp x n): each micro-loss is dp x n x (its sum) / N,
-    accumulation's 1/n and the dp average make the sum over micro-batches and ranks the
-    single-process token mean of the whole batch — before backward, so gradients reduced
-    during backward (ZeRO-2/3) are right as they are (Hugging Face Trainer's
-    `num_items_in_batch`, counted from the batch)."""
-
-    def __init__(self, n: int, whole_of: dict[int, torch.Tensor]):
-        self.n = n
-        self.whole_of = whole_of
-        self._counts: dict[tuple[int, int], torch.Tensor] = {}
-
-    def num_items(self, labels: torch.Tensor, target_of: Any, ignore_index: int, reduce: Any, dp: int,
-                  model: nn.Module) -> torch.Tensor:
-        whole = self.whole_of.get(id(labels))
-        if whole is None:
-            raise ConfigError(
-                f"accumulate({self.n}): {type(model).__name__}'s own loss got labels that are not a slice of the "
-                "batch accumulate split into micro-batches, so dsfn cannot count the valid targets of the whole "
-                "batch, and the mean of the micro-batch means differs from the batch's token mean whenever the "
-                "micro-batches hold different numbers of ignored labels. Pass the batch's labels tensor to the "
-                "model unchanged (move batches to the device before the step), or pass num_items_in_batch= yourself")
-        key = (id(whole), ignore_index)
-        if key not in self._counts:
-            n = (target_of(whole) != ignore_index).sum().to(torch.float64).reshape(1)
-            self._counts[key] = reduce(n).reshape(())
-        return self._counts[key] / (dp * self.n)
-
-
-_micro_batches: list[MicroBatchCounts] = []
-
-
-@contextlib.contextmanager
-def accumulating(counts: MicroBatchCounts) -> Iterator[MicroBatchCounts]:
-    """While accumulation's micro-batches run: HF losses normalise for the whole batch."""
-    _micro_batches.append(counts)
-    try:
-        yield counts
-    finally:
-        _micro_batches.pop()
-
-
 class _WholeBatchLoss:
     """A model's `loss_function` while dsfn runs it: HF's `ForCausalLMLoss` divided by the
     valid targets of the whole batch — over the data-parallel `axes` (one all-reduce of a
-    scalar) and, under accumulation, over every micro-batch (`MicroBatchCounts`). Nested
+    scalar) and, under accumulation, over every micro-batch (`dsfn.adapters.MicroBatchCounts`). Nested
     contexts add their axes to the one installed object."""
 
     def __init__(self, causal: Any, model: nn.Module):
@@ -399,7 +351,7 @@ class _GlobalRouterBalance:
     def __call__(self, gate_logits, num_experts=None, top_k=2, attention_mask=None):
         if gate_logits is None or not isinstance(gate_logits, tuple) or not gate_logits:
             return self.original(gate_logits, num_experts, top_k, attention_mask)
-        if _micro_batches:
+        if micro_batch_counts() is not None:
             raise ConfigError(
                 f"accumulate: {type(self.model).__name__} adds its router load-balancing loss "
                 "(output_router_logits=True), which is not linear in the batch's rows: summed over "
@@ -525,7 +477,7 @@ def _token_mean_over(model: nn.Module, axes: list[str], args: tuple, kwargs: dic
     whole batch, whatever each rank's share of ignored labels (padding, prompts). Without it
     each rank takes its own mean and dp averages the means (DDP's result; HF Trainer's
     `average_tokens_across_devices` fixes the same). Under `accumulate` (`axes` may be
-    empty) the count spans every micro-batch (`MicroBatchCounts`). Nothing changes
+    empty) the count spans every micro-batch (`dsfn.adapters.MicroBatchCounts`). Nothing changes
     when the caller passes `num_items_in_batch`, when the model's loss is not HF's
     causal-LM loss, or when sequence parallel already normalises it. A model given labels whose
     forward then calls none of those `loss_function`s (or that has one and no module of its tree
@@ -641,6 +593,27 @@ def own_loss(model: nn.Module, make_loss, args: tuple, kwargs: dict) -> Iterator
                           "loss in the train step from the logits instead")
 
 
-def micro_batch_counts() -> MicroBatchCounts | None:
-    """The active accumulation's counts (None outside `accumulate`'s micro-batches)."""
-    return _micro_batches[-1] if _micro_batches else None
+class HuggingFaceAdapter:
+    """Hugging Face's answers to the transforms (`dsfn.adapters.ModelAdapter`): the module
+    functions above, looked up when called (so a test can replace one)."""
+
+    def holds(self, module: Any) -> bool:
+        return holds_hf_model(module)
+
+    def token_mean_over(self, module, axes, args, kwargs):
+        return token_mean_over(module, axes, args, kwargs)
+
+    def own_loss(self, module, make_loss, args, kwargs):
+        return own_loss(module, make_loss, args, kwargs)
+
+    def global_router_balance(self, module, sum_axes, mean_axes, valid=None):
+        return global_router_balance(module, sum_axes, mean_axes, valid)
+
+    def sequence_attention(self, module, axis, consecutive=None, padded=False):
+        return ulysses_attention(module, axis, consecutive, padded)
+
+    def loss_modules(self, module):
+        return loss_modules(module)
+
+
+register_adapter(HuggingFaceAdapter())

@@ -11,7 +11,7 @@ A Hugging Face causal LM's own loss (`labels=`) is a mean over the valid targets
 differ between micro-batches (padding, prompts): the mean of the micro-batch means is not
 the whole batch's mean. While the micro-batches run, that loss divides by the valid targets
 of the whole batch (with data parallel: of the global batch), counted once from the batch
-tensor its labels are a slice of (`dsfn.integrations.hf.MicroBatchCounts`), as Hugging Face
+tensor its labels are a slice of (`dsfn.adapters.MicroBatchCounts`), as Hugging Face
 Trainer's `num_items_in_batch` does: the sum over micro-batches is the batch's token mean.
 
 The batch must reach the differentiated function as arguments
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from dsfn import tree
+from dsfn.adapters import MicroBatchCounts, adapter_for, micro_batches
 from dsfn.errors import ConfigError, ShapeError
 from dsfn.transforms.core import Transform, make_transform
 
@@ -58,8 +59,7 @@ class Accumulate(Transform):
             out = fn(p, *a, **k)
             return (out[0] * inv, out[1]) if has_aux else out * inv
         total_v, total_g, auxes = None, None, []
-        from dsfn.integrations import hf
-        with hf.accumulating(hf.MicroBatchCounts(self.n, whole_of)):
+        with micro_batches(MicroBatchCounts(self.n, whole_of)):
             for a, k in micro:
                 value, grads = call_next(scaled, params, a, k, has_aux)
                 if has_aux:
@@ -70,12 +70,13 @@ class Accumulate(Transform):
         return ((total_v, auxes) if has_aux else total_v), total_g
 
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
-        """A Hugging Face causal LM given labels gets the whole-batch loss (module docstring)."""
-        from dsfn.integrations import hf
+        """A model's own loss (a Hugging Face causal LM given labels) is the whole batch's
+        token mean, through its adapter (module docstring)."""
         module = getattr(apply_fn, "module", None)
-        if self.n == 1 or not hf.holds_hf_model(module):
+        adapter = adapter_for(module) if self.n > 1 else None
+        if adapter is None:
             return call_next(apply_fn, params, args, kwargs)
-        with hf.token_mean_over(module, [], args, kwargs):
+        with adapter.token_mean_over(module, [], args, kwargs):
             return call_next(apply_fn, params, args, kwargs)
 
     def _slice(self, args: Any, kwargs: Any, i: int) -> tuple[Any, Any]:

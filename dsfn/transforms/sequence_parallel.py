@@ -106,6 +106,7 @@ from dsfn.errors import ConfigError, ShapeError, StackError
 from dsfn.runtime import collectives as C
 from dsfn.runtime.buckets import all_reduce_buckets
 from dsfn.runtime.mesh import current_mesh
+from dsfn.adapters import adapter_for, micro_batch_counts
 from dsfn.engines.ulysses import (  # noqa: F401  (ulysses_sdpa, kv_replication, replicate_kv: public here too)
     UlyssesSDPA,
     kv_replication,
@@ -350,8 +351,7 @@ class SequenceParallel(Transform):
         slice) and `num_items_in_batch` = the valid targets of the whole sp x dp batch / dp, so
         this rank's loss is dp * (its sum) / (the global count): summed over sp and averaged
         over dp (by the data-parallel transforms inside) it is the global token mean. Under
-        `accumulate` the count spans every micro-batch of the step (`hf.MicroBatchCounts`)."""
-        from dsfn.integrations import hf
+        `accumulate` the count spans every micro-batch of the step (`dsfn.adapters.MicroBatchCounts`)."""
         axis = self.axis
 
         def loss(logits, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
@@ -391,10 +391,10 @@ class SequenceParallel(Transform):
             dp = 1
             for ax in self._dp_axes:
                 dp *= current_mesh().size(ax)
-            counts = hf.micro_batch_counts()
+            counts = micro_batch_counts()
             if num_items_in_batch is None and counts is not None:
                 # under accumulate: the valid targets of the whole batch, every micro-batch's
-                # (`hf.MicroBatchCounts`), / dp / the number of micro-batches
+                # (`dsfn.adapters.MicroBatchCounts`), / dp / the number of micro-batches
                 shifted = shift_labels is not None
                 items = counts.num_items(
                     given if counts.whole_of.get(id(given)) is not None else (shift_labels if shifted else labels),
@@ -454,14 +454,14 @@ class SequenceParallel(Transform):
                                   "would number this rank's tokens from 0 instead of by their place in the sequence. "
                                   "Give the forward a position_ids argument, or pass require_position_ids=False if "
                                   "the model uses no positions (or gets them another way)")
-        from dsfn.integrations import hf
-        if hf.holds_hf_model(module):
+        adapter = adapter_for(module)        # a Hugging Face model's loss, router and attention rules
+        if adapter is not None:
             valid = self._positions[0] < self._real_len       # this rank's positions that are tokens
-            with hf.own_loss(module, self._hf_loss, args, kwargs), \
-                    hf.global_router_balance(module, [self.axis], list(self._dp_axes), valid), \
+            with adapter.own_loss(module, self._hf_loss, args, kwargs), \
+                    adapter.global_router_balance(module, [self.axis], list(self._dp_axes), valid), \
                     _reaching(module, via, kwargs.get("position_ids")):
-                with until_backward(hf.ulysses_attention(module, self.axis, self._arange,  # recomputes alike
-                                                         padded=self._padded)):
+                with until_backward(adapter.sequence_attention(module, self.axis, self._arange,  # recomputes alike
+                                                               padded=self._padded)):
                     return call_next(apply_fn, params, args, kwargs)
         if not self._right_padded:
             raise ShapeError(f"sequence_parallel: the batch's attention_mask has left padding or holes, and "
@@ -482,17 +482,20 @@ def _takes(module: Any, name: str) -> bool:
 
 
 def _passed_on(module: Any, name: str) -> list:
-    """The wrapped Hugging Face models (`hf.loss_modules`: peft's inner LlamaForCausalLM, a
-    user's wrapper's) whose forward takes `name`, when `module`'s forward takes no `name` but
-    passes **kwargs on (peft's PeftModelForCausalLM.forward(..., **kwargs)); else []."""
-    from dsfn.integrations import hf
+    """The wrapped Hugging Face models (the adapter's `loss_modules`: peft's inner
+    LlamaForCausalLM, a user's wrapper's) whose forward takes `name`, when `module`'s forward
+    takes no `name` but passes **kwargs on (peft's PeftModelForCausalLM.forward(..., **kwargs));
+    else []."""
+    adapter = adapter_for(module)
+    if adapter is None:
+        return []
     try:
         params = inspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):
         return []
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return []
-    return [m for m in hf.loss_modules(module) if m is not module and _takes(m, name)]
+    return [m for m in adapter.loss_modules(module) if m is not module and _takes(m, name)]
 
 
 @contextlib.contextmanager

@@ -56,15 +56,16 @@ LOSSES = {"labels": loss_labels, "shift_labels": loss_shift_labels}
 
 
 def train(make_transforms, loss="labels", mesh=None, sabotage=False):
-    from dsfn.integrations import hf
+    import sys
+    acc = sys.modules["dsfn.transforms.accumulate"]       # (the package exports the factory)
     if not sabotage:
         return _train(make_transforms, loss, mesh)
-    real = hf.accumulating
-    hf.accumulating = lambda counts: contextlib.nullcontext(counts)   # each micro-batch its own count
+    real = acc.micro_batches
+    acc.micro_batches = lambda counts: contextlib.nullcontext(counts)   # each micro-batch its own count
     try:
         return _train(make_transforms, loss, mesh)
     finally:
-        hf.accumulating = real
+        acc.micro_batches = real
 
 
 def _train(make_transforms, loss, mesh):

@@ -1,0 +1,129 @@
+"""Model adapters: how a wrapped library's own loss and attention stay right under the
+transforms that split their inputs.
+
+A wrapped library computes some values of the whole itself: a Hugging Face causal LM
+divides its own loss by the valid targets it sees, balances its router over the tokens it
+sees, and runs its attention on whatever sequence it holds. The transforms that split
+those inputs (data_parallel and shard_zero over dp, accumulate over micro-batches,
+sequence_parallel over sp) ask the adapter registered for the model, never the library:
+
+    adapter = adapter_for(apply_fn.module)        # None: a plain model, nothing to adjust
+    with adapter.token_mean_over(module, axes, args, kwargs): ...
+
+An integration registers its adapter when imported (`dsfn.integrations.hf` registers
+Hugging Face's; `import dsfn` imports it, and it imports transformers only when used), so
+core transforms import no integration and an integration imports no transform.
+
+Also here, for any adapter: the micro-batch counts accumulation publishes while its
+micro-batches run (`micro_batches`, `micro_batch_counts`), which a model's own loss reads
+to normalise by the whole batch's valid targets.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, ContextManager, Protocol
+
+import torch
+from torch import nn
+
+from dsfn.errors import ConfigError
+
+__all__ = ["MicroBatchCounts", "ModelAdapter", "adapter_for", "micro_batch_counts", "micro_batches",
+           "register_adapter"]
+
+
+class ModelAdapter(Protocol):
+    """What the transforms ask of a model family (each returns a context active while the
+    model runs; see dsfn.integrations.hf for Hugging Face's answers)."""
+
+    def holds(self, module: Any) -> bool:
+        """Whether this adapter's rules apply to `module` (a model of its library, or one wrapping it)."""
+
+    def token_mean_over(self, module: nn.Module, axes: list[str], args: tuple, kwargs: dict) -> ContextManager:
+        """The model's own loss as the token mean over `axes` (data parallel) and micro-batches."""
+
+    def own_loss(self, module: nn.Module, make_loss: Any, args: tuple, kwargs: dict) -> ContextManager:
+        """The model's own loss replaced by `make_loss(inner, module)` (sequence parallel)."""
+
+    def global_router_balance(self, module: nn.Module, sum_axes: list[str], mean_axes: list[str],
+                              valid: torch.Tensor | None) -> ContextManager:
+        """A mixture-of-experts router balance loss over the whole batch."""
+
+    def sequence_attention(self, module: nn.Module, axis: str, consecutive: torch.Tensor | None,
+                           padded: bool) -> ContextManager:
+        """The model's attention as Ulysses attention over `axis`."""
+
+    def loss_modules(self, module: nn.Module) -> list[nn.Module]:
+        """The modules that compute `module`'s own loss (wrappers looked through)."""
+
+
+_adapters: list[ModelAdapter] = []
+
+
+def register_adapter(adapter: ModelAdapter) -> None:
+    """Make `adapter` answer for the models it `holds` (registered once; first match wins)."""
+    if adapter not in _adapters:
+        _adapters.append(adapter)
+
+
+def adapter_for(module: Any) -> ModelAdapter | None:
+    """The registered adapter for `module`, or None (a plain model: nothing to adjust)."""
+    for a in _adapters:
+        if a.holds(module):
+            return a
+    return None
+
+
+class MicroBatchCounts:
+    """Set by `accumulate(n)` while its micro-batches run (`micro_batches`): a model's own
+    causal-LM loss (Hugging Face's) divides by the valid targets of the *whole* batch, not of its micro-batch.
+
+    `whole_of` maps each micro-batch tensor accumulate made (by id: a slice of a batch
+    tensor) to that whole (rank-local) batch tensor. A loss given labels that are such a
+    slice counts the valid targets of the whole tensor (`target_of`: labels -> targets, e.g.
+    shifted; `reduce`: summed over the parallel axes), once per step (cached), and returns
+    `num_items_in_batch` = that count / (dp x n): each micro-loss is dp x n x (its sum) / N,
+    accumulation's 1/n and the dp average make the sum over micro-batches and ranks the
+    single-process token mean of the whole batch — before backward, so gradients reduced
+    during backward (ZeRO-2/3) are right as they are (Hugging Face Trainer's
+    `num_items_in_batch`, counted from the batch)."""
+
+    def __init__(self, n: int, whole_of: dict[int, torch.Tensor]):
+        self.n = n
+        self.whole_of = whole_of
+        self._counts: dict[tuple[int, int], torch.Tensor] = {}
+
+    def num_items(self, labels: torch.Tensor, target_of: Any, ignore_index: int, reduce: Any, dp: int,
+                  model: nn.Module) -> torch.Tensor:
+        whole = self.whole_of.get(id(labels))
+        if whole is None:
+            raise ConfigError(
+                f"accumulate({self.n}): {type(model).__name__}'s own loss got labels that are not a slice of the "
+                "batch accumulate split into micro-batches, so dsfn cannot count the valid targets of the whole "
+                "batch, and the mean of the micro-batch means differs from the batch's token mean whenever the "
+                "micro-batches hold different numbers of ignored labels. Pass the batch's labels tensor to the "
+                "model unchanged (move batches to the device before the step), or pass num_items_in_batch= yourself")
+        key = (id(whole), ignore_index)
+        if key not in self._counts:
+            n = (target_of(whole) != ignore_index).sum().to(torch.float64).reshape(1)
+            self._counts[key] = reduce(n).reshape(())
+        return self._counts[key] / (dp * self.n)
+
+
+_micro_batches: list[MicroBatchCounts] = []
+
+
+@contextlib.contextmanager
+def micro_batches(counts: MicroBatchCounts) -> Iterator[MicroBatchCounts]:
+    """While accumulation's micro-batches run: a model's own loss normalises for the whole batch."""
+    _micro_batches.append(counts)
+    try:
+        yield counts
+    finally:
+        _micro_batches.pop()
+
+
+def micro_batch_counts() -> MicroBatchCounts | None:
+    """The active accumulation's counts (None outside `accumulate`'s micro-batches)."""
+    return _micro_batches[-1] if _micro_batches else None
