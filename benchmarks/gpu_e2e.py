@@ -13,7 +13,7 @@ batches of random bytes (memorised: the loss falls within a few steps):
                         bitwise with the state the step returned at that step.
 
 4. offloaded_init:     init_sharded of a meta-device GPT under shard_zero(3) + offload("cpu",
-                        params=True): the device's allocation peak during the init < 5% of the
+                        params=True at world > 1): the device's allocation peak during the init < 5% of the
                         offloaded state (pieces made in host memory), equal to init_state.
 
 For 1-3: the losses are finite and the last is below the first, the model state is on the
@@ -146,7 +146,9 @@ def offloaded_init(cfg: GPTConfig, device: torch.device) -> bool:
     def seeded(name, like):
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         return torch.randn(like.shape, generator=g).mul_(0.02).to(like.dtype)
-    make = lambda: [shard_zero(3), offload("cpu", params=True)]   # noqa: E731
+    # over one rank ZeRO-3 shards nothing, so there is no parameter shard to offload (params=True
+    # is a ConfigError there): the optimizer state and master weights are offloaded
+    make = lambda: [shard_zero(3), offload("cpu", params=dsfn.runtime.world_size() > 1)]   # noqa: E731
     with torch.device("meta"):
         meta = GPT(cfg)
     apply_fn, params = dsfn.functionalize(meta)

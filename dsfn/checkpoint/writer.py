@@ -46,12 +46,16 @@ _group_cache: dict[Any, Any] = {}
 
 
 def checkpoint_group(timeout_s: float = DEFAULT_TIMEOUT_S):
-    """Checkpointing's own gloo process group (created collectively on first use); None alone."""
+    """Checkpointing's own gloo process group with this timeout (created collectively on first
+    use; one per timeout, so a save's `timeout_s` applies even after another save made a group
+    with a different one); None alone."""
     if not env.is_distributed():
         return None
-    key = (id(dist.group.WORLD), env.world_size())
+    world = (id(dist.group.WORLD), env.world_size())
+    key = (*world, float(timeout_s))
     if key not in _group_cache:
-        _group_cache.clear()
+        for old in [k for k in _group_cache if k[:2] != world]:     # groups of a previous process group
+            del _group_cache[old]
         _group_cache[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return _group_cache[key]
 

@@ -14,7 +14,7 @@ Keys and defaults are DeepSpeed 0.19's (`deepspeed/runtime/config.py`, `zero/con
 | ds_config | dsfn |
 |---|---|
 | `sequence_parallel_size: N` (> 1) | `sequence_parallel()`, mesh sp = N |
-| `zero_optimization.stage` s (default 0) | `shard_zero(s, reduce_bucket_size, allgather_bucket_size, param_persistence_threshold)` (DeepSpeed's defaults 5e8, 5e8, 1e5 for stage 3) |
+| `zero_optimization.stage` s (default 0) | `shard_zero(s, reduce_bucket_size, allgather_bucket_size (s >= 1), param_persistence_threshold (s = 3))` (DeepSpeed's defaults 5e8, 5e8, 1e5 for stage 3) |
 | `tensor_parallel.autotp_size: N` (> 1) | `tensor_parallel("auto", model=model)`, mesh tp = N |
 | `activation_checkpointing.cpu_checkpointing` / `partition_activations` | `remat(offload="cpu")` / `remat(partition_activations=True)` |
 | `gradient_accumulation_steps: n` (> 1) | `accumulate(n)` |
@@ -533,6 +533,7 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
     if zero is not None and not isinstance(zero, Mapping):
         raise ConfigError(f"ds_config zero_optimization={zero!r}: expected an object such as {{'stage': 2}}")
     zero = dict(zero or {})
+    zero_in = set(zero)
     stage = zero.pop("stage", 0)
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
         raise ConfigError(f"ds_config zero_optimization.stage={stage!r}: DeepSpeed's stages are 0, 1, 2, 3")
@@ -540,6 +541,10 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
                                                    zero.pop("reduce_bucket_size", 5e8)), 1),
                    allgather_bucket_size=max(_int("zero_optimization.allgather_bucket_size",
                                                   zero.pop("allgather_bucket_size", 5e8)), 1))
+    if stage == 0:      # stage 0 all-gathers nothing (shard_zero(0) refuses the key); DeepSpeed ignores it
+        zero_kw.pop("allgather_bucket_size")
+        if "allgather_bucket_size" in zero_in:
+            c.ignore("zero_optimization.allgather_bucket_size", "stage 0 all-gathers nothing")
     threshold = zero.pop("stage3_param_persistence_threshold", zero.pop("param_persistence_threshold", 1e5))
     if stage == 3:
         zero_kw["param_persistence_threshold"] = _int("zero_optimization.stage3_param_persistence_threshold",
@@ -576,6 +581,7 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
             c.no(f"bf16.{k}", "not a DeepSpeed 0.19 bf16 key")
     if fp16.get("enabled", False):
         fp16.pop("enabled")
+        given = set(fp16)
         half = torch.float16
         scale = _float("fp16.loss_scale", fp16.pop("loss_scale", 0))
         power = _int("fp16.initial_scale_power", fp16.pop("initial_scale_power", 16))
@@ -588,8 +594,11 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
                   min_scale=_float("fp16.min_loss_scale", fp16.pop("min_loss_scale", 1), above=True),
                   consecutive_hysteresis=_bool("fp16.consecutive_hysteresis",
                                                fp16.pop("consecutive_hysteresis", False)))
-        if scale:
-            kw["static"] = scale
+        if scale:       # a static scale never changes: DeepSpeed ignores the dynamic keys, loss_scale refuses them
+            for k in sorted(given & {"initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
+                                     "consecutive_hysteresis"}):
+                c.ignore(f"fp16.{k}", "a static loss_scale never changes")
+            kw = {"static": scale}
         scaler.append(_make("fp16", T.loss_scale, **kw))
         for k in ("auto_cast", "fp16_master_weights_and_grads"):
             if fp16.pop(k, False):

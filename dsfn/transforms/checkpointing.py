@@ -80,6 +80,14 @@ class AsyncCheckpoint(Transform):
         if engine == "sync" and (capture != "auto" or host_cache_size is not None):
             raise ConfigError("async_checkpoint(engine='sync') writes inline and has no host cache: "
                               "drop host_cache_size/capture, or use engine='async'")
+        if capture == "reference" and host_cache_size is not None:
+            raise ConfigError(f"async_checkpoint(capture='reference', host_cache_size={host_cache_size}): a capture by "
+                              "reference copies nothing into the host cache, so its size would do nothing; drop "
+                              "host_cache_size, or use capture='auto' (device tensors) or 'copy' (every tensor)")
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not timeout_s > 0):
+            raise ConfigError(f"async_checkpoint(timeout_s={timeout_s!r}): seconds a save waits for the other ranks, "
+                              "a number > 0 (or None: 600)")
         self.dir, self.every, self.keep, self.engine = os.fspath(dir), every, keep, engine
         self.host_cache_size, self.capture = host_cache_size, capture
         self.timeout_s = timeout_s

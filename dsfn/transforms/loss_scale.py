@@ -14,7 +14,9 @@ and the scale follows DeepSpeed's `DynamicLossScaler.update_scale`:
   scale *= 2 (and refill hysteresis).
 - `cur_iter` counts every step, skipped or not.
 Defaults: init_scale 2**16, window 1000, hysteresis 2, min_scale 1. A static scale
-(`static=S`) multiplies by S and never changes (overflowed steps are still skipped).
+(`static=S`) multiplies by S and never changes (overflowed steps are still skipped); the
+dynamic options (init_scale, window, hysteresis, min_scale, consecutive_hysteresis) are then
+a ConfigError unless left at their defaults.
 
 Unscaling is folded into one multiply with gradient clipping when `clip_grad_norm` sits
 inside this transform; otherwise it multiplies by 1/scale itself. The scale state lives
@@ -62,7 +64,18 @@ class LossScale(Transform):
         if not isinstance(hysteresis, int) or hysteresis < 1:
             raise ConfigError(f"loss_scale(hysteresis={hysteresis!r}): hysteresis is an int >= 1 (1 = halve at "
                               "the first overflow)")
-        if not (isinstance(min_scale, (int, float)) and 0 < min_scale <= (static or init_scale)):
+        if static is not None:
+            # a static scale never changes: the dynamic options would be accepted and do nothing
+            given = {k: v for k, v, default in (("init_scale", init_scale, 2.0 ** 16), ("window", window, 1000),
+                                                ("hysteresis", hysteresis, 2), ("min_scale", min_scale, 1.0),
+                                                ("consecutive_hysteresis", consecutive_hysteresis, False))
+                     if v != default}
+            if given:
+                opts = ", ".join(f"{k}={v!r}" for k, v in given.items())
+                raise ConfigError(f"loss_scale(static={static!r}, {opts}): a static scale is the scale of every step "
+                                  f"and never changes, so {', '.join(given)} would do nothing; drop "
+                                  f"{'it' if len(given) == 1 else 'them'}, or drop static= for a dynamic scale")
+        elif not (isinstance(min_scale, (int, float)) and 0 < min_scale <= init_scale):
             raise ConfigError(f"loss_scale(min_scale={min_scale!r}): use 0 < min_scale <= init_scale")
         self.init_scale = float(static if static is not None else init_scale)
         self.window, self.hysteresis, self.min_scale = window, hysteresis, float(min_scale)

@@ -62,9 +62,10 @@ arrival order into buckets of at least the enclosing ZeRO's `reduce_bucket_size`
 (4e6 without ZeRO; `pipeline.ArrivalBuckets`), and each complete bucket goes to the
 pipeline at once, during backward; the last, partial one right after backward. A "shard"
 is then the whole gradient (the optimizer's leaf has its shape). Not with `accumulate` in
-the stack (a micro-batch's gradient is not the step's); under a plain `data_parallel` of
-size > 1 there is no source (its all-reduced gradients are not reported in buckets), so
-nothing is speculated there.
+the stack (a micro-batch's gradient is not the step's); under a plain `data_parallel` (or
+`shard_zero(0)`) of size > 1 there is no source (its all-reduced gradients are not reported
+in buckets). A stack where no source can exist (those two) is a ConfigError at `place`:
+overlap=True would do nothing there.
 With no device (CPU training) there is nothing to overlap with: backward and the host
 update share the cores, and a speculation could only run on the training thread right
 before the real update, costing that update plus copies and checks. So buckets of host
@@ -80,7 +81,9 @@ last ones, all of ZeRO-1's) are speculated after backward.
 
 `cores` (a fraction in (0, 1], None: torch's thread count; for overlap's speculative update,
 which runs beside the thread feeding the device, torch's threads but one): the threads the host AdamW uses,
-DeepSpeed's `cpuadam_cores_perc` (leave cores to the training loop's own host work).
+DeepSpeed's `cpuadam_cores_perc` (leave cores to the training loop's own host work); a
+ConfigError with `host_kernel=False` or an optimizer that never runs the kernel (not Adam).
+`subgroup_bytes` is NVMe's write/release granularity (a ConfigError with device="cpu").
 
 `params=True` (with `shard_zero(3)`): ZeRO-3's parameter shards live in host memory or files
 too (`Offloaded(FlatShard)` / `NvmeOffloaded`); ZeRO's unit gatherer copies them to the
@@ -88,6 +91,7 @@ compute device (the layout's `home`, non-blocking) and all-gathers them there ju
 so the forward gets device weights and autograd hands the host shards host gradients; the update
 runs on the host, and the new shards are stored the same way (a new file for "nvme"). The
 optimizer state is made from the parameters' host view, then offloaded like the rest.
+Over one dp rank ZeRO-3 shards nothing, so there params=True is a ConfigError at `place`.
 """
 from __future__ import annotations
 
@@ -158,6 +162,10 @@ class Offload(Transform):
         if device == "cpu" and path is not None:
             raise ConfigError("offload(device='cpu') keeps state in host memory and takes no path; "
                               "use offload('nvme', path=...) for files")
+        if device == "cpu" and subgroup_bytes != 64 << 20:
+            raise ConfigError(f"offload(device='cpu', subgroup_bytes={subgroup_bytes}): sub-groups are how the NVMe "
+                              "store writes and releases its files; host memory has none, so it would do nothing. "
+                              "Drop subgroup_bytes, or use offload('nvme', path=..., subgroup_bytes=...)")
         self.device = device
         self.params = params
         self.path = None if path is None else os.fspath(path)
@@ -170,6 +178,10 @@ class Offload(Transform):
         if cores is not None:
             from dsfn.ops.cpu_adam import cpu_adam_threads
             cpu_adam_threads(cores)             # validates: a fraction in (0, 1]
+        if cores is not None and not self.host_kernel:
+            raise ConfigError(f"offload(cores={cores!r}, host_kernel=False): cores sizes the threads of the host AdamW "
+                              "kernel, which host_kernel=False does not run (torch's foreach arithmetic uses "
+                              "torch.set_num_threads); drop cores, or use host_kernel=True")
         self.cores = cores
         self._session = _OverlapSession(cores) if self.overlap else None
         self._store: nvme.FileStore | None = None
@@ -260,11 +272,64 @@ class Offload(Transform):
 
     def place_after(self, state: Any) -> Any:
         """Runs after every transform's `place` (ZeRO sharded the leaves first)."""
+        self._check_mesh()
         if self.params:
             state = state.replace(params=self._offload_params(state.params))
         if getattr(state, "opt_state", None) is None:
             return state
+        self._check_optimizer(state.opt_state)
         return state.replace(opt_state=self._offload_tree(state.opt_state, state.params))
+
+    def _check_mesh(self) -> None:
+        """A ConfigError for an option that cannot act on this mesh (known once the state is
+        placed): `params=True` without ZeRO-3 shards (ZeRO-3 over one rank shards nothing), and
+        `overlap=True` with no source of gradient buckets (module docstring): a data-parallel
+        axis of size > 1 without a ZeRO reducer (data_parallel, shard_zero(0)), or accumulate
+        with no reducer at all (offload's own source is off under accumulate)."""
+        from dsfn.runtime.mesh import current_mesh
+        mesh = current_mesh()
+        facts = stack_facts(self)
+        outer = facts.outside(self).with_role("data_parallel")      # (stack facts: axis, stage)
+
+        def in_effect(d) -> int:        # the ZeRO stage in effect: 0 over one rank
+            one_rank = mesh.size(d["dp_axis"]) == 1 and not d.get("zero_single_rank", False)
+            return 0 if one_rank else d.get("zero_stage", 0)
+        stages = [in_effect(d) for d in outer]
+        if self.params and 3 not in stages:
+            zero = next((d for d in outer if "zero" in d["roles"]), None)
+            raise ConfigError(f"offload(params=True) offloads ZeRO-3's parameter shards, and "
+                              f"shard_zero(3) over {zero['dp_axis']}={mesh.size(zero['dp_axis'])} rank shards nothing "
+                              "(one rank's shard is the whole tensor): the parameters would stay where they are. Run "
+                              f"with {zero['dp_axis']} >= 2, or drop params=True")
+        if not self.overlap or any(s >= 1 for s in stages):      # a ZeRO reducer reports the buckets
+            return
+        wide = next((d for d in outer if mesh.size(d["dp_axis"]) > 1), None)
+        if wide is not None:
+            what = f"shard_zero({wide['zero_stage']})" if "zero" in wide["roles"] else f"{wide['name']}()"
+            raise ConfigError(f"offload(overlap=True) under {what} over {wide['dp_axis']}="
+                              f"{mesh.size(wide['dp_axis'])}: its gradients are all-reduced whole and never reported "
+                              "in buckets, so nothing would overlap. Use shard_zero(1|2|3) (its reduce-scatter reports "
+                              "each bucket of shards), or drop overlap")
+        if facts.whole.has_role("accumulate"):
+            raise ConfigError("offload(overlap=True) with accumulate(...) and no ZeRO sharding over more than one "
+                              "rank: the buckets would come from backward itself, and under accumulate a "
+                              "micro-batch's gradient is not the step's, so nothing would overlap. Use "
+                              "shard_zero(1|2|3) over dp >= 2, or drop accumulate or overlap")
+
+    def _check_optimizer(self, opt_state: Any) -> None:
+        """`cores` sizes the host AdamW kernel (`dsfn.optim.adam_step`, without amsgrad): a
+        ConfigError when the optimizer's state shows it never runs."""
+        while isinstance(opt_state, MasterState):
+            opt_state = opt_state.inner
+        if self.cores is None or opt_state is None:      # None: made later (init_state's init_optimizer)
+            return
+        from dsfn.optim.transform import AdamState
+        adam = [x for x in tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AdamState))
+                if isinstance(x, AdamState) and x.nu_max is None]
+        if not adam:
+            raise ConfigError(f"offload(cores={self.cores!r}): cores sizes the threads of the host AdamW kernel, and "
+                              "this optimizer never runs it (only dsfn.optim.adamw / adam without amsgrad do), so it "
+                              "would do nothing; drop cores, or use an Adam optimizer")
 
     def _offload_params(self, params: Any, layouts: list | None = None) -> Any:
         """ZeRO-3 parameter shards (FlatShard pieces, or pieces of the given offloaded
@@ -311,7 +376,9 @@ class Offload(Transform):
         # update runs on the same host view, so its other leaves live there too)
         params = self._params_view(state.params) if self.params else state.params
         state = state.replace(params=self._trees_to_host(params)[0])
-        new, spec = tree.flatten(call_next(state), is_leaf=is_placed)
+        made = call_next(state)
+        self._check_optimizer(made)
+        new, spec = tree.flatten(made, is_leaf=is_placed)
         new = [kept.get(id(_data(x)), x) for x in new]
         return self._offload_tree(tree.unflatten(spec, new), state.params)
 

@@ -9,7 +9,8 @@ Layout after `place`:
   are sharded (they mirror the parameters), giving (2 + 2 + 12)Ψ/N bytes per rank for
   Adam at stage 3.
 When `param_dtype == master_dtype` (e.g. fp32 parameters under `torch.autocast`) nothing
-changes: no second copy is made.
+changes: no second copy is made, and the parameters must already be in that dtype (else a
+ConfigError at `place`: they would train in their own).
 
 Gradients come back in `param_dtype` and are reduced in `reduce_dtype` (default:
 `param_dtype`); the update casts them to `master_dtype`, runs the optimizer on the
@@ -91,7 +92,10 @@ class MixedPrecision(Transform):
                              "compose(shard_zero(2), mixed_precision(...))) or drop reduce_dtype")
 
     def place(self, state: Any) -> Any:
-        if not self.active or isinstance(state.opt_state, MasterState):
+        if not self.active:
+            _check_kept_dtype(state.params, self.param_dtype)
+            return state
+        if isinstance(state.opt_state, MasterState):
             return state
         master = tree.map(lambda p: p.to(self.master_dtype), state.params)
         return state.replace(params=tree.map(lambda p: p.to(self.param_dtype), state.params),
@@ -109,11 +113,11 @@ class MixedPrecision(Transform):
         return state
 
     def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
-        if not self.active:
-            return call_next(fn, params, args, kwargs, has_aux)
-        if self.cast_inputs:
+        if self.cast_inputs:     # (also when inactive: inputs meet the parameters in their dtype)
             cast = lambda x: x.to(self.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
             args, kwargs = tree.map(cast, args), tree.map(cast, kwargs)
+        if not self.active:      # gradients, loss and update as they are (a wire dtype: the reducers')
+            return call_next(fn, params, args, kwargs, has_aux)
         value, grads = call_next(fn, params, args, kwargs, has_aux)
         grads = _cast_tree(grads, self.reduce_dtype)
         if has_aux:
@@ -201,6 +205,21 @@ class MixedPrecision(Transform):
 
 def _identity(g):
     return g
+
+
+def _check_kept_dtype(params: Any, dtype: torch.dtype) -> None:
+    """With param_dtype == master_dtype the state is kept as it is (no master copy, no cast):
+    parameters of another dtype would silently train in theirs, so that is a ConfigError."""
+    from dsfn.state.layout import Placed, is_placed
+    other = sorted({str(t.dtype).replace("torch.", "") for t in (x.data if isinstance(x, Placed) else x
+                                                                for x in tree.leaves(params, is_leaf=is_placed))
+                    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype})
+    if other:
+        name = str(dtype).replace("torch.", "")
+        raise ConfigError(f"mixed_precision(param_dtype={name}, master_dtype={name}) keeps the state as it is (no "
+                          f"master copy, no cast), but the parameters are {', '.join(other)}: they would train in "
+                          f"that dtype, not {name}. Cast the model first (model.to(torch.{name})), or use "
+                          f"master_dtype=torch.float32 for {name} compute with float32 master weights")
 
 
 def _cast_tree(t: Any, dtype: torch.dtype) -> Any:

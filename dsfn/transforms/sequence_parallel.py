@@ -29,7 +29,8 @@ Which attention is wrapped:
   causal sdpa without an explicit mask, e.g. `dsfn.models.gpt`. The attention calls are
   found at run time rather than in a captured graph: no tracing or recompiling for new
   sequence lengths, and any Python control flow works;
-- `auto=False`: the model calls `ulysses_sdpa(q, k, v)` in its attention (manual).
+- `auto=False`: the model calls `ulysses_sdpa(q, k, v)` in its attention (manual); for a
+  Hugging Face model, whose attention is always wrapped, a ConfigError at its first forward.
 
 Positions are global: the forward gets `position_ids` of this rank's tokens when the
 caller did not pass them (RoPE and learned position embeddings see positions r*T/sp,
@@ -64,7 +65,8 @@ The batch (`wrap_step`, before the step sees it): every tensor with a sequence d
 labels are shifted left by one *before* splitting (`batch["shift_labels"]`: the next
 token of every position, ignore_index at the end), so the slice boundaries lose no
 target. Lengths not divisible by sp are padded at the end (ignored labels, mask 0) when
-`seq_length_is_variable`; with a fixed `seq_length` any other length is an error.
+`seq_length_is_variable`; with a fixed `seq_length` any other length is an error (a
+`seq_length` with `seq_length_is_variable=True` is a ConfigError: nothing would read it).
 
 Loss: the step's loss is made the token-weighted mean over the whole sp group: this
 rank's loss (a mean over its valid tokens) is weighted by n_rank / n_group (counted from
@@ -134,6 +136,11 @@ class SequenceParallel(Transform):
             raise ConfigError(f"sequence_parallel(seq_length={seq_length!r}): a positive int, or None")
         if not seq_length_is_variable and seq_length is None:
             raise ConfigError("sequence_parallel(seq_length_is_variable=False) needs seq_length=N (the fixed length)")
+        if seq_length is not None and seq_length_is_variable:
+            raise ConfigError(f"sequence_parallel(seq_length={seq_length}): the length is read only when it is fixed, "
+                              "and seq_length_is_variable=True (the default) takes any length, so it would do "
+                              f"nothing; write sequence_parallel(seq_length={seq_length}, "
+                              "seq_length_is_variable=False) to require it, or drop seq_length")
         for key, v in (("axis", axis), ("seq_key", seq_key), ("labels_key", labels_key)):
             if not isinstance(v, str) or not v:
                 raise ConfigError(f"sequence_parallel({key}={v!r}): a non-empty string")
@@ -159,6 +166,7 @@ class SequenceParallel(Transform):
         self._unpatched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id(label patched by _weigh) -> original
         self._in_grad = 0                      # inside handle_value_and_grad
         self._hf_losses = 0                    # HF model losses this transform normalised (see _hf_loss)
+        self._manual_ok: set[int] = set()      # id(module) found not to be a HF model (auto=False)
 
     def check_stack(self, stack, index):
         outside = [t for t in stack[:index] if "checkpoint" not in t.roles]
@@ -440,6 +448,8 @@ class SequenceParallel(Transform):
 
     # -- attention and positions ----------------------------------------------------------------
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
+        if not self.auto:
+            self._check_manual(apply_fn.module)
         if current_mesh().size(self.axis) == 1:
             return call_next(apply_fn, params, args, kwargs)
         module = apply_fn.module
@@ -472,6 +482,21 @@ class SequenceParallel(Transform):
             return call_next(apply_fn, params, args, kwargs)
         with until_backward(UlyssesSDPA(self.axis)):
             return call_next(apply_fn, params, args, kwargs)
+
+
+    def _check_manual(self, module: Any) -> None:
+        """`auto=False` leaves a non-HF model's attention to its own `ulysses_sdpa` calls; a
+        Hugging Face model's attention is always Ulysses (dsfn_ulysses), so there it would do
+        nothing: a ConfigError (at any sp, so a one-process run finds it too)."""
+        if id(module) in self._manual_ok:
+            return
+        from dsfn.integrations import hf
+        if hf.holds_hf_model(module):
+            raise ConfigError(f"sequence_parallel(auto=False): {type(module).__name__} is a Hugging Face model, whose "
+                              "attention dsfn always runs as Ulysses through its attention interface "
+                              "(dsfn_ulysses), so auto=False would do nothing; drop auto=False (it is for models "
+                              "that call ulysses_sdpa themselves)")
+        self._manual_ok.add(id(module))
 
 
 def _takes(module: Any, name: str) -> bool:

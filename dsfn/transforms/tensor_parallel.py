@@ -375,6 +375,10 @@ class TensorParallel(Transform):
             raise ConfigError(f"tensor_parallel(model={type(model).__name__}): pass the nn.Module (or the apply_fn "
                               "dsfn.functionalize returned for it)")
         if plan == "auto":
+            if auto is False:
+                raise ConfigError("tensor_parallel('auto', auto=False): plan='auto' is the model's Hugging Face tp "
+                                  "plan, which auto=False turns off, so auto=False would do nothing; pass a plan dict "
+                                  "{module pattern: style} with auto=False, or leave auto out")
             auto, plan = True, {}
         elif not isinstance(plan, Mapping):
             raise ConfigError(f"tensor_parallel(plan={plan!r}): a dict {{module pattern: style}} or 'auto'")

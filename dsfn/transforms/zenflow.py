@@ -28,8 +28,9 @@ same path runs (separate states, host copies).
 Per update on CUDA without offload, the matrices' gradients are copied into pinned host
 memory (non_blocking) and added to the buffer; the selected columns are gathered on the
 device; at a flush the matrices are copied to the host, the host step runs (the fused C++
-AdamW of `dsfn.ops.cpu_adam` unless `host_kernel=False`; under `offload` its own setting),
-and its result is copied back. Under `offload`, zenflow receives host copies: the selected
+AdamW of `dsfn.ops.cpu_adam` unless `host_kernel=False`; under `offload` its own setting, so
+zenflow(host_kernel=False) under offload(host_kernel=True) is a ConfigError), and its result
+is copied back. Under `offload`, zenflow receives host copies: the selected
 columns ([rows, k]) go to `dev` and back.
 
 Exact semantics. t = `extra["zenflow"]["step"]` and c = `state.step` before the update (a
@@ -227,6 +228,11 @@ class ZenFlow(Transform):
                 raise StackError(f"zenflow must be the innermost transform that handles the update (it runs the "
                                  f"optimizer itself, on column subsets and on the host); {t.name} sits inside it: "
                                  f"write compose(..., {t.name}(...), zenflow(...))")
+        off = next(iter(with_role(stack, "offload")), None)
+        if off is not None and not self.host_kernel and off.host_kernel:
+            raise ConfigError("zenflow(host_kernel=False) under offload(...): offload runs the host update and its "
+                              "host_kernel decides (True here), so zenflow's would do nothing; write "
+                              "offload(..., host_kernel=False) (zenflow's host_kernel can then be left out)")
 
     def explain_note(self) -> str:
         return (f"zenflow(topk_ratio={self.topk_ratio}, update_interval={self.update_interval}, "

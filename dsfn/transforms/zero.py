@@ -116,6 +116,7 @@ class ShardZero(Transform):
                               "use an element count >= 0 (0 shards every parameter)")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigError(f"shard_zero(prefetch={prefetch!r}): prefetch depth is an int >= 0")
+        _check_stage_options(stage, allgather_bucket_size, param_persistence_threshold, units, prefetch)
         if not isinstance(axis, str):
             raise ConfigError(f"shard_zero(axis=...) takes a mesh axis name, got {axis!r}")
         self.axis = axis
@@ -554,8 +555,30 @@ def shard_zero(*args: Any, **kwargs: Any) -> ShardZero:
     reducing while backward runs; `param_persistence_threshold` (DeepSpeed 1e5) is 0
     because a unit's small parameters ride in the same all-gather as its large ones (no
     extra call), while a persistent one would need its own gradient all-reduce.
+
+    An option the stage never reads is a ConfigError when given another value than its
+    default: `allgather_bucket_size` at stage 0; `param_persistence_threshold`, `units`
+    and `prefetch` below stage 3.
     """
     return make_transform(ShardZero, "shard_zero", args, kwargs)
+
+
+# the options only some stages read, with their defaults and the stages that read them
+_STAGE_OPTIONS = (("allgather_bucket_size", 50_000_000, (1, 2, 3),
+                   "stage 0 all-reduces whole gradients and all-gathers nothing"),
+                  ("param_persistence_threshold", 0, (3,), "stages 0-2 keep every parameter whole on every rank"),
+                  ("units", None, (3,), "stages 0-2 keep every parameter whole, so no unit is ever gathered"),
+                  ("prefetch", 1, (3,), "stages 0-2 keep every parameter whole, so no unit is ever gathered"))
+
+
+def _check_stage_options(stage: int, *values: Any) -> None:
+    """A ConfigError for an option given a value its stage never reads (it would be accepted and
+    do nothing); an option left at its default is not "given"."""
+    for (key, default, stages, why), v in zip(_STAGE_OPTIONS, values):
+        if stage not in stages and v != default:
+            need = f"stage={stages[0]}" if len(stages) == 1 else "stage >= 1"
+            raise ConfigError(f"shard_zero({stage}, {key}={v!r}): {key} is read only at {need}, and {why}: "
+                              f"drop {key}, or use shard_zero({stages[0]}, ...)")
 
 
 def _data(x: Any) -> torch.Tensor:

@@ -234,9 +234,43 @@ def test_sync_engine_inline_and_bad_config(tmp_path):
     step, state = _make([t])
     state, *_ = _train(step, state, BATCHES[:3])
     assert ck.latest_step(tmp_path) == 2 and not t.busy
-    for bad in ({"every": 0}, {"every": 2, "engine": "nope"}, {"every": 2, "keep": 0}):
+    for bad in ({"every": 0}, {"every": 2, "engine": "nope"}, {"every": 2, "keep": 0}, {"every": 2, "timeout_s": 0},
+                {"every": 2, "timeout_s": "60"}):
         with pytest.raises(ConfigError):
             async_checkpoint(tmp_path, **bad)
+
+
+def test_host_cache_size_with_a_capture_by_reference_is_a_config_error(tmp_path):
+    """Issue 31: capture='reference' copies nothing into the host cache, so a host_cache_size
+    would be accepted and do nothing: refused, naming the captures that use it."""
+    with pytest.raises(ConfigError, match=r"capture='reference', host_cache_size=1024\).*'auto'.*'copy'"):
+        async_checkpoint(tmp_path, every=1, capture="reference", host_cache_size=1024)
+    for capture in ("auto", "copy"):
+        async_checkpoint(tmp_path, every=1, capture=capture, host_cache_size=1024).wait()
+    async_checkpoint(tmp_path, every=1, capture="reference").wait()
+
+
+def _groups_per_timeout():
+    import torch.distributed as dist
+    init_mesh()
+    made = []
+    real = dist.new_group
+    dist.new_group = lambda *a, **k: (made.append(k["timeout"].total_seconds()), real(*a, **k))[1]
+    try:
+        first = save_mod.checkpoint_group(600.0)
+        again = save_mod.checkpoint_group(600)
+        short = save_mod.checkpoint_group(30.0)
+    finally:
+        dist.new_group = real
+    return first is again, short is not first, made
+
+
+def test_a_save_timeout_applies_after_a_group_with_another_timeout_exists():
+    """Checkpointing's gloo group is made per timeout: a save (or async_checkpoint(timeout_s=))
+    with a new timeout gets a group with that timeout, not the first save's (which would accept
+    timeout_s and ignore it); the same timeout reuses its group."""
+    for same, other, made in run_on_ranks(_groups_per_timeout, 2, timeout=60):
+        assert same and other and made == [600.0, 30.0]
 
 
 def test_writer_thread_yields_the_cpu_to_training(tmp_path, monkeypatch):

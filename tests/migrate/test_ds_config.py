@@ -260,6 +260,26 @@ def test_performance_keys_give_one_warning():
         from_ds_config({"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, world_size=2)
 
 
+def test_keys_a_stage_or_a_static_scale_never_reads_are_listed_as_ignored():
+    """DeepSpeed ignores allgather_bucket_size at stage 0 and the dynamic fp16 keys beside a static
+    loss_scale; dsfn's transforms refuse those options (issue 31), so the converter leaves them
+    out and lists them as ignored (with the one warning), rather than failing or passing them."""
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "AdamW"},
+           "zero_optimization": {"stage": 0, "allgather_bucket_size": 2e8},
+           "fp16": {"enabled": True, "loss_scale": 128, "loss_scale_window": 500, "hysteresis": 1}}
+    with pytest.warns(UserWarning) as rec:
+        got = from_ds_config(cfg, world_size=2)
+    assert len(rec) == 1
+    for key in ("zero_optimization.allgather_bucket_size", "fp16.loss_scale_window", "fp16.hysteresis"):
+        assert key in str(rec[0].message) and key in got.ignored
+    zero, scaler = got.transforms[0], next(t for t in got.transforms if t.name == "loss_scale")
+    assert zero.stage == 0 and zero.allgather_bucket_size == 50_000_000
+    assert scaler.static and scaler.init_scale == 128.0
+    two = from_ds_config({**cfg, "zero_optimization": {"stage": 2, "allgather_bucket_size": 2e8},
+                          "fp16": {"enabled": True}}, world_size=2)
+    assert two.transforms[0].allgather_bucket_size == 200_000_000      # stage 2 reads it
+
+
 def test_deepspeed_defaults():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)

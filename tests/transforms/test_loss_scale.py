@@ -381,6 +381,21 @@ def test_bad_loss_scale_options_are_config_errors(kwargs):
         loss_scale(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [dict(init_scale=1024.0), dict(window=10), dict(hysteresis=1),
+                                    dict(min_scale=0.5), dict(consecutive_hysteresis=True)])
+def test_dynamic_options_with_a_static_scale_are_config_errors(kwargs):
+    """Issue 31: a static scale never changes, so the dynamic options would be accepted and do
+    nothing: each is refused, naming it. Left at their defaults they are accepted, and a static
+    scale below the default min_scale (which it never reads) is one too."""
+    key = next(iter(kwargs))
+    with pytest.raises(ConfigError, match=rf"static=128.0, {key}=.*never changes, so {key} would do nothing"):
+        loss_scale(static=128.0, **kwargs)
+    assert loss_scale(**kwargs).static is False          # the dynamic scale reads it
+    t = loss_scale(static=128.0, init_scale=2.0 ** 16, window=1000, hysteresis=2, min_scale=1.0)
+    assert t.static and t.init_scale == 128.0
+    assert float(loss_scale(static=0.5).initial_state().scale) == 0.5
+
+
 def test_loss_scale_defaults_are_deepspeeds():
     t = loss_scale()
     assert isinstance(t, LossScale)

@@ -567,28 +567,85 @@ def test_world1_overlap_buckets_leave_during_backward_and_hit(stage, mp):
             assert (started, hits, misses) == (n_params, n_params, 0), (i, started, hits, misses)
 
 
-def test_world1_source_stays_off_under_accumulate():
-    """With accumulate in the stack a micro-batch's gradient is not the step's: offload's
-    world-1 source submits nothing (no wasted speculation), results stay bitwise."""
+def test_overlap_with_no_bucket_source_is_a_config_error_at_place():
+    """With accumulate in the stack a micro-batch's gradient is not the step's, so offload's
+    world-1 source stays off; with no ZeRO reducer either (world 1) nothing could ever overlap:
+    overlap=True is refused at place (issue 31), not accepted and ignored. The same stack
+    without overlap places and trains."""
     from dsfn.runtime.pipeline import SimulatedCopyEngine
     from dsfn.transforms import accumulate
     init_mesh()
-    out = []
-    for overlap in (True, False):
-        apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 4], 0))
-        o = offload("cpu", overlap=overlap)
-        if overlap:
-            o._session.pipe.engine = SimulatedCopyEngine()
-        step = compose(shard_zero(2), accumulate(2), o, mixed_precision(torch.bfloat16))(
-            train_step_for(apply_fn, mse_loss_fp32))
-        state = step.init_state(params, dsfn.optim.adamw(lr=1e-2))
-        for b in regression_batches(3, 8, 6, 4, seed=7):
-            state, _ = step(state, b)
-        out.append((step.gather(state), o._session))
-    (s, sess), (r, _) = out
-    assert_trees_equal(s.params, r.params)
-    assert_trees_equal(s.opt_state, r.opt_state)
-    assert sess.pipe.items == 0 and sess.started == 0
+    apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 4], 0))
+    o = offload("cpu", overlap=True)
+    o._session.pipe.engine = SimulatedCopyEngine()      # a device to overlap with: still no source
+    step = compose(shard_zero(2), accumulate(2), o, mixed_precision(torch.bfloat16))(
+        train_step_for(apply_fn, mse_loss_fp32))
+    with pytest.raises(ConfigError, match=r"overlap=True\) with accumulate.*drop accumulate or overlap"):
+        step.init_state(params, dsfn.optim.adamw(lr=1e-2))
+    with pytest.raises(ConfigError, match="overlap=True"):
+        step.place(dsfn.TrainState.create(params, dsfn.optim.adamw(lr=1e-2)))
+    plain = compose(shard_zero(2), accumulate(2), offload("cpu"), mixed_precision(torch.bfloat16))(
+        train_step_for(apply_fn, mse_loss_fp32))
+    state = plain.init_state(params, dsfn.optim.adamw(lr=1e-2))
+    state, _ = plain(state, regression_batches(1, 8, 6, 4, seed=7)[0])
+
+
+def _overlap_under_whole_reduce(outer):
+    init_mesh()
+    apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 4], 0))
+    step = compose(outer(), offload("cpu", overlap=True))(train_step_for(apply_fn, mse_loss_fp32))
+    try:
+        step.init_state(params, dsfn.optim.adamw(lr=1e-2))
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("outer", ["data_parallel", "shard_zero(0)"])
+def test_overlap_under_a_whole_gradient_all_reduce_is_a_config_error(outer):
+    """data_parallel and shard_zero(0) over 2 ranks all-reduce whole gradients and report no
+    buckets: overlap=True could never act there, so place refuses it, naming the fix."""
+    from dsfn.transforms import data_parallel
+    make = data_parallel if outer == "data_parallel" else (lambda: shard_zero(0))
+    for msg in run_on_ranks(_overlap_under_whole_reduce, 2, make, timeout=120):
+        assert msg is not None and f"under {outer if outer != 'data_parallel' else 'data_parallel()'} over dp=2" in msg
+        assert "shard_zero(1|2|3)" in msg
+
+
+def test_params_true_over_one_rank_is_a_config_error_at_place():
+    """ZeRO-3 over one rank shards nothing, so offload(params=True) would leave every parameter
+    where it is: refused at place (init_state and place), not accepted and ignored."""
+    init_mesh()
+    apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 4], 0))
+    step = compose(shard_zero(3), offload("cpu", params=True))(train_step_for(apply_fn, mse_loss_fp32))
+    with pytest.raises(ConfigError, match=r"params=True.*dp=1 rank shards nothing.*drop params=True"):
+        step.init_state(params, dsfn.optim.adamw(lr=1e-2))
+    with pytest.raises(ConfigError, match="params=True"):
+        step.place(dsfn.TrainState.create(params, dsfn.optim.adamw(lr=1e-2)))
+    step = compose(shard_zero(3), offload("cpu"))(train_step_for(apply_fn, mse_loss_fp32))
+    assert step.init_state(params, dsfn.optim.adamw(lr=1e-2)) is not None
+
+
+def test_options_offload_cannot_use_are_config_errors():
+    """subgroup_bytes is NVMe's write granularity (host memory has none); cores sizes the host
+    AdamW kernel, which host_kernel=False and non-Adam optimizers never run: each is refused
+    (at construction, or at place once the optimizer is known) rather than ignored."""
+    with pytest.raises(ConfigError, match=r"device='cpu', subgroup_bytes=1024\).*offload\('nvme'"):
+        offload("cpu", subgroup_bytes=1024)
+    offload("cpu", subgroup_bytes=64 << 20)         # the default, given: nothing to refuse
+    with pytest.raises(ConfigError, match=r"cores=0.5, host_kernel=False"):
+        offload("cpu", cores=0.5, host_kernel=False)
+    init_mesh()
+    apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 4], 0))
+    step = compose(offload("cpu", cores=0.5))(train_step_for(apply_fn, mse_loss_fp32))
+    with pytest.raises(ConfigError, match=r"cores=0.5\).*never runs it"):
+        step.init_state(params, dsfn.optim.sgd(lr=1e-2, momentum=0.9))
+    with pytest.raises(ConfigError, match="never runs it"):
+        step.place(dsfn.TrainState.create(params, dsfn.optim.sgd(lr=1e-2, momentum=0.9)))
+    with pytest.raises(ConfigError, match="never runs it"):
+        step.init_state(params, dsfn.optim.adamw(lr=1e-2, amsgrad=True))
+    state = step.init_state(params, dsfn.optim.adamw(lr=1e-2))      # Adam runs the kernel: accepted
+    state, _ = step(state, regression_batches(1, 4, 6, 4, seed=1)[0])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -209,6 +209,22 @@ def test_same_param_and_master_dtype_makes_no_second_copy():
         assert sizes["mp32"][1] == sizes["none"][1]
 
 
+def test_same_param_and_master_dtype_with_parameters_of_another_dtype_is_a_config_error():
+    """Issue 31: with param_dtype == master_dtype the state is kept as it is, so fp32 parameters
+    under mixed_precision(bf16, master_dtype=bf16) would train in fp32 with param_dtype accepted
+    and ignored: place refuses it, naming both fixes. Parameters already in that dtype place."""
+    apply_fn, params = dsfn.functionalize(make_mlp(SIZES, 0))
+    step = compose(mixed_precision(torch.bfloat16, master_dtype=torch.bfloat16))(lambda s, b: (s, {}))
+    with pytest.raises(ConfigError, match=r"param_dtype=bfloat16, master_dtype=bfloat16.*parameters are float32.*"
+                                          r"model.to\(torch.bfloat16\)"):
+        step.place(dsfn.TrainState.create(params, dsfn.optim.adamw(lr=1e-2)))
+    with pytest.raises(ConfigError, match="parameters are float32"):
+        step.init_state(params, dsfn.optim.adamw(lr=1e-2))
+    half = {k: v.to(torch.bfloat16) for k, v in params.items()}
+    state = step.place(dsfn.TrainState.create(half, dsfn.optim.adamw(lr=1e-2)))
+    assert not isinstance(state.opt_state, MasterState)
+
+
 def test_bf16_grads_and_loss_dtypes():
     """The step sees bf16 gradients (reduced in bf16 by default) and reports an fp32 loss."""
     init_mesh()

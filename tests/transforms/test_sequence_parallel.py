@@ -243,6 +243,10 @@ def test_a_model_without_position_ids_is_an_error_unless_declared_position_free(
 def test_bad_configs_fail_at_compose():
     with pytest.raises(ConfigError, match="needs seq_length"):
         sequence_parallel(seq_length_is_variable=False)
+    # issue 31: a length only a fixed-length config reads would be accepted and ignored
+    with pytest.raises(ConfigError, match=r"seq_length=12\).*seq_length_is_variable=False\) to require it"):
+        sequence_parallel(seq_length=12)
+    assert sequence_parallel(seq_length=12, seq_length_is_variable=False).seq_length == 12
     with pytest.raises(StackError, match="sequence_parallel must be the outermost"):
         compose(shard_zero(1), sequence_parallel())
 
@@ -279,6 +283,15 @@ def test_autosp_equals_manual_ulysses_and_reference():
     torch.testing.assert_close(torch.tensor(auto[0]), torch.tensor(manual[0]), rtol=1e-4, atol=1e-5)
     assert_trees_close(auto[1], manual[1], rtol=1e-4, atol=1e-5)
     check(make_gpt, lambda m: (sequence_parallel(),), {"sp": 2}, batches=batches)
+
+
+def test_auto_false_with_a_hugging_face_model_is_a_config_error():
+    """A Hugging Face model's attention is always Ulysses (dsfn_ulysses), so auto=False (leave the
+    attention to the model's own ulysses_sdpa calls) would be accepted and ignored (issue 31):
+    refused at the first forward, at any sp (here one process); a non-HF model takes it."""
+    with pytest.raises(ConfigError, match=r"auto=False\): LlamaForCausalLM is a Hugging Face model.*drop auto=False"):
+        train(MODELS["llama"], lambda m: (sequence_parallel(auto=False),), make_batches()[:1])
+    train(_manual_gpt, lambda m: (sequence_parallel(auto=False),), make_batches()[:1])
 
 
 def test_zero2_composes():

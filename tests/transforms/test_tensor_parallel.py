@@ -225,6 +225,10 @@ def test_unknown_style_and_bad_arguments_fail_at_construction():
         tensor_parallel("auto")
     with pytest.raises(ConfigError, match="only colwise styles"):
         packed("rowwise", 3)
+    # issue 31: auto=False would be overridden by plan="auto" (accepted and ignored): refused
+    with pytest.raises(ConfigError, match=r"tensor_parallel\('auto', auto=False\).*pass a plan dict"):
+        tensor_parallel("auto", model=make_gpt(), auto=False)
+    assert tensor_parallel("auto", model=make_gpt(), auto=True).auto
     with pytest.raises(StackError, match="must be outside tensor_parallel"):
         compose(tensor_parallel(tp_plan(), model=make_gpt()), shard_zero(1))
 

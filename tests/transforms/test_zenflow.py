@@ -464,6 +464,18 @@ def test_bad_stack(stack, match):
         compose(*stack())
 
 
+def test_host_kernel_false_under_an_offload_that_runs_the_kernel_is_a_config_error():
+    """Under offload, offload's host_kernel decides how the host update runs: zenflow's
+    host_kernel=False there would be accepted and ignored (issue 31), so it is refused; with
+    offload(host_kernel=False) the two agree and the stack composes."""
+    with pytest.raises(ConfigError, match=r"zenflow\(host_kernel=False\) under offload.*"
+                                          r"offload\(\.\.\., host_kernel=False\)"):
+        compose(offload("cpu"), zenflow(host_kernel=False))
+    compose(offload("cpu", host_kernel=False), zenflow(host_kernel=False))
+    compose(offload("cpu", host_kernel=False), zenflow())
+    compose(zenflow(host_kernel=False))
+
+
 def test_muon_and_unplaced_states_are_rejected():
     step = compose(zenflow())(grad_step)
     with pytest.raises(ConfigError, match="elementwise optimizer"):

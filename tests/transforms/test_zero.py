@@ -114,8 +114,8 @@ def test_zero_equals_single_process_reference(stage, world, seed, hidden, n_acc,
     batches = regression_batches(3, 4 * n_acc, 5, 3, seed=seed)     # 4*n_acc rows: any world, any n_acc
 
     def transforms():
-        out = [shard_zero(stage, reduce_bucket_size=bucket, allgather_bucket_size=bucket,
-                          param_persistence_threshold=0)]
+        gather = {"allgather_bucket_size": bucket} if stage else {}     # stage 0 gathers nothing
+        out = [shard_zero(stage, reduce_bucket_size=bucket, param_persistence_threshold=0, **gather)]
         if n_acc > 1:
             out.append(accumulate(n_acc))
         if clip is not None:
@@ -573,6 +573,24 @@ def test_stage_outside_0_to_3_is_a_config_error(stage):
 def test_bad_options_are_config_errors(kwargs):
     with pytest.raises(ConfigError):
         shard_zero(2, **kwargs)
+
+
+@pytest.mark.parametrize("stage,key,value", [
+    (0, "allgather_bucket_size", 1000),
+    (0, "param_persistence_threshold", 10), (1, "param_persistence_threshold", 10),
+    (2, "param_persistence_threshold", 10),
+    (0, "units", ["blocks.*"]), (2, "units", ["blocks.*"]), (1, "prefetch", 0), (2, "prefetch", 2)])
+def test_an_option_its_stage_never_reads_is_a_config_error(stage, key, value):
+    """Issue 31: an option the stage never reads (stage 0 all-gathers nothing; stages 0-2 gather
+    no units and keep every parameter whole) is refused, naming the option and the stage that
+    reads it, rather than accepted and ignored. The default value (given or not) and every
+    stage that reads the option are accepted."""
+    with pytest.raises(ConfigError, match=rf"shard_zero\({stage}, {key}=.*read only at stage.*drop {key}"):
+        shard_zero(stage, **{key: value})
+    defaults = {"allgather_bucket_size": 50_000_000, "param_persistence_threshold": 0, "units": None, "prefetch": 1}
+    shard_zero(stage, **{key: defaults[key]})
+    for s in ((1, 2, 3) if key == "allgather_bucket_size" else (3,)):
+        assert getattr(shard_zero(s, **{key: value}), key) == (tuple(value) if key == "units" else value)
 
 
 def test_data_parallel_with_shard_zero_is_a_stack_error():
