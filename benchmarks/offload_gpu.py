@@ -19,7 +19,7 @@ The overlap pipeline is then fed by offload's own world-1 source: it watches the
 backward makes them and submits them in buckets of about shard_zero's reduce_bucket_size
 elements, so buckets leave the GPU and their host AdamW is speculated during backward; the
 worker-wait column counts one event wait per bucket. With >= 2 GPUs (`--nproc-per-node 2`)
-ZeRO's bucketed reduce-scatter (`flat.grad_bucket_listener`) is the source instead.
+ZeRO's bucketed reduce-scatter (the "grad_bucket_ready" primitive) is the source instead.
 The `spec/step` column: the overlap rows' buckets, speculated leaves (started) and used ones
 (hits) per timed step; hits == started == the number of parameters when every speculation is
 used. On CPU (`--quick` without a GPU) there is no device to overlap with: nothing is

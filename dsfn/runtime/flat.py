@@ -13,7 +13,6 @@ steps; `BufferPool`: buffers kept between uses, ZeRO's gradient shards).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -41,22 +40,6 @@ def padded_rows_many(fulls: Sequence[torch.Tensor], n: int) -> list[torch.Tensor
             flat = torch.cat([flat, flat.new_zeros(n * c - flat.numel())])
         out.append(flat.view(n, c))
     return out
-
-
-_bucket_listeners: list[Callable[[list[tuple[Any, torch.Tensor]]], None]] = []
-
-
-@contextlib.contextmanager
-def grad_bucket_listener(fn: Callable[[list[tuple[Any, torch.Tensor]]], None]):
-    """Within this block, `fn([(key, shard), ...])` is called once per reduced bucket of a
-    `ShardReducer`, as it completes (while backward still runs, for all but the last
-    buckets): the bucket's shards, in plan order. `offload(overlap=True)` moves each bucket
-    to the host as one copy (`dsfn.runtime.pipeline`)."""
-    _bucket_listeners.append(fn)
-    try:
-        yield
-    finally:
-        _bucket_listeners.remove(fn)
 
 
 class ShardReducer:
@@ -88,13 +71,20 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
     shards go back to the dtype of the key's gradient (`named`) as they arrive, so rounds
     are summed there (fp32 training that communicates in bf16: DeepSpeed's
     communication_data_type); without it they stay in the wire dtype.
+
+    `on_bucket([(key, shard), ...])`, when given, is called once per reduced bucket as it
+    completes (while backward still runs, for all but the last buckets), in plan order: the
+    sink a caller hands in (ZeRO passes the "grad_bucket_ready" primitive, which
+    `offload(overlap=True)` handles to start its host updates early).
     """
 
     def __init__(self, axis: str, bucket_elems: int, op: str = "avg", dtype: torch.dtype | None = None,
                  named: Sequence[tuple[Any, torch.Tensor]] = (), devices: dict | None = None,
-                 pool: BufferPool | None = None, keep_dtype: bool = False):
+                 pool: BufferPool | None = None, keep_dtype: bool = False,
+                 on_bucket: Callable[[list[tuple[Any, torch.Tensor]]], None] | None = None):
         from dsfn.runtime.buckets import FixedBuckets, backward_order
         self.axis, self.op, self.dtype = axis, op, dtype
+        self.on_bucket = on_bucket
         self.n = current_mesh().size(axis)
         named = list(named)
         by_key = dict(named)
@@ -195,10 +185,8 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
                     piece = piece.to(home.get(i, piece.dtype))
                 # views of the bucket's row (a fresh tensor of exactly the shards' size)
                 self.shards[i] = piece if i not in self.shards else self.shards[i] + piece
-            if _bucket_listeners:
-                bucket = [(i, self.shards[i]) for i, _ in items]
-                for fn in _bucket_listeners:
-                    fn(bucket)
+            if self.on_bucket is not None:
+                self.on_bucket([(i, self.shards[i]) for i, _ in items])
 
     def finish(self) -> dict[Any, torch.Tensor]:
         self._launch(self.plan.end_round())

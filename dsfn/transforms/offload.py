@@ -53,7 +53,7 @@ shard what the transforms inside `offload` will do to it (`Transform.speculative
 mixed precision's cast to the master dtype, the loss scale's unscaling by the scale the step
 started with).
 Where the buckets come from: exactly one source per step. With a data-parallel axis of
-size > 1, ZeRO's `ShardReducer` (`flat.grad_bucket_listener`: each reduced bucket of
+size > 1, ZeRO's `ShardReducer` (the "grad_bucket_ready" primitive: each reduced bucket of
 shards). At world 1 ZeRO is stage 0 (it lays out and reduces nothing, there is no
 reducer), so offload is its own source (`Offload.handle_value_and_grad`): the parameters'
 gradients are watched as backward makes them (`data_parallel.tap_gradients(keep=True)`,
@@ -105,7 +105,7 @@ import torch
 from dsfn import tree
 from dsfn.errors import ConfigError, StackError
 from dsfn.ops import dispatch
-from dsfn.runtime import env, flat, nvme
+from dsfn.runtime import env, nvme
 from dsfn.runtime.host import copy_to_host, wait_last
 from dsfn.state.layout import (
     FlatShard,
@@ -188,6 +188,9 @@ class Offload(Transform):
         if device == "nvme":
             self._store = nvme.FileStore(path)     # ConfigError when path is missing or not writable
             _STORES[self._store.root] = self._store   # the latest live store for this path
+
+    def facts(self) -> dict[str, Any]:
+        return {"offload": self.device, "hears_grad_buckets": self.overlap}
 
     # -- stack rules -------------------------------------------------------------------------
     def check_stack(self, stack, index):
@@ -482,6 +485,13 @@ class Offload(Transform):
         feed.flush()
         return out
 
+    def handle_grad_bucket_ready(self, call_next, items):
+        """A ZeRO reducer's bucket of reduced gradient shards, as it completes: the overlapped
+        host update starts on it (module docstring)."""
+        if self._session is not None:
+            self._session.on_bucket(items)
+        return call_next(items)
+
     def wrap_step(self, fn):
         if self._session is None:
             return fn
@@ -489,11 +499,10 @@ class Offload(Transform):
 
         def step(state, batch):
             session.begin(self._speculation_prep(state))
-            with flat.grad_bucket_listener(session.on_bucket):
-                try:
-                    return fn(state, batch)
-                finally:
-                    session.end_step()     # nothing keeps running past the step
+            try:
+                return fn(state, batch)
+            finally:
+                session.end_step()     # nothing keeps running past the step
         return step
 
     def _speculation_prep(self, state: Any):
@@ -555,7 +564,7 @@ class _NvmePlan:
 
 class _OverlapSession:
     """SuperOffload-style speculation, memoised, bucket by bucket: as ZeRO finishes reducing
-    a bucket of gradient shards during backward (`flat.grad_bucket_listener`), the bucket
+    a bucket of gradient shards during backward (the "grad_bucket_ready" primitive), the bucket
     goes to the host as one copy into one of two pinned staging buffers
     (`dsfn.runtime.pipeline.HostPipeline`: an async copy on a side stream, one event per
     bucket, waited for by the worker thread, never by the training thread), and on the

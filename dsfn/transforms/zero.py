@@ -239,8 +239,12 @@ class ShardZero(Transform):
             # demand during backward, so the two sequences interleave differently on ranks
             # whose data reached different units; each channel's own order is the same
             axis = grad_channel(self.axis) if self.stage == 3 else self.axis
+            # a transform inside that hears reduced buckets (offload's overlapped host update) gets
+            # each through the "grad_bucket_ready" primitive, as it completes
+            hears = facts.inside(self).first("hears_grad_buckets", False)
             reducer = ShardReducer(axis, self.reduce_bucket_size, "avg", facts.grad_wire_dtype, named, devices,
-                                   pool=self._grad_pool, keep_dtype=facts.grads_keep_dtype)
+                                   pool=self._grad_pool, keep_dtype=facts.grads_keep_dtype,
+                                   on_bucket=_bucket_ready if hears else None)
         else:
             reducer = outer
         self._reducer = reducer
@@ -543,6 +547,12 @@ class ShardZero(Transform):
         # re-gathers its unit in backward's fixed order
         with until_backward(gatherer.module_hooks()), gatherer:
             return call_next(view, gatherer.call_params, args, kwargs)
+
+
+def _bucket_ready(items: list[tuple[str, torch.Tensor]]) -> None:
+    """A reduced bucket of gradient shards, [(key, shard), ...], handed to the transforms that
+    handle "grad_bucket_ready" (default: nothing)."""
+    bind("grad_bucket_ready", lambda items: None, items)
 
 
 def shard_zero(*args: Any, **kwargs: Any) -> ShardZero:
