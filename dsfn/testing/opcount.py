@@ -191,18 +191,17 @@ def python_calls(fn: Callable[[], Any], where: Callable[[Any], bool]) -> tuple[A
 
 def zero3_machinery() -> Callable[[Any], bool]:
     """`where` (for `python_calls`) selecting the code of ZeRO-3's gather / release /
-    reduce-scatter path: zero.py's stage-3 machinery with ShardZero's gradient accounting,
-    and the runtime pieces it drives (flat buffers, bucket plans, collectives)."""
-    import inspect
-
-    from dsfn.transforms import zero as Z
-    first = inspect.getsourcelines(Z._Gather)[1]
+    reduce-scatter path: the unit lifecycle (dsfn/engines/zero3_units.py) with stage 3's
+    gradient accounting (`GradientsDue`), and the runtime pieces it drives (flat buffers,
+    bucket plans, collectives)."""
     runtime = ("dsfn/runtime/flat.py", "dsfn/runtime/buckets.py", "dsfn/runtime/collectives.py")
 
     def where(code) -> bool:
         f = code.co_filename.replace("\\", "/")
-        if f.endswith("dsfn/transforms/zero.py"):
-            return code.co_firstlineno >= first or code.co_name in ("_gathers_made", "_grads_arrived")
+        if f.endswith("dsfn/engines/zero3_units.py"):
+            return True
+        if f.endswith("dsfn/engines/zero_stage3.py"):
+            return code.co_name in ("gathers_made", "grads_arrived")
         return f.endswith(runtime)
     return where
 

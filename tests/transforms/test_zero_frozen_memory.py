@@ -62,7 +62,7 @@ def run(stage: int, keep_full: bool = False):
     inherited = live_tensor_bytes()
     init_mesh(dp=2)
     if keep_full:          # the old placement: pieces stored, the full tensors still referenced
-        from dsfn.transforms import zero
+        from dsfn.engines import zero_stage3 as zero
         real = zero.store_constants
 
         def holding(apply_fn, placed):
@@ -79,7 +79,7 @@ def run(stage: int, keep_full: bool = False):
         loss = lambda p, b: ((apply_fn(p, b["x"]) - b["y"]) ** 2).mean()
         value, grads = dsfn.value_and_grad(loss)(state.params, batch)
         return state.apply_gradients(grads), {"loss": value}
-    step = compose(shard_zero(stage, prefetch=0))(train_step)
+    step = compose(shard_zero(stage, **({"prefetch": 0} if stage == 3 else {})))(train_step)   # (prefetch: stage 3 only)
     state = step.init_state(params, dsfn.optim.sgd(0.1, momentum=0.9))
     g = torch.Generator().manual_seed(1)
     batch = {"x": torch.randn(4, D_IN, generator=g), "y": torch.randn(4, 4, generator=g)}

@@ -13,7 +13,7 @@ from dsfn.testing import assert_trees_equal, run_on_ranks
 from dsfn.testing.alloc import AllocCounter
 from dsfn.testing.models import token_batches
 from dsfn.transforms import mixed_precision, shard_zero
-from dsfn.transforms import zero as Z
+from dsfn.engines import zero3_units as Z
 
 
 
@@ -53,7 +53,7 @@ def _run(keep, precision):
             made.append(0)
             gathers.append([])
             if not keep:
-                zero._plans.clear()          # the unit plans, their storages with them
+                zero._engine.plans.clear()    # the unit plans, their storages with them
             state, m = step(state, batch)
             losses.append(float(m["loss"]))
     finally:

@@ -1,0 +1,535 @@
+"""ZeRO-3's unit lifecycle: parameters gathered just in time, unit by unit (FSDP2's
+unshard / reshard / pre_forward / post_backward).
+
+A `UnitGatherer` serves one forward of a module whose parameters are ZeRO-3 shards:
+
+- pre_forward (`_pre`, a unit's forward pre-hook): the unit is unsharded — its shards
+  all-gathered straight into the unit's kept storages (`UnitStorage`, one flat buffer per
+  bucket, the weights views of it; `dsfn.runtime.flat.gather_into_buffers`) — and the next
+  `prefetch` units are launched; its trainable weights enter autograd as one node
+  (`_GatherUnit`);
+- post_forward (`_post`): the unit is resharded — its storages' memory freed (resized to 0),
+  the tensor objects kept — and a gradient hook on its outputs is registered;
+- pre_backward (`_before_backward`): the unit is gathered again into the same storages just
+  before its backward, so what autograd saved sees the weights again;
+- post_backward (`grads_ready`): the unit's gradients go to the sink `due` in one call, and
+  the unit is resharded once its last one arrived.
+
+Every rank issues the same gathers in the same order whatever its data reaches (a unit it
+skips is gathered and dropped), forward in registration order, backward the root then the
+last unit down to the first. A recompute in backward (activation checkpointing) installs
+the re-gathered weights through global module hooks marked with `recompute_hook`.
+`UnitPlan` is what does not change from step to step (slots, units, owners, order,
+storages). Machinery only: it imports no transform and calls back into none; its inputs
+(the plan, the shards, the axis, bucket size, prefetch depth, the gradient sink) are
+passed in.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsfn.placed import Placed
+from dsfn.runtime import collectives as C
+from dsfn.runtime.flat import FlatGather, gather_into_buffers
+from dsfn.state.layout import FlatShard
+from dsfn.units import find_units
+
+__all__ = ["UnitGatherer", "UnitPlan", "UnitStorage", "recompute_hook"]
+
+
+
+class _Gather(torch.autograd.Function):
+    """shard -> full parameter (gathered by the UnitGatherer); backward queues the full
+    gradient for reduce-scatter and returns a zero-stride zero for the shard."""
+
+    @staticmethod
+    def forward(ctx, shard, gatherer, index):
+        ctx.gatherer, ctx.index, ctx.shard_device = gatherer, index, shard.device
+        return gatherer.full(index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.gatherer.grads_ready([(ctx.index, grad)])
+        # autograd wants the input's device: an offloaded shard lives on the host while its
+        # gathered weight (and so `grad`) is on the compute device
+        stand_in = torch.zeros((), dtype=grad.dtype, device=ctx.shard_device)
+        return stand_in.expand(ctx.gatherer.shard_shape(ctx.index)), None, None
+
+
+class _GatherUnit(torch.autograd.Function):
+    """A unit's shards -> its full trainable parameters (gathered by the UnitGatherer), as
+    one autograd node; backward hands every arrived gradient to the gatherer (which queues
+    it for reduce-scatter) and returns zero-stride zeros for the shards."""
+
+    @staticmethod
+    def forward(ctx, gatherer, ids, *shards):
+        ctx.gatherer, ctx.ids = gatherer, ids
+        ctx.homes = [s.device for s in shards]
+        ctx.shapes = [s.shape for s in shards]
+        ctx.set_materialize_grads(False)        # an unused weight's gradient stays None
+        full = gatherer._full
+        return tuple([full[i] for i in ids])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        arrived, out = [], []
+        for i, grad, home, shape in zip(ctx.ids, grads, ctx.homes, ctx.shapes):
+            if grad is None:            # not reached by this loss: the reducer gets zeros at the end
+                out.append(None)
+                continue
+            arrived.append((i, grad))
+            # autograd wants the input's device: an offloaded shard lives on the host while its
+            # gathered weight (and so `grad`) is on the compute device
+            out.append(torch.zeros((), dtype=grad.dtype, device=home).expand(shape))
+        if arrived:
+            ctx.gatherer.grads_ready(arrived)     # the unit's gradients, in one call
+        return (None, None, *out)
+
+
+class UnitPlan:
+    """What a UnitGatherer needs to know about a module and its sharded parameters that does
+    not change from step to step (computed once per module and parameter names, cached by
+    ZeRO-3's engine): index i = the i-th name (trainable shards, then frozen ones); each index's
+    (owner module, attribute) slots (tied aliases too); the units (unit 0: the root) and
+    the indices each holds; the modules owning sharded parameters directly (for a
+    recompute); backward's gather order; each unit's gather storages (`storages`: unit ->
+    UnitStorage, shared by every gatherer of this module)."""
+
+    def __init__(self, module: nn.Module, names: tuple[str, ...], frozen: tuple[str, ...], units: Any):
+        self.names = list(names) + list(frozen)
+        self.frozen = set(range(len(names), len(self.names)))
+        self.index = {n: i for i, n in enumerate(self.names)}
+        # every (owner module, attribute) slot through which a parameter is reached (tied ones too)
+        by_obj: dict[int, list[str]] = {}
+        for full_name, p in module.named_parameters(remove_duplicate=False):
+            by_obj.setdefault(id(p), []).append(full_name)
+        canonical = {n: aliases for aliases in by_obj.values() for n in aliases[:1]}
+        self.slots: list[list[tuple[nn.Module, str]]] = []
+        for n in self.names:
+            slots = []
+            for alias in canonical.get(n, [n]):
+                owner_name, _, attr = alias.rpartition(".")
+                slots.append((module.get_submodule(owner_name), attr))
+            self.slots.append(slots)
+        # units: a sharded parameter reached from exactly one unit belongs to it; one reached
+        # from several units (tied across units) or from none belongs to the root
+        unit_mods = find_units(module, units)
+
+        def unit_holding(alias: str) -> int | None:
+            return next((u for u, (uname, _) in enumerate(unit_mods) if alias.startswith(uname + ".")), None)
+        owner_of: dict[int, int] = {}
+        for i, n in enumerate(self.names):
+            holders = {unit_holding(alias) for alias in canonical.get(n, [n])}
+            if len(holders) == 1 and None not in holders:
+                owner_of[i] = holders.pop()
+        self.unit_params: list[list[int]] = [[] for _ in unit_mods]
+        for i in sorted(owner_of):
+            self.unit_params[owner_of[i]].append(i)
+        root = [i for i in range(len(self.names)) if i not in owner_of]
+        # the root unit (parameters outside every unit) runs first and stays live to the end
+        self.units = [module] + [m for _, m in unit_mods]
+        self.unit_params.insert(0, root)
+        self.unit_of = {i: u for u, ids in enumerate(self.unit_params) for i in ids}
+        # modules owning sharded parameters directly: (module, indices), for recompute hooks
+        owners: dict[int, tuple[nn.Module, list[int]]] = {}
+        for i, slots in enumerate(self.slots):
+            for owner, _ in slots:
+                owners.setdefault(id(owner), (owner, []))[1].append(i)
+        self.owners = [(m, sorted(set(ids))) for m, ids in owners.values()]
+        self.bw_seq = [0] + list(range(len(self.units) - 1, 0, -1))   # backward's gather order
+        self.bw_pos = {u: k for k, u in enumerate(self.bw_seq)}
+        self.storages: dict[int, UnitStorage] = {u: UnitStorage() for u in range(len(self.units))}
+
+
+class UnitGatherer:
+    """Gathers a forward's sharded parameters unit by unit (module docstring).
+
+    Index i refers to `params`' i-th sharded entry; unit 0 is the root. The number of
+    gathered units besides the root is published as the runtime gauge
+    "zero3.live_units" (current and max) for tests and explain.
+    """
+
+    def __init__(self, module: nn.Module, params: dict[str, Any], plan: UnitPlan, leaves: tuple,
+                 frozen: dict[str, tuple[torch.Tensor, FlatShard]], axis: str, bucket_elems: int, prefetch: int,
+                 due: Any = None):
+        """`plan`: the module's UnitPlan; `leaves`: (names, FlatShards, compute devices) of the
+        ZeRO shards among `params`; `frozen`: name -> (piece to gather, its FlatShard); the
+        gathers run over `axis` in buckets of `bucket_elems`, `prefetch` units ahead. `due`
+        (inside value_and_grad, else None): the gradient sink — `gathers_made(keys)` as a
+        unit is gathered under grad, `grads_arrived([(key, grad)])` as its gradients come."""
+        self.module, self.axis, self.bucket_elems, self.prefetch, self.due = module, axis, bucket_elems, prefetch, due
+        names, layouts, homes = leaves
+        # the step's shards, in plan order: trainable ones, then frozen ones (no gradients)
+        self.names, self.frozen, self.index, self.slots = plan.names, plan.frozen, plan.index, plan.slots
+        self.units, self.unit_params, self.unit_of = plan.units, plan.unit_params, plan.unit_of
+        self._owners, self._bw_seq, self._bw_pos = plan.owners, plan.bw_seq, plan.bw_pos
+        self.shards = [params[n].data for n in names] + [piece for piece, _ in frozen.values()]
+        self.layouts = layouts + [layout for _, layout in frozen.values()]
+        # where each gathered weight must be (offload(params=True) keeps shards on the host)
+        self.homes = homes + [piece.device for piece, _ in frozen.values()]
+        self.call_params = {n: (v.data if isinstance(v, Placed) else v) for n, v in params.items()}
+        # a unit is gathered into flat buffers (`FlatGather.slabs`); its weights are views of them
+        self._full: dict[int, torch.Tensor] = {}              # index -> gathered weight, in use
+        self._pending: dict[int, FlatGather] = {}             # unit -> in-flight gather
+        self._fw: dict[int, FlatGather] = {}                  # unit -> forward gather, in use
+        self._bw: dict[int, tuple[FlatGather, dict[int, torch.Tensor]]] = {}   # unit -> re-gathered for backward
+        self._bw_left: dict[int, set[int]] = {}               # unit -> trainable indices whose grad is due
+        self._grads_done: set[int] = set()                    # indices whose gradient arrived this backward
+        self._bw_pending: dict[int, FlatGather] = {}          # unit -> prefetched backward gather
+        self._unit_storage = plan.storages          # each unit's, shared by every gatherer (UnitStorage)
+        self._recompute_hooks: list[Any] = []
+        self._live: set[int] = set()
+        self._phase = "forward"                               # "backward" once the forward returned
+        self._installed: dict[tuple[int, str], torch.Tensor] = {}   # recompute: slot -> what we put there
+        self._fw_next = 0                                     # next unit forward launches
+        self._bw_next = 0
+
+    # -- gathering -------------------------------------------------------------------------------
+    # Every rank issues the same all-gathers in the same order, whatever units its data
+    # reaches (a routed expert, a skipped layer): forward launches units strictly in
+    # registration order, so calling unit u first launches every earlier unit not launched
+    # yet ("catch-up"; one this rank skipped is gathered and dropped), and the forward's
+    # end launches the rest. Backward does the same over its fixed sequence: the root,
+    # then the last unit down to the first. A unit called again after it was released
+    # (re-use within one forward) is gathered again: ranks must re-use units alike.
+    def _launch(self, u: int) -> None:
+        if u in self._pending or u in self._live or not self.unit_params[u]:
+            return
+        # one bucketed all-gather per unit, into pooled buffers; async so the next unit's
+        # gather overlaps compute
+        self._pending[u] = self._gather_async(u)
+        self._live.add(u)
+        _gauge_live(self._live)
+
+    def _on_home(self, i: int) -> torch.Tensor:
+        """Shard i on its compute device (a host shard is copied there non-blocking), so the
+        gathered weight lands where the forward runs, under gloo and NCCL alike."""
+        s = self.shards[i]
+        return s if s.device == self.homes[i] else s.to(self.homes[i], non_blocking=True)
+
+    def _launch_upto(self, u: int) -> None:
+        """Launch units `_fw_next .. u` (registration order) that are not launched yet."""
+        while self._fw_next <= min(u, len(self.units) - 1):
+            self._launch(self._fw_next)
+            self._fw_next += 1
+
+    def _drop_skipped(self, before: int) -> None:
+        """Units launched ahead of `before` that this rank never ran: wait for their gathers
+        (the ranks that run them need the collective) and free them."""
+        for v in [v for v in self._pending if 0 < v < before]:
+            self._release(v, self._pending.pop(v))
+            self._live.discard(v)
+        _gauge_live(self._live)
+
+    def _materialize(self, u: int) -> None:
+        if u >= self._fw_next:
+            self._launch_upto(u)
+        elif u not in self._pending and u not in self._live:
+            self._launch(u)                   # re-use after release: gathered again
+        self._drop_skipped(u)
+        handle = self._pending.pop(u, None)
+        if handle is not None:
+            for i, t in zip(self.unit_params[u], handle.wait()):
+                self._full[i] = t
+            self._fw[u] = handle
+
+    def _release(self, u: int, handle: FlatGather) -> None:
+        """A gather of unit u is no longer used (waited for first: a collective may still be
+        writing): its storages' memory goes once no gather of the unit is in use."""
+        handle.release(None)
+        self._unit_storage[u].done()
+
+    def finish_forward(self) -> None:
+        """The forward is over: launch the units this rank never reached, and drop them."""
+        self._launch_upto(len(self.units) - 1)
+        self._drop_skipped(len(self.units))
+
+    def full(self, i: int) -> torch.Tensor:
+        return self._full[i]
+
+    def shard_shape(self, i: int) -> tuple[int, ...]:
+        return tuple(self.shards[i].shape)
+
+    def _pre(self, u: int):
+        def hook(mod, args):
+            if self._phase == "backward":      # a recompute of the unit (activation checkpointing)
+                self._install_for_recompute(self.unit_params[u])
+                return
+            self._materialize(u)
+            self._launch_upto(u + self.prefetch)   # prefetch: overlaps this unit's compute
+            ids = self.unit_params[u]
+            trainable = [i for i in ids if i not in self.frozen]
+            if torch.is_grad_enabled() and self.due is not None:
+                names = self.names
+                self.due.gathers_made([names[i] for i in trainable])
+            # one autograd node for the unit's trainable weights (one Python call forward and
+            # backward per unit, not per tensor); frozen weights take no part in autograd
+            fulls = dict(zip(trainable, _GatherUnit.apply(self, tuple(trainable),
+                                                          *(self.shards[i] for i in trainable))))
+            for i in ids:
+                full = fulls.get(i)
+                if full is None:
+                    full = self.full(i)
+                for owner, attr in self.slots[i]:
+                    owner._parameters[attr] = full
+        return hook
+
+    def _post(self, u: int):
+        def hook(mod, args, out):
+            if self._phase == "backward":
+                self._restore(self.unit_params[u])
+                return
+            for i in self.unit_params[u]:
+                self._full.pop(i, None)
+                for owner, attr in self.slots[i]:
+                    owner._parameters[attr] = self.shards[i]
+            handle = self._fw.pop(u, None)
+            if handle is not None:
+                self._release(u, handle)
+                self._before_backward(u, out)
+            self._live.discard(u)
+            _gauge_live(self._live)
+        return hook
+
+    def _before_backward(self, u: int, out: Any) -> None:
+        """Re-gather unit u just before its backward: when the first gradient of its outputs
+        is computed (FSDP2's pre-backward hook). Its saved weights are views of the unit's
+        storages, which the re-gather fills again."""
+        if not torch.is_grad_enabled():
+            return
+        ts = [t for t in _tensors_in(out) if t.requires_grad]
+        if ts:
+            torch.autograd.graph.register_multi_grad_hook(ts, lambda _g: self._needed_in_backward(u), mode="any")
+
+    def _needed_in_backward(self, u: int) -> None:
+        if u not in self._bw:
+            self._gather_for_backward(u)
+
+    def _gather_async(self, u: int) -> FlatGather:
+        """Start gathering unit u into its storages (the same ones in forward and backward)."""
+        ids = self.unit_params[u]
+        store = self._unit_storage[u]
+        shards, homes, layouts = self.shards, self.homes, self.layouts
+        on_home = [shards[j] if shards[j].device == homes[j] else self._on_home(j) for j in ids]
+        return store.gather(lambda pool: gather_into_buffers(
+            on_home, [layouts[j].shape for j in ids], self.axis, self.bucket_elems, pool))
+
+    def _bw_launch_upto(self, pos: int) -> None:
+        """Launch the backward sequence's units up to position `pos` not launched yet."""
+        while self._bw_next <= min(pos, len(self._bw_seq) - 1):
+            v = self._bw_seq[self._bw_next]
+            if self.unit_params[v]:
+                self._bw_pending[v] = self._gather_async(v)
+            self._bw_next += 1
+
+    def _gather_for_backward(self, u: int) -> None:
+        """Re-gather unit u for backward (after every unit before it in the backward sequence:
+        the root, then the last unit down to the first), drop units this rank's backward
+        passed without using, and prefetch the next ones."""
+        p = self._bw_pos[u]
+        if p >= self._bw_next:
+            self._bw_launch_upto(p)
+        handle = self._bw_pending.pop(u, None) or self._gather_async(u)
+        for v in [v for v in self._bw_pending if v != 0 and self._bw_pos[v] < p]:
+            self._release(v, self._bw_pending.pop(v))     # a unit this rank skipped: its gather, dropped
+        ids = self.unit_params[u]
+        self._bw[u] = (handle, dict(zip(ids, handle.wait())))
+        # the unit is dropped when its last trainable weight's gradient arrives (every use of
+        # its weights in backward is then done); one holding frozen weights, which no
+        # gradient marks done, when backward has passed it
+        self._bw_left[u] = {j for j in ids if j not in self.frozen and j not in self._grads_done}
+        for v in [v for v in self._bw if v not in (0, u) and self._bw_pos[v] < p and self._has_frozen(v)]:
+            self._drop_bw(v)
+        self._bw_launch_upto(p + self.prefetch)
+        # units held for backward besides the root (gathered, or in flight): stays bounded
+        C.gauge("zero3.backward_units", len((set(self._bw) | set(self._bw_pending)) - {0}))
+
+    def _has_frozen(self, u: int) -> bool:
+        return any(j in self.frozen for j in self.unit_params[u])
+
+    def _drop_bw(self, u: int) -> None:
+        handle = self._bw.pop(u)[0]          # its weights' views go with the entry
+        self._bw_left.pop(u, None)
+        self._release(u, handle)
+
+    def finish_backward(self) -> None:
+        """Backward is over: gather (and drop) the units this rank's backward never reached,
+        so every rank has issued the whole backward sequence."""
+        self._bw_launch_upto(len(self._bw_seq) - 1)
+        for v in list(self._bw_pending):
+            self._release(v, self._bw_pending.pop(v))
+        for v in list(self._bw):
+            self._drop_bw(v)
+        self._grads_done.clear()
+
+    def grads_ready(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
+        """Gradients (index, grad) arrived: every use of those weights in backward is done; a
+        unit's buffers go with its last one. Then they go to the reducer, in one call."""
+        touched = set()
+        for i, _ in pairs:
+            self._grads_done.add(i)
+            u = self.unit_of[i]
+            left = self._bw_left.get(u)
+            if left is not None:
+                left.discard(i)
+                touched.add(u)
+        for u in touched:
+            if not self._bw_left[u] and not self._has_frozen(u):
+                self._drop_bw(u)
+        names = self.names
+        self.due.grads_arrived([(names[i], g) for i, g in pairs])
+
+    # -- context -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def module_hooks(self):
+        """The units' forward hooks, kept until backward is over; from the forward's end, the
+        hooks that install re-gathered weights for a recompute (`_recompute_hooks_on`)."""
+        hooks = []
+        for u, m in enumerate(self.units):
+            hooks.append(m.register_forward_pre_hook(self._pre(u)))
+            hooks.append(m.register_forward_hook(self._post(u)))
+        try:
+            yield self
+        finally:
+            for h in hooks + self._recompute_hooks:
+                h.remove()
+            self._recompute_hooks = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.finish_forward()
+        # left by an exception inside the forward: waited for, their storages freed
+        for u, handle in [*self._pending.items(), *self._fw.items()]:
+            self._release(u, handle)
+        self._pending.clear()
+        self._fw.clear()
+        self._full.clear()
+        self._live.clear()
+        _gauge_live(self._live)
+        self._phase = "backward"
+        if exc[0] is None:
+            self._recompute_hooks_on()
+        return False
+
+    # -- recompute in backward (activation checkpointing) -------------------------------------------
+    def _install_for_recompute(self, ids: list[int]) -> None:
+        for u in sorted({self.unit_of[i] for i in ids}, key=lambda v: self._bw_pos[v]):
+            if u not in self._bw:
+                self._gather_for_backward(u)
+        for i in ids:
+            # a slot someone else filled for its own recompute (tiled compute puts in the
+            # weights it saved) is left alone: only a shard is replaced
+            slots = [(o, a) for o, a in self.slots[i] if o._parameters.get(a) is self.shards[i]]
+            if not slots:
+                continue
+            # through _Gather, as in the forward: the recompute must save what the forward
+            # saved (autograd saves a weight only when it requires grad)
+            self._full[i] = self._bw[self.unit_of[i]][1][i]
+            full = _Gather.apply(self.shards[i], self, i)
+            for owner, attr in slots:
+                owner._parameters[attr] = full
+                self._installed[(id(owner), attr)] = full
+
+    def _restore(self, ids: list[int]) -> None:
+        for i in ids:
+            self._full.pop(i, None)
+            for owner, attr in self.slots[i]:
+                mine = self._installed.pop((id(owner), attr), None)
+                if mine is not None and owner._parameters.get(attr) is mine:
+                    owner._parameters[attr] = self.shards[i]
+
+    def _recompute_hooks_on(self) -> None:
+        """Hooks for a recompute in backward (activation checkpointing), installed once the
+        forward is over: a module owning sharded parameters directly gets its unit's
+        re-gathered weights around its forward. Global module hooks (one pair, a dict
+        lookup per module call), so the forward itself runs no per-module Python; Hugging
+        Face and `remat` checkpoint a layer's `forward` past the layer's own hooks, its
+        submodules' calls still pass them (and `remat` runs marked global hooks itself)."""
+        owners = {id(m): ids for m, ids in self._owners}
+
+        def pre(mod, args):
+            ids = owners.get(id(mod))
+            if ids is not None:
+                self._install_for_recompute(ids)
+
+        def post(mod, args, out):
+            ids = owners.get(id(mod))
+            if ids is not None:
+                self._restore(ids)
+        self._recompute_hooks = [nn.modules.module.register_module_forward_pre_hook(recompute_hook(pre)),
+                                 nn.modules.module.register_module_forward_hook(recompute_hook(post))]
+
+
+def recompute_hook(hook):
+    """Mark a module hook that must also run around a recompute of the module's `forward`
+    alone (`remat` checkpoints `forward`, past the module's hooks, as Hugging Face does):
+    ZeRO-3's hooks install the unit's re-gathered parameters for it."""
+    hook._dsfn_recompute = True
+    return hook
+
+
+class UnitStorage:
+    """One unit's gather buffers, kept across steps (FSDP2's unsharded storage): the same
+    tensors, so the same storage objects, every time the unit is gathered. Their memory
+    exists while some gather of the unit is in use (`users` > 0) and is freed — storages
+    resized to 0 bytes, the tensor objects kept — when none is. A weight autograd saved
+    in forward (a view of a buffer) is therefore valid again once backward re-gathers the
+    unit into the same storages. Writes into a buffer that saved views share keep its
+    version counter (the data is the same weights again)."""
+
+    def __init__(self) -> None:
+        self.slabs: list[torch.Tensor] = []
+        self.users = 0
+        self._next = 0
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """`gather_into_buffers`' k-th bucket buffer (its pool interface): the k-th kept one,
+        with its memory (re)allocated; a new one on the first gather or a changed plan."""
+        k, self._next = self._next, self._next + 1
+        s = self.slabs[k] if k < len(self.slabs) else None
+        if s is None or s.numel() != numel or s.dtype != dtype or s.device != torch.device(device):
+            s = torch.empty(numel, dtype=dtype, device=device)
+            self.slabs[k:k + 1] = [s]
+        nbytes = numel * s.element_size()
+        if s.untyped_storage().nbytes() != nbytes:
+            s.untyped_storage().resize_(nbytes)
+        return s
+
+    def gather(self, start: Any) -> FlatGather:
+        """`start(pool)` (a gather_into_buffers call taking its buffers from here), counted
+        as one more user."""
+        self._next = 0
+        handle = start(self)      # its writes keep the buffers' version counters (FlatGather)
+        self.users += 1
+        return handle
+
+    def done(self) -> None:
+        """A gather is no longer used (its collectives are complete); the last one frees the memory."""
+        self.users -= 1
+        if self.users == 0:
+            for s in self.slabs:
+                s.untyped_storage().resize_(0)
+
+
+def _tensors_in(out: Any) -> list[torch.Tensor]:
+    """The tensors of a module's output: a tensor, or (nested) tuples, lists and mappings of
+    them (a Hugging Face ModelOutput is a mapping)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for x in out for t in _tensors_in(x)]
+    if isinstance(out, dict):
+        return [t for x in out.values() for t in _tensors_in(x)]
+    return []
+
+
+def _gauge_live(live: set[int]) -> None:
+    """Gathered units other than the root (unit 0, live for the whole forward)."""
+    C.gauge("zero3.live_units", len(live - {0}))

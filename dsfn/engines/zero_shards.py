@@ -1,0 +1,254 @@
+"""What every ZeRO stage >= 1 does with flat shards: the common machinery under
+`dsfn.engines.zero_stage12` and `dsfn.engines.zero_stage3` (the transform is
+`dsfn.transforms.zero`, which holds the policy and picks the stage's engine).
+
+A leaf ZeRO sees is a tensor, a piece placed by a transform inside (tensor parallel's
+DimShard), or ZeRO's own shard of either: FlatShard, or Nested(inner layout, FlatShard)
+(possibly Offloaded). ZeRO's "full tensor" is the piece the transforms inside hold.
+
+`ZeroShards(axis, stage, ...)` keeps the options and the caches that stay the same step
+after step (the gradient plan, the gradient buffer pool); its stage's subclass fills in
+what differs (`_reduced_keys`, `value_and_grad`, `place`, `apply_gradients`, ...).
+Imports no transform.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dsfn import tree
+from dsfn.aliasing import writable
+from dsfn.effects import bind
+from dsfn.engines.data_parallel import reduce_grads, registration_order
+from dsfn.placed import Placed, is_placed
+from dsfn.runtime import collectives as C
+from dsfn.runtime.flat import BufferPool, ShardReducer, all_gather_full, map_whole
+from dsfn.runtime.mesh import current_mesh
+from dsfn.state.layout import FlatShard, Layout, Nested, Offloaded, mirrored_param, shard_further
+
+__all__ = ["ZeroShards", "compute_device", "data_of", "inner_piece", "logical_shape", "zero_layout"]
+
+
+def data_of(x: Any) -> torch.Tensor:
+    """A leaf's tensor: a Placed piece's data, or the tensor itself."""
+    return x.data if isinstance(x, Placed) else x
+
+
+def compute_device(x: Any) -> torch.device:
+    """Where leaf `x` is computed with: an offloaded piece's `home` (the device it came from,
+    e.g. cuda:0 for a shard kept in host memory), else the device its data is on."""
+    layout = x.layout if isinstance(x, Placed) else None
+    while isinstance(layout, Nested):
+        layout = layout.outer
+    if isinstance(layout, Offloaded):
+        return torch.device(layout.home)
+    return data_of(x).device
+
+
+def zero_layout(layout: Layout) -> FlatShard | None:
+    """ZeRO's FlatShard in a leaf's layout (under Offloaded, as Nested's outer), or None."""
+    while isinstance(layout, Offloaded):
+        layout = layout.inner
+    if isinstance(layout, Nested):
+        layout = layout.outer
+    return layout if isinstance(layout, FlatShard) else None
+
+
+def inner_piece(x: Placed, piece: torch.Tensor) -> Any:
+    """The tensor ZeRO's shard `x` was cut from, rebuilt (`piece`), as the transforms inside
+    see it: a Placed with the inner layout under Nested, else the plain tensor."""
+    layout = x.layout
+    while isinstance(layout, Offloaded):
+        layout = layout.inner
+    return Placed(piece, layout.inner) if isinstance(layout, Nested) else piece
+
+
+def logical_shape(x: Any) -> tuple[int, ...]:
+    return tuple(x.layout.shape) if isinstance(x, Placed) else tuple(x.shape)
+
+
+def bucket_ready(items: list[tuple[str, torch.Tensor]]) -> None:
+    """A reduced bucket of gradient shards, [(key, shard), ...], handed to the transforms that
+    handle the "grad_bucket_ready" primitive (default: nothing)."""
+    bind("grad_bucket_ready", lambda items: None, items)
+
+
+class ZeroShards:
+    """The flat-shard machinery of ZeRO stages 1-3 over `axis` (module docstring)."""
+
+    def __init__(self, axis: str, stage: int, reduce_bucket_size: int, allgather_bucket_size: int):
+        self.axis, self.stage = axis, stage
+        self.reduce_bucket_size = reduce_bucket_size
+        self.allgather_bucket_size = allgather_bucket_size
+        self._grad_plan_cache: tuple | None = None
+        # gradient buckets and shards, the same blocks every step
+        self.grad_pool = BufferPool(keep=ShardReducer.MAX_INFLIGHT + 1)
+
+    # -- leaves ---------------------------------------------------------------------------------
+    def mine(self, x: Any) -> bool:
+        """Whether leaf `x` is ZeRO's shard (rather than a tensor or an inner transform's piece)."""
+        return isinstance(x, Placed) and zero_layout(x.layout) is not None
+
+    def as_shard(self, x: Any) -> Any:
+        """A full (already reduced) tensor or inner piece -> this rank's Placed shard."""
+        return x if self.mine(x) else shard_further(x, lambda shape: FlatShard(self.axis, shape))
+
+    def shard_layout(self, x: Any) -> Layout:
+        """The layout of `x`'s shard: its own if it is one, else what `as_shard` would give it."""
+        if self.mine(x):         # a gradient shard lives where compute does (not Offloaded)
+            layout = x.layout
+            while isinstance(layout, Offloaded):
+                layout = layout.inner
+            return layout
+        if isinstance(x, Placed):
+            return Nested(x.layout, FlatShard(self.axis, tuple(x.data.shape)))
+        return FlatShard(self.axis, tuple(x.shape))
+
+    def keeps_whole(self, x: Any) -> bool:
+        """Whether parameter leaf `x` stays whole on every rank, its gradient all-reduced
+        (stage 3's persistent parameters; none below stage 3)."""
+        return False
+
+    # -- optimizer state ------------------------------------------------------------------------
+    def shard_mirrors(self, state: Any, params: dict[str, Any], whole: Any = None) -> Any:
+        """`state` with every optimizer-state leaf that mirrors a parameter of `params` (path ->
+        the parameter as it was before placing: same shape, a path ending with the parameter's:
+        Adam's `mu.<name>`, `master.<name>`) as this rank's shard, unless `whole(parameter)`."""
+        shapes = {name: logical_shape(p) for name, p in params.items()}
+
+        def shard_mirror(path: str, x: Any) -> Any:
+            is_tensor = isinstance(x, (torch.Tensor, Placed))
+            owner = mirrored_param(path, logical_shape(x) if is_tensor else None, shapes)
+            if owner is None or (whole is not None and whole(params[owner])):
+                return x
+            return self.as_shard(x)
+        return state.replace(opt_state=tree.map_with_path(shard_mirror, state.opt_state, is_leaf=is_placed))
+
+    def unplaced_opt_state(self, state: Any) -> str | None:
+        """A whole tensor where a mirror's shard belongs (the first leaf decides)."""
+        shapes = None          # made only when a whole tensor comes before any shard
+        for path, x in tree.leaves_with_path(getattr(state, "opt_state", None), is_leaf=is_placed):
+            if self.mine(x):
+                return None
+            if isinstance(x, torch.Tensor) and x.dim() > 0:
+                if shapes is None:
+                    shapes = {n: logical_shape(p) for n, p in tree.leaves_with_path(state.params, is_leaf=is_placed)}
+                if mirrored_param(path, logical_shape(x), shapes) is not None:
+                    return (f"optimizer state {path!r} is a whole tensor, not this rank's "
+                            f"ZeRO-{self.stage} shard")
+        return None
+
+    # -- gradients ------------------------------------------------------------------------------
+    def grad_plan(self, params: Any) -> dict[str, Any]:
+        """What the reduction decides per parameter leaf — the reducer's keys (paths in
+        registration order), full gradient shapes and devices; each leaf's path, whether it
+        is all-reduced (kept whole) and its gradient shard's layout — computed once per
+        structure and leaf layouts (the same objects step after step: compared by identity
+        first, so a hit costs no Python call per leaf)."""
+        leaves, spec = tree.flatten(params, is_leaf=is_placed)
+        key = [x.layout if type(x) is Placed else (x.shape, x.dtype, x.device) for x in leaves]
+        hit = self._grad_plan_cache
+        if hit is not None and hit[0] == spec and hit[1] == key:
+            return hit[2]
+        # the keys that may reach the reducer (whole ones are all-reduced); the full gradient's shape
+        named, devices = [], {}
+        for path, x in registration_order(params):
+            if self.keeps_whole(x):
+                continue
+            full = zero_layout(x.layout).shape if self.mine(x) else tuple(data_of(x).shape)
+            named.append((path, torch.empty(full, dtype=data_of(x).dtype, device="meta")))
+            devices[path] = compute_device(x)     # zeros of an unused one: where grads are
+        with_path = tree.leaves_with_path(params, is_leaf=is_placed)
+        replicated = [k for k, (_, x) in enumerate(with_path) if self.keeps_whole(x)]
+        plan = dict(named=named, devices=devices, paths=[p for p, _ in with_path], replicated=replicated,
+                    layouts=[None if k in replicated else self.shard_layout(x) for k, (_, x) in enumerate(with_path)],
+                    spec=spec)
+        self._grad_plan_cache = (spec, key, plan)
+        return plan
+
+    def reducer(self, plan: dict[str, Any], facts: Any, hears: bool, channel: str) -> ShardReducer:
+        """A reduce-scatter plan over the step's gradients on `channel` (the axis, or its
+        gradient channel), in the stack's wire dtype (`facts`: the stack's StackFacts); with
+        `hears` (a transform inside hears reduced buckets: offload's overlapped host update)
+        each bucket goes to the "grad_bucket_ready" primitive as it completes."""
+        return ShardReducer(channel, self.reduce_bucket_size, "avg", facts.grad_wire_dtype, plan["named"],
+                            plan["devices"], pool=self.grad_pool, keep_dtype=facts.grads_keep_dtype,
+                            on_bucket=bucket_ready if hears else None)
+
+    def finish_reduction(self, reducer: ShardReducer, plan: dict[str, Any], grads: Any, facts: Any) -> Any:
+        """The step's gradients as ZeRO hands them on: the reducer's shards (zeros where this
+        rank's loss did not reach a parameter), whole ones all-reduced."""
+        paths, gs = plan["paths"], tree.leaves(grads, is_leaf=is_placed)
+        shards = reducer.finish()
+        replicated = plan["replicated"]
+        reduced = dict(zip(replicated, reduce_grads([data_of(gs[k]) for k in replicated], self.axis,
+                                                    self.reduce_bucket_size * 4, "avg", facts)))
+        out = []
+        for k, (path, layout) in enumerate(zip(paths, plan["layouts"])):
+            if k in reduced:
+                g = gs[k]
+                out.append(Placed(reduced[k], g.layout) if isinstance(g, Placed) else reduced[k])
+                continue
+            out.append(Placed(shards[path], layout))   # zeros where this rank's loss did not reach it
+        return tree.unflatten(plan["spec"], out)
+
+    # -- update ---------------------------------------------------------------------------------
+    def gather_updated(self, shards: list[torch.Tensor], shapes: list[tuple[int, ...]],
+                       olds: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Updated shards all-gathered into full parameters. In a donated step the old full
+        parameters are the step's to overwrite: a tensor whose storage holds exactly its
+        padded size (numel divisible by the dp size, contiguous) is gathered into its old
+        tensor in place, so no second full copy of the parameters is made; the others (and
+        every tensor of a step that does not donate) get new ones."""
+        n = current_mesh().size(self.axis)
+        into = [k for k, (s, o) in enumerate(zip(shards, olds))
+                if isinstance(o, torch.Tensor) and o.is_contiguous() and o.numel() == n * s.numel()
+                and o.dtype == s.dtype and o.device == s.device and o.numel()]
+        if n == 1 or not into or not writable([olds[k] for k in into]):
+            return all_gather_full(shards, shapes, self.axis, self.allgather_bucket_size)
+        rest = [k for k in range(len(shards)) if k not in set(into)]
+        out: list[torch.Tensor] = list(olds)
+        C.all_gather_into_([olds[k].view(-1) for k in into], [shards[k] for k in into], self.axis)
+        for k, t in zip(rest, all_gather_full([shards[k] for k in rest], [shapes[k] for k in rest], self.axis,
+                                              self.allgather_bucket_size) if rest else []):
+            out[k] = t
+        return out
+
+    def map_whole(self, call_next, fn, pieces):
+        """Whole-tensor functions of ZeRO shards (Muon): each tensor is rebuilt and mapped once,
+        on an owner rank (`dsfn.runtime.flat.map_whole`); a shard of a tensor-parallel piece is
+        rebuilt to that piece, which the transforms inside (tensor parallel) turn into the
+        whole. Every rank of a tp group owns the same tensors, so their inner collectives
+        match."""
+        ours = [k for k, x in enumerate(pieces) if self.mine(x) and zero_layout(x.layout).axis == self.axis]
+        if not ours:
+            return call_next(fn, pieces)
+        out = list(pieces)
+        rest = [k for k in range(len(pieces)) if k not in set(ours)]
+
+        def whole(j: int, piece: torch.Tensor) -> torch.Tensor:
+            x = pieces[ours[j]]
+            res = call_next(lambda _i, w: fn(ours[j], w), [inner_piece(x, piece)])[0]
+            return data_of(res)
+        shards = [x.data for x in (pieces[k] for k in ours)]
+        home = {s.device for s in shards}
+        dev = next(iter(home)) if len(home) == 1 else torch.device("cpu")
+        new = map_whole(whole, [s.to(dev) for s in shards], [zero_layout(pieces[k].layout).shape for k in ours],
+                        self.axis)
+        for k, t in zip(ours, new):
+            out[k] = Placed(t.to(pieces[k].data.device), pieces[k].layout)
+        if rest:
+            for k, r in zip(rest, call_next(lambda j, w: fn(rest[j], w), [pieces[k] for k in rest])):
+                out[k] = r
+        return out
+
+    # -- what a stage adds (defaults: nothing) ----------------------------------------------------
+    def place_constants(self, frozen: dict[str, Any]) -> dict[str, Any]:
+        return frozen
+
+    def apply_module(self, call_next, apply_fn, params, args, kwargs, compute_dtype: torch.dtype | None):
+        return call_next(apply_fn, params, args, kwargs)
+
+    def init_optimizer(self, call_next, state):
+        return call_next(state)

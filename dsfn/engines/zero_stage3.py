@@ -1,0 +1,223 @@
+"""ZeRO stage 3 (DeepSpeed's `stage3.py`, FSDP2's fully_shard): parameters, gradients and
+optimizer state in flat shards; a unit's parameters gathered just in time.
+
+- place: parameters above `param_persistence_threshold` elements become this rank's shard
+  (the others stay whole, their gradients all-reduced), and the optimizer-state leaves
+  that mirror a sharded parameter too;
+- forward ("apply_module"): a `UnitGatherer` (dsfn.engines.zero3_units) gathers each unit
+  before it runs and frees it after, and again for backward; frozen parameters (a LoRA
+  base) are stored sharded as constants of the apply_fn and gathered with their unit, in
+  the compute dtype of a mixed precision inside;
+- gradients: reduce-scattered in buckets as each unit's arrive, on the axis's gradient
+  channel (its all-gathers are issued on demand during backward, so the two sequences
+  would interleave differently on ranks whose data reached different units); a parameter
+  gathered n times in a forward (a re-used unit) gets n gradients, summed here and handed
+  to the reducer once per round (`GradientsDue`); each forward of a step is a round;
+- update: gradients follow their parameter's layout; nothing is gathered after it.
+
+Imports no transform; `dsfn.transforms.zero` picks this engine for stage 3.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsfn import tree
+from dsfn.effects import bind
+from dsfn.engines.zero3_units import UnitGatherer, UnitPlan
+from dsfn.engines.zero_shards import ZeroShards, compute_device, data_of, zero_layout
+from dsfn.functional import until_backward
+from dsfn.placed import Placed, is_placed
+from dsfn.runtime.mesh import current_mesh, grad_channel
+from dsfn.state.init import store_constants
+from dsfn.state.layout import FlatShard
+
+__all__ = ["GradientsDue", "Stage3"]
+
+
+class GradientsDue:
+    """The gradient sink of one value_and_grad: a parameter gathered n times in a forward (a
+    loss calling apply_fn twice, a re-used unit) gets n gradients in backward; they are
+    summed here and handed to the reducer once, as one key per round, when the last one
+    arrives (or at backward's end, `flush`)."""
+
+    def __init__(self, reducer: Any):
+        self.reducer = reducer
+        self.expect: dict[str, list] = {}        # key -> [gradients still due, their sum]
+        self.gatherers: list[UnitGatherer] = []  # this round's forwards, for backward's end
+
+    def gathers_made(self, keys: list[str]) -> None:
+        """A unit's weights were gathered for a forward under grad: one more gradient due per key."""
+        expect = self.expect
+        for key in keys:
+            rec = expect.get(key)
+            if rec is None:
+                expect[key] = [1, None]
+            else:
+                rec[0] += 1
+
+    def grads_arrived(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """(key, gradient) pairs of one backward node (a unit): summed per key, and the
+        complete ones handed to the reducer in one call."""
+        ready = []
+        for key, grad in items:
+            rec = self.expect.get(key)
+            if rec is None:                       # not counted (no grad mode at its forward): pass on
+                ready.append((key, grad))
+                continue
+            rec[0] -= 1
+            rec[1] = grad if rec[1] is None else rec[1] + grad
+            if rec[0] == 0:
+                del self.expect[key]
+                ready.append((key, rec[1]))
+        if ready:
+            self.reducer.add_many(ready)
+
+    def end_backward(self) -> None:
+        """A round's backward is over: its units' remaining gathers, and the uses whose
+        gradient never came (their partial sums) go to the reducer."""
+        for g in self.gatherers:
+            g.finish_backward()
+        self.gatherers = []
+        for key, (_, partial) in sorted(self.expect.items()):
+            if partial is not None:
+                self.reducer.add(key, partial)
+        self.expect = {}
+
+
+class Stage3(ZeroShards):
+    """Stage 3 over `axis` (module docstring)."""
+
+    def __init__(self, axis: str, reduce_bucket_size: int, allgather_bucket_size: int,
+                 param_persistence_threshold: int, units: Sequence[str] | None, prefetch: int):
+        super().__init__(axis, 3, reduce_bucket_size, allgather_bucket_size)
+        self.param_persistence_threshold = param_persistence_threshold
+        self.units, self.prefetch = units, prefetch
+        self.due: GradientsDue | None = None         # the running value_and_grad's sink
+        self._views: dict[int, tuple] = {}           # id(apply_fn) -> (apply_fn, key, view, cast)
+        # (module, parameter names) -> (module, UnitPlan): what is the same every step, the
+        # units' gather storages included
+        self.plans: dict[tuple, tuple[nn.Module, UnitPlan]] = {}
+        self._leaves_cache: tuple | None = None
+
+    def sharded(self, x: Any) -> bool:
+        """Parameters above the persistence threshold are stored sharded."""
+        return data_of(x).numel() > self.param_persistence_threshold
+
+    def keeps_whole(self, x: Any) -> bool:
+        return not self.mine(x)
+
+    # -- layout ---------------------------------------------------------------------------------
+    def place(self, state: Any) -> Any:
+        params = dict(tree.leaves_with_path(state.params, is_leaf=is_placed))
+        state = state.replace(params=tree.map(lambda x: self.as_shard(x) if self.sharded(x) else x, state.params,
+                                              is_leaf=is_placed))
+        # a mirror is sharded with its parameter (a persistent one's stays whole)
+        return self.shard_mirrors(state, params, whole=lambda p: not self.sharded(p))
+
+    def unplaced(self, state: Any) -> str | None:
+        for path, x in tree.leaves_with_path(state.params, is_leaf=is_placed):
+            if self.mine(x):
+                return None
+            if self.sharded(x):
+                return f"parameter {path!r} is a whole tensor, not this rank's ZeRO-3 shard"
+        return None
+
+    # -- gradients ------------------------------------------------------------------------------
+    def value_and_grad(self, call_next, fn, params, args, kwargs, has_aux, facts: Any, hears: bool):
+        if self.due is not None:        # nested call: the outermost call reduces
+            return call_next(fn, params, args, kwargs, has_aux)
+        plan = self.grad_plan(params)
+        due = self.due = GradientsDue(self.reducer(plan, facts, hears, grad_channel(self.axis)))
+        try:
+            def each_forward(*a, **k):       # a micro-batch: the previous one's backward closes first
+                due.end_backward()
+                due.reducer.new_round()
+                return fn(*a, **k)
+            value, grads = call_next(each_forward, params, args, kwargs, has_aux)
+            due.end_backward()
+        finally:
+            self.due = None
+        return value, self.finish_reduction(due.reducer, plan, grads, facts)
+
+    def apply_gradients(self, call_next, state, grads):
+        """Gradients follow their parameter's layout (persistent ones stay whole)."""
+        grads = tree.map(lambda g, p: self.as_shard(g) if self.mine(p) else g, grads, state.params, is_leaf=is_placed)
+        return call_next(state, grads)
+
+    # -- frozen parameters ----------------------------------------------------------------------
+    def place_constants(self, frozen: dict[str, Any]) -> dict[str, Any]:
+        """Frozen parameters (name -> tensor, or an inner transform's piece) -> this rank's
+        FlatShard pieces (meta tensors too: `init_sharded` fills them later)."""
+        return {n: (self.as_shard(x) if self.sharded(x) else x) for n, x in frozen.items()}
+
+    def shard_frozen(self, apply_fn: Any) -> None:
+        """Store `apply_fn`'s frozen parameters sharded, in place: their `constants` entries
+        become Placed pieces (through the "place_constants" primitive); the module's full
+        tensors are released."""
+        todo = {n: apply_fn.constants[n] for n in getattr(apply_fn, "frozen", ())
+                if isinstance(apply_fn.constants.get(n), torch.Tensor)}
+        if todo:
+            store_constants(apply_fn, bind("place_constants", lambda c: c, todo))
+
+    def frozen_view(self, apply_fn: Any, dtype: torch.dtype | None
+                    ) -> tuple[Any, dict[str, tuple[torch.Tensor, FlatShard]]]:
+        """(an ApplyFn whose constants are plain tensors — a sharded frozen parameter's local
+        piece —, {name: (the piece to gather, in `dtype` when given; its FlatShard)});
+        cached per apply_fn and dtype."""
+        key = (tuple(map(id, apply_fn.constants.values())), dtype)
+        hit = self._views.get(id(apply_fn))
+        if hit is not None and hit[0] is apply_fn and hit[1] == key:
+            return hit[2], hit[3]
+        from dsfn.functional import ApplyFn
+        pieces = {n: v.data for n, v in apply_fn.constants.items() if self.mine(v)}
+        cast = {n: (t.to(dtype) if dtype is not None and t.is_floating_point() else t,
+                    zero_layout(apply_fn.constants[n].layout)) for n, t in pieces.items()}
+        consts = {n: data_of(v) for n, v in apply_fn.constants.items()}
+        view = ApplyFn(apply_fn.module, consts, apply_fn.param_names, apply_fn.buffers, apply_fn.buffer_dtype,
+                       frozen=apply_fn.frozen)
+        self._views[id(apply_fn)] = (apply_fn, key, view, cast)
+        return view, cast
+
+    # -- units ----------------------------------------------------------------------------------
+    def shard_leaves(self, params: dict[str, Any]) -> tuple[tuple[str, ...], list[FlatShard], list[torch.device]]:
+        """(names of ZeRO's shards among `params`, their FlatShards, their compute devices).
+        Depends only on the names and the leaves' layouts, which a step hands on to the next
+        (the same objects: a list comparison checks identity first, no Python call per leaf)."""
+        key = [v.layout if type(v) is Placed else None for v in params.values()]
+        hit = self._leaves_cache
+        if hit is not None and hit[0] == key and hit[1] == list(params):
+            return hit[2]
+        names = tuple(n for n, v in params.items() if self.mine(v))
+        out = (names, [zero_layout(params[n].layout) for n in names], [compute_device(params[n]) for n in names])
+        self._leaves_cache = (key, list(params), out)
+        return out
+
+    def unit_plan(self, module: nn.Module, names: tuple[str, ...], frozen: tuple[str, ...]) -> UnitPlan:
+        key = (id(module), names, frozen)
+        hit = self.plans.get(key)
+        if hit is None or hit[0] is not module:
+            hit = self.plans[key] = (module, UnitPlan(module, names, frozen, self.units))
+        return hit[1]
+
+    def apply_module(self, call_next, apply_fn, params, args, kwargs, compute_dtype: torch.dtype | None):
+        """The forward with every unit gathered just in time (module docstring)."""
+        if current_mesh().size(self.axis) > 1:
+            self.shard_frozen(apply_fn)
+        view, frozen = self.frozen_view(apply_fn, compute_dtype)
+        if not frozen and not any(self.mine(v) for v in params.values()):
+            return call_next(apply_fn, params, args, kwargs)
+        leaves = self.shard_leaves(params)
+        plan = self.unit_plan(apply_fn.module, leaves[0], tuple(frozen))
+        due = self.due
+        gatherer = UnitGatherer(apply_fn.module, params, plan, leaves, frozen, self.axis,
+                                self.allgather_bucket_size, self.prefetch, due)
+        if due is not None:           # inside value_and_grad: its backward ends the sequence
+            due.gatherers.append(gatherer)
+        # unit hooks stay until backward is over, so a recompute (activation checkpointing)
+        # re-gathers its unit in backward's fixed order
+        with until_backward(gatherer.module_hooks()), gatherer:
+            return call_next(view, gatherer.call_params, args, kwargs)
