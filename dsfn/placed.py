@@ -16,7 +16,7 @@ import torch
 
 from dsfn import tree
 
-__all__ = ["Placed", "is_placed"]
+__all__ = ["Placed", "data_of", "is_placed"]
 
 
 @dataclass(frozen=True, init=False)
@@ -39,3 +39,8 @@ tree.register_node(Placed, operator.attrgetter("_flat"), lambda layout, children
 
 def is_placed(x: Any) -> bool:
     return isinstance(x, Placed)
+
+
+def data_of(x: Any) -> Any:
+    """A leaf's tensor: a Placed piece's data, or the leaf itself."""
+    return x.data if isinstance(x, Placed) else x

@@ -21,18 +21,13 @@ from dsfn import tree
 from dsfn.aliasing import writable
 from dsfn.effects import bind
 from dsfn.engines.data_parallel import reduce_grads, registration_order
-from dsfn.placed import Placed, is_placed
+from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import BufferPool, ShardReducer, all_gather_full, map_whole
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import FlatShard, Layout, Nested, Offloaded, mirrored_param, shard_further
 
-__all__ = ["ZeroShards", "compute_device", "data_of", "inner_piece", "logical_shape", "zero_layout"]
-
-
-def data_of(x: Any) -> torch.Tensor:
-    """A leaf's tensor: a Placed piece's data, or the tensor itself."""
-    return x.data if isinstance(x, Placed) else x
+__all__ = ["ZeroShards", "compute_device", "inner_piece", "logical_shape", "zero_layout"]
 
 
 def compute_device(x: Any) -> torch.device:

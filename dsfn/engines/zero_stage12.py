@@ -18,8 +18,8 @@ from typing import Any
 
 from dsfn import tree
 from dsfn.engines.data_parallel import tap_gradients
-from dsfn.engines.zero_shards import ZeroShards, data_of, zero_layout
-from dsfn.placed import is_placed
+from dsfn.engines.zero_shards import ZeroShards, zero_layout
+from dsfn.placed import data_of, is_placed
 from dsfn.state.layout import inner_view
 
 __all__ = ["Stage12"]

@@ -28,9 +28,9 @@ from torch import nn
 from dsfn import tree
 from dsfn.effects import bind
 from dsfn.engines.zero3_units import UnitGatherer, UnitPlan
-from dsfn.engines.zero_shards import ZeroShards, compute_device, data_of, zero_layout
+from dsfn.engines.zero_shards import ZeroShards, compute_device, zero_layout
 from dsfn.functional import until_backward
-from dsfn.placed import Placed, is_placed
+from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime.mesh import current_mesh, grad_channel
 from dsfn.state.init import store_constants
 from dsfn.state.layout import FlatShard

@@ -108,7 +108,7 @@ from dsfn.optim.transform import (
     adam_step,
     check_learning_rate,
 )
-from dsfn.placed import Placed, is_placed
+from dsfn.placed import Placed, data_of, is_placed
 
 __all__ = ["MuonState", "MuonTransformation", "gram_newton_schulz", "muon", "muon_matrix_update", "muon_split",
            "newton_schulz", "ns_compute_dtype", "orthogonalize"]
@@ -414,10 +414,6 @@ def _check_ns_args(who: str, ns_steps: Any, ns_method: Any, ns_dtype: Any) -> No
                           "fp32 elsewhere)")
 
 
-def _data(x: Any) -> torch.Tensor:
-    return x.data if isinstance(x, Placed) else x
-
-
 def _like(template: Any, t: torch.Tensor) -> Any:
     """`t` in `template`'s layout (a Placed piece stays a Placed piece)."""
     return Placed(t, template.layout) if isinstance(template, Placed) else t
@@ -547,7 +543,7 @@ def muon(lr: LearningRate | None = None, momentum: float = 0.95, *, nesterov: bo
             raise LeafTypeError(f"muon: params and grads differ in structure ({p_spec} vs {spec})")
         paths = None
         for k, (gi, pi) in enumerate(zip(g, p)):
-            gd, pd = _data(gi), _data(pi)
+            gd, pd = data_of(gi), data_of(pi)
             if gd.dtype != pd.dtype or gd.shape != pd.shape:
                 paths = paths or [q for q, _ in tree.leaves_with_path(params, is_leaf=is_placed)]
                 what = "dtype" if gd.dtype != pd.dtype else "shape"
@@ -566,11 +562,11 @@ def muon(lr: LearningRate | None = None, momentum: float = 0.95, *, nesterov: bo
         it = iter(m_leaves)
         for k, u in enumerate(use):
             if u:       # momentum and direction are elementwise: on shards as on matrices
-                d, m = _direction(_data(next(it)), _data(g[k]), beta, nesterov)
+                d, m = _direction(data_of(next(it)), data_of(g[k]), beta, nesterov)
                 directions[k], new_m[k] = _like(g[k], d), _like(g[k], m)
         updates = _orthogonalize_all(directions, state.heads, ns_orth)
         for k, upd in updates.items():
-            new_p[k] = _like(p[k], _decay_and_step(_data(p[k]), _data(upd), v, wd))
+            new_p[k] = _like(p[k], _decay_and_step(data_of(p[k]), data_of(upd), v, wd))
         not_use = [not u for u in use]
         sub_p, adam_state = adam_tx.apply(_select(g, not_use, spec), state.adam, _select(p, not_use, spec))
         it_a = iter(tree.leaves(sub_p, is_leaf=is_placed))

@@ -107,6 +107,7 @@ from dsfn.errors import ConfigError, StackError
 from dsfn.ops import dispatch
 from dsfn.runtime import env, nvme
 from dsfn.runtime.host import copy_to_host, wait_last
+from dsfn.placed import data_of
 from dsfn.state.layout import (
     FlatShard,
     Layout,
@@ -244,7 +245,7 @@ class Offload(Transform):
         paths = [p for p, _ in tree.leaves_with_path(opt_state, is_leaf=is_placed)]
         picks = [k for k, (p, x) in enumerate(zip(paths, leaves))
                  if _mirrors(p, x, shapes) and not isinstance(_layout(x), Offloaded)]
-        pieces = [_data(leaves[k]) for k in picks]
+        pieces = [data_of(leaves[k]) for k in picks]
         homes = [_home(t) for t in pieces]
         if self.device == "nvme":
             stored = self._store.store(pieces, self.subgroup_bytes) if pieces else []
@@ -266,7 +267,7 @@ class Offload(Transform):
         for path, x in tree.leaves_with_path(opt_state, is_leaf=is_placed):
             if isinstance(x, Placed) and isinstance(x.layout, Offloaded):
                 return None
-            if isinstance(_data(x), torch.Tensor) and _data(x).dim() > 0:
+            if isinstance(data_of(x), torch.Tensor) and data_of(x).dim() > 0:
                 if shapes is None:
                     shapes = {p: _logical_shape(v) for p, v in tree.leaves_with_path(state.params, is_leaf=is_placed)}
                 if _mirrors(path, x, shapes):
@@ -342,7 +343,7 @@ class Offload(Transform):
             layouts = [self._layout(x.layout, _home(x.data))
                        if isinstance(x, Placed) and isinstance(x.layout, FlatShard) else None for x in leaves]
         picks = [k for k, lay in enumerate(layouts) if lay is not None]
-        pieces = [_data(leaves[k]) for k in picks]
+        pieces = [data_of(leaves[k]) for k in picks]
         if self.device == "nvme":
             stored = self._store.store(pieces, self.subgroup_bytes) if pieces else []
         else:
@@ -354,7 +355,7 @@ class Offload(Transform):
 
     def _params_view(self, params: Any) -> Any:
         """Offloaded parameter shards as host tensors in their inner (ZeRO) layouts."""
-        return tree.map(lambda x: _wrap(_data(x).to("cpu"), x.layout.inner)
+        return tree.map(lambda x: _wrap(data_of(x).to("cpu"), x.layout.inner)
                         if isinstance(x, Placed) and isinstance(x.layout, Offloaded) else x,
                         params, is_leaf=is_placed)
 
@@ -382,7 +383,7 @@ class Offload(Transform):
         made = call_next(state)
         self._check_optimizer(made)
         new, spec = tree.flatten(made, is_leaf=is_placed)
-        new = [kept.get(id(_data(x)), x) for x in new]
+        new = [kept.get(id(data_of(x)), x) for x in new]
         return self._offload_tree(tree.unflatten(spec, new), state.params)
 
     # -- update ------------------------------------------------------------------------------
@@ -399,7 +400,7 @@ class Offload(Transform):
             host_view[k] = _wrap(x.data.to("cpu"), x.layout.inner)
         host_opt = tree.unflatten(spec, host_view)
         p_leaves, p_spec = tree.flatten(state.params, is_leaf=is_placed)
-        homes = [_data(x).device for x in p_leaves]
+        homes = [data_of(x).device for x in p_leaves]
         params = state.params
         if self.params:      # offloaded parameter shards: the inner stack sees their host view
             params = self._params_view(params)
@@ -412,7 +413,7 @@ class Offload(Transform):
             host_grads, = self._trees_to_host(grads)
         plan = None
         if self.device == "nvme" and offl:     # stream the update into the new file, sub-group by sub-group
-            plan = _NvmePlan({id(_data(host_view[k])): d for k, d in zip(offl, dst)}, self.subgroup_bytes)
+            plan = _NvmePlan({id(data_of(host_view[k])): d for k, d in zip(offl, dst)}, self.subgroup_bytes)
         with dispatch.host_update(self.host_kernel, session, plan, self.cores):   # AdamW on the host: C++ kernel
             new = call_next(state.replace(params=params, opt_state=host_opt), host_grads)
         # parameters back where they came from
@@ -430,14 +431,14 @@ class Offload(Transform):
         if n_spec != spec:
             raise StackError("offload: the optimizer returned a state of another structure than it was given")
         out = list(n_opt)
-        changed = [k for k in offl if _data(n_opt[k]) is not _data(host_view[k])]
+        changed = [k for k in offl if data_of(n_opt[k]) is not data_of(host_view[k])]
         if self.device == "nvme":
             dsts = dict(zip(offl, dst))
             group, size = [], 0
             for k in changed:
                 d = dsts[k]
-                if _data(n_opt[k]) is not d:  # (else streamed into its file by the host kernel; its
-                    d.copy_(_data(n_opt[k]))  # pages may be resident again: the inner stack read it)
+                if data_of(n_opt[k]) is not d:  # (else streamed into its file by the host kernel; its
+                    d.copy_(data_of(n_opt[k]))  # pages may be resident again: the inner stack read it)
                 group.append(d)
                 size += d.numel() * d.element_size()
                 if size >= self.subgroup_bytes:
@@ -449,8 +450,8 @@ class Offload(Transform):
         stored: dict[int, torch.Tensor] = {}
         for k in offl:
             if k in changed:
-                t = dsts[k] if self.device == "nvme" else self._to_host(_data(n_opt[k]))
-                stored[id(_data(n_opt[k]))] = t
+                t = dsts[k] if self.device == "nvme" else self._to_host(data_of(n_opt[k]))
+                stored[id(data_of(n_opt[k]))] = t
                 out[k] = Placed(t, old[k].layout)
             else:
                 out[k] = old[k]          # unchanged (e.g. an fp16 overflow skipped the update)
@@ -618,8 +619,8 @@ class _OverlapSession:
         if self._step_args is None or self._sourced:
             return False
         first = next((x for x in tree.leaves(params, is_leaf=is_placed)
-                      if isinstance(_data(x), torch.Tensor)), None)
-        if first is None or self._no_device(_data(first)):
+                      if isinstance(data_of(x), torch.Tensor)), None)
+        if first is None or self._no_device(data_of(first)):
             return False
         self._sourced = True
         return True
@@ -720,10 +721,6 @@ def _cores_beside_training() -> float:
     return min(1.0, (want + 0.5) / n)
 
 
-def _data(x: Any) -> Any:
-    return x.data if isinstance(x, Placed) else x
-
-
 def _home(t: torch.Tensor) -> str:
     """Where an offloaded piece is computed on: the device it was placed from, or, for a
     piece made in host memory to begin with (`init_sharded` under offload), the compute
@@ -764,4 +761,4 @@ def _mirrors(path: str, x: Any, shapes: dict[str, Any]) -> bool:
     """Whether the optimizer-state leaf at `path` mirrors a parameter: the longest dotted
     suffix of its path names a parameter of the same logical shape (ZeRO's rule)."""
     shape = _logical_shape(x)
-    return shape is not None and _data(x).is_floating_point() and mirrored_param(path, shape, shapes) is not None
+    return shape is not None and data_of(x).is_floating_point() and mirrored_param(path, shape, shapes) is not None

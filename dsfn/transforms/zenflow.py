@@ -139,6 +139,7 @@ from dsfn.runtime import collectives as C
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
 from dsfn.runtime.host import copy_to_host, wait_last
+from dsfn.placed import data_of
 from dsfn.state.layout import Offloaded, Placed, Replicated, is_placed
 from dsfn.transforms.core import Transform, activate, active_stack, make_transform, with_role
 
@@ -251,7 +252,7 @@ class ZenFlow(Transform):
         zs = {
             "step": torch.zeros((), dtype=torch.int64),
             "selected": {n: torch.zeros(m.cols, dtype=torch.bool) for n, m in mats.items()},
-            "cols": state.tx.init({n: torch.zeros(m.rows, m.k, dtype=_update_dtype(_data(P[n]).dtype), device=dev)
+            "cols": state.tx.init({n: torch.zeros(m.rows, m.k, dtype=_update_dtype(data_of(P[n]).dtype), device=dev)
                                    for n, m in mats.items()}),
         }
         if self.overlap:
@@ -270,9 +271,9 @@ class ZenFlow(Transform):
             fresh = tx.init(sub)
             for path, x in tree.leaves_with_path(fresh, is_leaf=is_placed):
                 y = by_path.get(path)
-                if y is None or _data(y).shape != _data(x).shape or _data(y).dtype != _data(x).dtype:
+                if y is None or data_of(y).shape != data_of(x).shape or data_of(y).dtype != data_of(x).dtype:
                     raise ConfigError(f"zenflow: cannot split this optimizer state (no leaf {path!r} of shape "
-                                      f"{tuple(_data(x).shape)}); place zenflow on a fresh state: "
+                                      f"{tuple(data_of(x).shape)}); place zenflow on a fresh state: "
                                       "step.init_state(params, tx) or step.place(TrainState.create(params, tx))")
             return tree.map_with_path(lambda path, x: by_path[path], fresh, is_leaf=is_placed)
         dense = take({n: x for n, x in P.items() if n not in mats})
@@ -281,12 +282,12 @@ class ZenFlow(Transform):
 
     def _new_state(self, dense: Any, host: Any, P: dict, mats: dict) -> ZenFlowState:
         def zeros(x: Any, dtype: torch.dtype) -> Any:
-            return _like(x, torch.zeros(_data(x).shape, dtype=dtype, device=HOST))
-        buffer = {n: zeros(P[n], _acc_dtype(_update_dtype(_data(P[n]).dtype))) for n in mats}
+            return _like(x, torch.zeros(data_of(x).shape, dtype=dtype, device=HOST))
+        buffer = {n: zeros(P[n], _acc_dtype(_update_dtype(data_of(P[n]).dtype))) for n in mats}
         pending = None
         if self.overlap:
-            pending = {"grads": {n: zeros(P[n], _acc_dtype(_update_dtype(_data(P[n]).dtype))) for n in mats},
-                       "params": {n: zeros(P[n], _update_dtype(_data(P[n]).dtype)) for n in mats}}
+            pending = {"grads": {n: zeros(P[n], _acc_dtype(_update_dtype(data_of(P[n]).dtype))) for n in mats},
+                       "params": {n: zeros(P[n], _update_dtype(data_of(P[n]).dtype)) for n in mats}}
         return ZenFlowState(dense=dense, host=host, buffer=buffer, pending=pending)
 
     def handle_init_optimizer(self, call_next, state):
@@ -297,7 +298,7 @@ class ZenFlow(Transform):
         _check_tx(state.tx)
         P = dict(tree.leaves_with_path(state.params, is_leaf=is_placed))
         mats = _matrix_info(P, self.topk_ratio)
-        host_zeros = {n: _like(P[n], torch.zeros(_data(P[n]).shape, dtype=_data(P[n]).dtype, device=HOST))
+        host_zeros = {n: _like(P[n], torch.zeros(data_of(P[n]).shape, dtype=data_of(P[n]).dtype, device=HOST))
                       for n in mats}
         return self._new_state(state.tx.init({n: x for n, x in P.items() if n not in mats}),
                                state.tx.init(host_zeros), P, mats)
@@ -339,7 +340,7 @@ class ZenFlow(Transform):
         # 1. selection: top-k columns by the L1 norm of this update's gradient; device moments restart
         if rel >= 0 and rel % self.select_interval == 0:
             selected = _select(mats, G, dev)
-            cols = tx.init({n: torch.zeros(m.rows, m.k, dtype=_data(P[n]).dtype, device=dev)
+            cols = tx.init({n: torch.zeros(m.rows, m.k, dtype=data_of(P[n]).dtype, device=dev)
                             for n, m in mats.items()})
         sel = {n: selected[n].nonzero().flatten().tolist() for n in mats}
 
@@ -357,20 +358,20 @@ class ZenFlow(Transform):
         stage = _Staging()
         host_out = None
         if rel < 0:
-            hg = {n: _like(G[n], stage.to_host(_data(G[n]))) for n in mats}
-            hp = {n: _like(P[n], stage.to_host(_data(P[n]))) for n in mats}
+            hg = {n: _like(G[n], stage.to_host(data_of(G[n]))) for n in mats}
+            hp = {n: _like(P[n], stage.to_host(data_of(P[n]))) for n in mats}
             stage.wait()
             with self._host_ctx():
                 host_out, host = _host_update(tx, hg, host, hp, c)
         else:
-            gh = {n: stage.to_host(_data(G[n])) for n in mats}
+            gh = {n: stage.to_host(data_of(G[n])) for n in mats}
             stage.wait()
-            buffer = {n: _like(b, _data(b) + gh[n]) for n, b in buffer.items()}
+            buffer = {n: _like(b, data_of(b) + gh[n]) for n, b in buffer.items()}
             if (rel + 1) % self.update_interval == 0:
-                means = {n: _like(b, _data(b) / self.update_interval) for n, b in buffer.items()}
-                hp = {n: _like(P[n], stage.to_host(_data(P[n]))) for n in mats}
+                means = {n: _like(b, data_of(b) / self.update_interval) for n, b in buffer.items()}
+                hp = {n: _like(P[n], stage.to_host(data_of(P[n]))) for n in mats}
                 stage.wait()
-                buffer = {n: _like(b, torch.zeros_like(_data(b))) for n, b in buffer.items()}
+                buffer = {n: _like(b, torch.zeros_like(data_of(b))) for n, b in buffer.items()}
                 if self.overlap:       # computed behind, applied at the start of the next update
                     pending = {"grads": means, "params": hp}
                     active = torch.ones((), dtype=torch.bool)
@@ -384,13 +385,13 @@ class ZenFlow(Transform):
             # under offload the pieces are host tensors: the device's columns come back in one
             # batch of non-blocking copies and one wait, not one blocking copy per matrix
             back = _Staging()
-            new_cols = {n: back.to_host(c) if _data(P[n]).device.type == "cpu" else c for n, c in new_cols.items()}
+            new_cols = {n: back.to_host(c) if data_of(P[n]).device.type == "cpu" else c for n, c in new_cols.items()}
             back.wait()
         for n, m in mats.items():
-            piece = _data(P[n])
+            piece = data_of(P[n])
             base = None
             if host_out is not None:
-                base = _own(_data(host_out[n]).to(piece.device, non_blocking=True), piece, hp[n])
+                base = _own(data_of(host_out[n]).to(piece.device, non_blocking=True), piece, hp[n])
             if new_cols is not None and m.k:
                 if base is None:
                     base = piece.clone(memory_format=torch.contiguous_format)
@@ -444,8 +445,8 @@ class ZenFlow(Transform):
         host_out, host = result
         P = dict(P)
         for n, m in mats.items():
-            piece = _data(P[n])
-            base = _own(_data(host_out[n]).to(piece.device, non_blocking=True), piece, pending["params"][n])
+            piece = data_of(P[n])
+            base = _own(data_of(host_out[n]).to(piece.device, non_blocking=True), piece, pending["params"][n])
             if m.k:
                 idx = selected[n].nonzero().flatten().tolist()
                 keep = torch.zeros(m.rows, m.k, dtype=piece.dtype, device=piece.device)
@@ -472,10 +473,6 @@ def _check_tx(tx: Any) -> None:
         raise ConfigError("zenflow runs the optimizer on column subsets and flat pieces of the matrices, where "
                           "Muon's orthogonalisation is meaningless; use an elementwise optimizer (dsfn.optim.adamw, "
                           "adam, sgd) with zenflow")
-
-
-def _data(x: Any) -> Any:
-    return x.data if isinstance(x, Placed) else x
 
 
 def _like(x: Any, data: torch.Tensor) -> Any:
@@ -505,7 +502,7 @@ def _with_count(opt_state: Any, count: int) -> Any:
 
 def _cast_like(means: dict, grads: dict) -> dict:
     """Accumulated means in the dtype of the gradients the optimizer is handed."""
-    return {n: _like(x, _data(x).to(_data(grads[n]).dtype)) for n, x in means.items()}
+    return {n: _like(x, data_of(x).to(data_of(grads[n]).dtype)) for n, x in means.items()}
 
 
 def _host_update(tx, grads: dict, host: Any, params: dict, count: int) -> tuple[dict, Any]:
@@ -545,7 +542,7 @@ def _host_update_thread(kernel, tx, grads, host, params, count):
 def _own(t: torch.Tensor, *inputs: Any) -> torch.Tensor:
     """`t` as a contiguous tensor this update may write in place: copied if it is one of the
     `inputs` (an optimizer may hand back an input it did not change)."""
-    if t.is_contiguous() and all(t is not _data(x) for x in inputs):
+    if t.is_contiguous() and all(t is not data_of(x) for x in inputs):
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
@@ -603,7 +600,7 @@ def _matrix_info(P: dict, topk_ratio: float) -> dict[str, _Mat]:
     mesh = current_mesh()
     out = {}
     for n, x in P.items():
-        d = _data(x)
+        d = data_of(x)
         if not isinstance(d, torch.Tensor) or not d.is_floating_point():
             continue
         layout = _base_layout(x)
@@ -708,7 +705,7 @@ def _select(mats: dict[str, _Mat], G: dict, dev: torch.device) -> dict[str, torc
     for n, m in mats.items():
         if not m.k:
             continue
-        g = _data(G[n])
+        g = data_of(G[n])
         v = torch.zeros(m.cols, dtype=torch.float64, device=g.device)
         for c0, c1, part in _col_l1(g.reshape(-1), m.segs):
             v[c0:c1] += part
@@ -732,7 +729,7 @@ def _compact(mats: dict[str, _Mat], sel: dict[str, list[int]], G: dict, P: dict,
     gc, pc = {}, {}
     for n, m in mats.items():
         for src, out in ((G, gc), (P, pc)):
-            x = _data(src[n])
+            x = data_of(src[n])
             buf = torch.full((m.rows, m.k), -0.0, dtype=x.dtype, device=x.device)
             _gather(x.reshape(-1), m.segs, sel[n], buf)
             out[n] = buf.to(dev, non_blocking=True)
