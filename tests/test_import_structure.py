@@ -4,6 +4,11 @@ Every `import` counts: function-level ones and those under `if TYPE_CHECKING:` t
 lazy or type-only import cannot hide a circle. The rules (docs/architecture.md):
 
 - no import circles anywhere in dsfn (module level; a package's `__init__` aside);
+- engines (machinery) import no transform (policy);
+- a transform module imports no other transform module but the mechanism's own
+  (`core`, `compose`, `facts`): transforms meet through primitives and stack facts;
+- no transform imports an integration, and no integration a transform (model rules are
+  reached through `dsfn.adapters`);
 - optimizers import neither the runtime, the transforms nor the state floor;
 - the state floor imports no transform;
 - the effects mechanism is the bottom layer (imports nothing of dsfn);
@@ -111,6 +116,25 @@ def private_imports(modules: dict[str, pathlib.Path] = MODULES) -> list[str]:
 
 def test_no_import_circles():
     assert circles(graph()) == []
+
+
+MECHANISM = {"dsfn.transforms.core", "dsfn.transforms.compose", "dsfn.transforms.facts"}
+
+
+def test_engines_import_no_transform():
+    assert crossings(graph(), "dsfn.engines", "dsfn.transforms") == []
+
+
+def test_transforms_import_only_the_mechanism_of_each_other():
+    bad = [(m, i) for m, i in crossings(graph(), "dsfn.transforms", "dsfn.transforms")
+           if i not in MECHANISM and m not in MECHANISM]
+    assert bad == []
+
+
+def test_transforms_and_integrations_do_not_import_each_other():
+    g = graph()
+    assert crossings(g, "dsfn.transforms", "dsfn.integrations") + crossings(g, "dsfn.integrations",
+                                                                             "dsfn.transforms") == []
 
 
 def test_optimizers_import_nothing_from_runtime_transforms_or_state():

@@ -490,8 +490,7 @@ class SequenceParallel(Transform):
         nothing: a ConfigError (at any sp, so a one-process run finds it too)."""
         if id(module) in self._manual_ok:
             return
-        from dsfn.integrations import hf
-        if hf.holds_hf_model(module):
+        if adapter_for(module) is not None:         # a Hugging Face model (its adapter runs its attention)
             raise ConfigError(f"sequence_parallel(auto=False): {type(module).__name__} is a Hugging Face model, whose "
                               "attention dsfn always runs as Ulysses through its attention interface "
                               "(dsfn_ulysses), so auto=False would do nothing; drop auto=False (it is for models "
