@@ -23,6 +23,7 @@ from dsfn import checkpoint as ck
 from dsfn.errors import MeshError, RankFailure
 from dsfn.runtime import init_mesh
 from dsfn.state.layout import GroupDimShard, MeshCoords, Nested, Placed, is_placed
+from dsfn.transforms.tensor_parallel import packed
 from dsfn.testing import run_on_ranks
 from dsfn.testing.asserts import assert_trees_close
 from dsfn.testing.models import make_tiny_causal_lm, token_batches
@@ -268,7 +269,7 @@ def test_unsupported_attentions_with_fewer_kv_heads_than_tp_are_refused(fused):
     from dsfn.transforms.tensor_parallel import _check_heads
     root = torch.nn.Module()
     root.attn = _Attention(fused)
-    styles = ({"attn.qkv": dsfn.transforms.packed("colwise", (8, 2, 2))} if fused else
+    styles = ({"attn.qkv": packed("colwise", (8, 2, 2))} if fused else
               {"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise"})
     why = "its q/k/v projection is fused" if fused else "it has no integer `num_key_value_groups`"
     with pytest.raises(MeshError, match=r"^tensor_parallel: tp=2 is more than the 1 key/value heads of 'attn'.*"
