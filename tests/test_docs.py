@@ -48,6 +48,7 @@ SLOW = {"offload", "sequence-parallel", "zero3-from-ds-config", "tp-sp-from-ds-c
 
 # checked in the namespace after the block ran (on every rank)
 THEN = {
+    "architecture-path": "assert torch.isfinite(metrics['loss']) and int(state.step) == 1",
     "intro": "assert torch.isfinite(metrics['loss']) and set(full.params) == set(params)",
     "sharded-eval": "assert torch.isfinite(metrics['loss'])",
     "optimizers": "assert hasattr(tx, 'init') and hasattr(tx, 'update')",
