@@ -11,15 +11,15 @@ and `bind` in `dsfn.effects`, plan helpers beside their transform
 (`dsfn.transforms.tensor_parallel.packed`), stack facts in `dsfn.transforms.facts`.
 """
 from dsfn.transforms.accumulate import accumulate
-from dsfn.transforms.checkpointing import async_checkpoint
+from dsfn.transforms.async_checkpoint import async_checkpoint
 from dsfn.transforms.clip import clip_grad_norm
-from dsfn.transforms.compile import compile_units
+from dsfn.transforms.compile_units import compile_units
 from dsfn.transforms.compose import Step, compose
 from dsfn.transforms.core import Transform
 from dsfn.transforms.data_parallel import data_parallel
 from dsfn.transforms.loss_scale import loss_scale
 from dsfn.transforms.offload import offload
-from dsfn.transforms.precision import mixed_precision
+from dsfn.transforms.mixed_precision import mixed_precision
 from dsfn.transforms.remat import remat
 from dsfn.transforms.sequence_parallel import sequence_parallel
 from dsfn.transforms.tensor_parallel import tensor_parallel

@@ -7,7 +7,7 @@ result, a layout, a counter or gauge, a file, a metric), or that the option is r
 it cannot act. Options that are no-ops only on a degenerate mesh (bucket sizes at dp=1, a tp
 plan at tp=1) or without a GPU (pin_memory) are real settings and are not refused; they are
 exercised here where they act. `mixed_precision(reduce_dtype=)` is covered with its own fix
-(tests/transforms/test_precision.py).
+(tests/transforms/test_mixed_precision.py).
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from torch import nn
 import dsfn
 from dsfn.functional import ApplyFn
 from dsfn.transforms import mixed_precision
-from dsfn.transforms.precision import MixedPrecision
+from dsfn.transforms.mixed_precision import MixedPrecision
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) gives the rotary Llama")
 

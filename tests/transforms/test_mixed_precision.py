@@ -24,7 +24,7 @@ from dsfn.testing import assert_trees_close, assert_trees_equal, run_on_ranks
 from dsfn.testing.models import make_mlp, regression_batches
 from dsfn.testing.reference import mse_loss, run_training
 from dsfn.transforms import accumulate, compose, data_parallel, mixed_precision, shard_zero
-from dsfn.transforms.precision import MasterState
+from dsfn.transforms.mixed_precision import MasterState
 
 BF16_LOSS_RTOL = 1e-2
 BF16_PARAM_ATOL = 2e-3
