@@ -30,7 +30,7 @@ zenflow <= 0.35x; host syncs <= 3 per step; device peak <= 0.4x DeepSpeed's.
 
 Per-stage host timers (ms per step, one timed step after the others, `--stages`): host wall time
 spent in each stage, the device synchronised before and after the step only:
-  d2h        offload's device->host copies of gradients/parameters and their wait (`_trees_to_host`)
+  d2h        offload's device->host copies of gradients/parameters and their wait (`trees_to_host`)
   drain      waiting for the overlap pipeline's buckets (their host work) before the update
   update     the host AdamW kernel (`cpu_adamw_multi_`, every call, worker threads included)
   h2d        issuing the parameters' host->device copies (non-blocking)
@@ -126,9 +126,9 @@ class Stages:
     @contextlib.contextmanager
     def installed(self):
         import dsfn.ops.cpu_adam as CA
-        OFF = sys.modules["dsfn.transforms.offload"]
-        undo = [self.wrap(OFF.Offload, "_trees_to_host", "d2h"), self.wrap(OFF._OverlapSession, "drain", "drain"),
-                self.wrap(CA, "cpu_adamw_multi_", "update"), self.wrap(OFF, "_move", "h2d"),
+        import dsfn.engines.offload as OFF            # offload's machinery: its host update
+        undo = [self.wrap(OFF.HostUpdate, "trees_to_host", "d2h"), self.wrap(OFF.OverlapSession, "drain", "drain"),
+                self.wrap(CA, "cpu_adamw_multi_", "update"), self.wrap(OFF, "move", "h2d"),
                 self.wrap(OFF, "wait_last", "waits")]
         try:
             yield self

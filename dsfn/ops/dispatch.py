@@ -195,7 +195,7 @@ def host_update(enabled: bool = True, session: Any = None, plan: Any = None, cor
     bookkeeping) offers precomputed leaf updates (`lookup`) and takes the step's recipe
     (`record`); `plan` (offload's NVMe streaming) gives file-backed destinations for the
     new state (`out_for`), sub-group size (`group_bytes`), `prefetch` and `release`; see
-    `dsfn.transforms.offload`. `cores`: the kernel's thread fraction (`cpu_adamw_(cores=)`)."""
+    `dsfn.engines.offload`. `cores`: the kernel's thread fraction (`cpu_adamw_(cores=)`)."""
     prev = (getattr(_host, "on", False), getattr(_host, "session", None), getattr(_host, "plan", None),
             getattr(_host, "cores", None))
     _host.on, _host.session, _host.plan, _host.cores = bool(enabled), session, plan, cores

@@ -13,8 +13,8 @@ mixed precision's `master` weights; the same rule as ZeRO's sharding) becomes
 - `device="cpu"`: `data` is a host tensor (pinned when CUDA is available and
   `pin_memory`). On a CPU-only machine this is a placement no-op that still runs the
   offload code path.
-- `device="nvme"`: the layout is `NvmeOffloaded` (a subclass of `Offloaded`, so checkpoints
-  treat it like any offloaded leaf) and `data` is a file-backed tensor (an mmap of a
+- `device="nvme"`: the layout is `NvmeOffloaded` (`dsfn.engines.offload`; a subclass of
+  `Offloaded`, so checkpoints treat it like any offloaded leaf) and `data` is a file-backed tensor (an mmap of a
   pre-allocated, already-unlinked file under `path`, see `dsfn.runtime.nvme`); its pages
   are released from resident memory after every write, sub-group by sub-group.
 
@@ -48,8 +48,8 @@ bucket's host AdamW on that copy, while the next buckets copy (`dsfn.runtime.pip
 host update slower than backward never holds a staging buffer, so it never stalls
 backward. The host copies are kept and the update uses them (no second copy). The speculative
 results are used only when their inputs prove identical to the real update's, so results
-are bitwise those without overlap (`_OverlapSession`). The speculation applies to the
-shard what the transforms inside `offload` will do to it (`Transform.speculative_grad`:
+are bitwise those without overlap (`dsfn.engines.offload.OverlapSession`). The speculation
+applies to the shard what the transforms inside `offload` will do to it (`Transform.speculative_grad`:
 mixed precision's cast to the master dtype, the loss scale's unscaling by the scale the step
 started with).
 Where the buckets come from: exactly one source per step. With a data-parallel axis of
@@ -96,55 +96,22 @@ Over one dp rank ZeRO-3 shards nothing, so there params=True is a ConfigError at
 from __future__ import annotations
 
 import os
-import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dsfn import tree
+from dsfn.effects import active_segments
+from dsfn.engines.offload import HostUpdate, OverlapSession, register_store
 from dsfn.errors import ConfigError, StackError
-from dsfn.ops import dispatch
-from dsfn.runtime import env, nvme
-from dsfn.runtime.host import copy_to_host, wait_last
 from dsfn.placed import data_of
-from dsfn.state.layout import (
-    FlatShard,
-    Layout,
-    Offloaded,
-    Placed,
-    Replicated,
-    is_placed,
-    mirrored_param,
-)
+from dsfn.runtime import nvme
+from dsfn.state.layout import FlatShard, Layout, Offloaded, Placed, Replicated, is_placed, mirrored_param
 from dsfn.state.master import MasterState
 from dsfn.transforms.core import Transform, make_transform, with_role
 from dsfn.transforms.facts import stack_facts
 
 DEFAULT_BUCKET_ELEMS = 4_000_000     # the world-1 bucket source's bucket without an enclosing ZeRO
-
-_STORES: weakref.WeakValueDictionary[str, nvme.FileStore] = weakref.WeakValueDictionary()
-
-
-@dataclass(frozen=True)
-class NvmeOffloaded(Offloaded):
-    """`inner`'s piece kept in a file under `path` (the user's directory: two transforms on the
-    same path give equal layouts; `adopt` uses the latest live store there)."""
-    path: str = ""
-
-    def shard(self, full, mesh=None):
-        return self.adopt(self.inner.shard(full, mesh))
-
-    def unshard(self, local, mesh=None):
-        return self.inner.unshard(local.to(self.home), mesh)
-
-    def adopt(self, local: torch.Tensor) -> torch.Tensor:
-        """`local` (this rank's piece) copied into a fresh file of the store."""
-        store = _STORES.get(self.path)
-        if store is None or store.closed:
-            raise ConfigError(f"the NVMe offload store {self.path} is closed or belongs to another process; "
-                              "place the state with a live offload('nvme', path=...) transform")
-        return store.store([local.to("cpu")])[0]
 
 
 class Offload(Transform):
@@ -184,11 +151,15 @@ class Offload(Transform):
                               "kernel, which host_kernel=False does not run (torch's foreach arithmetic uses "
                               "torch.set_num_threads); drop cores, or use host_kernel=True")
         self.cores = cores
-        self._session = _OverlapSession(cores) if self.overlap else None
+        self._session = OverlapSession(cores) if self.overlap else None
         self._store: nvme.FileStore | None = None
         if device == "nvme":
             self._store = nvme.FileStore(path)     # ConfigError when path is missing or not writable
-            _STORES[self._store.root] = self._store   # the latest live store for this path
+            register_store(self._store)            # the latest live store for this path
+        # the machinery: where pieces live, and the update on the host (dsfn.engines.offload)
+        self._host = HostUpdate(device, self._store, params=params, pin_memory=self.pin_memory,
+                                subgroup_bytes=subgroup_bytes, host_kernel=self.host_kernel, cores=cores,
+                                session=self._session)
 
     def facts(self) -> dict[str, Any]:
         return {"offload": self.device, "hears_grad_buckets": self.overlap}
@@ -210,51 +181,15 @@ class Offload(Transform):
         return f"offload({self.device!r}): optimizer state and master weights in {where}; update on the host"
 
     # -- layout ------------------------------------------------------------------------------
-    def _layout(self, inner: Layout, home: str) -> Offloaded:
-        if self.device == "nvme":
-            return NvmeOffloaded(inner, "nvme", home, self._store.root)
-        return Offloaded(inner, "cpu", home)
-
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        return copy_to_host(t, pin=self.pin_memory)[0]
-
-    def _trees_to_host(self, *trees: Any) -> list[Any]:
-        """Every tensor leaf of `trees` in host memory: device tensors are copied non-blocking
-        (into pinned memory) and waited for once per device at the end, rather than one
-        blocking copy, i.e. one device sync, per tensor."""
-        events: list = []
-
-        def one(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            if self._session is not None:
-                h = self._session.host_copy(t)      # already copied by the overlap pipeline
-                if h is not None:
-                    return h
-            out, ready = copy_to_host(t, pin=self.pin_memory, non_blocking=True)
-            events.append((t.device, ready))
-            return out
-        outs = [tree.map(one, x) for x in trees]
-        wait_last(events)                     # one stream per device: its last copy ends them all
-        return outs
-
     def _offload_tree(self, opt_state: Any, params: Any) -> Any:
         """Wrap the leaves of `opt_state` that mirror a parameter (see the module docstring)."""
         shapes = {p: _logical_shape(x) for p, x in tree.leaves_with_path(params, is_leaf=is_placed)}
         leaves, spec = tree.flatten(opt_state, is_leaf=is_placed)
         paths = [p for p, _ in tree.leaves_with_path(opt_state, is_leaf=is_placed)]
-        picks = [k for k, (p, x) in enumerate(zip(paths, leaves))
-                 if _mirrors(p, x, shapes) and not isinstance(_layout(x), Offloaded)]
-        pieces = [data_of(leaves[k]) for k in picks]
-        homes = [_home(t) for t in pieces]
-        if self.device == "nvme":
-            stored = self._store.store(pieces, self.subgroup_bytes) if pieces else []
-        else:
-            stored = [self._to_host(t) for t in pieces]
-        out = list(leaves)
-        for k, t, home in zip(picks, stored, homes):
-            out[k] = Placed(t, self._layout(_layout(leaves[k]), home))
-        return tree.unflatten(spec, out)
+        layouts = [self._host.layout(_layout(x), data_of(x))
+                   if _mirrors(p, x, shapes) and not isinstance(_layout(x), Offloaded) else None
+                   for p, x in zip(paths, leaves)]
+        return tree.unflatten(spec, self._host.offload(leaves, layouts))
 
     def place(self, state: Any) -> Any:
         return state
@@ -277,8 +212,11 @@ class Offload(Transform):
     def place_after(self, state: Any) -> Any:
         """Runs after every transform's `place` (ZeRO sharded the leaves first)."""
         self._check_mesh()
-        if self.params:
-            state = state.replace(params=self._offload_params(state.params))
+        if self.params:       # ZeRO-3's parameter shards (FlatShard pieces), gathered to their device just in time
+            leaves = tree.leaves(state.params, is_leaf=is_placed)
+            layouts = [self._host.layout(x.layout, x.data) if isinstance(x, Placed) and isinstance(x.layout, FlatShard)
+                       else None for x in leaves]
+            state = state.replace(params=self._host.offload_params(state.params, layouts))
         if getattr(state, "opt_state", None) is None:
             return state
         self._check_optimizer(state.opt_state)
@@ -335,51 +273,21 @@ class Offload(Transform):
                               "this optimizer never runs it (only dsfn.optim.adamw / adam without amsgrad do), so it "
                               "would do nothing; drop cores, or use an Adam optimizer")
 
-    def _offload_params(self, params: Any, layouts: list | None = None) -> Any:
-        """ZeRO-3 parameter shards (FlatShard pieces, or pieces of the given offloaded
-        `layouts`) into host memory or a new file (gathered to their device just in time)."""
-        leaves, spec = tree.flatten(params, is_leaf=is_placed)
-        if layouts is None:
-            layouts = [self._layout(x.layout, _home(x.data))
-                       if isinstance(x, Placed) and isinstance(x.layout, FlatShard) else None for x in leaves]
-        picks = [k for k, lay in enumerate(layouts) if lay is not None]
-        pieces = [data_of(leaves[k]) for k in picks]
-        if self.device == "nvme":
-            stored = self._store.store(pieces, self.subgroup_bytes) if pieces else []
-        else:
-            stored = [self._to_host(t) for t in pieces]
-        out = list(leaves)
-        for k, t in zip(picks, stored):
-            out[k] = Placed(t, layouts[k])
-        return tree.unflatten(spec, out)
-
-    def _params_view(self, params: Any) -> Any:
-        """Offloaded parameter shards as host tensors in their inner (ZeRO) layouts."""
-        return tree.map(lambda x: _wrap(data_of(x).to("cpu"), x.layout.inner)
-                        if isinstance(x, Placed) and isinstance(x.layout, Offloaded) else x,
-                        params, is_leaf=is_placed)
-
     def handle_init_optimizer(self, call_next, state):
         """The optimizer is initialised on the host view (e.g. of offloaded master weights);
         what it makes is offloaded, what it passed through keeps its offloaded leaf."""
         kept: dict[int, Placed] = {}
         if state.opt_state is not None:
             leaves, spec = tree.flatten(state.opt_state, is_leaf=is_placed)
-            view = []
-            for x in leaves:
-                if isinstance(x, Placed) and isinstance(x.layout, Offloaded):
-                    v = x.data.to("cpu")
-                    kept[id(v)] = x
-                    view.append(_wrap(v, x.layout.inner))
-                else:
-                    view.append(x)
+            view = self._host.host_view(leaves)
+            kept = {id(data_of(v)): x for v, x in zip(view, leaves) if v is not x}
             state = state.replace(opt_state=tree.unflatten(spec, view))
         # the optimizer makes its state from the parameters' host view (offloaded shards in
         # their inner layouts, device ones copied), so what it makes is born in host memory and
         # then offloaded: a device never holds the offloaded state, not even at init (the
         # update runs on the same host view, so its other leaves live there too)
-        params = self._params_view(state.params) if self.params else state.params
-        state = state.replace(params=self._trees_to_host(params)[0])
+        params = self._host.params_view(state.params) if self.params else state.params
+        state = state.replace(params=self._host.trees_to_host(params)[0])
         made = call_next(state)
         self._check_optimizer(made)
         new, spec = tree.flatten(made, is_leaf=is_placed)
@@ -388,76 +296,9 @@ class Offload(Transform):
 
     # -- update ------------------------------------------------------------------------------
     def handle_apply_gradients(self, call_next, state, grads):
-        old, spec = tree.flatten(state.opt_state, is_leaf=is_placed)
-        offl = [k for k, x in enumerate(old) if isinstance(x, Placed) and isinstance(x.layout, Offloaded)]
-        # pre-allocate the new state's file first: a full disk fails before anything is computed
-        dst = None
-        if self.device == "nvme" and offl:
-            dst = self._store.alloc([(tuple(old[k].data.shape), old[k].data.dtype) for k in offl])
-        host_view = list(old)
-        for k in offl:
-            x = old[k]
-            host_view[k] = _wrap(x.data.to("cpu"), x.layout.inner)
-        host_opt = tree.unflatten(spec, host_view)
-        p_leaves, p_spec = tree.flatten(state.params, is_leaf=is_placed)
-        homes = [data_of(x).device for x in p_leaves]
-        params = state.params
-        if self.params:      # offloaded parameter shards: the inner stack sees their host view
-            params = self._params_view(params)
-        session = self._session
-        if session is not None:
-            session.drain()           # the buckets' host work (and their gradients' host copies)
-        if not isinstance(state.opt_state, MasterState):    # the optimizer reads the parameters
-            host_grads, params = self._trees_to_host(grads, params)
-        else:
-            host_grads, = self._trees_to_host(grads)
-        plan = None
-        if self.device == "nvme" and offl:     # stream the update into the new file, sub-group by sub-group
-            plan = _NvmePlan({id(data_of(host_view[k])): d for k, d in zip(offl, dst)}, self.subgroup_bytes)
-        with dispatch.host_update(self.host_kernel, session, plan, self.cores):   # AdamW on the host: C++ kernel
-            new = call_next(state.replace(params=params, opt_state=host_opt), host_grads)
-        # parameters back where they came from
-        if new.params is params:
-            new_params = state.params
-        else:
-            n_leaves = tree.flatten(new.params, is_leaf=is_placed)[0]
-            offl_p = [o.layout if isinstance(o, Placed) and isinstance(o.layout, Offloaded) else None
-                      for o in p_leaves]
-            back = [x if lay is not None else _move(x, d) for x, lay, d in zip(n_leaves, offl_p, homes)]
-            # offloaded parameter shards stay where they live (host memory, or a new file)
-            new_params = self._offload_params(tree.unflatten(p_spec, back), offl_p)
-        # optimizer state back into its offloaded layout
-        n_opt, n_spec = tree.flatten(new.opt_state, is_leaf=is_placed)
-        if n_spec != spec:
-            raise StackError("offload: the optimizer returned a state of another structure than it was given")
-        out = list(n_opt)
-        changed = [k for k in offl if data_of(n_opt[k]) is not data_of(host_view[k])]
-        if self.device == "nvme":
-            dsts = dict(zip(offl, dst))
-            group, size = [], 0
-            for k in changed:
-                d = dsts[k]
-                if data_of(n_opt[k]) is not d:  # (else streamed into its file by the host kernel; its
-                    d.copy_(data_of(n_opt[k]))  # pages may be resident again: the inner stack read it)
-                group.append(d)
-                size += d.numel() * d.element_size()
-                if size >= self.subgroup_bytes:
-                    nvme.release(group)
-                    group, size = [], 0
-            nvme.release(group)
-            nvme.release([old[k].data for k in offl])      # the input state stays valid (in its file)
-            nvme.drain()                                   # written back before the step returns
-        stored: dict[int, torch.Tensor] = {}
-        for k in offl:
-            if k in changed:
-                t = dsts[k] if self.device == "nvme" else self._to_host(data_of(n_opt[k]))
-                stored[id(data_of(n_opt[k]))] = t
-                out[k] = Placed(t, old[k].layout)
-            else:
-                out[k] = old[k]          # unchanged (e.g. an fp16 overflow skipped the update)
-        if session is not None:
-            session.commit(stored)     # next step's inputs are the stored tensors
-        return new.replace(params=new_params, opt_state=tree.unflatten(spec, out))
+        """The update runs on the host, where the state lives (module docstring; the machinery:
+        `dsfn.engines.offload.HostUpdate`)."""
+        return self._host.apply_gradients(call_next, state, grads)
 
     def _reducer_feeds(self) -> bool:
         """Whether an enclosing ZeRO's `ShardReducer` reports this step's buckets (dp size > 1,
@@ -507,11 +348,11 @@ class Offload(Transform):
         return step
 
     def _speculation_prep(self, state: Any):
-        """The gradient map of every transform inside this one (`Transform.speculative_grad`),
-        composed in stack order; None when one of them cannot know it before the step ends
-        (clipping: the update then waits for the global norm, nothing is speculated)."""
-        from dsfn.transforms.core import active_stack
-        stack = active_stack()
+        """The gradient map of every transform inside this one in the running stack (the Step's
+        segment that holds it; `Transform.speculative_grad`), composed in stack order; None when
+        one of them cannot know it before the step ends (clipping: the update then waits for
+        the global norm, nothing is speculated)."""
+        stack = next((seg.stack for seg in active_segments() if any(t is self for t in seg.stack)), ())
         fns = []
         for t in stack[stack.index(self) + 1:] if self in stack else ():
             f = t.speculative_grad(state)
@@ -540,169 +381,6 @@ class Offload(Transform):
         return False
 
 
-class _NvmePlan:
-    """Where the host AdamW writes the new offloaded state (`dispatch.host_update(plan=)`):
-    each input leaf's pre-allocated file-backed destination, sub-groups of `group_bytes`,
-    read-ahead of the next sub-group and release of finished ones (`dsfn.runtime.nvme`)."""
-
-    def __init__(self, dest: dict[int, torch.Tensor], group_bytes: int):
-        self.dest, self.group_bytes = dest, group_bytes
-        self._ours = set(dest) | {id(d) for d in dest.values()}     # inputs and destinations
-        self.streamed = 0
-
-    def out_for(self, x: torch.Tensor) -> torch.Tensor | None:
-        d = self.dest.get(id(x))
-        if d is not None:
-            self.streamed += 1
-        return d
-
-    def prefetch(self, tensors) -> None:
-        nvme.prefetch([t for t in tensors if id(t) in self.dest])
-
-    def release(self, tensors) -> None:
-        nvme.release([t for t in tensors if id(t) in self._ours])
-
-
-class _OverlapSession:
-    """SuperOffload-style speculation, memoised, bucket by bucket: as ZeRO finishes reducing
-    a bucket of gradient shards during backward (the "grad_bucket_ready" primitive), the bucket
-    goes to the host as one copy into one of two pinned staging buffers
-    (`dsfn.runtime.pipeline.HostPipeline`: an async copy on a side stream, one event per
-    bucket, waited for by the worker thread, never by the training thread), and on the
-    worker its gradients are kept (a host copy the update then uses instead of copying them
-    again) and the host AdamW of its parameters runs at once, in one multi-tensor call, from
-    the inputs the previous step left for them (their `recipe`: the stored param/master and
-    moments, the next count's lr), while bucket k+1 still copies and backward continues.
-    When the real update runs, `lookup` takes a speculative result only if its inputs are
-    exactly the ones the optimizer now sees (the same tensor objects for param and moments,
-    equal gradient values, equal lr/step/hyper-parameters); anything else (an fp16
-    loss-scale overflow that skips the step, a clipped or unscaled gradient, a state the
-    user swapped) is a miss and is computed normally. So results are bitwise those of
-    `overlap=False`: a wrong speculation is discarded, never applied.
-
-    With no device (CPU training: the shards are host tensors, no copy engine set) buckets
-    are dropped (`on_bucket`): their work could only run on the training thread right before
-    the real update (backward and the host update share the cores), so nothing is
-    speculated and the update is the plain path's. Tests set `pipe.engine` to a
-    `SimulatedCopyEngine` to take host shards as device ones."""
-
-    def __init__(self, cores: float | None = None, engine: Any = None) -> None:
-        from dsfn.runtime.pipeline import HostPipeline
-        self.cores = cores
-        self.pipe = HostPipeline(self._work, engine=engine)
-        self.prep = None             # this step's gradient map (Offload._speculation_prep); None: no speculation
-        self.recipe: dict[str, tuple] = {}
-        self.scalars: tuple | None = None      # (hyper, lr_at, count)
-        self.memo: dict[str, tuple] = {}
-        self.host_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id(device shard): (it, host copy)
-        self.hits = self.misses = self.started = self.reused = 0
-        self._pending: tuple | None = None
-        self._step_args: tuple | None = None
-        self._sourced = False        # offload's world-1 source fed this step already
-
-    # -- during backward --------------------------------------------------------------------
-    def begin(self, prep) -> None:
-        """A step starts: this step's gradient map and scalars, for every bucket's work."""
-        self.prep = prep
-        self._step_args = (self.recipe, self.scalars, prep)
-        self._sourced = False
-
-    def _no_device(self, t: torch.Tensor) -> bool:
-        """`t` is a host tensor and no copy engine is set (CPU training): nothing to overlap."""
-        return self.pipe.engine is None and t.device.type == "cpu"
-
-    def take_source(self, params: Any) -> bool:
-        """Whether offload's own (world-1) bucket source should watch this value_and_grad's
-        gradients: inside a step, its first call, and a device to overlap with (with none the
-        buckets would be dropped: `on_bucket`). With clipping nothing is speculated, but the
-        buckets still leave the device during backward (the update reuses their copies)."""
-        if self._step_args is None or self._sourced:
-            return False
-        first = next((x for x in tree.leaves(params, is_leaf=is_placed)
-                      if isinstance(data_of(x), torch.Tensor)), None)
-        if first is None or self._no_device(data_of(first)):
-            return False
-        self._sourced = True
-        return True
-
-    def on_bucket(self, items: list[tuple[Any, torch.Tensor]]) -> None:
-        """A bucket of final gradients (ZeRO's reduced shards, or at world 1 whole gradients).
-        With no device nothing is speculated: the bucket's update could only run on the
-        training thread, before the real one, at the same cost plus copies and checks, so
-        the real update simply does it (the plain path's cost, bitwise its result)."""
-        if not items or self._no_device(items[0][1]):
-            return
-        self.pipe.submit([((path, shard), shard) for path, shard in items])
-
-    def _work(self, k: int, items: list) -> None:
-        """Bucket k on the host (`items`: ((path, source shard), host tensor); a staged bucket's
-        host tensors are the pipeline's copies out of its staging buffer, ours to keep)."""
-        from dsfn.ops.cpu_adam import cpu_adamw_multi_
-        recipe, scalars, prep = self._step_args or ({}, None, None)
-        todo = []
-        for (path, src), h in items:
-            if h is not src:                     # staged (the pipeline's own host copy): keep it
-                self.host_grads[id(src)] = (src, h)
-            entry = recipe.get(path)
-            if entry is None or scalars is None or prep is None or h.shape != entry[0].shape:
-                continue
-            todo.append((path, entry, prep(h)))  # what the inner transforms will hand the optimizer
-        if not todo:
-            return
-        (b1, b2, eps, wd), lr_at, count = scalars
-        lr, t = lr_at(count), count + 1
-        outs = [tuple(x.clone(memory_format=torch.contiguous_format) for x in entry) for _, entry, _ in todo]
-        self.started += len(todo)
-        cpu_adamw_multi_([o[0] for o in outs], [g.contiguous() for _, _, g in todo], [o[1] for o in outs],
-                         [o[2] for o in outs], lr=lr, step=t, beta1=b1, beta2=b2, eps=eps, weight_decay=wd,
-                         cores=self.cores if self.cores is not None else _cores_beside_training())
-        for (path, entry, g), out in zip(todo, outs):
-            self.memo[path] = (entry, g, lr, t, (b1, b2, eps, wd), out)
-
-    def drain(self) -> None:
-        self.pipe.drain()
-
-    def host_copy(self, t: torch.Tensor) -> torch.Tensor | None:
-        """The host copy the pipeline made of device shard `t` this step, or None."""
-        hit = self.host_grads.get(id(t))
-        if hit is None or hit[0] is not t:
-            return None
-        self.reused += 1
-        return hit[1]
-
-    def end_step(self) -> None:
-        self.drain()
-        self.host_grads.clear()
-        self._step_args = None
-
-    # -- the real update (called by the optimizer's host path) ---------------------------------
-    def lookup(self, path, g, p, m, v, lr, t, hyper):
-        hit = self.memo.pop(path, None)
-        if hit is not None:
-            (p0, m0, v0), g0, lr0, t0, hyper0, out = hit
-            if p is p0 and m is m0 and v is v0 and (lr0, t0, hyper0) == (lr, t, hyper) and \
-                    g.shape == g0.shape and (g is g0 or torch.equal(g if g.dtype == g0.dtype else g.float(),
-                                                                   g0 if g.dtype == g0.dtype else g0.float())):
-                self.hits += 1
-                return out
-        self.misses += 1
-        return None
-
-    def record(self, paths, new_p, mu, nu, hyper, lr_at, count) -> None:
-        self._pending = (paths, new_p, mu, nu, hyper, lr_at, count)
-
-    def commit(self, stored: dict[int, torch.Tensor]) -> None:
-        """The step's state is stored: the next step's inputs per path (stored copies for nvme)."""
-        self.memo.clear()
-        if self._pending is None:
-            return
-        paths, new_p, mu, nu, hyper, lr_at, count = self._pending
-        self._pending = None
-        pick = lambda x: stored.get(id(x), x)
-        self.recipe = {q: (pick(a), pick(b), pick(c)) for q, a, b, c in zip(paths, new_p, mu, nu)}
-        self.scalars = (hyper, lr_at, count)
-
-
 def offload(*args: Any, **kwargs: Any) -> Offload:
     """`offload(device="cpu"|"nvme", params=False, path=None, pin_memory=True, subgroup_bytes=64 MiB,
     host_kernel=True, overlap=False, cores=None)`;
@@ -711,43 +389,8 @@ def offload(*args: Any, **kwargs: Any) -> Offload:
     return make_transform(Offload, "offload", args, kwargs)
 
 
-def _cores_beside_training() -> float:
-    """`cores` for a speculative host AdamW (on a worker, while the training thread keeps
-    feeding the device): torch's threads (the physical cores) but one, as the fraction of
-    os.cpu_count() that `cpu_adam_threads` turns back into that count (int(fraction * n):
-    the half absorbs float error)."""
-    n = os.cpu_count() or 1
-    want = max(1, min(torch.get_num_threads(), n) - 1)
-    return min(1.0, (want + 0.5) / n)
-
-
-def _home(t: torch.Tensor) -> str:
-    """Where an offloaded piece is computed on: the device it was placed from, or, for a
-    piece made in host memory to begin with (`init_sharded` under offload), the compute
-    device."""
-    return str(t.device) if t.device.type != "cpu" else str(env.device())
-
-
 def _layout(x: Any) -> Layout:
     return x.layout if isinstance(x, Placed) else Replicated(tuple(x.shape))
-
-
-def _wrap(t: torch.Tensor, layout: Layout) -> Any:
-    return t if isinstance(layout, Replicated) else Placed(t, layout)
-
-
-def _move(x: Any, device: torch.device) -> Any:
-    """An updated parameter back to its device. A host tensor bound for CUDA goes through pinned
-    memory (torch's caching host allocator: the block is reused only once its copy is done),
-    so the copy is asynchronous: a pageable source would make the host wait for the whole
-    transfer, and the next forward queues behind the copy on the stream anyway."""
-    if isinstance(x, Placed):
-        return Placed(_move(x.data, device), x.layout)
-    if not isinstance(x, torch.Tensor):
-        return x
-    if torch.device(device).type == "cuda" and x.device.type == "cpu" and not x.is_pinned():
-        x = x.pin_memory()
-    return x.to(device, non_blocking=True)
 
 
 def _logical_shape(x: Any) -> tuple[int, ...] | None:

@@ -30,7 +30,7 @@ from dsfn.testing.reference import (
     train_step_for,
 )
 from dsfn.transforms import clip_grad_norm, compose, loss_scale, mixed_precision, offload, shard_zero
-from dsfn.transforms.offload import NvmeOffloaded
+from dsfn.engines.offload import NvmeOffloaded
 
 # ZeRO at 2 ranks vs one process differs by the gradient reduction order (as in test_zero);
 # offload itself is checked bitwise against the same stack without it below
@@ -720,7 +720,7 @@ def _stream_peak(root, stream):
     import ctypes
     import importlib
     import re
-    O = importlib.import_module("dsfn.transforms.offload")   # the package re-exports the function
+    O = importlib.import_module("dsfn.engines.offload")      # offload's machinery: the update's NVMe plan
     init_mesh()
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 128 << 10)
@@ -733,13 +733,13 @@ def _stream_peak(root, stream):
     batch = {"x": torch.randn(4, 512), "y": torch.randn(4, 512)}
     state, _ = step(state, batch)                 # warm-up (code pages, first files)
     plans = []
-    real = O._NvmePlan
+    real = O.NvmePlan
 
     class Spy(real):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             plans.append(self)
-    O._NvmePlan = Spy if stream else (lambda *a, **k: None)
+    O.NvmePlan = Spy if stream else (lambda *a, **k: None)
     try:
         libc.malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as f:
@@ -752,7 +752,7 @@ def _stream_peak(root, stream):
         state, _ = step(state, batch)
         peak = status("VmHWM") - before
     finally:
-        O._NvmePlan = real
+        O.NvmePlan = real
     o.close()
     return peak, [p.streamed for p in plans]
 
@@ -830,8 +830,8 @@ def test_speculative_host_adamw_leaves_one_core_to_the_training_thread(monkeypat
     """overlap=True's host AdamW runs beside the thread feeding the device: by default on
     torch's threads but one (issue 24: host threads = the cores not feeding the GPU)."""
     from dsfn.ops.cpu_adam import cpu_adam_threads
-    from dsfn.transforms.offload import _cores_beside_training
+    from dsfn.engines.offload import cores_beside_training
     monkeypatch.setattr("os.cpu_count", lambda: 16)
     for threads, want in ((16, 15), (8, 7), (2, 1), (1, 1)):
         monkeypatch.setattr(torch, "get_num_threads", lambda t=threads: t)
-        assert cpu_adam_threads(_cores_beside_training()) == want
+        assert cpu_adam_threads(cores_beside_training()) == want

@@ -36,7 +36,7 @@ from dsfn.transforms import (
     shard_zero,
     zenflow,
 )
-from dsfn.transforms.offload import NvmeOffloaded
+from dsfn.engines.offload import NvmeOffloaded
 from dsfn.transforms.zenflow import ZenFlowState, _col_l1, _gather, _scatter, _segments, num_selected, select_columns
 
 SIZES = [5, 7, 3]          # an MLP with matrices 7x5 and 3x7 and biases
