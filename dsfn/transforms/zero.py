@@ -29,7 +29,12 @@ a gather of the unit is in use and is freed (storage resized to 0) when none is.
 saves the gathered weights themselves; backward re-gathers the unit into the same
 storages just before the unit's backward (a gradient hook on the unit's outputs), so the
 saved weights see the data again — no saved-tensor hooks, nothing per op or per tensor
-in forward or backward. The next unit is prefetched while the current one runs. Units default to the model's repeated
+in forward or backward. On the host, a donated step then hands glibc's free heap pages
+back to the kernel once, at the end of backward (`runtime.env.trim_host_heap`): a
+per-size free list of unit storages was measured and kept resident memory higher, since
+the blocks it holds serve no other allocation, while the heap's holes (activations,
+gathered units, temporaries) made resident memory creep up step after step. The next
+unit is prefetched while the current one runs. Units default to the model's repeated
 blocks (a Hugging Face `_no_split_modules`, else the children of its largest
 ModuleList); the parameters outside every unit form a root unit, live for the whole
 forward. Parameters with at most `param_persistence_threshold` elements stay
@@ -77,9 +82,10 @@ from dsfn.effects import bind
 from dsfn.errors import ConfigError, StackError
 from dsfn.functional import until_backward
 from dsfn.runtime import collectives as C
+from dsfn.runtime import env
 from dsfn.runtime.flat import BufferPool, FlatGather, ShardReducer, all_gather_full, gather_into_buffers, map_whole
 from dsfn.runtime.mesh import current_mesh, grad_channel
-from dsfn.state.donation import writable
+from dsfn.state.donation import may_alias, writable
 from dsfn.state.init import store_constants
 from dsfn.state.layout import (
     FlatShard,
@@ -129,6 +135,7 @@ class ShardZero(DataParallel):
         self.prefetch = prefetch
         self._reducer: ShardReducer | None = None
         self._gatherers: list[UnitGatherer] = []     # stage 3: this round's forwards, for backward's end
+        self._host_units = False                      # stage 3: this value_and_grad gathered units on the host
         self._expect: dict[str, list] = {}            # stage 3: key -> [gradients still due, their sum]
         self._frozen_dtype: torch.dtype | None = None  # mixed precision's compute dtype (check_stack)
         self._views: dict[int, tuple] = {}             # id(apply_fn) -> (apply_fn, constants' ids, view, cast)
@@ -247,10 +254,14 @@ class ShardZero(DataParallel):
             value, grads = call_next(fn, params, args, kwargs, has_aux)
             if outer is None:
                 self._end_backward()
+                if self._host_units and may_alias():
+                    # every unit is released: a donated step gives the heap's holes back
+                    # (env.trim_host_heap; on a GPU the units churn device memory instead)
+                    env.trim_host_heap()
         finally:
             self._reducer = outer
             if outer is None:
-                self._gatherers, self._expect = [], {}
+                self._gatherers, self._expect, self._host_units = [], {}, False
         if outer is not None:      # nested call: the outermost call reduces
             return value, grads
         # reducer keys are leaf paths (flatten order: plan["paths"]); stage 1 reduces everything
@@ -513,6 +524,7 @@ class ShardZero(DataParallel):
         gatherer = UnitGatherer(apply_fn.module, params, self, frozen)
         if self._reducer is not None:           # inside value_and_grad: its backward ends the sequence
             self._gatherers.append(gatherer)
+            self._host_units = self._host_units or any(d.type == "cpu" for d in gatherer.homes)
         # unit hooks stay until backward is over, so a recompute (activation checkpointing)
         # re-gathers its unit in backward's fixed order; saved-tensor hooks cover the forward
         with until_backward(gatherer.module_hooks()), gatherer:
