@@ -26,11 +26,13 @@ import torch
 from torch import nn
 
 from dsfn import tree
+from dsfn.aliasing import may_alias
 from dsfn.effects import bind
 from dsfn.engines.zero3_units import UnitGatherer, UnitPlan
 from dsfn.engines.zero_shards import ZeroShards, compute_device, zero_layout
 from dsfn.functional import until_backward
 from dsfn.placed import Placed, data_of, is_placed
+from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh, grad_channel
 from dsfn.state.init import store_constants
 from dsfn.state.layout import FlatShard
@@ -48,6 +50,7 @@ class GradientsDue:
         self.reducer = reducer
         self.expect: dict[str, list] = {}        # key -> [gradients still due, their sum]
         self.gatherers: list[UnitGatherer] = []  # this round's forwards, for backward's end
+        self.host_units = False                  # a unit was gathered into host memory
 
     def gathers_made(self, keys: list[str]) -> None:
         """A unit's weights were gathered for a forward under grad: one more gradient due per key."""
@@ -139,6 +142,10 @@ class Stage3(ZeroShards):
                 return fn(*a, **k)
             value, grads = call_next(each_forward, params, args, kwargs, has_aux)
             due.end_backward()
+            if due.host_units and may_alias():
+                # every unit is released: a donated step gives the heap's holes back
+                # (env.trim_host_heap; on a GPU the units churn device memory instead)
+                env.trim_host_heap()
         finally:
             self.due = None
         return value, self.finish_reduction(due.reducer, plan, grads, facts)
@@ -217,6 +224,7 @@ class Stage3(ZeroShards):
                                 self.allgather_bucket_size, self.prefetch, due)
         if due is not None:           # inside value_and_grad: its backward ends the sequence
             due.gatherers.append(gatherer)
+            due.host_units = due.host_units or any(d.type == "cpu" for d in gatherer.homes)
         # unit hooks stay until backward is over, so a recompute (activation checkpointing)
         # re-gathers its unit in backward's fixed order
         with until_backward(gatherer.module_hooks()), gatherer:

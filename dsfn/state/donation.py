@@ -36,7 +36,10 @@ Memory: donation removes the second copy of the state a functional update holds 
 update's only temporary is Adam's denominator for 16 MiB of parameters at a time). A Step
 built with `compose(..., donate=True)` also leaves glibc's allocator at its defaults:
 `runtime.env.tune_host_allocator` (keep all freed memory) exists because a non-donating
-step reallocates its whole state every step, which a donating one does not.
+step reallocates its whole state every step, which a donating one does not. A donated
+ZeRO-3 step with units gathered on the host also trims the heap once per step
+(`runtime.env.trim_host_heap`, at the end of backward): lower resident memory for
+some page faults.
 `benchmarks/memory.py` measures the peaks against DDP and FSDP2.
 """
 from __future__ import annotations

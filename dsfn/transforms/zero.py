@@ -29,7 +29,12 @@ a gather of the unit is in use and is freed (storage resized to 0) when none is.
 saves the gathered weights themselves; backward re-gathers the unit into the same
 storages just before the unit's backward (a gradient hook on the unit's outputs), so the
 saved weights see the data again — no saved-tensor hooks, nothing per op or per tensor
-in forward or backward. The next unit is prefetched while the current one runs. Units default to the model's repeated
+in forward or backward. On the host, a donated step then hands glibc's free heap pages
+back to the kernel once, at the end of backward (`runtime.env.trim_host_heap`): a
+per-size free list of unit storages was measured and kept resident memory higher, since
+the blocks it holds serve no other allocation, while the heap's holes (activations,
+gathered units, temporaries) made resident memory creep up step after step. The next
+unit is prefetched while the current one runs. Units default to the model's repeated
 blocks (a Hugging Face `_no_split_modules`, else the children of its largest
 ModuleList); the parameters outside every unit form a root unit, live for the whole
 forward. Parameters with at most `param_persistence_threshold` elements stay
