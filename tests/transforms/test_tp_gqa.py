@@ -23,6 +23,7 @@ from dsfn import checkpoint as ck
 from dsfn.errors import MeshError, RankFailure
 from dsfn.runtime import init_mesh
 from dsfn.state.layout import GroupDimShard, MeshCoords, Nested, Placed, is_placed
+from dsfn.transforms.tensor_parallel import packed
 from dsfn.testing import run_on_ranks
 from dsfn.testing.asserts import assert_trees_close
 from dsfn.testing.models import make_tiny_causal_lm, token_batches
@@ -59,8 +60,8 @@ def train(name, stack, mesh=None, tx=_sgd, no_replica_sum=False, count_replicas=
     if mesh:
         init_mesh(**mesh)
     if no_replica_sum:        # negative control: each replica keeps its own query heads' part
-        import sys      # (the package's `tensor_parallel` attribute is the function)
-        sys.modules["dsfn.transforms.tensor_parallel"].sum_replica_grads = lambda g, axis, groups: g
+        from dsfn.engines import tensor_parallel as engine
+        engine.sum_replica_grads = lambda g, axis, groups: g
     if count_replicas:        # negative control: replicas counted in the norm as disjoint pieces
         GroupDimShard.duplicate = lambda self, mesh=None: False
     model = make_model(name)
@@ -265,10 +266,10 @@ class _Attention(torch.nn.Module):
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_unsupported_attentions_with_fewer_kv_heads_than_tp_are_refused(fused):
-    from dsfn.transforms.tensor_parallel import _check_heads
+    from dsfn.engines.tp_plan import check_heads as _check_heads
     root = torch.nn.Module()
     root.attn = _Attention(fused)
-    styles = ({"attn.qkv": dsfn.transforms.packed("colwise", (8, 2, 2))} if fused else
+    styles = ({"attn.qkv": packed("colwise", (8, 2, 2))} if fused else
               {"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise"})
     why = "its q/k/v projection is fused" if fused else "it has no integer `num_key_value_groups`"
     with pytest.raises(MeshError, match=r"^tensor_parallel: tp=2 is more than the 1 key/value heads of 'attn'.*"
