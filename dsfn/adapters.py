@@ -5,7 +5,8 @@ A wrapped library computes some values of the whole itself: a Hugging Face causa
 divides its own loss by the valid targets it sees, balances its router over the tokens it
 sees, and runs its attention on whatever sequence it holds. The transforms that split
 those inputs (data_parallel and shard_zero over dp, accumulate over micro-batches,
-sequence_parallel over sp) ask the adapter registered for the model, never the library:
+sequence_parallel over sp) ask the adapter registered for the model, never the library
+(and `tensor_parallel("auto")` asks it for the model's own tp plan):
 
     adapter = adapter_for(apply_fn.module)        # None: a plain model, nothing to adjust
     with adapter.token_mean_over(module, axes, args, kwargs): ...
@@ -21,7 +22,8 @@ to normalise by the whole batch's valid targets.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, ContextManager, Protocol
 
 import torch
@@ -29,8 +31,35 @@ from torch import nn
 
 from dsfn.errors import ConfigError
 
-__all__ = ["MicroBatchCounts", "ModelAdapter", "adapter_for", "micro_batch_counts", "micro_batches",
-           "register_adapter"]
+__all__ = ["MicroBatchCounts", "ModelAdapter", "SequenceSplit", "adapter_for", "micro_batch_counts",
+           "micro_batches", "register_adapter"]
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """What sequence parallelism tells a model's own loss about this step's batch (`own_loss`):
+    plain values, read while the model runs.
+
+    axis: the sp mesh axis; dp_axes: the data-parallel axes inside sp (they average over
+    theirs); local_len: this rank's slice length; real_len: the sequences' length before
+    they were padded to a multiple of sp; batch_shifted: the batch held whole-sequence
+    `shift_labels` before it was split; in_grad: the model runs inside value_and_grad (else
+    its loss is an evaluation's: the group's value); originals: id(labels the transform made
+    valid for a zero weight) -> (those labels, the batch's); normalised: called once per loss
+    made the group's token mean inside a gradient (the transform then weighs it 1)."""
+    axis: str
+    dp_axes: tuple[str, ...]
+    local_len: int
+    real_len: int
+    batch_shifted: bool
+    in_grad: bool
+    originals: Mapping[int, tuple[torch.Tensor, torch.Tensor]]
+    normalised: Callable[[], None]
+
+    def original(self, t: Any) -> Any:
+        """The batch's labels for `t` where the transform patched them, else `t`."""
+        got = self.originals.get(id(t)) if t is not None else None
+        return got[1] if got is not None and got[0] is t else t
 
 
 class ModelAdapter(Protocol):
@@ -43,8 +72,8 @@ class ModelAdapter(Protocol):
     def token_mean_over(self, module: nn.Module, axes: list[str], args: tuple, kwargs: dict) -> ContextManager:
         """The model's own loss as the token mean over `axes` (data parallel) and micro-batches."""
 
-    def own_loss(self, module: nn.Module, make_loss: Any, args: tuple, kwargs: dict) -> ContextManager:
-        """The model's own loss replaced by `make_loss(inner, module)` (sequence parallel)."""
+    def own_loss(self, module: nn.Module, split: SequenceSplit, args: tuple, kwargs: dict) -> ContextManager:
+        """The model's own loss made exact over the sequences sequence parallel split (`split`)."""
 
     def global_router_balance(self, module: nn.Module, sum_axes: list[str], mean_axes: list[str],
                               valid: torch.Tensor | None) -> ContextManager:
@@ -56,6 +85,10 @@ class ModelAdapter(Protocol):
 
     def loss_modules(self, module: nn.Module) -> list[nn.Module]:
         """The modules that compute `module`'s own loss (wrappers looked through)."""
+
+    def tensor_parallel_plan(self, module: nn.Module) -> dict | None:
+        """The model's own tensor-parallel plan ({module pattern: style}; `tensor_parallel("auto")`),
+        or None / {} when it declares none."""
 
 
 _adapters: list[ModelAdapter] = []

@@ -19,6 +19,12 @@ once per forward, a block-diagonal causal mask over the whole sequence for eager
 the whole position_ids for flash attention). Refused (ConfigError): a window or packed
 documents with an implementation other than eager, sdpa or flash attention; query heads
 sp does not divide (MeshError).
+
+Also the model's own answers to the other transforms, reached through `HuggingFaceAdapter`
+(`dsfn.adapters`): its causal-LM loss as the whole batch's token mean under data parallel
+and accumulation (`token_mean_over`) and under sequence parallel (`own_loss`,
+`sequence_loss`), its router balance over the whole batch (`global_router_balance`), and
+its tensor-parallel plan (`tensor_parallel_plan`, for `tensor_parallel("auto")`).
 """
 from __future__ import annotations
 
@@ -32,8 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsfn.adapters import micro_batch_counts, register_adapter
-from dsfn.errors import ConfigError
+from dsfn.adapters import SequenceSplit, micro_batch_counts, register_adapter
+from dsfn.errors import ConfigError, ShapeError
 
 NAME = "dsfn_ulysses"
 
@@ -532,12 +538,109 @@ def _check_called(model: nn.Module, mods: list[nn.Module], calls: int) -> None:
         raise ConfigError(_unfound(model, f"the forward did not call the loss_function of {names}"))
 
 
+def sequence_loss(split: SequenceSplit, inner: Any, module: nn.Module) -> Any:
+    """A model's `loss_function` while it runs under sp (`split`: what sequence_parallel tells
+    of this step's batch): HF's ForCausalLMLoss (`inner`) given the labels shifted over the
+    whole sequence (`shift_labels`, so it does not shift inside the slice) and
+    `num_items_in_batch` = the valid targets of the whole sp x dp batch / dp, so this rank's
+    loss is dp * (its sum) / (the global count): summed over sp and averaged over dp (by the
+    data-parallel transforms inside) it is the global token mean. Under `accumulate` the count
+    spans every micro-batch of the step (`dsfn.adapters.MicroBatchCounts`)."""
+    from dsfn.runtime import collectives as C
+    from dsfn.runtime.mesh import current_mesh
+    axis = split.axis
+
+    def loss(logits, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
+             shift_labels=None, **kw):
+        given = shift_labels if shift_labels is not None else labels     # as the model got them
+        labels = split.original(labels)
+        shift_labels = split.original(shift_labels)
+        c = logits.shape[1] if logits.dim() >= 2 else None
+        if shift_labels is not None:
+            if not split.batch_shifted:
+                raise ConfigError(
+                    f"sequence_parallel: {type(module).__name__} got shift_labels=, but the batch had none "
+                    "before it was split over sp (sequence_parallel(shift_labels=False) and no "
+                    "'shift_labels' key), so these labels were shifted inside this rank's slice and the "
+                    "target of its last token is lost. Pass only labels= (the transform shifts them over the "
+                    "whole sequence), or use sequence_parallel(shift_labels=True) and pass "
+                    "shift_labels=batch['shift_labels']")
+            target = shift_labels
+        elif labels is not None:
+            target = _shift_over_sp(split, labels, ignore_index, module)
+        else:
+            return inner(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                         ignore_index=ignore_index, shift_labels=shift_labels, **kw)
+        if target.dim() != 2 or target.shape[1] != split.local_len or c != split.local_len:
+            raise ShapeError(
+                f"sequence_parallel: {type(module).__name__}'s loss got labels of shape {tuple(target.shape)} "
+                f"and logits of shape {tuple(logits.shape)}; under sp both must cover this rank's slice "
+                f"[batch, {split.local_len}] of the batch's sequences (pass the batch's labels, or tensors "
+                "made from its slices; no logits_to_keep)")
+        target = target.contiguous()
+
+        def reduce(n):
+            n = C.all_reduce(n.reshape(1), axis, "sum")
+            for ax in split.dp_axes:
+                n = C.all_reduce(n, ax, "sum")
+            return n.reshape(())
+        dp = 1
+        for ax in split.dp_axes:
+            dp *= current_mesh().size(ax)
+        counts = micro_batch_counts()
+        if num_items_in_batch is None and counts is not None:
+            # under accumulate: the valid targets of the whole batch, every micro-batch's
+            # (`dsfn.adapters.MicroBatchCounts`), / dp / the number of micro-batches
+            shifted = shift_labels is not None
+            items = counts.num_items(
+                given if counts.whole_of.get(id(given)) is not None else (shift_labels if shifted else labels),
+                (lambda t: t) if shifted else (lambda t: _shift_over_sp(split, t, ignore_index, module)),
+                ignore_index, reduce, dp, module)
+        elif num_items_in_batch is None:
+            items = reduce((target != ignore_index).sum().to(torch.float64)) / dp
+        else:       # the caller's count of the whole batch (e.g. over accumulated micro-batches)
+            items = torch.as_tensor(num_items_in_batch, dtype=torch.float64) / dp
+        items = items.to(logits.device, torch.float32)      # the loss stays fp32 (HF upcasts logits)
+        if not split.in_grad:
+            # outside a gradient (evaluation): the value of the whole sp group (averaged over dp
+            # by the metrics of data-parallel transforms), not differentiable
+            with torch.no_grad():
+                part = inner(logits, None, vocab_size, num_items_in_batch=items,
+                             ignore_index=ignore_index, shift_labels=target, **kw)
+                return C.all_reduce(part.detach().reshape(1), axis, "sum").reshape(())
+        split.normalised()
+        return inner(logits, None, vocab_size, num_items_in_batch=items,
+                     ignore_index=ignore_index, shift_labels=target, **kw)
+    return loss
+
+
+def _shift_over_sp(split: SequenceSplit, labels: torch.Tensor, ignore_index: int, module: nn.Module) -> torch.Tensor:
+    """labels [B, T/sp] (this rank's slice) -> the next token's label of every position, over
+    the whole sequence: the last one is the next rank's first (ignore_index on the last rank)."""
+    from dsfn.runtime import collectives as C
+    from dsfn.runtime.mesh import current_mesh
+    if labels.dim() != 2 or labels.shape[1] != split.local_len:
+        raise ShapeError(f"sequence_parallel: {type(module).__name__} got labels of shape {tuple(labels.shape)}; "
+                         f"under sp they must be this rank's slice [batch, {split.local_len}] of the batch's "
+                         "sequences, which the transform shifts over the whole sequence")
+    mesh = current_mesh()
+    n, r = mesh.size(split.axis), mesh.local_rank(split.axis)
+    firsts = C.all_gather(labels[:, :1].contiguous(), split.axis).reshape(n, labels.shape[0], 1)
+    nxt = firsts[r + 1] if r + 1 < n else labels.new_full((labels.shape[0], 1), ignore_index)
+    out = torch.cat([labels[:, 1:], nxt.to(labels.device, labels.dtype)], dim=1)
+    # targets in the padding (labels made from the padded input_ids) are not the batch's
+    c = split.local_len
+    pos = torch.arange(r * c + 1, (r + 1) * c + 1, device=out.device)
+    return out.masked_fill((pos >= split.real_len)[None], ignore_index)
+
+
 @contextlib.contextmanager
-def own_loss(model: nn.Module, make_loss, args: tuple, kwargs: dict) -> Iterator[None]:
+def own_loss(model: nn.Module, split: SequenceSplit, args: tuple, kwargs: dict) -> Iterator[None]:
     """While the model runs under sequence parallelism, the `loss_function` of each module that
     computes its loss (`loss_modules`: the model itself, or the HF model inside peft / a wrapper)
-    is `make_loss(inner, module)` (dsfn.transforms.sequence_parallel: labels shifted over the
-    whole sequence, normalised over the group), where `inner` is HF's `ForCausalLMLoss`. A model
+    is `sequence_loss(split, inner, module)` (labels shifted over the whole sequence, normalised
+    over the group; `split`: what dsfn.transforms.sequence_parallel tells of this step's
+    batch), where `inner` is HF's `ForCausalLMLoss`. A model
     given labels whose loss is anything else, that holds no such module, or that computes its
     loss without `loss_function`, is an error: its loss would be over this rank's slice only."""
     labelled = _labels_passed(model, args, kwargs)
@@ -566,7 +669,7 @@ def own_loss(model: nn.Module, make_loss, args: tuple, kwargs: dict) -> Iterator
     def installed(m: nn.Module) -> Any:
         def loss(*a: Any, **k: Any) -> torch.Tensor:
             calls.append(1)
-            return make_loss(causal, m)(*a, **k)
+            return sequence_loss(split, causal, m)(*a, **k)
         return loss
     saved = [(m, "_loss_function" in m.__dict__, m.__dict__.get("_loss_function")) for m in targets]
     for m in targets:
@@ -593,6 +696,20 @@ def own_loss(model: nn.Module, make_loss, args: tuple, kwargs: dict) -> Iterator
                           "loss in the train step from the logits instead")
 
 
+def tensor_parallel_plan(module: nn.Module) -> dict[str, str]:
+    """A Hugging Face model's full tp plan ({module pattern: HF style}), or {}: its `_tp_plan`,
+    else its config's `base_model_tp_plan` under the base model's prefix."""
+    plan = getattr(module, "_tp_plan", None) or {}
+    if not plan:
+        cfg = getattr(module, "config", None)
+        plan = dict(getattr(cfg, "base_model_tp_plan", None) or {})
+        prefix = getattr(module, "base_model_prefix", "")
+        base = getattr(module, prefix, None) if prefix else None
+        if plan and isinstance(base, nn.Module) and base is not module:
+            plan = {f"{prefix}.{k}": v for k, v in plan.items()}
+    return dict(plan)
+
+
 class HuggingFaceAdapter:
     """Hugging Face's answers to the transforms (`dsfn.adapters.ModelAdapter`): the module
     functions above, looked up when called (so a test can replace one)."""
@@ -603,8 +720,8 @@ class HuggingFaceAdapter:
     def token_mean_over(self, module, axes, args, kwargs):
         return token_mean_over(module, axes, args, kwargs)
 
-    def own_loss(self, module, make_loss, args, kwargs):
-        return own_loss(module, make_loss, args, kwargs)
+    def own_loss(self, module, split, args, kwargs):
+        return own_loss(module, split, args, kwargs)
 
     def global_router_balance(self, module, sum_axes, mean_axes, valid=None):
         return global_router_balance(module, sum_axes, mean_axes, valid)
@@ -614,6 +731,9 @@ class HuggingFaceAdapter:
 
     def loss_modules(self, module):
         return loss_modules(module)
+
+    def tensor_parallel_plan(self, module):
+        return tensor_parallel_plan(module)
 
 
 register_adapter(HuggingFaceAdapter())

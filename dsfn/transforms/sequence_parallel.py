@@ -108,13 +108,14 @@ from dsfn.errors import ConfigError, ShapeError, StackError
 from dsfn.runtime import collectives as C
 from dsfn.runtime.buckets import all_reduce_buckets
 from dsfn.runtime.mesh import current_mesh
-from dsfn.adapters import adapter_for, micro_batch_counts
+from dsfn.adapters import SequenceSplit, adapter_for
 from dsfn.engines.ulysses import (  # noqa: F401  (ulysses_sdpa, kv_replication, replicate_kv: public here too)
     UlyssesSDPA,
     kv_replication,
     replicate_kv,
     ulysses_sdpa,
 )
+from dsfn.engines.sequence_shards import pad_sequences, shift_left, slice_sequences
 from dsfn.transforms.core import Transform, make_transform
 from dsfn.transforms.facts import stack_facts
 
@@ -165,7 +166,7 @@ class SequenceParallel(Transform):
         self._right_padded = True              # ... only at the end of rows (or none)
         self._unpatched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id(label patched by _weigh) -> original
         self._in_grad = 0                      # inside handle_value_and_grad
-        self._hf_losses = 0                    # HF model losses this transform normalised (see _hf_loss)
+        self._hf_losses = 0                    # HF model losses the adapter normalised (see _normalised)
         self._manual_ok: set[int] = set()      # id(module) found not to be a HF model (auto=False)
 
     def check_stack(self, stack, index):
@@ -220,7 +221,8 @@ class SequenceParallel(Transform):
         if t % n:
             if not self.seq_length_is_variable:
                 raise ShapeError(f"sequence_parallel: the fixed seq_length {t} is not divisible by sp={n}")
-            batch = self._pad(batch, t, -(-t // n) * n)
+            batch = pad_sequences(batch, t, -(-t // n) * n, seq_key=self.seq_key, ignore_index=self.ignore_index,
+                                  labels_keys=(self.labels_key, "shift_labels"), pad_token_id=self.pad_token_id)
             t = batch[self.seq_key].shape[1]
         r, c = current_mesh().local_rank(self.axis), t // n
         self._batch_shifted = isinstance(batch.get("shift_labels"), torch.Tensor)
@@ -229,11 +231,7 @@ class SequenceParallel(Transform):
         # split further); a batch's own position_ids are taken from the batch the loss sees
         self._positions = torch.arange(r * c, (r + 1) * c, device=ids.device)[None]
         self._arange = self._positions      # known consecutive: Ulysses attention needs no all-gather of them
-        # contiguous: the model may .view() them (HF's loss does, which a column slice of a
-        # batch of several rows does not allow)
-        out = {k: (x[:, r * c:(r + 1) * c].contiguous() if isinstance(x, torch.Tensor) and x.dim() >= 2 else x)
-               for k, x in batch.items()}
-        return out
+        return slice_sequences(batch, r, c)
 
     def _with_shift_labels(self, batch: dict) -> dict:
         """A copy of `batch`, with "shift_labels" (each row's labels one to the left, the last
@@ -243,32 +241,8 @@ class SequenceParallel(Transform):
         if self.shift_labels:
             if self.labels_key not in batch:
                 raise ShapeError(f"sequence_parallel(shift_labels=True): the batch has no {self.labels_key!r}")
-            lab = batch[self.labels_key]
-            batch["shift_labels"] = torch.cat([lab[:, 1:], lab.new_full((lab.shape[0], 1), self.ignore_index)], dim=1)
+            batch["shift_labels"] = shift_left(batch[self.labels_key], self.ignore_index)
         return batch
-
-    def _pad(self, batch: dict, t: int, to: int) -> dict:
-        extra = to - t
-        out = {}
-        for key, x in batch.items():
-            if not (isinstance(x, torch.Tensor) and x.dim() >= 2):
-                out[key] = x
-                continue
-            if key in (self.labels_key, "shift_labels"):
-                fill = self.ignore_index
-            elif key == "attention_mask":
-                fill = 0
-            elif key == self.seq_key:
-                fill = self.pad_token_id
-            elif key == "position_ids":
-                out[key] = torch.cat([x, x[:, -1:] + torch.arange(1, extra + 1, device=x.device)], dim=1)
-                continue
-            else:
-                fill = 0
-            pad = list(x.shape)
-            pad[1] = extra
-            out[key] = torch.cat([x, x.new_full(pad, fill)], dim=1)
-        return out
 
     def wrap_step(self, fn):
         def step(state, batch):
@@ -321,7 +295,7 @@ class SequenceParallel(Transform):
         """The local loss's weight n_rank / n_group, from the labels in the step's batch (the
         first dict argument holding `loss_labels_key`); a rank without valid labels gets one
         made valid and weight 0. None when the batch has no such labels (then the loss must
-        be a Hugging Face model's own, see `_hf_loss`)."""
+        be a Hugging Face model's own, see `_split`)."""
         key = self.loss_labels_key
         args, kwargs = list(args), dict(kwargs)
         slots = [(args, i) for i in range(len(args))] + [(kwargs, k) for k in kwargs]
@@ -352,99 +326,16 @@ class SequenceParallel(Transform):
             self._unpatched[id(labels)] = (labels, original)    # a HF model's own loss sees the original
         return tuple(args), kwargs, weight.float()
 
-    # -- a Hugging Face model's own loss ------------------------------------------------------------
-    def _hf_loss(self, inner, module):
-        """The model's `loss_function` while it runs under sp: HF's ForCausalLMLoss given the
-        labels shifted over the whole sequence (`shift_labels`, so it does not shift inside the
-        slice) and `num_items_in_batch` = the valid targets of the whole sp x dp batch / dp, so
-        this rank's loss is dp * (its sum) / (the global count): summed over sp and averaged
-        over dp (by the data-parallel transforms inside) it is the global token mean. Under
-        `accumulate` the count spans every micro-batch of the step (`dsfn.adapters.MicroBatchCounts`)."""
-        axis = self.axis
+    # -- a model's own loss (the adapter's: dsfn.integrations.hf.sequence_loss) ---------------------
+    def _split(self) -> SequenceSplit:
+        """What a model's own loss needs to know of this step's split (a plain record)."""
+        return SequenceSplit(axis=self.axis, dp_axes=tuple(self._dp_axes), local_len=self._local_len,
+                             real_len=self._real_len, batch_shifted=self._batch_shifted, in_grad=bool(self._in_grad),
+                             originals=self._unpatched, normalised=self._normalised)
 
-        def loss(logits, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
-                 shift_labels=None, **kw):
-            given = shift_labels if shift_labels is not None else labels     # as the model got them
-            labels = self._original(labels)
-            shift_labels = self._original(shift_labels)
-            c = logits.shape[1] if logits.dim() >= 2 else None
-            if shift_labels is not None:
-                if not self._batch_shifted:
-                    raise ConfigError(
-                        f"sequence_parallel: {type(module).__name__} got shift_labels=, but the batch had none "
-                        "before it was split over sp (sequence_parallel(shift_labels=False) and no "
-                        "'shift_labels' key), so these labels were shifted inside this rank's slice and the "
-                        "target of its last token is lost. Pass only labels= (the transform shifts them over the "
-                        "whole sequence), or use sequence_parallel(shift_labels=True) and pass "
-                        "shift_labels=batch['shift_labels']")
-                target = shift_labels
-            elif labels is not None:
-                target = self._shift_over_sp(labels, ignore_index, module)
-            else:
-                return inner(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
-                             ignore_index=ignore_index, shift_labels=shift_labels, **kw)
-            if target.dim() != 2 or target.shape[1] != self._local_len or c != self._local_len:
-                raise ShapeError(
-                    f"sequence_parallel: {type(module).__name__}'s loss got labels of shape {tuple(target.shape)} "
-                    f"and logits of shape {tuple(logits.shape)}; under sp both must cover this rank's slice "
-                    f"[batch, {self._local_len}] of the batch's sequences (pass the batch's labels, or tensors "
-                    "made from its slices; no logits_to_keep)")
-            target = target.contiguous()
-
-            def reduce(n):
-                n = C.all_reduce(n.reshape(1), axis, "sum")
-                for ax in self._dp_axes:
-                    n = C.all_reduce(n, ax, "sum")
-                return n.reshape(())
-            dp = 1
-            for ax in self._dp_axes:
-                dp *= current_mesh().size(ax)
-            counts = micro_batch_counts()
-            if num_items_in_batch is None and counts is not None:
-                # under accumulate: the valid targets of the whole batch, every micro-batch's
-                # (`dsfn.adapters.MicroBatchCounts`), / dp / the number of micro-batches
-                shifted = shift_labels is not None
-                items = counts.num_items(
-                    given if counts.whole_of.get(id(given)) is not None else (shift_labels if shifted else labels),
-                    (lambda t: t) if shifted else (lambda t: self._shift_over_sp(t, ignore_index, module)),
-                    ignore_index, reduce, dp, module)
-            elif num_items_in_batch is None:
-                items = reduce((target != ignore_index).sum().to(torch.float64)) / dp
-            else:       # the caller's count of the whole batch (e.g. over accumulated micro-batches)
-                items = torch.as_tensor(num_items_in_batch, dtype=torch.float64) / dp
-            items = items.to(logits.device, torch.float32)      # the loss stays fp32 (HF upcasts logits)
-            if not self._in_grad:
-                # outside a gradient (evaluation): the value of the whole sp group (averaged over dp
-                # by the metrics of data-parallel transforms), not differentiable
-                with torch.no_grad():
-                    part = inner(logits, None, vocab_size, num_items_in_batch=items,
-                                 ignore_index=ignore_index, shift_labels=target, **kw)
-                    return C.all_reduce(part.detach().reshape(1), axis, "sum").reshape(())
-            self._hf_losses += 1
-            return inner(logits, None, vocab_size, num_items_in_batch=items,
-                         ignore_index=ignore_index, shift_labels=target, **kw)
-        return loss
-
-    def _original(self, t):
-        got = self._unpatched.get(id(t)) if t is not None else None
-        return got[1] if got is not None and got[0] is t else t
-
-    def _shift_over_sp(self, labels: torch.Tensor, ignore_index: int, module) -> torch.Tensor:
-        """labels [B, T/sp] (this rank's slice) -> the next token's label of every position, over
-        the whole sequence: the last one is the next rank's first (ignore_index on the last rank)."""
-        if labels.dim() != 2 or labels.shape[1] != self._local_len:
-            raise ShapeError(f"sequence_parallel: {type(module).__name__} got labels of shape {tuple(labels.shape)}; "
-                             f"under sp they must be this rank's slice [batch, {self._local_len}] of the batch's "
-                             "sequences, which the transform shifts over the whole sequence")
-        mesh = current_mesh()
-        n, r = mesh.size(self.axis), mesh.local_rank(self.axis)
-        firsts = C.all_gather(labels[:, :1].contiguous(), self.axis).reshape(n, labels.shape[0], 1)
-        nxt = firsts[r + 1] if r + 1 < n else labels.new_full((labels.shape[0], 1), ignore_index)
-        out = torch.cat([labels[:, 1:], nxt.to(labels.device, labels.dtype)], dim=1)
-        # targets in the padding (labels made from the padded input_ids) are not the batch's
-        c = self._local_len
-        pos = torch.arange(r * c + 1, (r + 1) * c + 1, device=out.device)
-        return out.masked_fill((pos >= self._real_len)[None], ignore_index)
+    def _normalised(self) -> None:
+        """The adapter made a model's own loss the group's token mean (its sp weight is 1)."""
+        self._hf_losses += 1
 
     # -- attention and positions ----------------------------------------------------------------
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
@@ -467,7 +358,7 @@ class SequenceParallel(Transform):
         adapter = adapter_for(module)        # a Hugging Face model's loss, router and attention rules
         if adapter is not None:
             valid = self._positions[0] < self._real_len       # this rank's positions that are tokens
-            with adapter.own_loss(module, self._hf_loss, args, kwargs), \
+            with adapter.own_loss(module, self._split(), args, kwargs), \
                     adapter.global_router_balance(module, [self.axis], list(self._dp_axes), valid), \
                     _reaching(module, via, kwargs.get("position_ids")):
                 with until_backward(adapter.sequence_attention(module, self.axis, self._arange,  # recomputes alike

@@ -60,8 +60,8 @@ def train(name, stack, mesh=None, tx=_sgd, no_replica_sum=False, count_replicas=
     if mesh:
         init_mesh(**mesh)
     if no_replica_sum:        # negative control: each replica keeps its own query heads' part
-        import sys      # (the package's `tensor_parallel` attribute is the function)
-        sys.modules["dsfn.transforms.tensor_parallel"].sum_replica_grads = lambda g, axis, groups: g
+        from dsfn.engines import tensor_parallel as engine
+        engine.sum_replica_grads = lambda g, axis, groups: g
     if count_replicas:        # negative control: replicas counted in the norm as disjoint pieces
         GroupDimShard.duplicate = lambda self, mesh=None: False
     model = make_model(name)
@@ -266,7 +266,7 @@ class _Attention(torch.nn.Module):
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_unsupported_attentions_with_fewer_kv_heads_than_tp_are_refused(fused):
-    from dsfn.transforms.tensor_parallel import _check_heads
+    from dsfn.engines.tp_plan import check_heads as _check_heads
     root = torch.nn.Module()
     root.attn = _Attention(fused)
     styles = ({"attn.qkv": packed("colwise", (8, 2, 2))} if fused else
