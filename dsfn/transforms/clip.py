@@ -1,13 +1,17 @@
 """`clip_grad_norm(max_norm)`: clip by the global gradient norm over all shards and axes.
 
 The norm is the single-process one: a sharded gradient contributes its piece once per
-shard axis, a replicated one once (dsfn.engines.grad_stats), so ZeRO stages 0-3 report
-the same norm as the reference. Clipping follows torch's `clip_grad_norm_`: grads are
-multiplied by min(1, max_norm / (norm + 1e-6)) (`dsfn.optim.clip.clip_coefficient`, the rule
-`dsfn.optim.clip_by_global_norm` applies to updates inside an optimizer chain). Inside `loss_scale`, unscaling is the
-same multiply: factor = (1/scale) * min(1, max_norm / (norm/scale + 1e-6)) — one pass,
-DeepSpeed's combined unscale-and-clip. Metric: `grad_norm` (unscaled, before clipping;
-NaN on a step that `loss_scale` skipped for overflow, where no norm is computed).
+shard axis, a replicated one once (dsfn.engines.grad_stats), so ZeRO stages 0-3 report the
+same norm as the reference. Clipping follows torch's `clip_grad_norm_`: grads are
+multiplied by min(1, max_norm / (norm + 1e-6)) (`dsfn.optim.clip.clip_coefficient`, the
+rule `dsfn.optim.clip_by_global_norm` applies to updates inside an optimizer chain).
+Inside `loss_scale`, unscaling is the same multiply: factor = (1/scale) * min(1, max_norm
+/ (norm/scale + 1e-6)) — one pass, DeepSpeed's combined unscale-and-clip. The clip asks
+for the factor the gradients still carry through the "grad_unscale" primitive
+(`bind("grad_unscale", ...)`: loss_scale answers 1/scale while its update runs with the
+unscale left to the clip; the default, None, means nothing is left to undo), so it reads
+no other transform's attributes. Metric: `grad_norm` (unscaled, before clipping; NaN on a
+step that `loss_scale` skipped for overflow, where no norm is computed).
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import torch
 from dsfn import tree
 from dsfn.errors import ConfigError
 from dsfn.optim.clip import clip_coefficient
-from dsfn.transforms.core import Transform, active_stack, make_transform, with_role
+from dsfn.transforms.core import Transform, bind, make_transform, with_role
 from dsfn.engines.grad_stats import global_sq_norm
 
 
@@ -46,8 +50,7 @@ class ClipGradNorm(Transform):
         return step
 
     def handle_apply_gradients(self, call_next, state, grads):
-        unscale = next((t.pending_unscale for t in with_role(active_stack(), "loss_scale")
-                        if t.pending_unscale is not None), None)
+        unscale = bind("grad_unscale", lambda: None)     # 1/scale an outer loss_scale left to this clip, or None
         inv = unscale.double() if unscale is not None else torch.ones((), dtype=torch.float64)
         norm = global_sq_norm(grads).sqrt() * inv
         self._norm = norm.float()

@@ -15,13 +15,16 @@ change. Each primitive has a default meaning (what a single process does); while
 | "reduce_leaves"    | (partials, pending axes per leaf, op)      | LayoutError if any axis left |
 | "map_whole"        | (fn, pieces)                               | fn on whole tensors          |
 | "grad_bucket_ready"| ([(key, reduced gradient shard), ...])     | nothing (a reducer's sink)   |
+| "grad_unscale"     | ()                                         | None (nothing left to undo)  |
 
 "reduce_leaves" and "map_whole" are how code inside the step (an optimizer, a mask, a user's function) asks
 for a value of the *whole* (`dsfn.logical`): the transforms owning a leaf's mesh axes
 (ZeRO and data parallel: dp; tensor parallel: tp) answer for that axis. "grad_bucket_ready"
 is how a reducer's buckets reach another transform: ZeRO binds it as each bucket of
 reduced shards completes (when a transform inside publishes `hears_grad_buckets`), and
-offload's overlapped host update handles it.
+offload's overlapped host update handles it. "grad_unscale" is the factor the gradients handed
+to "apply_gradients" still carry (a loss scale left for an inner clip to fold into its multiply):
+loss_scale answers it, clip_grad_norm asks.
 
 A transform handles primitive P by defining `handle_P(self, call_next, *args)`; it may
 change the arguments, call `call_next(*args)` (the transforms further in, and finally

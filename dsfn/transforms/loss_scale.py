@@ -19,9 +19,14 @@ dynamic options (init_scale, window, hysteresis, min_scale, consecutive_hysteres
 a ConfigError unless left at their defaults.
 
 Unscaling is folded into one multiply with gradient clipping when `clip_grad_norm` sits
-inside this transform; otherwise it multiplies by 1/scale itself. The scale state lives
-in `state.extra["loss_scale"]` (so checkpoints carry it). Metrics: `loss_scale`,
-`skipped` (1.0 on a skipped step).
+inside this transform (a stack fact: a transform with the "clip" role inside); otherwise
+it multiplies by 1/scale itself. The clip learns the factor the gradients still carry
+through the "grad_unscale" primitive (no arguments; default None: nothing left to undo),
+which this transform answers with 1/scale while its update runs with the unscale left to
+the clip. A primitive rather than an attribute read: clip_grad_norm reads no other
+transform, and any transform that defers a scale can answer it. The scale state lives in
+`state.extra["loss_scale"]` (so checkpoints carry it). Metrics: `loss_scale`, `skipped`
+(1.0 on a skipped step).
 """
 from __future__ import annotations
 
@@ -31,7 +36,8 @@ import torch
 
 from dsfn import tree
 from dsfn.errors import ConfigError, DsfnError
-from dsfn.transforms.core import Transform, active_stack, make_transform, with_role
+from dsfn.transforms.core import Transform, make_transform
+from dsfn.transforms.facts import stack_facts
 from dsfn.engines.grad_stats import any_nonfinite_everywhere
 
 KEY = "loss_scale"
@@ -83,7 +89,7 @@ class LossScale(Transform):
         self.consecutive_hysteresis = bool(consecutive_hysteresis)
         self._scale: torch.Tensor | None = None
         self._skipped = False
-        self.pending_unscale: torch.Tensor | None = None   # consumed by an inner clip_grad_norm
+        self._pending_unscale: torch.Tensor | None = None   # answered to "grad_unscale" (an inner clip)
 
     def initial_state(self) -> LossScaleState:
         i64 = lambda v: torch.tensor(v, dtype=torch.int64)
@@ -135,20 +141,27 @@ class LossScale(Transform):
             return state.replace(extra={**state.extra, KEY: new_ls})
         inv = (1.0 / ls.scale.double()).float()
         if self._clip_inside():
-            self.pending_unscale = inv
+            self._pending_unscale = inv
             try:
                 new = call_next(state, grads)
             finally:
-                self.pending_unscale = None
+                self._pending_unscale = None
         else:
             leaves, spec = tree.flatten(grads)
             new = call_next(state, tree.unflatten(
                 spec, torch._foreach_mul(leaves, inv.to(leaves[0].device, non_blocking=True)) if leaves else []))
         return new.replace(extra={**new.extra, KEY: new_ls})
 
+    def handle_grad_unscale(self, call_next):
+        """The factor (1/scale, float32 0-dim) the gradients on their way to the update still
+        carry, while this transform's update runs with the unscale left to a clip inside it."""
+        if self._pending_unscale is not None:
+            return self._pending_unscale
+        return call_next()
+
     def _clip_inside(self) -> bool:
-        stack = active_stack()
-        return bool(with_role(stack[stack.index(self) + 1:], "clip")) if self in stack else False
+        """Whether a transform with the "clip" role sits inside this one (a stack fact)."""
+        return stack_facts(self).inside(self).has_role("clip")
 
     def updated(self, ls: LossScaleState, overflow: bool) -> LossScaleState:
         """DeepSpeed's DynamicLossScaler.update_scale, on tensors (see module docstring)."""

@@ -162,7 +162,8 @@ class Offload(Transform):
                                 session=self._session)
 
     def facts(self) -> dict[str, Any]:
-        return {"offload": self.device, "hears_grad_buckets": self.overlap}
+        return {"offload": self.device, "hears_grad_buckets": self.overlap,    # + how the host update runs:
+                "host_kernel": self.host_kernel, "host_cores": self.cores}     # (zenflow's host path follows it)
 
     # -- stack rules -------------------------------------------------------------------------
     def check_stack(self, stack, index):

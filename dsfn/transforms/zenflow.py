@@ -9,6 +9,9 @@ Place it innermost among the transforms that handle the update:
     compose(shard_zero(0|1|2|3) | data_parallel(), accumulate(n), offload("cpu"|"nvme"),
             mixed_precision(...), loss_scale(), clip_grad_norm(c), zenflow(...))
 
+Policy here (options, state layout, schedule), machinery in dsfn/engines/zenflow.py; the
+neighbours are read from stack facts only (mixed precision's master dtype, offload's host kernel).
+
 Where the state lives (`dev` = `dsfn.runtime.env.device()`, cuda:LOCAL_RANK or cpu; "host"
 = CPU memory). `state.opt_state` is a `ZenFlowState(dense, host, buffer, pending)`:
 - `dense`: the `tx` state of the non-matrix parameters (biases, norms, ...), where they are.
@@ -125,23 +128,23 @@ zenflow_utils,zenflow_config}.py and deepspeed/ops/adam/zenflow_{torch,cpu}_adam
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dsfn import tree
+from dsfn.engines import zenflow as engine       # host_update is looked up here (tests spy on it)
+from dsfn.engines.zenflow import (Staging, acc_dtype, cast_like, compact, like, matrix_info, merge_host,
+                                  num_selected, select, select_columns, split_state, with_count)
 from dsfn.errors import ConfigError, LeafTypeError, StackError
-from dsfn.runtime import collectives as C
-from dsfn.runtime import env
-from dsfn.runtime.mesh import current_mesh
-from dsfn.runtime.host import copy_to_host, wait_last
 from dsfn.placed import data_of
-from dsfn.state.layout import Offloaded, Placed, Replicated, is_placed
-from dsfn.transforms.core import Transform, activate, active_stack, make_transform, with_role
+from dsfn.runtime import env
+from dsfn.state.layout import is_placed
+from dsfn.transforms.core import Transform, activate, make_transform
+from dsfn.transforms.facts import StackFacts, stack_facts
+
+__all__ = ["KEY", "ZenFlow", "ZenFlowState", "num_selected", "select_columns", "zenflow"]
 
 KEY = "zenflow"
 HOST = torch.device("cpu")
@@ -167,19 +170,6 @@ class ZenFlowState:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def num_selected(topk_ratio: float, n_cols: int) -> int:
-    """Columns a matrix with `n_cols` columns selects: DeepSpeed's `int(topk_ratio * n_cols)`
-    (floor; 0 for a matrix too narrow to have an important column)."""
-    return int(math.floor(topk_ratio * n_cols))
-
-
-def select_columns(grad: torch.Tensor, k: int) -> torch.Tensor:
-    """Sorted int64 indices of the `k` columns (dim 1) of the 2-D `grad` with the largest L1
-    norms (`sum_i |g_ij|`, accumulated in float64); ties go to the lower index."""
-    importance = grad.detach().abs().sum(0, dtype=torch.float64).cpu()
-    return _top_k(importance, k).nonzero().flatten()
 
 
 class ZenFlow(Transform):
@@ -229,8 +219,8 @@ class ZenFlow(Transform):
                 raise StackError(f"zenflow must be the innermost transform that handles the update (it runs the "
                                  f"optimizer itself, on column subsets and on the host); {t.name} sits inside it: "
                                  f"write compose(..., {t.name}(...), zenflow(...))")
-        off = next(iter(with_role(stack, "offload")), None)
-        if off is not None and not self.host_kernel and off.host_kernel:
+        off = next(iter(StackFacts(stack).whole.with_role("offload")), None)     # offload's published facts
+        if off is not None and not self.host_kernel and off["host_kernel"]:
             raise ConfigError("zenflow(host_kernel=False) under offload(...): offload runs the host update and its "
                               "host_kernel decides (True here), so zenflow's would do nothing; write "
                               "offload(..., host_kernel=False) (zenflow's host_kernel can then be left out)")
@@ -247,13 +237,12 @@ class ZenFlow(Transform):
             return state
         _check_tx(state.tx)
         P = dict(tree.leaves_with_path(state.params, is_leaf=is_placed))
-        mats = _matrix_info(P, self.topk_ratio)
-        dev = env.device()
+        mats = matrix_info(P, self.topk_ratio)
+        dev, ud = env.device(), self._update_dtypes(P, mats)
         zs = {
             "step": torch.zeros((), dtype=torch.int64),
             "selected": {n: torch.zeros(m.cols, dtype=torch.bool) for n, m in mats.items()},
-            "cols": state.tx.init({n: torch.zeros(m.rows, m.k, dtype=_update_dtype(data_of(P[n]).dtype), device=dev)
-                                   for n, m in mats.items()}),
+            "cols": state.tx.init({n: torch.zeros(m.rows, m.k, dtype=ud[n], device=dev) for n, m in mats.items()}),
         }
         if self.overlap:
             zs["pending"] = torch.zeros((), dtype=torch.bool)
@@ -264,31 +253,25 @@ class ZenFlow(Transform):
 
     def _split(self, tx: Any, full: Any, P: dict, mats: dict) -> ZenFlowState:
         """A `tx` state of every parameter -> ZenFlowState: the dense and host states take its
-        leaves (matched by path: `tx.init` of a subset has the same paths), host ones in host memory."""
-        by_path = dict(tree.leaves_with_path(full, is_leaf=is_placed))
-
-        def take(sub: dict) -> Any:
-            fresh = tx.init(sub)
-            for path, x in tree.leaves_with_path(fresh, is_leaf=is_placed):
-                y = by_path.get(path)
-                if y is None or data_of(y).shape != data_of(x).shape or data_of(y).dtype != data_of(x).dtype:
-                    raise ConfigError(f"zenflow: cannot split this optimizer state (no leaf {path!r} of shape "
-                                      f"{tuple(data_of(x).shape)}); place zenflow on a fresh state: "
-                                      "step.init_state(params, tx) or step.place(TrainState.create(params, tx))")
-            return tree.map_with_path(lambda path, x: by_path[path], fresh, is_leaf=is_placed)
-        dense = take({n: x for n, x in P.items() if n not in mats})
-        host = tree.map(lambda x: x.to(HOST), take({n: P[n] for n in mats}))
-        return self._new_state(dense, host, P, mats)
+        leaves (dsfn.engines.zenflow.split_state), the host ones in host memory."""
+        dense, host = split_state(tx, full, ({n: x for n, x in P.items() if n not in mats}, {n: P[n] for n in mats}))
+        return self._new_state(dense, tree.map(lambda x: x.to(HOST), host), P, mats)
 
     def _new_state(self, dense: Any, host: Any, P: dict, mats: dict) -> ZenFlowState:
-        def zeros(x: Any, dtype: torch.dtype) -> Any:
-            return _like(x, torch.zeros(data_of(x).shape, dtype=dtype, device=HOST))
-        buffer = {n: zeros(P[n], _acc_dtype(_update_dtype(data_of(P[n]).dtype))) for n in mats}
+        ud = self._update_dtypes(P, mats)
+        zeros = lambda n, dtype: like(P[n], torch.zeros(data_of(P[n]).shape, dtype=dtype, device=HOST))  # noqa: E731
+        buffer = {n: zeros(n, acc_dtype(ud[n])) for n in mats}
         pending = None
         if self.overlap:
-            pending = {"grads": {n: zeros(P[n], _acc_dtype(_update_dtype(data_of(P[n]).dtype))) for n in mats},
-                       "params": {n: zeros(P[n], _update_dtype(data_of(P[n]).dtype)) for n in mats}}
+            pending = {"grads": {n: zeros(n, acc_dtype(ud[n])) for n in mats},
+                       "params": {n: zeros(n, ud[n]) for n in mats}}
         return ZenFlowState(dense=dense, host=host, buffer=buffer, pending=pending)
+
+    def _update_dtypes(self, P: dict, mats: dict) -> dict:
+        """{matrix: the dtype its update sees}: its own, or the master dtype when mixed precision
+        computes in another one (it hands zenflow the master weights); read from the stack facts."""
+        mp = [d for d in stack_facts(self).whole.with_role("mixed_precision") if d["compute_dtype"] is not None]
+        return {n: mp[0]["master_dtype"] if mp else data_of(P[n]).dtype for n in mats}
 
     def handle_init_optimizer(self, call_next, state):
         """The optimizer states for what this rank's update sees (ZeRO shards, offloaded
@@ -297,15 +280,14 @@ class ZenFlow(Transform):
         every parameter is never made."""
         _check_tx(state.tx)
         P = dict(tree.leaves_with_path(state.params, is_leaf=is_placed))
-        mats = _matrix_info(P, self.topk_ratio)
-        host_zeros = {n: _like(P[n], torch.zeros(data_of(P[n]).shape, dtype=data_of(P[n]).dtype, device=HOST))
+        mats = matrix_info(P, self.topk_ratio)
+        host_zeros = {n: like(P[n], torch.zeros(data_of(P[n]).shape, dtype=data_of(P[n]).dtype, device=HOST))
                       for n in mats}
         return self._new_state(state.tx.init({n: x for n, x in P.items() if n not in mats}),
                                state.tx.init(host_zeros), P, mats)
 
     # -- update ------------------------------------------------------------------------------
     def handle_apply_gradients(self, call_next, state, grads):
-        from dsfn.optim.base import step as optim_step
         zs, ost = state.extra.get(KEY), state.opt_state
         if zs is None or not isinstance(ost, ZenFlowState):
             raise ConfigError("zenflow: the state was not placed by zenflow (no extra['zenflow'] / ZenFlowState); "
@@ -318,13 +300,12 @@ class ZenFlow(Transform):
                               "place it with the step that holds this zenflow")
         tx, dev = state.tx, env.device()
         c = int(state.step)                      # every optimizer call of this update runs at count c
-        t = int(zs["step"])
-        rel = t - self.full_warm_up_rounds
+        rel = int(zs["step"]) - self.full_warm_up_rounds           # t - W (module docstring)
         names = [n for n, _ in tree.leaves_with_path(state.params, is_leaf=is_placed)]
         p_leaves, spec = tree.flatten(state.params, is_leaf=is_placed)
         P = dict(zip(names, p_leaves))
         G = dict(tree.leaves_with_path(grads, is_leaf=is_placed))
-        mats = _matrix_info(P, self.topk_ratio)
+        mats = matrix_info(P, self.topk_ratio)
         selected, cols = dict(zs["selected"]), zs["cols"]
         if set(selected) != set(mats) or any(selected[n].numel() != m.cols for n, m in mats.items()):
             raise ConfigError("zenflow: the state's column selection does not match the parameters' matrices; "
@@ -339,7 +320,7 @@ class ZenFlow(Transform):
 
         # 1. selection: top-k columns by the L1 norm of this update's gradient; device moments restart
         if rel >= 0 and rel % self.select_interval == 0:
-            selected = _select(mats, G, dev)
+            selected = select(mats, G, dev)
             cols = tx.init({n: torch.zeros(m.rows, m.k, dtype=data_of(P[n]).dtype, device=dev)
                             for n, m in mats.items()})
         sel = {n: selected[n].nonzero().flatten().tolist() for n in mats}
@@ -347,68 +328,50 @@ class ZenFlow(Transform):
         # 2. device path: the non-matrix parameters, and (after warm-up) the selected columns
         new_P = dict(P)
         dense = [n for n in names if n not in mats]
-        out, new_dense = _step(tx, {n: G[n] for n in dense}, _with_count(ost.dense, c), {n: P[n] for n in dense})
+        out, new_dense = _step(tx, {n: G[n] for n in dense}, with_count(ost.dense, c), {n: P[n] for n in dense})
         new_P.update(out)
         new_cols = None
         if rel >= 0:
-            gc, pc = _compact(mats, sel, G, P, dev)
-            new_cols, cols = _step(tx, gc, _with_count(cols, c), pc)
+            gc, pc = compact(mats, sel, G, P, dev)
+            new_cols, cols = _step(tx, gc, with_count(cols, c), pc)
 
         # 3. host path: warm-up updates everything; then gradients accumulate, flushed every u updates
-        stage = _Staging()
-        host_out = None
+        stage = Staging()
+        host_out = hp = None
         if rel < 0:
-            hg = {n: _like(G[n], stage.to_host(data_of(G[n]))) for n in mats}
-            hp = {n: _like(P[n], stage.to_host(data_of(P[n]))) for n in mats}
+            hg, hp = stage.leaves(G, mats), stage.leaves(P, mats)
             stage.wait()
             with self._host_ctx():
-                host_out, host = _host_update(tx, hg, host, hp, c)
+                host_out, host = engine.host_update(tx, hg, host, hp, c, step=_step)
         else:
             gh = {n: stage.to_host(data_of(G[n])) for n in mats}
             stage.wait()
-            buffer = {n: _like(b, data_of(b) + gh[n]) for n, b in buffer.items()}
+            buffer = {n: like(b, data_of(b) + gh[n]) for n, b in buffer.items()}
             if (rel + 1) % self.update_interval == 0:
-                means = {n: _like(b, data_of(b) / self.update_interval) for n, b in buffer.items()}
-                hp = {n: _like(P[n], stage.to_host(data_of(P[n]))) for n in mats}
+                means = {n: like(b, data_of(b) / self.update_interval) for n, b in buffer.items()}
+                hp = stage.leaves(P, mats)
                 stage.wait()
-                buffer = {n: _like(b, torch.zeros_like(data_of(b))) for n, b in buffer.items()}
+                buffer = {n: like(b, torch.zeros_like(data_of(b))) for n, b in buffer.items()}
                 if self.overlap:       # computed behind, applied at the start of the next update
                     pending = {"grads": means, "params": hp}
                     active = torch.ones((), dtype=torch.bool)
-                    self._start(tx, _cast_like(means, G), host, hp, c, (means, hp, host))
+                    self._start(tx, cast_like(means, G), host, hp, c, (means, hp, host))
                 else:
                     with self._host_ctx():
-                        host_out, host = _host_update(tx, _cast_like(means, G), host, hp, c)
+                        host_out, host = engine.host_update(tx, cast_like(means, G), host, hp, c, step=_step)
 
         # 4. the matrices: host result in every column it covers, device result in the selected ones
-        if new_cols is not None:
-            # under offload the pieces are host tensors: the device's columns come back in one
-            # batch of non-blocking copies and one wait, not one blocking copy per matrix
-            back = _Staging()
-            new_cols = {n: back.to_host(c) if data_of(P[n]).device.type == "cpu" else c for n, c in new_cols.items()}
-            back.wait()
-        for n, m in mats.items():
-            piece = data_of(P[n])
-            base = None
-            if host_out is not None:
-                base = _own(data_of(host_out[n]).to(piece.device, non_blocking=True), piece, hp[n])
-            if new_cols is not None and m.k:
-                if base is None:
-                    base = piece.clone(memory_format=torch.contiguous_format)
-                _scatter(base.view(-1), m.segs, sel[n], new_cols[n])
-            if base is not None:
-                new_P[n] = _like(P[n], base)
-
-        new_zs = {"step": zs["step"] + 1, "selected": selected, "cols": cols}
-        if self.overlap:
-            new_zs["pending"] = active
-        new_opt = ZenFlowState(dense=new_dense, host=host, buffer=buffer, pending=pending)
+        new_P.update(engine.assemble(P, mats, sel, host_out, hp, new_cols))
+        new_zs = {"step": zs["step"] + 1, "selected": selected, "cols": cols,
+                  **({"pending": active} if self.overlap else {})}
         return state.replace(step=state.step + 1, params=tree.unflatten(spec, [new_P[n] for n in names]),
-                             opt_state=new_opt, extra={**state.extra, KEY: new_zs})
+                             opt_state=ZenFlowState(dense=new_dense, host=host, buffer=buffer, pending=pending),
+                             extra={**state.extra, KEY: new_zs})
 
     # -- host update: where it runs ------------------------------------------------------------------
     def _offload(self):
-        return next(iter(with_role(active_stack(), "offload")), None)
+        """Offload's facts (`host_kernel`, `host_cores`) when it is in the running stack, else None."""
+        return next(iter(stack_facts(self).whole.with_role("offload")), None)
 
     def _host_ctx(self):
         """The host kernel choice: offload's when it is outside (its context is open, with its
@@ -424,36 +387,27 @@ class ZenFlow(Transform):
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsfn-zenflow")
         off = self._offload()
-        kernel = (off.host_kernel, off.cores) if off is not None else (self.host_kernel, None)
-        self._job = (inputs, self._pool.submit(_host_update_thread, kernel, tx, grads, host, params, count))
+        kernel = (off["host_kernel"], off["host_cores"]) if off is not None else (self.host_kernel, None)
+        self._job = (inputs, self._pool.submit(engine.host_update_thread, kernel, tx, grads, host, params, count,
+                                               step=_step))
 
     def _apply_pending(self, tx, P, G, mats, selected, host, pending, count):
-        """Apply the host update started at the last flush: the worker's result when its
-        inputs are this state's (the same tensors), else recomputed here (e.g. after loading a
-        checkpoint: the same pure function of the same inputs, so the same result). Selected
-        columns keep their current values."""
+        """Apply the host update started at the last flush: the worker's result when its inputs are this
+        state's (the same tensors), else recomputed here (e.g. after loading a checkpoint: the same pure
+        function of the same inputs, so the same result). Selected columns keep their current values."""
         job, self._job = self._job, None
         result = None
         if job is not None:
             inputs, fut = job
             res = fut.result()
-            if _same(inputs, (pending["grads"], pending["params"], host)):
+            if engine.same(inputs, (pending["grads"], pending["params"], host)):
                 result = res
         if result is None:
             with self._host_ctx():
-                result = _host_update(tx, _cast_like(pending["grads"], G), host, pending["params"], count)
+                result = engine.host_update(tx, cast_like(pending["grads"], G), host, pending["params"], count,
+                                            step=_step)
         host_out, host = result
-        P = dict(P)
-        for n, m in mats.items():
-            piece = data_of(P[n])
-            base = _own(data_of(host_out[n]).to(piece.device, non_blocking=True), piece, pending["params"][n])
-            if m.k:
-                idx = selected[n].nonzero().flatten().tolist()
-                keep = torch.zeros(m.rows, m.k, dtype=piece.dtype, device=piece.device)
-                _gather(piece.reshape(-1), m.segs, idx, keep)       # this piece's selected elements
-                _scatter(base.view(-1), m.segs, idx, keep)
-            P[n] = _like(P[n], base)
-        return P, host
+        return merge_host(P, mats, selected, host_out, pending["params"]), host
 
 
 def zenflow(*args: Any, **kwargs: Any) -> ZenFlow:
@@ -463,7 +417,6 @@ def zenflow(*args: Any, **kwargs: Any) -> ZenFlow:
     return make_transform(ZenFlow, "zenflow", args, kwargs)
 
 
-# -- helpers -----------------------------------------------------------------------------------
 def _check_tx(tx: Any) -> None:
     if tx is None:
         raise ConfigError("zenflow: the state has no optimizer (tx); create it with TrainState.create or "
@@ -473,41 +426,6 @@ def _check_tx(tx: Any) -> None:
         raise ConfigError("zenflow runs the optimizer on column subsets and flat pieces of the matrices, where "
                           "Muon's orthogonalisation is meaningless; use an elementwise optimizer (dsfn.optim.adamw, "
                           "adam, sgd) with zenflow")
-
-
-def _like(x: Any, data: torch.Tensor) -> Any:
-    """`data` in `x`'s layout (a plain tensor when `x` is one)."""
-    return Placed(data, x.layout) if isinstance(x, Placed) else data
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _update_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the update sees for a parameter of `dtype`: mixed precision's master dtype
-    when it is active outside zenflow (it hands zenflow the master weights)."""
-    mp = next((t for t in with_role(active_stack(), "mixed_precision") if t.active), None)
-    return mp.master_dtype if mp is not None else dtype
-
-
-def _with_count(opt_state: Any, count: int) -> Any:
-    """`opt_state` with every step count (the 0-dim int64 leaves: dsfn.optim's `count`) set to `count`."""
-    def put(x):
-        if isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype == torch.int64:
-            return torch.full((), count, dtype=torch.int64, device=x.device)   # filled by value: no copy
-        return x
-    return tree.map(put, opt_state)
-
-
-def _cast_like(means: dict, grads: dict) -> dict:
-    """Accumulated means in the dtype of the gradients the optimizer is handed."""
-    return {n: _like(x, data_of(x).to(data_of(grads[n]).dtype)) for n, x in means.items()}
-
-
-def _host_update(tx, grads: dict, host: Any, params: dict, count: int) -> tuple[dict, Any]:
-    """The host path's optimizer step on the matrices (a pure function of its inputs)."""
-    return _step(tx, grads, _with_count(host, count), params)
 
 
 class _PartsOnly:
@@ -526,213 +444,7 @@ class _PartsOnly:
 
 
 def _step(tx, grads, state, params):
+    """Every optimizer call of zenflow's update (the engine is handed it as `step`)."""
     from dsfn.optim.base import step as optim_step
     with activate([_PartsOnly()]):
         return optim_step(tx, grads, state, params)
-
-
-def _host_update_thread(kernel, tx, grads, host, params, count):
-    """`_host_update` on the worker thread (the host-kernel choice is thread-local)."""
-    from dsfn.ops import dispatch
-    enabled, cores = kernel
-    with dispatch.host_update(enabled, cores=cores):
-        return _host_update(tx, grads, host, params, count)
-
-
-def _own(t: torch.Tensor, *inputs: Any) -> torch.Tensor:
-    """`t` as a contiguous tensor this update may write in place: copied if it is one of the
-    `inputs` (an optimizer may hand back an input it did not change)."""
-    if t.is_contiguous() and all(t is not data_of(x) for x in inputs):
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-def _same(a: Any, b: Any) -> bool:
-    """The same tensor objects, leaf by leaf."""
-    la, lb = tree.leaves(a), tree.leaves(b)
-    return len(la) == len(lb) and all(x is y for x, y in zip(la, lb))
-
-
-class _Staging:
-    """Device -> host copies of gradients and parameters: into pinned memory with
-    `non_blocking` on CUDA; `wait()` before the host reads them. Host tensors pass through."""
-
-    def __init__(self) -> None:
-        self._pending: list = []          # (device, event) of copies still in flight
-
-    def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        out, ready = copy_to_host(t, non_blocking=True)
-        if ready is not None:
-            self._pending.append((t.device, ready))
-        return out
-
-    def wait(self) -> None:
-        """One wait per device (its stream runs the copies in order), never one per tensor."""
-        wait_last(self._pending)
-        self._pending.clear()
-
-
-# -- matrices, columns and pieces ------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Mat:
-    """A matrix parameter as this rank holds it: logical [rows, cols], `k` selected columns,
-    the local piece as row segments `(offset in the flat piece, first row, rows, first col,
-    end col)` (a whole-row block, or part of one row), and the mesh axes (of size > 1) the
-    piece is split over (its column sums and compact columns are summed over them)."""
-    rows: int
-    cols: int
-    k: int
-    segs: tuple
-    axes: tuple
-
-
-def _base_layout(x: Any):
-    if not isinstance(x, Placed):
-        return Replicated(tuple(x.shape))
-    layout = x.layout
-    while isinstance(layout, Offloaded):
-        layout = layout.inner
-    return layout
-
-
-def _matrix_info(P: dict, topk_ratio: float) -> dict[str, _Mat]:
-    """The matrices among the parameters: floating, logical dim 2, not empty."""
-    mesh = current_mesh()
-    out = {}
-    for n, x in P.items():
-        d = data_of(x)
-        if not isinstance(d, torch.Tensor) or not d.is_floating_point():
-            continue
-        layout = _base_layout(x)
-        shape = tuple(getattr(layout, "shape", ()))
-        if len(shape) != 2 or 0 in shape:
-            continue
-        rows, cols = shape
-        runs = layout.runs(mesh) if isinstance(x, Placed) else [(0, rows * cols, 0)]
-        axes = tuple(a for a in layout.axes() if mesh.size(a) > 1)
-        out[n] = _Mat(rows, cols, num_selected(topk_ratio, cols), tuple(_segments(runs, cols)), axes)
-    return out
-
-
-def _segments(runs, n: int) -> list[tuple[int, int, int, int, int]]:
-    """Runs of the row-major flattened [rows, n] matrix -> row segments (see `_Mat`): a run
-    starting or ending inside a row gives a one-row segment for that part."""
-    segs = []
-    for start, length, off in runs:
-        pos, end = start, start + length
-        while pos < end:
-            r, col = divmod(pos, n)
-            if col or end - pos < n:
-                stop = min(n, col + end - pos)
-                segs.append((off + pos - start, r, 1, col, stop))
-                pos += stop - col
-            else:
-                nr = (end - pos) // n
-                segs.append((off + pos - start, r, nr, 0, n))
-                pos += nr * n
-    return segs
-
-
-def _block(flat: torch.Tensor, seg) -> torch.Tensor:
-    off, _, nr, c0, c1 = seg
-    return flat[off:off + nr * (c1 - c0)].view(nr, c1 - c0)
-
-
-def _col_l1(flat: torch.Tensor, segs) -> list[tuple[int, int, torch.Tensor]]:
-    """This piece's per-column float64 sums of |x|: (first col, end col, sums) per segment."""
-    return [(seg[3], seg[4], _block(flat, seg).abs().sum(0, dtype=torch.float64)) for seg in segs]
-
-
-def _gather(flat: torch.Tensor, segs, sel: list[int], out: torch.Tensor) -> None:
-    """Write this piece's elements of the selected columns `sel` (sorted) into `out`, the
-    [rows, k] compact matrix (its other rows untouched)."""
-    for seg in segs:
-        _, r0, nr, c0, c1 = seg
-        i0, i1 = bisect.bisect_left(sel, c0), bisect.bisect_left(sel, c1)
-        if i1 > i0:
-            idx = _index(sel[i0:i1], c0, flat.device)
-            out[r0:r0 + nr, i0:i1] = _block(flat, seg).index_select(1, idx).to(out.device)
-
-
-def _index(cols: list[int], c0: int, device: torch.device) -> torch.Tensor:
-    """int64 column indices `cols - c0` on `device`: built on the host, pinned and copied
-    without blocking (a blocking host-to-device copy per matrix would be a host sync each)."""
-    from dsfn.ops.multi_tensor import host_to_device
-    return host_to_device(torch.tensor([c - c0 for c in cols], dtype=torch.int64), torch.device(device))
-
-
-def _scatter(flat: torch.Tensor, segs, sel: list[int], src: torch.Tensor) -> None:
-    """Inverse of `_gather`, in place on `flat` (a tensor this update allocated): the
-    selected elements of this piece from the compact [rows, k] `src`."""
-    src = src.to(device=flat.device, dtype=flat.dtype)
-    for seg in segs:
-        _, r0, nr, c0, c1 = seg
-        i0, i1 = bisect.bisect_left(sel, c0), bisect.bisect_left(sel, c1)
-        if i1 > i0:
-            idx = _index(sel[i0:i1], c0, flat.device)
-            _block(flat, seg).index_copy_(1, idx, src[r0:r0 + nr, i0:i1])
-
-
-def _all_reduce_groups(tensors: dict[str, torch.Tensor], mats: dict[str, _Mat]) -> dict[str, torch.Tensor]:
-    """Sum each tensor over the axes its matrix's piece is split over: one all-reduce per
-    (axes, dtype) group, of the concatenated tensors. Unsplit ones come back as they are."""
-    groups: dict[tuple, list[str]] = {}
-    for n, x in tensors.items():
-        if mats[n].axes:
-            groups.setdefault((mats[n].axes, x.dtype), []).append(n)
-    out = dict(tensors)
-    for (axes, _), ns in groups.items():
-        flat = torch.cat([tensors[n].reshape(-1) for n in ns])
-        for a in axes:
-            C.all_reduce_(flat, a, "sum")
-        for n, part in zip(ns, flat.split([tensors[n].numel() for n in ns])):
-            out[n] = part.view(tensors[n].shape)
-    return out
-
-
-def _top_k(importance: torch.Tensor, k: int) -> torch.Tensor:
-    """[n] bool: True in the `k` largest entries, ties to the lower index (a stable sort)."""
-    mask = torch.zeros(importance.numel(), dtype=torch.bool)
-    if k:
-        mask[torch.sort(importance, descending=True, stable=True).indices[:k]] = True
-    return mask
-
-
-def _select(mats: dict[str, _Mat], G: dict, dev: torch.device) -> dict[str, torch.Tensor]:
-    """Each matrix's selection mask: the top-k columns by L1 norm of the (whole, reduced)
-    gradient; a split piece's partial column sums are summed over its axes first."""
-    sums = {}
-    for n, m in mats.items():
-        if not m.k:
-            continue
-        g = data_of(G[n])
-        v = torch.zeros(m.cols, dtype=torch.float64, device=g.device)
-        for c0, c1, part in _col_l1(g.reshape(-1), m.segs):
-            v[c0:c1] += part
-        sums[n] = v.to(dev)
-    sums = _all_reduce_groups(sums, mats)
-    # one device-to-host copy for all matrices (a `.cpu()` each would wait for the device each time)
-    names = list(sums)
-    flat = torch.cat([sums[n].reshape(-1) for n in names]).cpu() if names else None
-    host = dict(zip(names, flat.split([sums[n].numel() for n in names]))) if names else {}
-    return {n: _top_k(host[n], m.k) if m.k else torch.zeros(m.cols, dtype=torch.bool)
-            for n, m in mats.items()}
-
-
-def _compact(mats: dict[str, _Mat], sel: dict[str, list[int]], G: dict, P: dict,
-             dev: torch.device) -> tuple[dict, dict]:
-    """The selected columns of every matrix's gradient and parameter, whole ([rows, k], on
-    the device path's device): each rank contributes its piece's elements and -0.0 elsewhere,
-    and a split matrix's compacts are summed over its axes. The sum is exact, the sign of a
-    zero included, because -0.0 is the additive identity of IEEE floats (+0.0 is not: -0.0 +
-    +0.0 = +0.0), so ZeRO gives the whole-gradient update bit for bit."""
-    gc, pc = {}, {}
-    for n, m in mats.items():
-        for src, out in ((G, gc), (P, pc)):
-            x = data_of(src[n])
-            buf = torch.full((m.rows, m.k), -0.0, dtype=x.dtype, device=x.device)
-            _gather(x.reshape(-1), m.segs, sel[n], buf)
-            out[n] = buf.to(dev, non_blocking=True)
-    both = _all_reduce_groups({**{("g", n): v for n, v in gc.items()}, **{("p", n): v for n, v in pc.items()}},
-                              {**{("g", n): m for n, m in mats.items()}, **{("p", n): m for n, m in mats.items()}})
-    return ({n: both[("g", n)] for n in gc}, {n: both[("p", n)] for n in pc})

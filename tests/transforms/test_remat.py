@@ -179,13 +179,13 @@ def test_dp2_x_tp2_with_zero3_and_partitioned_remat_equals_no_remat(family):
 def _train_with_own_piece_only(*args):
     """Negative control: the recompute gets this rank's piece repeated instead of the gathered input."""
     import sys
-    remat_mod = sys.modules["dsfn.transforms.remat"]
+    remat_mod = sys.modules["dsfn.engines.remat"]     # remat's machinery
 
     def unpack(self, item):
         if not isinstance(item, remat_mod._Piece):
             return item
         return torch.cat([item.piece] * self.n)[:item.numel].view(item.shape)
-    with mock.patch.object(remat_mod._TpPartition, "unpack", unpack):
+    with mock.patch.object(remat_mod.TpPartition, "unpack", unpack):
         return _train(*args)
 
 
@@ -223,8 +223,8 @@ def test_partition_activations_keeps_one_tp_share_of_the_saved_inputs():
 
 def _differing_inputs():
     init_mesh(tp=2)
-    from dsfn.transforms.remat import _TpPartition
-    part = _TpPartition("tp", check=True)
+    from dsfn.engines.remat import TpPartition
+    part = TpPartition("tp", check=True)
     x = torch.full((4, 3), float(torch.distributed.get_rank()), requires_grad=True)
     try:
         part.pack(x * 1)
@@ -456,7 +456,7 @@ def test_checkpoints_only_forwards_that_record_gradients():
     def counting(*a, **k):
         calls.append(1)
         return torch_checkpoint(*a, **k)
-    with mock.patch("dsfn.transforms.remat.checkpoint", side_effect=counting), activate((remat(),)):
+    with mock.patch("dsfn.engines.remat.checkpoint", side_effect=counting), activate((remat(),)):
         with torch.no_grad():
             apply_fn(params, ids)
         assert calls == []
@@ -470,7 +470,7 @@ def test_checkpoints_only_forwards_that_record_gradients():
 def _matmuls_per_step(make_stack, mesh=None):
     """aten matmul calls executed in one step (forward, recompute, backward) of the GPT."""
     from torch.utils._python_dispatch import TorchDispatchMode
-    from dsfn.transforms.remat import MATMUL_OPS
+    from dsfn.engines.remat import MATMUL_OPS
     if mesh:
         init_mesh(**mesh)
 

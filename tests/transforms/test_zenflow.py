@@ -37,7 +37,9 @@ from dsfn.transforms import (
     zenflow,
 )
 from dsfn.engines.offload import NvmeOffloaded
-from dsfn.transforms.zenflow import ZenFlowState, _col_l1, _gather, _scatter, _segments, num_selected, select_columns
+from dsfn.engines.zenflow import col_l1 as _col_l1, gather_cols as _gather, scatter_cols as _scatter, \
+    segments as _segments
+from dsfn.transforms.zenflow import ZenFlowState, num_selected, select_columns
 
 SIZES = [5, 7, 3]          # an MLP with matrices 7x5 and 3x7 and biases
 ADAMW = lambda: dsfn.optim.adamw(lr=1e-2)     # noqa: E731
@@ -476,6 +478,46 @@ def test_host_kernel_false_under_an_offload_that_runs_the_kernel_is_a_config_err
     compose(zenflow(host_kernel=False))
 
 
+def test_the_update_dtype_is_read_from_mixed_precisions_stack_facts():
+    """zenflow learns mixed precision's master dtype from the stack facts (no attribute of the
+    mixed_precision transform): with bf16 parameters under mixed_precision(bf16) its device
+    columns and overlap's pending parameters are in the fp32 master dtype, as the update sees
+    them. Control: alone (no mixed precision in the stack) they stay bf16."""
+    def dtypes(stack):
+        apply_fn, params = dsfn.functionalize(make_mlp(SIZES, 0).to(torch.bfloat16))
+        step = compose(*stack)(train_step_for(apply_fn, mse_loss))
+        state = step.place(dsfn.TrainState.create(params, ADAMW()))
+        zs = getattr(state.opt_state, "inner", state.opt_state)
+        cols = [x for x in tree.leaves(state.extra["zenflow"]["cols"]) if isinstance(x, torch.Tensor) and x.dim()]
+        return {x.dtype for x in cols} | {_data(x).dtype for x in zs.pending["params"].values()}
+    zf = lambda: zenflow(topk_ratio=0.3, update_interval=2, overlap=True)     # noqa: E731
+    assert dtypes([mixed_precision(torch.bfloat16), zf()]) == {torch.float32}
+    assert dtypes([zf()]) == {torch.bfloat16}
+
+
+def test_overlap_under_offload_runs_the_host_kernel_with_offloads_cores(monkeypatch):
+    """The host update behind (overlap) runs on a worker thread under offload's host-kernel
+    setting, read from offload's stack facts (`host_kernel`, `host_cores`). Control: without
+    offload the kernel runs with zenflow's own setting (no cores)."""
+    from dsfn.ops import cpu_adam
+    seen = []
+    real = cpu_adam.cpu_adamw_multi_
+    monkeypatch.setattr(cpu_adam, "cpu_adamw_multi_", lambda *a, **k: (seen.append(k.get("cores")), real(*a, **k))[1])
+
+    def cores(stack):
+        seen.clear()
+        apply_fn, params = dsfn.functionalize(make_mlp([16, 32, 32, 4], 0))
+        step = compose(*stack)(train_step_for(apply_fn, mse_loss))
+        state = step.init_state(params, ADAMW())
+        for b in regression_batches(3, 8, 16, 4, seed=1):
+            state, _ = step(state, b)
+        stack[-1]._pool.shutdown(wait=True)
+        return set(seen)
+    zf = lambda: zenflow(topk_ratio=0.3, update_interval=1, overlap=True)     # noqa: E731
+    assert cores([offload("cpu", cores=0.5), zf()]) == {0.5}
+    assert cores([zf()]) == {None}
+
+
 def test_muon_and_unplaced_states_are_rejected():
     step = compose(zenflow())(grad_step)
     with pytest.raises(ConfigError, match="elementwise optimizer"):
@@ -511,14 +553,14 @@ def test_overlap_hand_checked_host_update_lands_one_step_late():
 
 def _overlap_run(batches, tmp_path=None, resume_at=None):
     import importlib
-    Z = importlib.import_module("dsfn.transforms.zenflow")   # the package re-exports the function
+    Z = importlib.import_module("dsfn.engines.zenflow")      # zenflow's machinery: the host update
     calls = []
-    real = Z._host_update
+    real = Z.host_update
 
     def spy(*a, **k):
         calls.append(1)
         return real(*a, **k)
-    Z._host_update = spy
+    Z.host_update = spy
     try:
         torch.manual_seed(0)
         apply_fn, params = dsfn.functionalize(make_mlp(SIZES, 0))
@@ -542,7 +584,7 @@ def _overlap_run(batches, tmp_path=None, resume_at=None):
                 t._pool.shutdown(wait=True)
         return state, len(calls)
     finally:
-        Z._host_update = real
+        Z.host_update = real
 
 
 def test_overlap_worker_result_is_used_and_a_resume_recomputes_it_exactly(tmp_path):
@@ -591,9 +633,9 @@ def _host_adam_elements(update_interval: int, steps: int, under_offload: bool) -
     """(host-path updates, matrix elements they updated, elements every host AdamW call
     updated) over `steps` steps of zenflow on the MLP."""
     import dsfn.ops.cpu_adam as CA
-    ZF = sys.modules["dsfn.transforms.zenflow"]
+    ZF = sys.modules["dsfn.engines.zenflow"]         # zenflow's machinery: the host update
     calls = [0, 0, 0]
-    real, real_host = CA.cpu_adamw_multi_, ZF._host_update
+    real, real_host = CA.cpu_adamw_multi_, ZF.host_update
 
     def counted(params, *a, **k):
         calls[2] += sum(p.numel() for p in params)
@@ -603,7 +645,7 @@ def _host_adam_elements(update_interval: int, steps: int, under_offload: bool) -
         calls[0] += 1
         calls[1] += sum(_data(g).numel() for g in grads.values())
         return real_host(tx, grads, *a, **k)
-    CA.cpu_adamw_multi_, ZF._host_update = counted, host_update
+    CA.cpu_adamw_multi_, ZF.host_update = counted, host_update
     try:
         apply_fn, params = dsfn.functionalize(make_mlp([16, 32, 32, 4], 0))
         stack = ([offload("cpu")] if under_offload else []) + \
@@ -613,7 +655,7 @@ def _host_adam_elements(update_interval: int, steps: int, under_offload: bool) -
         for b in regression_batches(steps, 4, 16, 4, seed=0):
             state, _ = step(state, b)
     finally:
-        CA.cpu_adamw_multi_, ZF._host_update = real, real_host
+        CA.cpu_adamw_multi_, ZF.host_update = real, real_host
     return tuple(calls)
 
 

@@ -1,0 +1,457 @@
+"""Remat's machinery: checkpointed forwards, selective-save dispatch modes, saved-input hooks.
+
+`dsfn.transforms.remat` decides what is checkpointed (which modules, which policy, which
+saved-input hooks) and when (the forward of a value_and_grad); what does it lives here and
+gets every input passed in (the modules, a save rule, the hooks, a mesh axis):
+
+- `Installed(targets, rule, hooks)`: replaces each target module's `forward` by one that runs
+  it under non-reentrant `torch.utils.checkpoint.checkpoint` (a layer's KV cache off, tensor
+  keyword arguments saved as inputs, recompute-marked module hooks re-run in the recompute),
+  and restores the forwards on exit.
+- `save_rule(policy)`: a remat policy ("nothing", "matmuls"/"dots", a tuple of aten ops, a
+  callable) as a rule `(op, args, kwargs) -> bool` (None: save nothing); with a rule, the
+  checkpoint's `context_fn` is a pair of dispatch modes over one store (`_policy_contexts`:
+  save those ops' outputs in forward, hand them back in the recompute, run every other op).
+- Saved-tensor hooks for the checkpoints' saved inputs, applied by `Chain` (in order on pack,
+  reversed on unpack): `TpPartition(axis, check)` (partition_activations: keep 1/tp, all-gather
+  it back) and `HostStash()` (offload="cpu": pinned host copies on a side stream, the next
+  recompute's input prefetched).
+
+Gauges: "remat.policy_saved_bytes", "remat.offloaded_bytes", "remat.partitioned_bytes" (see
+dsfn/transforms/remat.py). Never imports a transform.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, checkpoint
+
+from dsfn.functional import in_backward
+from dsfn.runtime import collectives as C
+from dsfn.runtime.host import copy_to_host
+
+__all__ = ["MATMUL_OPS", "Chain", "HostStash", "Installed", "TpPartition", "save_rule"]
+
+# aten ops whose outputs "matmuls" / "dots" saves (what autograd's dispatch sees of Linear,
+# matmul, einsum and F.scaled_dot_product_attention)
+_MATMUL_OP_NAMES = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
+                    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+MATMUL_OPS = frozenset(getattr(torch.ops.aten, n).default for n in _MATMUL_OP_NAMES if hasattr(torch.ops.aten, n))
+
+
+def save_rule(policy: Any) -> Callable[[Any, tuple, dict], bool] | None:
+    """Whether a call of aten op `op` inside a checkpoint saves its output under remat's
+    `policy` (a checked one: "nothing", "matmuls", "dots", a tuple of OpOverloads or a
+    callable); None: never."""
+    if policy == "nothing":
+        return None
+    if isinstance(policy, str) or isinstance(policy, tuple):
+        ops = MATMUL_OPS if isinstance(policy, str) else frozenset(policy)
+        return lambda op, args, kwargs: op in ops
+    user = policy
+
+    def rule(op, args, kwargs):
+        out = user(SelectiveCheckpointContext(is_recompute=False), op, *args, **kwargs)
+        if isinstance(out, bool):
+            return out
+        return out in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+    return rule
+
+
+# ---------------------------------------------------------------------------------------------
+# the installed wrapping (one per forward, kept until backward is over)
+
+class Installed:
+    """Replaces each target's `forward` by a checkpointed one; restores on exit. A module
+    already wrapped by remat (a second forward in the same value_and_grad) is left as it is."""
+
+    def __init__(self, targets: list[tuple[str, nn.Module]], rule: Callable | None, stash: "Chain | None"):
+        self.targets, self.stash = targets, stash
+        self.saved_bytes = _ByteCount("remat.policy_saved_bytes") if rule is not None else None
+        self.context_fn = None if rule is None else functools.partial(_policy_contexts, rule, self.saved_bytes)
+        self.saved: list[tuple[nn.Module, Any]] = []
+
+    def __enter__(self):
+        for _, m in self.targets:
+            prev = m.__dict__.get("forward")
+            if getattr(prev, "_dsfn_remat", False):
+                continue
+            wrapped = functools.partial(_checkpointed, m, m.forward, self.context_fn, self.stash)
+            wrapped._dsfn_remat = True
+            self.saved.append((m, prev))
+            m.forward = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        for m, prev in reversed(self.saved):
+            if prev is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = prev
+        self.saved.clear()
+        if self.stash is not None:
+            self.stash.close()
+        if self.saved_bytes is not None:
+            self.saved_bytes.reset()
+        return False
+
+
+# keyword arguments through which a Hugging Face layer reads and *appends to* a KV cache
+_CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
+
+
+def _checkpointed(module: nn.Module, forward: Callable, context_fn: Callable | None, stash: "Chain | None",
+                  *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    # A layer that appends to a KV cache would append again in the recompute (and attend over
+    # the longer cache): as Hugging Face's own checkpointing, run it without the cache
+    dropped = [k for k in _CACHE_KWARGS if kwargs.get(k) is not None]
+    if dropped and getattr(module, "_can_checkpoint_with_cache", False):
+        dropped = []
+    if dropped or kwargs.get("use_cache"):
+        kwargs = {**kwargs, **{k: None for k in dropped}, **({"use_cache": False} if "use_cache" in kwargs else {})}
+        if dropped:
+            warnings.warn(f"remat: {type(module).__name__} runs without its KV cache ({', '.join(dropped)}) under "
+                          "activation checkpointing, as with Hugging Face's gradient checkpointing: a recompute "
+                          "would update the cache a second time. Train with use_cache=False to silence this",
+                          stacklevel=3)
+    # tensor keyword arguments travel as positional ones, so the checkpoint saves them as it
+    # saves its inputs (and offload sees them); the rest stay keyword arguments
+    tkeys = tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    rest = {k: v for k, v in kwargs.items() if k not in tkeys}
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+    # (torch-function modes active now, e.g. sequence parallel's AutoSP attention, are re-entered
+    # for the recompute by dsfn.functional, as for any checkpoint called inside a step's forward)
+    call = functools.partial(_call, module, forward, len(args), tkeys)
+    flat = (*args, *(kwargs[k] for k in tkeys))
+    if stash is None:
+        return checkpoint(call, *flat, use_reentrant=False, **extra, **rest)
+    with torch.autograd.graph.saved_tensors_hooks(stash.pack, stash.unpack):
+        return checkpoint(call, *flat, use_reentrant=False, **extra, **rest)
+
+
+def _call(module: nn.Module, forward: Callable, n_args: int, tkeys: tuple[str, ...], *flat: Any,
+          **rest: Any) -> Any:
+    args = flat[:n_args]
+    # the recompute runs `forward` alone: hooks marked for it (ZeRO-3's, which install a
+    # module's re-gathered parameters when it owns some directly) run around it here
+    marked = in_backward()
+    if marked:
+        for h in [*module._forward_pre_hooks.values(), *_global_hooks("_global_forward_pre_hooks")]:
+            if getattr(h, "_dsfn_recompute", False):
+                h(module, args)
+    out = forward(*args, **dict(zip(tkeys, flat[n_args:])), **rest)
+    if marked:
+        for h in [*module._forward_hooks.values(), *_global_hooks("_global_forward_hooks")]:
+            if getattr(h, "_dsfn_recompute", False):
+                h(module, args, out)
+    return out
+
+
+def _global_hooks(name: str) -> list:
+    """torch's global module hooks (`register_module_forward_pre_hook` / `_hook`) of `name`."""
+    return list(getattr(nn.modules.module, name, {}).values())
+
+
+# ---------------------------------------------------------------------------------------------
+# selective policies: save some ops' outputs in forward, hand them back in the recompute
+
+class _ByteCount:
+    """Bytes of distinct storages counted during one value_and_grad, published as a gauge."""
+
+    def __init__(self, gauge: str):
+        self.gauge, self.seen, self.bytes = gauge, set(), 0
+
+    def add(self, t: torch.Tensor) -> None:
+        s = t.untyped_storage()
+        key = (s.data_ptr(), s.nbytes())
+        if key not in self.seen:
+            self.seen.add(key)
+            self.bytes += s.nbytes()
+            C.gauge(self.gauge, self.bytes)
+
+    def reset(self) -> None:
+        self.seen.clear()
+        self.bytes = 0
+        C.gauge(self.gauge, 0)
+
+
+_USED = object()
+
+
+def _policy_contexts(rule: Callable, count: _ByteCount) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+    """`context_fn` for torch's checkpoint: (forward mode, recompute mode) over one store.
+
+    Like torch's selective checkpointing (`create_selective_checkpoint_contexts`), with one
+    difference: the recompute hands back the saved output of an op kind the policy saved
+    (matched by call index within that op) and *runs* every other op, also ops the forward of
+    the region did not run. Those come from the transforms' hooks, which run inside the
+    recompute but ran outside the checkpoint in forward (ZeRO-3 re-gathers a unit's shards
+    for the recompute: slicing, reshapes, collectives; never a saved matmul). Torch's version
+    refuses any op the forward did not see."""
+    store: dict[Any, list] = {}
+    return _SaveOutputs(rule, store, count), _ReplayOutputs(store)
+
+
+class _Saved:
+    """An op output the policy saved, with its version counter at that time."""
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor, self.version = t.detach(), t._version
+
+
+class _SaveOutputs(TorchDispatchMode):
+    def __init__(self, rule, store, count):
+        super().__init__()
+        self.rule, self.store, self.count = rule, store, count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _NEVER_SAVED:
+            return out
+        entry = None                         # None: recomputed
+        if self.rule(func, args, kwargs):
+            def keep(x):
+                if not isinstance(x, torch.Tensor):
+                    return x
+                self.count.add(x)
+                return _Saved(x)
+            entry = tree_map(keep, out)
+        self.store.setdefault(func, []).append(entry)
+        return out
+
+
+class _ReplayOutputs(TorchDispatchMode):
+    def __init__(self, store):
+        super().__init__()
+        self.store = store
+        self.calls: dict[Any, int] = {}
+        self.saving: set = set()
+
+    def __enter__(self):
+        self.calls = {}
+        self.saving = {f for f, entries in self.store.items() if any(e is not None for e in entries)}
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self.saving:          # an op kind the policy saved no call of: run it
+            return func(*args, **kwargs)
+        entries = self.store[func]
+        i = self.calls.get(func, 0)
+        self.calls[func] = i + 1
+        if i >= len(entries):
+            raise RuntimeError(f"remat: the recompute called {func} more often than the forward did ({len(entries)} "
+                               "times); its saved outputs cannot be matched. The checkpointed module must compute "
+                               "the same ops in backward's recompute as in forward (use policy='nothing' otherwise)")
+        entry = entries[i]
+        if entry is None:
+            return func(*args, **kwargs)
+        if entry is _USED:
+            raise RuntimeError("remat: a second backward through a module checkpointed with a selective policy; its "
+                               "saved outputs were handed to the first one (use policy='nothing')")
+        entries[i] = _USED                   # freed once the recompute has it
+
+        def give(x):
+            if not isinstance(x, _Saved):
+                return x
+            if x.tensor._version != x.version:
+                raise RuntimeError(f"remat: the output of {func} saved by the policy was changed in place after "
+                                   "it was saved; save another op or use policy='nothing'")
+            return x.tensor
+        return tree_map(give, entry)
+
+
+# ops that only read metadata or alias (torch's SAC ignores them too)
+_NEVER_SAVED = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
+
+
+# ---------------------------------------------------------------------------------------------
+# offload="cpu": the checkpoints' saved inputs in host memory
+
+_side_streams: dict[Any, Any] = {}
+
+
+def _side_stream(device: torch.device):
+    s = _side_streams.get(device)
+    if s is None:
+        s = _side_streams[device] = torch.cuda.Stream(device=device)
+    return s
+
+
+class _Held:
+    """A saved input held on the host: `host` (and, on CUDA, the event of its copy); the
+    device copy made for the recompute (`back`, ready at `back_ready`) until it is used."""
+    __slots__ = ("host", "ready", "device", "index", "back", "back_ready", "__weakref__")
+
+    def __init__(self, host, ready, device, index):
+        self.host, self.ready, self.device, self.index = host, ready, device, index
+        self.back = self.back_ready = None
+
+
+class HostStash:
+    """Saved-tensor hooks around the checkpoint calls of one forward: pack moves a saved
+    input that requires grad to host memory, unpack brings it back (prefetching the one the
+    next recompute needs). Publishes the host bytes as the gauge "remat.offloaded_bytes"."""
+
+    def __init__(self):
+        # CUDA inputs in pack order (weak: an input lives as long as the checkpoint that saved it)
+        self.items: list[weakref.ref] = []
+        self.storages: dict[tuple[int, int], int] = {}       # dedup for the byte count
+        self.bytes = 0
+
+    def pack(self, t: Any) -> Any:
+        if isinstance(t, _Piece):               # partition_activations' piece of an input: hold the piece
+            t.piece = self._hold(t.piece)
+            return t
+        if not isinstance(t, torch.Tensor) or not t.requires_grad or t.device.type == "meta":
+            return t
+        return self._hold(t)
+
+    def _hold(self, t: torch.Tensor) -> Any:
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in self.storages:
+            self.storages[key] = 1
+            self.bytes += t.untyped_storage().nbytes()
+            C.gauge("remat.offloaded_bytes", self.bytes)
+        if t.device.type != "cuda":
+            # host memory is this device's memory: keep the tensor (nothing to copy or overlap)
+            return _Held(t.detach(), None, t.device, -1)
+        side = _side_stream(t.device)
+        side.wait_stream(torch.cuda.current_stream(t.device))    # t is computed
+        with torch.cuda.stream(side):
+            host, ready = copy_to_host(t.detach(), pin=True, non_blocking=True)
+        t.record_stream(side)               # its memory is not reused before the copy has read it
+        item = _Held(host, ready, t.device, len(self.items))
+        self.items.append(weakref.ref(item))
+        return item
+
+    def unpack(self, item: Any) -> Any:
+        if isinstance(item, _Piece):
+            item.piece = self.unpack(item.piece)
+            return item
+        if not isinstance(item, _Held):
+            return item
+        if item.device.type != "cuda":
+            return item.host
+        if item.back is None:
+            self._fetch(item)
+        current = torch.cuda.current_stream(item.device)
+        current.wait_event(item.back_ready)
+        t, item.back, item.back_ready = item.back, None, None
+        t.record_stream(current)
+        # backward recomputes the modules in reverse order: bring the previous input now
+        if 0 < item.index <= len(self.items):
+            prev = self.items[item.index - 1]()
+            if prev is not None and prev.back is None:
+                self._fetch(prev)
+        return t
+
+    def _fetch(self, item: _Held) -> None:
+        side = _side_stream(item.device)
+        with torch.cuda.stream(side):
+            if item.ready is not None:
+                side.wait_event(item.ready)
+            item.back = item.host.to(item.device, non_blocking=True)
+            item.back_ready = torch.cuda.Event()
+            item.back_ready.record(side)
+
+    def close(self) -> None:
+        self.items.clear()
+        self.storages.clear()
+        self.bytes = 0
+        C.gauge("remat.offloaded_bytes", 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# saved-input hooks: partition over tp, then offload; undone in reverse for the recompute
+
+class Chain:
+    """Saved-tensor hooks applied in order on pack and in reverse order on unpack."""
+
+    def __init__(self, hooks: list):
+        self.hooks = hooks
+
+    def pack(self, t: torch.Tensor) -> Any:
+        for h in self.hooks:
+            t = h.pack(t)
+        return t
+
+    def unpack(self, item: Any) -> torch.Tensor:
+        for h in reversed(self.hooks):
+            item = h.unpack(item)
+        return item
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.close()
+
+
+class _Piece:
+    """This tp rank's piece of a saved input: flat elements [r*c, (r+1)*c) of the input
+    (c = ceil(numel / tp), the last piece zero-padded), with the input's shape."""
+    __slots__ = ("piece", "shape", "numel")
+
+    def __init__(self, piece: torch.Tensor, shape: torch.Size, numel: int):
+        self.piece, self.shape, self.numel = piece, shape, numel
+
+
+class TpPartition:
+    """partition_activations: keep 1/tp of each saved input that requires grad, all-gather it
+    back over `axis` for the recompute (every tp rank recomputes the same modules in the same
+    order, so the gathers match)."""
+
+    def __init__(self, axis: str, check: bool):
+        from dsfn.runtime.mesh import current_mesh
+        mesh = current_mesh()
+        self.axis, self.check = axis, check
+        self.n, self.rank = mesh.size(axis), mesh.local_rank(axis)
+        self.bytes = 0
+
+    def pack(self, t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or not t.requires_grad or t.device.type == "meta" or t.numel() < self.n:
+            return t
+        flat = t.detach().reshape(-1)
+        if self.check:
+            self._check_equal(flat)
+        c = -(-flat.numel() // self.n)
+        piece = flat[self.rank * c:(self.rank + 1) * c].clone()     # its own storage: the whole can be freed
+        if piece.numel() < c:
+            piece = torch.cat([piece, piece.new_zeros(c - piece.numel())])
+        self.bytes += piece.numel() * piece.element_size()
+        C.gauge("remat.partitioned_bytes", self.bytes)
+        return _Piece(piece, t.shape, flat.numel())
+
+    def unpack(self, item: Any) -> Any:
+        if not isinstance(item, _Piece):
+            return item
+        whole = C.all_gather(item.piece, self.axis)
+        return whole[:item.numel].view(item.shape)
+
+    def _check_equal(self, flat: torch.Tensor) -> None:
+        # the premise: the tp group holds this input whole and equal (a sum differs if not)
+        from dsfn.errors import LayoutError
+        w = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64) / flat.numel()
+        sig = torch.stack([flat.double().sum(), (flat.double() * w).sum()]).reshape(1, 2)
+        sigs = C.all_gather(sig, self.axis)
+        if not bool((sigs == sigs[0]).all()):
+            raise LayoutError(f"remat(partition_activations=True): a checkpointed module's input (shape "
+                              f"{tuple(flat.shape)} flattened) differs across the {self.axis!r} group, so it cannot be "
+                              "split over it and gathered back; the tensor parallel plan hands the module tp-local "
+                              "inputs. Drop partition_activations")
+
+    def close(self) -> None:
+        self.bytes = 0
+        C.gauge("remat.partitioned_bytes", 0)
