@@ -109,7 +109,7 @@ from dsfn.runtime import nvme
 from dsfn.state.layout import FlatShard, Layout, Offloaded, Placed, Replicated, is_placed, mirrored_param
 from dsfn.state.master import MasterState
 from dsfn.transforms.core import Transform, make_transform, with_role
-from dsfn.transforms.facts import stack_facts
+from dsfn.transforms.facts import StackFacts, stack_facts
 
 DEFAULT_BUCKET_ELEMS = 4_000_000     # the world-1 bucket source's bucket without an enclosing ZeRO
 
@@ -173,7 +173,7 @@ class Offload(Transform):
         if with_role(stack[:index], "mixed_precision"):
             raise StackError("offload must sit outside mixed_precision: write compose(offload(...), "
                              "mixed_precision(...)) so the fp32 master weights are offloaded too")
-        if self.params and not any(t.stage == 3 for t in with_role(stack, "zero")):
+        if self.params and not any(d["zero_stage"] == 3 for d in StackFacts(stack).whole.with_role("zero")):
             raise StackError("offload(params=True) offloads ZeRO-3's parameter shards; it needs "
                              "shard_zero(3) outside it in the stack (or use params=False)")
 
