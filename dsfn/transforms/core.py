@@ -45,7 +45,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 from dsfn.effects import activate, active_stack, bind  # noqa: F401  (the mechanism lives in dsfn.effects)
 from dsfn.errors import ConfigError
-from dsfn.transforms.compose import Step, check_stack  # noqa: F401  (a Step runs a stack; check_stack is its rule)
+from dsfn.transforms.compose import Step
 
 
 class Transform:
