@@ -61,14 +61,18 @@ def _start_store(timeout_s: float):
                     wait_for_workers=False)
 
 
-def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
-    """The torchrun environment of one local rank."""
+def _rank_env(rank: int, world_size: int, port: int, ranks_per_node: int | None = None) -> dict[str, str]:
+    """The torchrun environment of one local rank; with `ranks_per_node`, the environment
+    torchrun gives it when the ranks are spread over nodes of that many (node-major: node
+    `rank // ranks_per_node`), so topology-aware code runs as on several nodes."""
+    per = ranks_per_node or world_size
     return {
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "GROUP_RANK": "0",
+        "LOCAL_RANK": str(rank % per),
+        "LOCAL_WORLD_SIZE": str(per),
+        "GROUP_RANK": str(rank // per),
+        "GROUP_WORLD_SIZE": str(world_size // per),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         # Ranks connect to the parent's store as clients instead of rank 0 hosting it.
@@ -115,7 +119,8 @@ def _stack_path(stack_dir: str, rank: int) -> str:
 
 def _child_main(rank: int, world_size: int, fn: Callable[..., Any], args: tuple,
                 kwargs: dict, env: Mapping[str, str | None] | None, conn: Any,
-                stack_dir: str, parent_pid: int | None, start_method: str) -> None:
+                stack_dir: str, parent_pid: int | None, start_method: str,
+                ranks_per_node: int | None = None) -> None:
     """Body of one rank: set up the environment, run fn, report back, exit hard."""
     status = 1
     try:
@@ -138,7 +143,7 @@ def _child_main(rank: int, world_size: int, fn: Callable[..., Any], args: tuple,
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = str(value)
-        os.environ.update(_rank_env(rank, world_size, port))
+        os.environ.update(_rank_env(rank, world_size, port, ranks_per_node))
 
         import torch
 
@@ -345,7 +350,8 @@ def _failure_error(n: int, exited: dict[int, int | None], errors: dict[int, tupl
 
 def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
           kwargs: Mapping[str, Any] | None = None, timeout: float = 120.0,
-          start_method: str = "fork", env: Mapping[str, str | None] | None = None) -> list:
+          start_method: str = "fork", env: Mapping[str, str | None] | None = None,
+          ranks_per_node: int | None = None) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` local ranks; return results by rank.
 
     Each rank is a child process with torchrun's variables (RANK, WORLD_SIZE,
@@ -362,6 +368,10 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
         timeout: seconds for the whole run, start-up included.
         start_method: "fork", "spawn" or "forkserver".
         env: extra environment variables for the ranks.
+        ranks_per_node: lay the ranks out as torchrun does over nodes of this many ranks
+            (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE), so a test sees
+            the topology of several nodes (`dsfn.runtime.topology`); must divide
+            world_size. Default: one node.
 
     Raises:
         RankFailure: reason "exception" (a rank raised; the message has its remote
@@ -378,6 +388,10 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
         raise ConfigError(f"spawn: world_size must be an int >= 1, got {world_size!r}")
     if not timeout or timeout <= 0:
         raise ConfigError(f"spawn: timeout must be > 0 seconds, got {timeout!r}")
+    if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+                                       or ranks_per_node < 1 or world_size % ranks_per_node):
+        raise ConfigError(f"spawn: ranks_per_node={ranks_per_node!r} must be an int >= 1 dividing "
+                          f"world_size={world_size}")
     if start_method not in _START_METHODS:
         raise ConfigError(f"spawn: start_method must be one of {_START_METHODS}, got {start_method!r}")
     kwargs = dict(kwargs or {})
@@ -410,7 +424,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
                 target=_child_main, name=f"dsfn-rank{rank}",
                 args=(rank, world_size, fn, args, kwargs, dict(env) if env else None,
                       child_conn, stack_dir,
-                      None if start_method == "forkserver" else os.getpid(), start_method))
+                      None if start_method == "forkserver" else os.getpid(), start_method, ranks_per_node))
             try:
                 proc.start()
             except (pickle.PicklingError, AttributeError, TypeError) as e:

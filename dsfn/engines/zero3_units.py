@@ -155,13 +155,19 @@ class UnitGatherer:
 
     def __init__(self, module: nn.Module, params: dict[str, Any], plan: UnitPlan, leaves: tuple,
                  frozen: dict[str, tuple[torch.Tensor, FlatShard]], axis: str, bucket_elems: int, prefetch: int,
-                 due: Any = None):
+                 due: Any = None, secondary: str | None = None):
         """`plan`: the module's UnitPlan; `leaves`: (names, FlatShards, compute devices) of the
         ZeRO shards among `params`; `frozen`: name -> (piece to gather, its FlatShard); the
         gathers run over `axis` in buckets of `bucket_elems`, `prefetch` units ahead. `due`
         (inside value_and_grad, else None): the gradient sink — `gathers_made(keys)` as a
-        unit is gathered under grad, `grads_arrived([(key, grad)])` as its gradients come."""
+        unit is gathered under grad, `grads_arrived([(key, grad)])` as its gradients come.
+        `secondary` (ZeRO++ hpZ): an axis of a few ranks (a node's) over which each unit
+        gathered in a forward under grad keeps a secondary shard (1/size of the gathered
+        unit, copied as the forward's gather is released), so backward re-gathers the unit
+        over that axis alone instead of over `axis`."""
         self.module, self.axis, self.bucket_elems, self.prefetch, self.due = module, axis, bucket_elems, prefetch, due
+        self.secondary = secondary
+        self._secondary: dict[int, tuple[FlatGather, list[torch.Tensor]]] = {}   # unit -> (gather, pieces)
         names, layouts, homes = leaves
         # the step's shards, in plan order: trainable ones, then frozen ones (no gradients)
         self.names, self.frozen, self.index, self.slots = plan.names, plan.frozen, plan.index, plan.slots
@@ -239,7 +245,15 @@ class UnitGatherer:
 
     def _release(self, u: int, handle: FlatGather) -> None:
         """A gather of unit u is no longer used (waited for first: a collective may still be
-        writing): its storages' memory goes once no gather of the unit is in use."""
+        writing): its storages' memory goes once no gather of the unit is in use. Under hpZ,
+        a forward gather made for backward leaves its secondary shard first (every rank does,
+        for every unit it gathered, run or skipped: backward's sequence is the same on all)."""
+        if self.secondary is not None and self._phase == "forward" and self.due is not None \
+                and torch.is_grad_enabled():
+            handle.wait()
+            pieces = handle.pieces_over(self.secondary)
+            self._secondary[u] = (handle, pieces)
+            _gauge_secondary(self._secondary)
         handle.release(None)
         self._unit_storage[u].done()
 
@@ -318,12 +332,22 @@ class UnitGatherer:
         return store.gather(lambda pool: gather_into_buffers(
             on_home, [layouts[j].shape for j in ids], self.axis, self.bucket_elems, pool))
 
+    def _gather_for_backward_async(self, u: int) -> FlatGather:
+        """Start unit u's backward gather: from the secondary shards over the secondary axis
+        (hpZ) when its forward left them, else as in forward."""
+        kept = self._secondary.pop(u, None)
+        if kept is None:
+            return self._gather_async(u)
+        _gauge_secondary(self._secondary)
+        handle, pieces = kept
+        return self._unit_storage[u].gather(lambda pool: handle.regather(pieces, self.secondary, pool))
+
     def _bw_launch_upto(self, pos: int) -> None:
         """Launch the backward sequence's units up to position `pos` not launched yet."""
         while self._bw_next <= min(pos, len(self._bw_seq) - 1):
             v = self._bw_seq[self._bw_next]
             if self.unit_params[v]:
-                self._bw_pending[v] = self._gather_async(v)
+                self._bw_pending[v] = self._gather_for_backward_async(v)
             self._bw_next += 1
 
     def _gather_for_backward(self, u: int) -> None:
@@ -333,7 +357,7 @@ class UnitGatherer:
         p = self._bw_pos[u]
         if p >= self._bw_next:
             self._bw_launch_upto(p)
-        handle = self._bw_pending.pop(u, None) or self._gather_async(u)
+        handle = self._bw_pending.pop(u, None) or self._gather_for_backward_async(u)
         for v in [v for v in self._bw_pending if v != 0 and self._bw_pos[v] < p]:
             self._release(v, self._bw_pending.pop(v))     # a unit this rank skipped: its gather, dropped
         ids = self.unit_params[u]
@@ -365,6 +389,9 @@ class UnitGatherer:
         for v in list(self._bw):
             self._drop_bw(v)
         self._grads_done.clear()
+        if self._secondary:             # none is left once the whole sequence ran; never kept past it
+            self._secondary.clear()
+            _gauge_secondary(self._secondary)
 
     def grads_ready(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
         """Gradients (index, grad) arrived: every use of those weights in backward is done; a
@@ -528,6 +555,11 @@ def _tensors_in(out: Any) -> list[torch.Tensor]:
     if isinstance(out, dict):
         return [t for x in out.values() for t in _tensors_in(x)]
     return []
+
+
+def _gauge_secondary(kept: dict[int, tuple[Any, list[torch.Tensor]]]) -> None:
+    """hpZ's secondary shards held now, in bytes (gauge "zero3.secondary_bytes")."""
+    C.gauge("zero3.secondary_bytes", sum(p.numel() * p.element_size() for _, ps in kept.values() for p in ps))
 
 
 def _gauge_live(live: set[int]) -> None:

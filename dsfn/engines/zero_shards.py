@@ -21,10 +21,11 @@ from dsfn import tree
 from dsfn.aliasing import writable
 from dsfn.effects import bind
 from dsfn.engines.data_parallel import reduce_grads, registration_order
+from dsfn.engines.shard_groups import split_axes
 from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import BufferPool, ShardReducer, all_gather_full, map_whole
-from dsfn.runtime.mesh import current_mesh
+from dsfn.runtime.mesh import current_mesh, grad_channel
 from dsfn.state.layout import FlatShard, Layout, Nested, Offloaded, mirrored_param, shard_further
 
 __all__ = ["ZeroShards", "compute_device", "inner_piece", "logical_shape", "zero_layout"]
@@ -72,13 +73,44 @@ def bucket_ready(items: list[tuple[str, torch.Tensor]]) -> None:
 class ZeroShards:
     """The flat-shard machinery of ZeRO stages 1-3 over `axis` (module docstring)."""
 
-    def __init__(self, axis: str, stage: int, reduce_bucket_size: int, allgather_bucket_size: int):
-        self.axis, self.stage = axis, stage
+    def __init__(self, axis: str, stage: int, reduce_bucket_size: int, allgather_bucket_size: int,
+                 shard_group: Any = None, cross_node: bool = False):
+        self.dp_axis, self.stage = axis, stage
+        # hybrid sharding: state sharded over groups of `shard_group` dp ranks ("node" or an
+        # int), replicated across them (`dsfn.engines.shard_groups`); None: the whole dp axis
+        self.shard_group, self.cross_node = shard_group, cross_node
+        self._axes_on: tuple | None = None      # (mesh, shard axis, replicate axis)
         self.reduce_bucket_size = reduce_bucket_size
         self.allgather_bucket_size = allgather_bucket_size
         self._grad_plan_cache: tuple | None = None
         # gradient buckets and shards, the same blocks every step
         self.grad_pool = BufferPool(keep=ShardReducer.MAX_INFLIGHT + 1)
+
+    # -- axes -----------------------------------------------------------------------------------
+    def shard_axes(self) -> tuple[str, str | None]:
+        """(the axis ZeRO's shards split over, the axis across which they are copies, or None):
+        (dp, None) flat; ("dp_shard", "dp_replicate") hybrid. Resolved on the current mesh at
+        first use (the split's process groups are made then, on every rank alike)."""
+        mesh = current_mesh()
+        hit = self._axes_on
+        if hit is not None and hit[0] is mesh:
+            return hit[1], hit[2]
+        if self.shard_group is None:
+            axes = (self.dp_axis, None)
+        else:
+            axes = split_axes(mesh, self.dp_axis, self.shard_group, self.cross_node,
+                              f"shard_zero({self.stage}, shard_group={self.shard_group!r})")
+        self._axes_on = (mesh, *axes)
+        return axes
+
+    @property
+    def axis(self) -> str:
+        """The axis ZeRO's FlatShards split over (the shard group's under hybrid sharding)."""
+        return self.shard_axes()[0]
+
+    @property
+    def replicate_axis(self) -> str | None:
+        return self.shard_axes()[1]
 
     # -- leaves ---------------------------------------------------------------------------------
     def mine(self, x: Any) -> bool:
@@ -163,13 +195,16 @@ class ZeroShards:
         return plan
 
     def reducer(self, plan: dict[str, Any], facts: Any, hears: bool, channel: str) -> ShardReducer:
-        """A reduce-scatter plan over the step's gradients on `channel` (the axis, or its
-        gradient channel), in the stack's wire dtype (`facts`: the stack's StackFacts); with
+        """A reduce-scatter plan over the step's gradients on `channel` (the shard axis, or its
+        gradient channel) — under hybrid sharding then all-reduced across the replicate
+        axis's gradient channel —, in the stack's wire dtype (`facts`: the stack's StackFacts); with
         `hears` (a transform inside hears reduced buckets: offload's overlapped host update)
         each bucket goes to the "grad_bucket_ready" primitive as it completes."""
+        replicate = self.replicate_axis
         return ShardReducer(channel, self.reduce_bucket_size, "avg", facts.grad_wire_dtype, plan["named"],
                             plan["devices"], pool=self.grad_pool, keep_dtype=facts.grads_keep_dtype,
-                            on_bucket=bucket_ready if hears else None)
+                            on_bucket=bucket_ready if hears else None,
+                            replicate=None if replicate is None else grad_channel(replicate))
 
     def finish_reduction(self, reducer: ShardReducer, plan: dict[str, Any], grads: Any, facts: Any) -> Any:
         """The step's gradients as ZeRO hands them on: the reducer's shards (zeros where this
@@ -177,7 +212,7 @@ class ZeroShards:
         paths, gs = plan["paths"], tree.leaves(grads, is_leaf=is_placed)
         shards = reducer.finish()
         replicated = plan["replicated"]
-        reduced = dict(zip(replicated, reduce_grads([data_of(gs[k]) for k in replicated], self.axis,
+        reduced = dict(zip(replicated, reduce_grads([data_of(gs[k]) for k in replicated], self.dp_axis,
                                                     self.reduce_bucket_size * 4, "avg", facts)))
         out = []
         for k, (path, layout) in enumerate(zip(paths, plan["layouts"])):

@@ -28,6 +28,7 @@ from torch import nn
 from dsfn import tree
 from dsfn.aliasing import may_alias
 from dsfn.effects import bind
+from dsfn.engines.shard_groups import split_axes
 from dsfn.engines.zero3_units import UnitGatherer, UnitPlan
 from dsfn.engines.zero_shards import ZeroShards, compute_device, zero_layout
 from dsfn.functional import until_backward
@@ -95,8 +96,12 @@ class Stage3(ZeroShards):
     """Stage 3 over `axis` (module docstring)."""
 
     def __init__(self, axis: str, reduce_bucket_size: int, allgather_bucket_size: int,
-                 param_persistence_threshold: int, units: Sequence[str] | None, prefetch: int):
-        super().__init__(axis, 3, reduce_bucket_size, allgather_bucket_size)
+                 param_persistence_threshold: int, units: Sequence[str] | None, prefetch: int,
+                 shard_group: Any = None, cross_node: bool = False, hpz: Any = None):
+        super().__init__(axis, 3, reduce_bucket_size, allgather_bucket_size, shard_group, cross_node)
+        # ZeRO++ hpZ: a secondary shard of each gathered unit over groups of `hpz` dp ranks
+        # ("node" or an int): backward re-gathers inside the group (`UnitGatherer`)
+        self.hpz = hpz
         self.param_persistence_threshold = param_persistence_threshold
         self.units, self.prefetch = units, prefetch
         self.due: GradientsDue | None = None         # the running value_and_grad's sink
@@ -105,6 +110,20 @@ class Stage3(ZeroShards):
         # units' gather storages included
         self.plans: dict[tuple, tuple[nn.Module, UnitPlan]] = {}
         self._leaves_cache: tuple | None = None
+
+    def secondary_axis(self) -> str | None:
+        """hpZ's secondary group axis ("dp_shard" of the split), or None (no hpZ, or a group
+        that is the whole dp axis: backward's gather is then the forward's)."""
+        if self.hpz is None:
+            return None
+        mesh = current_mesh()
+        hit = self._secondary_on
+        if hit is None or hit[0] is not mesh:
+            axis, replicate = split_axes(mesh, self.dp_axis, self.hpz, False, f"shard_zero(3, hpz={self.hpz!r})")
+            hit = self._secondary_on = (mesh, None if replicate is None else axis)
+        return hit[1]
+
+    _secondary_on: tuple | None = None
 
     def sharded(self, x: Any) -> bool:
         """Parameters above the persistence threshold are stored sharded."""
@@ -221,7 +240,7 @@ class Stage3(ZeroShards):
         plan = self.unit_plan(apply_fn.module, leaves[0], tuple(frozen))
         due = self.due
         gatherer = UnitGatherer(apply_fn.module, params, plan, leaves, frozen, self.axis,
-                                self.allgather_bucket_size, self.prefetch, due)
+                                self.allgather_bucket_size, self.prefetch, due, self.secondary_axis())
         if due is not None:           # inside value_and_grad: its backward ends the sequence
             due.gatherers.append(gatherer)
             due.host_units = due.host_units or any(d.type == "cpu" for d in gatherer.homes)

@@ -72,6 +72,15 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
     are summed there (fp32 training that communicates in bf16: DeepSpeed's
     communication_data_type); without it they stay in the wire dtype.
 
+    With `replicate` (hybrid sharding: `axis` is a shard group, the ranks holding the same
+    shard lie along `replicate`), every bucket's reduced shards are then all-reduced (with
+    `op`) across `replicate`, once, at `finish()`: one shard-sized all-reduce per bucket
+    (HSDP's, MiCS's second stage), issued after the last reduce-scatter so that its order
+    among this rank's collectives is the program's, not backward's timing (a blocking
+    all-reduce issued while a shard-group peer still waits in backward for this rank's
+    all-gather could otherwise close a wait cycle across groups). `on_bucket` then runs at
+    `finish()`, on the fully reduced buckets.
+
     `on_bucket([(key, shard), ...])`, when given, is called once per reduced bucket as it
     completes (while backward still runs, for all but the last buckets), in plan order: the
     sink a caller hands in (ZeRO passes the "grad_bucket_ready" primitive, which
@@ -81,9 +90,11 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
     def __init__(self, axis: str, bucket_elems: int, op: str = "avg", dtype: torch.dtype | None = None,
                  named: Sequence[tuple[Any, torch.Tensor]] = (), devices: dict | None = None,
                  pool: BufferPool | None = None, keep_dtype: bool = False,
-                 on_bucket: Callable[[list[tuple[Any, torch.Tensor]]], None] | None = None):
+                 on_bucket: Callable[[list[tuple[Any, torch.Tensor]]], None] | None = None,
+                 replicate: str | None = None):
         from dsfn.runtime.buckets import FixedBuckets, backward_order
         self.axis, self.op, self.dtype = axis, op, dtype
+        self.replicate = replicate if replicate is not None and current_mesh().size(replicate) > 1 else None
         self.on_bucket = on_bucket
         self.n = current_mesh().size(axis)
         named = list(named)
@@ -185,13 +196,31 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
                     piece = piece.to(home.get(i, piece.dtype))
                 # views of the bucket's row (a fresh tensor of exactly the shards' size)
                 self.shards[i] = piece if i not in self.shards else self.shards[i] + piece
-            if self.on_bucket is not None:
+            if self.on_bucket is not None and self.replicate is None:
                 self.on_bucket([(i, self.shards[i]) for i, _ in items])
 
     def finish(self) -> dict[Any, torch.Tensor]:
         self._launch(self.plan.end_round())
         self._drain(block=True)
+        if self.replicate is not None:
+            self._reduce_across()
         return self.shards
+
+    def _reduce_across(self) -> None:
+        """Hybrid sharding: each bucket's shards all-reduced across the replicate axis (one
+        call per bucket, all in flight at once, in plan order), in the wire dtype."""
+        pending = []
+        for keys in self.plan.buckets:
+            parts = [self.shards[k] for k in keys]
+            flat = torch.cat([p.reshape(-1) for p in parts]) if len(parts) > 1 else parts[0].reshape(-1).clone()
+            wire = flat if self.dtype is None or flat.dtype == self.dtype else flat.to(self.dtype)
+            pending.append((keys, parts, C.all_reduce_(wire, self.replicate, self.op, async_op=True)))
+        for keys, parts, p in pending:
+            flat = p.wait()
+            for k, part, piece in zip(keys, parts, flat.split([t.numel() for t in parts])):
+                self.shards[k] = piece.view(part.shape).to(part.dtype)
+            if self.on_bucket is not None:
+                self.on_bucket([(k, self.shards[k]) for k in keys])
 
 
 class GatherHandle:
@@ -336,6 +365,30 @@ class FlatGather:
             p.wait()
         self._pendings = []
         return [self.slabs[k][at:at + math.prod(shape)].view(shape) for k, at, shape in self._spec]
+
+    def pieces_over(self, axis: str) -> list[torch.Tensor]:
+        """This rank's 1/k of every slab along `axis` (size k, dividing each slab: slabs hold
+        n * c elements per tensor and k divides the gather's n), copied: ZeRO++ hpZ's
+        secondary shard, kept once the slabs are freed. `regather` rebuilds the slabs from
+        every rank's pieces. After `wait`."""
+        m = current_mesh()
+        k, me = m.size(axis), m.local_rank(axis)
+        return [s.view(k, -1)[me].clone() for s in self.slabs]
+
+    def regather(self, pieces: list[torch.Tensor], axis: str, pool: Any) -> "FlatGather":
+        """Start gathering this gather's slabs again, into buffers from `pool` (a UnitStorage:
+        the same storages), from `pieces_over(axis)` of every rank along `axis`; the views
+        are laid out as here. One all-gather per slab, each over `axis` only."""
+        slabs, pendings = [], []
+        for piece in pieces:
+            buf = pool.take(piece.numel() * current_mesh().size(axis), piece.dtype, piece.device)
+            version = buf._version
+            pendings.append(C.all_gather_into_([buf], [piece], axis, async_op=True))
+            torch._C._autograd._unsafe_set_version_counter((buf,), (version,))
+            slabs.append(buf)
+        g = FlatGather(self._spec, slabs, pendings)
+        g._inputs = pieces            # alive until the gathers complete
+        return g
 
     def release(self, pool: BufferPool | None) -> None:
         """Give the buffers back to `pool` (after `wait`; the views must be dropped by now)."""

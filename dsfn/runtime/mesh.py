@@ -5,7 +5,14 @@ fastest: with `Mesh({"dp": 2, "tp": 2})` ranks 0,1 form the first tp group and r
 0,2 the first dp group. Axis sizes multiply to the world size.
 
 Every rank must construct the same mesh (process-group creation is collective).
-A mesh in a single process has every axis of size 1 and no groups. Without `init_mesh`,
+A mesh in a single process has every axis of size 1 and no groups.
+
+An axis can be *split* (`Mesh.split`, hybrid sharding): `split("dp", k)` adds the axes
+"dp_shard" (blocks of k consecutive ranks of each dp group: with the launcher's node-major
+ranks, the ranks of one node when k divides the dp ranks a node holds) and "dp_replicate"
+(the ranks at the same place in every block). Collectives, layouts and checkpoints take
+them as any axis. The mesh knows the launcher's topology (`Mesh.topology`,
+`dsfn.runtime.topology`), hence which axes cross nodes (`Mesh.spans_nodes`). Without `init_mesh`,
 the mesh is all-dp over the world (initialising the process group first when launched
 under torchrun). A transform working over an axis the mesh does not name (tp, sp, ...)
 on more than one rank is an error (`ensure_ready`), never a silent size-1 axis.
@@ -20,6 +27,7 @@ import torch.distributed as dist
 
 from dsfn.errors import MeshError
 from dsfn.runtime import env
+from dsfn.runtime.topology import Topology, topology
 
 DEFAULT_AXES = ("dp", "sp", "tp")
 # Over the data-parallel axis, size 1 is exactly right when the mesh does not name it
@@ -59,6 +67,9 @@ class Mesh:
         self.coords = self._coords_of(self.rank)
         self._groups: dict[str, object] = {}
         self._ranks: dict[str, list[int]] = {}
+        self.topology: Topology = topology()
+        self.splits: dict[str, int] = {}           # axis -> its shard blocks' size (`split`)
+        self._sub: dict[str, tuple[str, int]] = {}  # split axis name -> (parent axis, size)
         if env.is_distributed():
             self._build_groups()
         else:
@@ -95,13 +106,104 @@ class Mesh:
                     self._groups[grad_channel(axis)] = channel
                     self._ranks[axis] = ranks
 
+    # -- split axes (hybrid sharding) ----------------------------------------------------------------
+    def split(self, axis: str, inner: int) -> tuple[str, str]:
+        """Split `axis` into blocks of `inner` consecutive ranks: returns the names of the
+        block axis ("<axis>_shard", size `inner`) and of the axis across blocks
+        ("<axis>_replicate", size size(axis) // inner), creating their process groups on the
+        first call (collective: every rank calls it at the same point, as the first place of
+        a hybrid ZeRO does). One split per axis: another size is a MeshError."""
+        axis = self._check_axis(axis)
+        if axis in self._sub:
+            raise MeshError(f"{axis!r} is already a split axis; split a mesh axis ({list(self.axes)})")
+        shard, replicate = f"{axis}_shard", f"{axis}_replicate"
+        have = self.splits.get(axis)
+        if have == inner:
+            return shard, replicate
+        if have is not None:
+            raise MeshError(f"the mesh already splits {axis!r} into shard groups of {have}; one hybrid layout per "
+                            f"mesh axis: use shard groups of {have} in every transform, or init_mesh(...) again")
+        n = self.axes[axis]
+        if isinstance(inner, bool) or not isinstance(inner, int) or inner < 1 or n % inner:
+            raise MeshError(f"cannot split {axis!r} (size {n}) into groups of {inner!r}: use a divisor of {n}")
+        if shard in self.axes or replicate in self.axes:
+            raise MeshError(f"the mesh already has an axis named {shard!r} or {replicate!r}")
+        self._sub[shard], self._sub[replicate] = (axis, inner), (axis, n // inner)
+        names = list(self.axes)
+        others = [a for a in names if a != axis]
+        for other_coords in itertools.product(*(range(self.axes[a]) for a in others)):
+            fixed = dict(zip(others, other_coords))
+            ranks = [self._rank_of({**fixed, axis: i}) for i in range(n)]
+            blocks = [ranks[b:b + inner] for b in range(0, n, inner)]
+            across = [ranks[j::inner] for j in range(inner)]
+            for name, groups in ((shard, blocks), (replicate, across)):
+                for rs in groups:     # every rank creates every group in the same order
+                    self._add_group(name, rs)
+        self.splits[axis] = inner
+        return shard, replicate
+
+    def _add_group(self, name: str, ranks: list[int]) -> None:
+        if len(ranks) == 1 or not env.is_distributed():
+            group = channel = None
+        else:
+            group, channel = dist.new_group(ranks), dist.new_group(ranks)
+        if self.rank in ranks:
+            self._groups[name], self._groups[grad_channel(name)] = group, channel
+            self._ranks[name] = ranks
+
+    def axis_groups(self, axis: str) -> list[list[int]]:
+        """Every group of ranks along mesh axis `axis`, over the whole mesh (each in axis order)."""
+        axis = self._check_axis(axis)
+        others = [a for a in self.axes if a != axis]
+        return [[self._rank_of({**dict(zip(others, coords)), axis: i}) for i in range(self.axes[axis])]
+                for coords in itertools.product(*(range(self.axes[a]) for a in others))]
+
+    def parent(self, axis: str) -> str:
+        """The mesh axis a split axis was cut from (an axis's own name otherwise)."""
+        axis = self._check_axis(axis)
+        return self._sub[axis][0] if axis in self._sub else axis
+
+    def spans_nodes(self, axis: str) -> bool:
+        """Whether this rank's group along `axis` holds ranks of more than one node."""
+        return self.topology.nodes_spanned(self.ranks(axis)) > 1
+
+    def ranks_on_node(self, axis: str) -> int:
+        """How many ranks of this rank's `axis` group run on its node (the largest node-local
+        shard group); a MeshError when nodes hold different numbers of them."""
+        counts = {len(g) for g in self.topology.local_groups(self.ranks(axis))}
+        if len(counts) != 1:
+            raise MeshError(f"the {axis!r} group {self.ranks(axis)} has different numbers of ranks on its nodes "
+                            f"({self.topology.describe()}); order the mesh axes so that {axis!r} groups divide "
+                            "into whole nodes")
+        return counts.pop()
+
+    def first_copy(self, axes: Sequence[str]) -> bool:
+        """Whether this rank holds the first copy of a piece split over `axes`: index 0 along
+        every other mesh axis (a split axis among `axes` stands for its part of its parent: the
+        copies are then along the other part)."""
+        split_parts = {a: self._sub[a][0] for a in axes if a in self._sub}
+        for name, c in self.coords.items():
+            if name in axes:
+                continue
+            parts = [a for a, parent in split_parts.items() if parent == name]
+            if parts:
+                other = [s for s, (p, _) in self._sub.items() if p == name and s not in parts]
+                if any(self.local_rank(s) != 0 for s in other):
+                    return False
+            elif c != 0:
+                return False
+        return True
+
     def size(self, axis: str) -> int:
         axis = self._check_axis(axis)
-        return self.axes[axis]
+        sub = self._sub.get(axis)
+        return sub[1] if sub is not None else self.axes[axis]
 
     def local_rank(self, axis: str) -> int:
         """This rank's index along `axis` (0 .. size-1)."""
         axis = self._check_axis(axis)
+        if axis in self._sub:
+            return self._ranks[axis].index(self.rank) if self._ranks.get(axis) else 0
         return self.coords[axis]
 
     def group(self, axis: str):
@@ -118,7 +220,13 @@ class Mesh:
     def _check_axis(self, axis: str) -> str:
         """The axis a name refers to (a gradient channel's is its axis); MeshError if none."""
         axis = axis[: -len(_CHANNEL)] if axis.endswith(_CHANNEL) else axis
-        if axis not in self.axes:
+        if axis not in self.axes and axis not in self._sub:
+            for base in self.axes:
+                if axis in (f"{base}_shard", f"{base}_replicate"):
+                    raise MeshError(f"mesh axis {axis!r} is a split of {base!r} (hybrid sharding) that this mesh "
+                                    f"has not made: it is made when a shard_zero(..., shard_group=...) or "
+                                    f"shard_zero(3, hpz=...) first places state on the mesh "
+                                    f"(mesh.split({base!r}, k) on every rank)")
             raise MeshError(f"mesh has no axis {axis!r}; its axes are {list(self.axes)}. "
                             f"Create it on every rank with {self._fix(axis)}")
         return axis

@@ -8,7 +8,8 @@ the stack on `world` gloo ranks, for STEPS (3) steps, and promises, for every ra
 - fp32 rows: the loss of every step and every element of the final logical state
   (parameters, the whole optimizer state — momentum, Adam's moments, Muon's momentum —
   and the step count) within rtol 1e-5 (a model's own floor where larger), atol 1e-6,
-  for every optimizer. Adam-like optimizers use eps ADAM_EPS, above the gradients' reduction-order noise (see its comment), so their state is comparable;
+  for every optimizer. Adam-like optimizers use eps ADAM_EPS, above the gradients'
+  reduction-order noise (see its comment), so their state is comparable;
 - mixed-precision rows: compared with a reference in the same precision (bf16 compute and
   gradients, fp32 master weights, the same casts; each rank's rows one bf16 micro-batch of
   the reference, `_reference`): each leaf of the final state within MP_REL (1/20) of what

@@ -32,18 +32,19 @@ class _RankEntry:
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
-                 **kwargs: Any) -> list:
+                 ranks_per_node: int | None = None, **kwargs: Any) -> list:
     """`fn(*args, **kwargs)` on `world_size` CPU/gloo ranks; the results, indexed by rank.
 
     A thin wrapper on `dsfn.launch.spawn` (fork start method, so fn may be a closure).
     World size 1 also runs in a child, so a test's results are always produced the same
     way (and a single-rank run initialises a real process group of one). Each rank first
     runs the `at_rank_start` hooks (`dsfn.testing.mutations` installs the mutations named in
-    `DSFN_MUTATION` this way; none when unset).
+    `DSFN_MUTATION` this way; none when unset). `ranks_per_node` lays the ranks out as on
+    nodes of that many (torchrun's variables; `dsfn.launch.spawn`).
 
     Raises:
         RankFailure: a rank raised, died, or was still running after `timeout` seconds.
     """
     if _rank_start:
         fn = _RankEntry(fn, list(_rank_start))
-    return spawn(fn, world_size, args=args, kwargs=kwargs, timeout=timeout)
+    return spawn(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, ranks_per_node=ranks_per_node)

@@ -96,7 +96,8 @@ class ShardZero(Transform):
 
     def __init__(self, stage: int, axis: str = "dp", reduce_bucket_size: int = 4_000_000,
                  allgather_bucket_size: int = 50_000_000, param_persistence_threshold: int = 0,
-                 units: Sequence[str] | None = None, prefetch: int = 1, split_batch: bool = True):
+                 units: Sequence[str] | None = None, prefetch: int = 1, split_batch: bool = True,
+                 shard_group: int | str | None = None, hpz: int | str | None = None, cross_node: bool = False):
         if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
             raise ConfigError(f"shard_zero(stage={stage!r}): stage must be 0, 1, 2 or 3 "
                               "(0 = plain data parallel, 1 = + optimizer state, 2 = + gradients, 3 = + parameters)")
@@ -108,7 +109,9 @@ class ShardZero(Transform):
                               "use an element count >= 0 (0 shards every parameter)")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigError(f"shard_zero(prefetch={prefetch!r}): prefetch depth is an int >= 0")
-        _check_stage_options(stage, allgather_bucket_size, param_persistence_threshold, units, prefetch)
+        _check_stage_options(stage, allgather_bucket_size, param_persistence_threshold, units, prefetch,
+                             shard_group, hpz)
+        _check_groups(stage, shard_group, hpz, cross_node)
         if not isinstance(axis, str):
             raise ConfigError(f"shard_zero(axis=...) takes a mesh axis name, got {axis!r}")
         self.axis = axis
@@ -121,6 +124,7 @@ class ShardZero(Transform):
         self.param_persistence_threshold = param_persistence_threshold
         self.units = tuple(units) if units is not None else None
         self.prefetch = prefetch
+        self.shard_group, self.hpz, self.cross_node = shard_group, hpz, bool(cross_node)
         # the stage's engine (none at stage 0: data parallel's replicas do everything)
         self._engine = _engine_for(self)
 
@@ -133,12 +137,27 @@ class ShardZero(Transform):
 
     def facts(self) -> dict[str, Any]:
         return {"dp_axis": self.axis, "zero_stage": self.stage, "reduce_bucket_size": self.reduce_bucket_size,
-                "zero_single_rank": self._shard_single_rank}
+                "zero_single_rank": self._shard_single_rank, "zero_shard_group": self.shard_group,
+                "zero_hpz": self.hpz}
 
     def explain_note(self) -> str:
-        if current_mesh().size(self.axis) == 1:
+        mesh = current_mesh()
+        if mesh.size(self.axis) == 1:
             return f"shard_zero({self.stage}): the {self.axis!r} axis has size 1, so nothing is sharded (identity)"
-        return f"shard_zero({self.stage}) over {self.axis!r} (size {current_mesh().size(self.axis)})"
+        note = f"shard_zero({self.stage}) over {self.axis!r} (size {mesh.size(self.axis)})"
+        if self._engine is None:
+            return note
+
+        def where(axis: str) -> str:
+            return f"{axis!r} ({mesh.size(axis)}, {'across nodes' if mesh.spans_nodes(axis) else 'inside a node'})"
+        shard, replicate = self._engine.shard_axes()
+        if replicate is not None:
+            note += f": hybrid, state sharded over {where(shard)} and replicated over {where(replicate)}"
+        secondary = self._engine.secondary_axis() if self.hpz is not None else None
+        if secondary is not None:
+            note += (f": hpZ, each gathered unit keeps a secondary shard over {where(secondary)} for backward's "
+                     f"re-gather (+1/{mesh.size(secondary)} of a unit per rank from its forward to its backward)")
+        return note
 
     # tests that exercise the sharded machinery in one process (on `meta`, standing in for a
     # GPU) set this; training never does
@@ -237,14 +256,25 @@ def _engine_for(zero: ShardZero) -> Any:
     if zero.stage == 0:
         return None
     if zero.stage in (1, 2):
-        return Stage12(zero.axis, zero.stage, zero.reduce_bucket_size, zero.allgather_bucket_size)
+        return Stage12(zero.axis, zero.stage, zero.reduce_bucket_size, zero.allgather_bucket_size, zero.shard_group,
+                       zero.cross_node)
     return Stage3(zero.axis, zero.reduce_bucket_size, zero.allgather_bucket_size, zero.param_persistence_threshold,
-                  zero.units, zero.prefetch)
+                  zero.units, zero.prefetch, zero.shard_group, zero.cross_node, zero.hpz)
 
 
 def shard_zero(*args: Any, **kwargs: Any) -> ShardZero:
     """`shard_zero(stage, axis="dp", reduce_bucket_size=4e6, allgather_bucket_size=5e7,
-    param_persistence_threshold=0, units=None, prefetch=1, split_batch=True)`.
+    param_persistence_threshold=0, units=None, prefetch=1, split_batch=True,
+    shard_group=None, hpz=None, cross_node=False)`.
+
+    Beyond one node (stages 1-3): `shard_group="node"` (or k ranks) is hybrid sharding
+    (FSDP2's HSDP, DeepSpeed's MiCS): the state is sharded over the dp ranks of one node
+    and replicated across nodes; gradients are reduce-scattered inside the group, then
+    the shard-sized result is all-reduced across groups, so only that all-reduce crosses
+    the network. `hpz="node"` (stage 3, ZeRO++'s hpZ) keeps flat sharding over every dp
+    rank, but each unit gathered in forward leaves a node-local secondary shard from which
+    backward re-gathers it inside the node. A group spanning nodes needs
+    `cross_node=True`. The axes are named "dp_shard" / "dp_replicate" (`explain`).
 
     Bucket sizes and the threshold count elements, as DeepSpeed's config keys do. Two
     defaults differ from DeepSpeed's on purpose: `reduce_bucket_size` (DeepSpeed 5e8) is
@@ -265,7 +295,32 @@ _STAGE_OPTIONS = (("allgather_bucket_size", 50_000_000, (1, 2, 3),
                    "stage 0 all-reduces whole gradients and all-gathers nothing"),
                   ("param_persistence_threshold", 0, (3,), "stages 0-2 keep every parameter whole on every rank"),
                   ("units", None, (3,), "stages 0-2 keep every parameter whole, so no unit is ever gathered"),
-                  ("prefetch", 1, (3,), "stages 0-2 keep every parameter whole, so no unit is ever gathered"))
+                  ("prefetch", 1, (3,), "stages 0-2 keep every parameter whole, so no unit is ever gathered"),
+                  ("shard_group", None, (1, 2, 3), "stage 0 shards nothing"),
+                  ("hpz", None, (3,), "stages 0-2 keep every parameter whole, so no unit is re-gathered in backward"))
+
+
+def _check_group_spec(key: str, v: Any) -> None:
+    if v is None or v == "node":
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"shard_zero({key}={v!r}): give a number of dp ranks (an int >= 1) or 'node' (the dp "
+                          "ranks of one node, from the launcher's topology)")
+
+
+def _check_groups(stage: int, shard_group: Any, hpz: Any, cross_node: Any) -> None:
+    """Hybrid sharding's and hpZ's options (their stages are `_check_stage_options`')."""
+    _check_group_spec("shard_group", shard_group)
+    _check_group_spec("hpz", hpz)
+    if shard_group is not None and hpz is not None:
+        raise ConfigError(f"shard_zero({stage}, shard_group={shard_group!r}, hpz={hpz!r}): choose one; hybrid "
+                          "sharding already gathers inside its shard group in forward and backward, and hpZ keeps "
+                          "flat sharding with a node-local copy for backward only")
+    if not isinstance(cross_node, bool):
+        raise ConfigError(f"shard_zero(cross_node={cross_node!r}): a bool")
+    if cross_node and shard_group is None:
+        raise ConfigError("shard_zero(cross_node=True) lets a shard group span nodes, but no shard_group is given: "
+                          "add shard_group=k, or drop cross_node")
 
 
 def _check_stage_options(stage: int, *values: Any) -> None:
