@@ -21,6 +21,7 @@ from dsfn import tree
 from dsfn.aliasing import writable
 from dsfn.effects import bind
 from dsfn.engines.data_parallel import reduce_grads, registration_order
+from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.engines.shard_groups import split_axes
 from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
@@ -272,6 +273,12 @@ class ZeroShards:
             for k, r in zip(rest, call_next(lambda j, w: fn(rest[j], w), [pieces[k] for k in rest])):
                 out[k] = r
         return out
+
+    def reduce_leaves(self, partials: list[torch.Tensor], pending: list[tuple[str, ...]], op: str):
+        """The `reduce_leaves` primitive for leaves split over a hybrid shard axis: combined over
+        the shard group only (its copies across the replicate axis are equal, not parts)."""
+        axis = self.axis
+        return (partials, pending) if axis == self.dp_axis else reduce_over_axis(partials, pending, axis, op)
 
     # -- what a stage adds (defaults: nothing) ----------------------------------------------------
     def place_constants(self, frozen: dict[str, Any]) -> dict[str, Any]:

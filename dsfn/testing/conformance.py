@@ -229,6 +229,11 @@ class StackSpec:
     resume: bool = False            # checkpoint at step 2, resume a fresh state from it
     mixed: bool = False             # bf16 compute, fp32 master: compared by the update (see `compare`)
     clipped: bool = False           # a clip below the gradient norm normalises every update
+    nodes: int | None = None        # the ranks spread over this many nodes (launcher topology; None: one)
+    also_sampled: tuple[int, ...] = ()   # more worlds the default sample runs it at (one row each)
+
+    def ranks_per_node(self, world: int) -> int | None:
+        return world // self.nodes if self.nodes and world > 1 else None
 
     def axes(self, world: int) -> dict[str, int]:
         """The mesh at `world` ranks ({} at world 1: no process group axes)."""
@@ -282,6 +287,19 @@ STACKS: dict[str, StackSpec] = {
     "zero2+remat_offload": StackSpec(lambda m, s, d: [_T().shard_zero(2), _T().remat(offload="cpu")]),
     "zero2+async_checkpoint+resume": StackSpec(
         lambda m, s, d: [_T().shard_zero(2), _T().async_checkpoint(os.path.join(d, "ckpt"), every=2)], resume=True),
+    # beyond one node: the ranks on 2 nodes (the launcher's topology); hybrid sharding shards
+    # over a node's dp ranks and replicates across the nodes (world 4: 2 groups x 2; world 8:
+    # 2 x 4, and with tp 2 inside each node 2 x 2); hpZ shards over all and re-gathers in a node
+    "hsdp1": StackSpec(lambda m, s, d: [_T().shard_zero(1, shard_group="node")], worlds=(4, 8), nodes=2,
+                       also_sampled=(8,)),
+    "hsdp2": StackSpec(lambda m, s, d: [_T().shard_zero(2, shard_group="node")], worlds=(4, 8), nodes=2,
+                       also_sampled=(8,)),
+    "hsdp3": StackSpec(lambda m, s, d: [_T().shard_zero(3, shard_group="node")], worlds=(4, 8), nodes=2,
+                       also_sampled=(8,)),
+    "zero3+hpz": StackSpec(lambda m, s, d: [_T().shard_zero(3, hpz="node")], worlds=(4, 8), nodes=2,
+                           also_sampled=(8,)),
+    "hsdp3+tp": StackSpec(lambda m, s, d: [_T().shard_zero(3, shard_group="node"), _tp(m, s)],
+                          mesh=lambda w: {"dp": w // 2, "tp": 2}, worlds=(8,), nodes=2),
 }
 
 
@@ -331,7 +349,10 @@ class Case:
         return f"{self.stack}/{self.optimizer}/{self.model}/w{self.world}{self._axes('', ',')}"
 
     def _axes(self, sep: str, join: str) -> str:
-        axes = STACKS[self.stack].axes(self.world)
+        sspec = STACKS[self.stack]
+        axes = sspec.axes(self.world)
+        if sspec.ranks_per_node(self.world):
+            axes["nodes"] = sspec.nodes
         return f"{sep}[{join.join(f'{k}{sep}{n}' for k, n in axes.items())}]" if axes else ""
 
 
@@ -369,6 +390,15 @@ def default_sample(seed: int = SAMPLE_SEED) -> list[Case]:
     for stack, sspec in STACKS.items():
         world = sspec.full_world()
         for family in ("sgd", "adam"):
+            opts = [o for o, spec in OPTIMIZERS.items() if spec.family == family
+                    and any(refusal(stack, o, m) is None for m in MODELS)]
+            o = least(used_opt, opts)
+            m = least(used_model, [m for m in MODELS if refusal(stack, o, m) is None])
+            used_opt[o] += 1
+            used_model[m] += 1
+            out.append(Case(stack, o, m, world))
+        for k, world in enumerate(sspec.also_sampled):      # one more row each, the families alternating
+            family = ("sgd", "adam")[(len(out) + k) % 2]
             opts = [o for o, spec in OPTIMIZERS.items() if spec.family == family
                     and any(refusal(stack, o, m) is None for m in MODELS)]
             o = least(used_opt, opts)
@@ -554,7 +584,8 @@ def run_case(case: Case, tmpdir: str | None = None, timeout: float = 240.0) -> V
     why = refusal(case.stack, case.optimizer, case.model)
     if why is not None:
         try:
-            run_on_ranks(_train, case.world, case, tmpdir, True, timeout=timeout)
+            run_on_ranks(_train, case.world, case, tmpdir, True, timeout=timeout,
+                         ranks_per_node=STACKS[case.stack].ranks_per_node(case.world))
         except Exception as e:     # RankFailure carries the rank's error text
             text = str(e)
             assert why.error.__name__ in text and why.match in text, \
@@ -565,7 +596,8 @@ def run_case(case: Case, tmpdir: str | None = None, timeout: float = 240.0) -> V
     ratio = sensitivity(case, ref_init, ref_state)
     assert ratio >= MIN_RATIO, (f"{case}: the reference's {STEPS} updates moved a parameter leaf by only {ratio:.3g}x "
                                 f"the tolerance (need >= {MIN_RATIO:g}): this row could not see a lost update")
-    results = run_on_ranks(_train, case.world, case, tmpdir, True, timeout=timeout)
+    results = run_on_ranks(_train, case.world, case, tmpdir, True, timeout=timeout,
+                           ranks_per_node=STACKS[case.stack].ranks_per_node(case.world))
     worst = [compare(case, r, losses, state, ref_losses, ref_state, ref_init)
              for r, (losses, state, _) in enumerate(results)]
     return Verdict("passed", ratio, None if worst[0] is None else max(worst))

@@ -71,6 +71,11 @@ def _reducer_sums():
     return mock.patch.object(flat.ShardReducer, "__init__", init)
 
 
+def _hybrid_no_cross():
+    from dsfn.runtime import flat
+    return mock.patch.object(flat.ShardReducer, "_reduce_across", lambda self: None)
+
+
 def _update(transform: Callable[[Any, Any], Any]):
     """base.step with its new params passed through `transform(old, new)` in a rank."""
     from dsfn import tree
@@ -172,8 +177,13 @@ _SPLIT_SEEN = ("batchnorm",)
 MUTATIONS: dict[str, Mutation] = {m.name: m for m in [
     # (ZeRO-1's reducer too: stages >= 1 reduce-scatter the gradients into the optimizer's shards)
     Mutation("reducer_sums", "ZeRO's gradient reducer sums instead of averaging", _reducer_sums,
-             lambda c: any(z in c.stack for z in ("zero1", "zero2", "zero3")) and _dp(c) > 1 and not _scale_blind(c),
-             ("tests/transforms/test_zero.py",)),
+             lambda c: any(z in c.stack for z in ("zero1", "zero2", "zero3", "hsdp")) and _dp(c) > 1
+             and not _scale_blind(c), ("tests/transforms/test_zero.py",)),
+    # each shard group's gradients averaged over its own ranks' rows only: the groups' updates
+    # differ from the whole batch's (and from each other), whatever the optimizer
+    Mutation("hybrid_no_cross", "hybrid sharding reduces inside the shard group only (the all-reduce across "
+             "groups forgotten)", _hybrid_no_cross, lambda c: "hsdp" in c.stack,
+             ("tests/transforms/test_zero_hybrid.py",)),
     Mutation("no_update", "the optimizer update switched off in the ranks", _no_update, lambda c: True,
              ("tests/transforms/test_data_parallel.py",), ranks_only=True),
     Mutation("zero_grads", "all gradients zeroed (in the ranks)", _zero_grads, lambda c: True,

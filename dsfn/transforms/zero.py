@@ -214,8 +214,12 @@ class ShardZero(Transform):
         return call_next(self._replicas.sync_buffers(buffers))
 
     def handle_reduce_leaves(self, call_next, partials, pending, op):
-        """Leaves split over this transform's axis (its shards) are combined over it."""
-        return call_next(*self._replicas.reduce_leaves(partials, pending, op), op)
+        """Leaves split over this transform's axis (its shards) are combined over it; under
+        hybrid sharding over the shard group's axis (not across the copies)."""
+        partials, pending = self._replicas.reduce_leaves(partials, pending, op)
+        if self._engine is not None and self.shard_group is not None:
+            partials, pending = self._engine.reduce_leaves(partials, pending, op)
+        return call_next(partials, pending, op)
 
     # -- update -----------------------------------------------------------------------------------
     def handle_apply_gradients(self, call_next, state, grads):
