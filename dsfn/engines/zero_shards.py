@@ -92,15 +92,14 @@ class ZeroShards:
         """(the axis ZeRO's shards split over, the axis across which they are copies, or None):
         (dp, None) flat; ("dp_shard", "dp_replicate") hybrid. Resolved on the current mesh at
         first use (the split's process groups are made then, on every rank alike)."""
+        if self.shard_group is None:        # flat: no mesh lookup (this runs per leaf in places)
+            return self.dp_axis, None
         mesh = current_mesh()
         hit = self._axes_on
         if hit is not None and hit[0] is mesh:
             return hit[1], hit[2]
-        if self.shard_group is None:
-            axes = (self.dp_axis, None)
-        else:
-            axes = split_axes(mesh, self.dp_axis, self.shard_group, self.cross_node,
-                              f"shard_zero({self.stage}, shard_group={self.shard_group!r})")
+        axes = split_axes(mesh, self.dp_axis, self.shard_group, self.cross_node,
+                          f"shard_zero({self.stage}, shard_group={self.shard_group!r})")
         self._axes_on = (mesh, *axes)
         return axes
 

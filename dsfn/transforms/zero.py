@@ -67,6 +67,18 @@ all-gathers Ψ in forward and again in backward and reduce-scatters Ψ (3Ψ(N-1)
 Gradient accumulation reduces every micro-batch into the shard (DeepSpeed's stage 2/3
 choice: only shards are ever held).
 
+Beyond one node (`dsfn.engines.shard_groups`; the launcher's topology, `dsfn.runtime.topology`):
+with `shard_group=k` ("node": the dp ranks of one node) the shards are cut over k ranks
+(mesh axis "dp_shard") and are copies across the groups ("dp_replicate"): every all-gather
+and reduce-scatter above runs inside the group, then each bucket's reduced shards are
+all-reduced across the groups once (at backward's end, so no wait cycle can form with the
+group's gathers), and the state per rank is 1/k instead of 1/N. Per node and step, only
+that all-reduce crosses the network: 2·P·(n-1)/n bytes for n nodes (P the parameter bytes)
+instead of flat stage 3's ≈ 3·P·(n-1)/n. With `hpz=k` (stage 3) the shards stay over all N
+ranks; each unit gathered in a forward under value_and_grad keeps this rank's 1/k of it
+(k ranks of a node, "dp_shard"), from which backward re-gathers it inside the node
+(`UnitGatherer`, gauge "zero3.secondary_bytes").
+
 Policy and machinery: this module holds the policy (options, checks, which primitives
 ZeRO handles and when it is in effect); the work is in engines, one per stage as in
 DeepSpeed (`dsfn.engines.zero_stage12` for stages 1-2, `dsfn.engines.zero_stage3` with
