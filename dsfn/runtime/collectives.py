@@ -11,12 +11,16 @@ communication a stack performs with the theory. Bytes counted per call:
 | all_to_all      | the input's bytes                       |
 | broadcast       | the tensor's bytes                      |
 
+Each count also splits its bytes by link (`dsfn.runtime.links`): `intra` (this rank's bytes
+over node-local links) and `inter` (bytes crossing this rank's node's boundary, per node),
+from the axis's group on the mesh's `topology`; the factors are cached per axis and mesh.
 A size-1 axis performs no communication and counts nothing. `async_op=True` returns a
 `Pending` whose `wait()` gives the result. Under NCCL, host tensors (step counts,
 metrics) are staged through the device and the result comes back to the host.
 """
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
@@ -26,13 +30,19 @@ import torch.distributed as dist
 
 from dsfn.errors import ShapeError
 from dsfn.runtime import env
+from dsfn.runtime.links import group_links, link_bytes
 from dsfn.runtime.mesh import Mesh, current_mesh
 
 
 @dataclass
 class OpCount:
+    """Calls and counted bytes of one (axis, op); `intra` (per rank) and `inter` (per node)
+    split the traffic by link (`dsfn.runtime.links`)."""
+
     calls: int = 0
     bytes: int = 0
+    intra: float = 0.0
+    inter: float = 0.0
 
 
 class CommCounters:
@@ -40,15 +50,33 @@ class CommCounters:
 
     def __init__(self) -> None:
         self._counts: dict[tuple[str, str], OpCount] = defaultdict(OpCount)
+        # (axis, op) -> (mesh, intra factor, inter factor): the link split per counted byte
+        self._factors: dict[tuple[str, str], tuple[weakref.ref, float, float]] = {}
 
-    def record(self, axis: str, op: str, nbytes: int) -> None:
-        axis = axis.split("/")[0]           # a gradient channel counts as its axis
-        c = self._counts[(axis, op)]
+    def record(self, axis: str, op: str, nbytes: int, mesh: Mesh | None = None, src: int | None = None) -> None:
+        """Count one call of `op` along `axis` (a gradient channel "x/grads" counts as x)
+        moving `nbytes`; `mesh` (default: the current one) places its group on the
+        topology, `src` is a broadcast's source (a global rank)."""
+        axis = axis.split("/")[0]
+        key = (axis, op)
+        c = self._counts[key]
         c.calls += 1
         c.bytes += int(nbytes)
+        m = mesh if mesh is not None else current_mesh()
+        if op == "broadcast":
+            split = link_bytes(op, nbytes, group_links(m.ranks(axis), m.topology, m.rank), src, m.rank)
+            c.intra += split.intra
+            c.inter += split.inter
+            return
+        f = self._factors.get(key)
+        if f is None or f[0]() is not m:
+            unit = link_bytes(op, 1, group_links(m.ranks(axis), m.topology, m.rank))
+            f = self._factors[key] = (weakref.ref(m), unit.intra, unit.inter)
+        c.intra += nbytes * f[1]
+        c.inter += nbytes * f[2]
 
     def snapshot(self) -> dict[tuple[str, str], OpCount]:
-        return {k: OpCount(v.calls, v.bytes) for k, v in self._counts.items()}
+        return {k: OpCount(v.calls, v.bytes, v.intra, v.inter) for k, v in self._counts.items()}
 
     def bytes(self, axis: str | None = None, op: str | None = None) -> int:
         return sum(v.bytes for (a, o), v in self._counts.items()
@@ -60,6 +88,7 @@ class CommCounters:
 
     def reset(self) -> None:
         self._counts.clear()
+        self._factors.clear()
 
 
 counters = CommCounters()
@@ -148,7 +177,7 @@ def all_reduce_(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | Non
     m = _mesh(mesh)
     if m.size(axis) == 1:
         return _done(t, async_op)
-    counters.record(axis, "all_reduce", _nbytes(t))
+    counters.record(axis, "all_reduce", _nbytes(t), m)
     dev = _to_backend(t)
     work = dist.all_reduce(dev, op=_OPS[op], group=m.group(axis), async_op=async_op)
     return _result(work, dev, t.device, async_op, target=t)
@@ -171,7 +200,7 @@ def all_gather(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None, async_op
     home, t = t.device, _to_backend(t.contiguous())
     out = torch.empty((n * t.shape[0],) + tuple(t.shape[1:]) if t.dim() else (n,), dtype=t.dtype,
                       device=t.device)
-    counters.record(axis, "all_gather", _nbytes(out))
+    counters.record(axis, "all_gather", _nbytes(out), m)
     work = _all_gather_tensor(out, t if t.dim() else t.reshape(1), group=m.group(axis), async_op=async_op)
     return _result(work, out, home, async_op)
 
@@ -212,7 +241,7 @@ def all_gather_into_(outs: list[torch.Tensor], ts: list[torch.Tensor], axis: str
         for o, t in zip(outs, ts):
             o.copy_(t.reshape(-1))
         return _done(outs, async_op)
-    counters.record(axis, "all_gather", sum(o.numel() * o.element_size() for o in outs))
+    counters.record(axis, "all_gather", sum(o.numel() * o.element_size() for o in outs), m)
     backend = env.backend()
     if backend == "gloo" and all(o.device.type == "cpu" for o in outs):
         # gloo's all-gather receives into an output-sized buffer of its own and copies out;
@@ -268,7 +297,7 @@ def reduce_scatter(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | 
     if out is not None and (tuple(out.shape) != shape or out.dtype != t.dtype or not out.is_contiguous()):
         raise ShapeError(f"reduce_scatter along {axis!r}: out is {tuple(out.shape)} {out.dtype}, the chunk "
                          f"is {shape} {t.dtype} (contiguous)")
-    counters.record(axis, "reduce_scatter", _nbytes(t))
+    counters.record(axis, "reduce_scatter", _nbytes(t), m)
     if consume and env.backend() == "gloo" and t.device.type == "cpu" and op in ("sum", "avg"):
         me = m.local_rank(axis)
         target = out if out is not None else torch.empty(shape, dtype=t.dtype, device=home)
@@ -294,7 +323,7 @@ def all_to_all(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None, async_op
     _check_dim0_divisible("all_to_all", t, axis, n)
     home, t = t.device, _to_backend(t.contiguous())
     out = torch.empty_like(t)
-    counters.record(axis, "all_to_all", _nbytes(t))
+    counters.record(axis, "all_to_all", _nbytes(t), m)
     work = dist.all_to_all_single(out, t, group=m.group(axis), async_op=async_op)
     return _result(work, out, home, async_op)
 
@@ -305,7 +334,7 @@ def broadcast_(t: torch.Tensor, axis: str, src: int = 0, *, mesh: Mesh | None = 
     m = _mesh(mesh)
     if m.size(axis) == 1:
         return _done(t, async_op)
-    counters.record(axis, "broadcast", _nbytes(t))
+    counters.record(axis, "broadcast", _nbytes(t), m, m.ranks(axis)[src])
     dev = _to_backend(t)
     work = dist.broadcast(dev, src=m.ranks(axis)[src], group=m.group(axis), async_op=async_op)
     return _result(work, dev, t.device, async_op, target=t)

@@ -177,12 +177,13 @@ class Step:
         with recording_apply_fns() as seen:
             self(state, batch, donate=False)        # a dry run never consumes the state
         after = C.counters.snapshot()
-        comm = {}
+        comm, links = {}, {}
         for key, v in after.items():
-            b = before.get(key)
-            calls, nbytes = v.calls - (b.calls if b else 0), v.bytes - (b.bytes if b else 0)
+            b = before.get(key) or C.OpCount()
+            calls, nbytes = v.calls - b.calls, v.bytes - b.bytes
             if calls:
                 comm[key] = (calls, nbytes)
+                links[key] = (v.intra - b.intra, v.inter - b.inter)
         leaves = []
         for path, x in tree.leaves_with_path(state, is_leaf=is_placed):
             t = x.data if isinstance(x, Placed) else x
@@ -196,6 +197,7 @@ class Step:
         with activate(self.stack, self.facts):
             notes = [getattr(t, "explain_note", t.describe)() for t in self.stack]
         out = Explanation(notes, leaves, comm, dict(C.gauge_max))
+        out.links = links
         from dsfn.estimate import explain_estimate     # dsfn.estimate_memory for this stack, beside the leaves
         out.estimate = explain_estimate(self.stack, state)
         return out
@@ -209,16 +211,29 @@ class Step:
 
 class Explanation:
     """What a step does on this rank: `stack` notes, `leaves` (path, layout, local shape,
-    dtype, bytes), `collectives` {(axis, op): (calls, bytes)} per step, runtime `gauges`,
+    dtype, bytes), `collectives` {(axis, op): (calls, bytes)} per step, `links` {(axis, op):
+    (intra-node bytes of this rank, inter-node bytes of its node)} per step
+    (`dsfn.runtime.links`; totals `intra_bytes`, `inter_bytes`), runtime `gauges`,
     `estimate` (`dsfn.estimate.MemoryEstimate` of the stack, or None)."""
 
     def __init__(self, stack: list[str], leaves: list[tuple], collectives: dict, gauges: dict):
         self.stack, self.leaves, self.collectives, self.gauges = stack, leaves, collectives, gauges
         self.estimate = None
+        self.links: dict[tuple[str, str], tuple[float, float]] = {}
 
     @property
     def state_bytes(self) -> int:
         return sum(x[4] for x in self.leaves)
+
+    @property
+    def intra_bytes(self) -> float:
+        """This rank's bytes over node-local links per step."""
+        return sum(v[0] for v in self.links.values())
+
+    @property
+    def inter_bytes(self) -> float:
+        """Bytes crossing this rank's node's boundary per step (per node)."""
+        return sum(v[1] for v in self.links.values())
 
     def __str__(self) -> str:
         lines = ["stack (outermost first):"] + [f"  {n}" for n in self.stack] or ["  (no transforms)"]
@@ -227,7 +242,13 @@ class Explanation:
             lines.append(f"  {path:50s} {str(dtype).replace('torch.', ''):9s} {str(shape):16s} {layout}")
         lines.append("collectives per step:" if self.collectives else "collectives per step: none")
         for (axis, op), (calls, nbytes) in sorted(self.collectives.items()):
-            lines.append(f"  {axis:4s} {op:15s} {calls:5d} calls {nbytes / 2**20:10.3f} MiB")
+            intra, inter = self.links.get((axis, op), (0.0, 0.0))
+            where = "node-local" if not inter else f"{inter:,.0f} B across nodes (per node)"
+            lines.append(f"  {axis:12s} {op:15s} {calls:5d} calls {nbytes:14,d} B   {intra:14,.0f} B intra-node, "
+                         f"{where}")
+        if self.collectives:
+            lines.append(f"  by link: {self.intra_bytes:,.0f} B intra-node (this rank), "
+                         f"{self.inter_bytes:,.0f} B inter-node (per node)")
         for k, v in sorted(self.gauges.items()):
             lines.append(f"peak {k}: {v}")
         if getattr(self, "estimate", None) is not None:

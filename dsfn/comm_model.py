@@ -1,0 +1,222 @@
+"""Communication per training step, by link, from one node to 1,000: a cost model.
+
+For a model of P parameters (its tensors grouped in ZeRO-3 units) on `nodes` nodes of
+`gpus_per_node` ranks, `step_comm` lists the collectives one step issues on one rank
+under a layout, with the bytes the runtime would count for each (padding included: every
+tensor is flattened and zero-padded to a multiple of its shard group's size, as
+`dsfn.runtime.flat` does), and splits them by link with the runtime's own accounting
+(`dsfn.runtime.links`): intra-node bytes per rank, inter-node bytes per node. Layouts
+(all ZeRO-3, `shard_zero(3, ...)`):
+
+| layout | collectives per step (k = dp ranks of a node, D = dp size)                       |
+|--------|-----------------------------------------------------------------------------------|
+| flat   | all-gather each unit over dp in forward and in backward; reduce-scatter over dp   |
+| hsdp   | the same over dp_shard (k, the node); all-reduce of the shard over dp_replicate   |
+|        | (HSDP / MiCS: `shard_group="node"`)                                              |
+| hpz    | forward all-gather over dp, backward re-gather over dp_shard; reduce-scatter over dp |
+|        | (ZeRO++ hpZ: `hpz="node"`)                                                      |
+
+`tp` > 1 (inside a node) splits each weight matrix over tp ranks and adds Megatron's four
+activation all-reduces per layer (two in forward, two in backward) of tokens x hidden;
+`sp` > 1 (Ulysses, inside a node) adds eight all-to-alls per layer of tokens x hidden and
+the gradients' all-reduce over sp. Message counts: one all-gather per unit and pass, one
+reduce-scatter (and under hsdp one all-reduce) per unit, as FSDP and a DeepSpeed
+reduce bucket of a layer's size do (`reduce_bucket=` elements instead: one per bucket), one
+metrics all-reduce over dp.
+
+Time (`Plan.seconds`) is an alpha-beta model, the links given as data (`Link`): per call,
+a ring's hops each cost the link's latency (m-1 node-local hops, n'-1 across nodes; an
+all-reduce across nodes takes NCCL's tree, 2 log2(n') hops);
+bytes cost intra-node bytes / NVLink bandwidth (per GPU) plus inter-node bytes per node /
+(NIC bandwidth x NICs per node). Communication only, none of it overlapped with compute:
+a projection to compare layouts, not a step time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from dsfn.errors import ConfigError
+from dsfn.runtime.links import LinkBytes, group_links, link_bytes
+from dsfn.runtime.topology import Topology
+
+__all__ = ["Link", "Cluster", "ModelSpec", "Collective", "Plan", "LAYOUTS", "NVLINK_H100", "NIC_400G",
+           "llama", "LLAMA_7B", "LLAMA_70B", "step_comm"]
+
+LAYOUTS = ("flat", "hsdp", "hpz")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link: `bandwidth` bytes/s per direction, `latency` seconds per message (hop)."""
+
+    name: str
+    bandwidth: float
+    latency: float
+
+
+# H100/H200 SXM: NVLink 4, 18 links, 900 GB/s bidirectional = 450 GB/s per direction per GPU
+NVLINK_H100 = Link("NVLink 4 (H100/H200 SXM), 450 GB/s per direction per GPU", 450e9, 3e-6)
+# one 400 Gb/s NIC per GPU (InfiniBand NDR / RoCE): 50 GB/s per direction
+NIC_400G = Link("400 Gb/s NIC per GPU, 50 GB/s per direction", 50e9, 10e-6)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`nodes` nodes of `gpus_per_node` GPUs, `intra` between GPUs of a node, `nics_per_node`
+    NICs of `inter` per node."""
+
+    nodes: int
+    gpus_per_node: int = 8
+    intra: Link = NVLINK_H100
+    inter: Link = NIC_400G
+    nics_per_node: int = 8
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(self.nodes, self.gpus_per_node, "comm_model")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as ZeRO-3 sees it: `units`, each a tuple of (numel, split over tp) per tensor;
+    `hidden`, `layers` for tp/sp activation traffic."""
+
+    name: str
+    units: tuple[tuple[tuple[int, bool], ...], ...]
+    hidden: int = 0
+    layers: int = 0
+
+    @property
+    def params(self) -> int:
+        return sum(n for u in self.units for n, _ in u)
+
+
+def llama(name: str, hidden: int, intermediate: int, layers: int, vocab: int, heads: int,
+          kv_heads: int) -> ModelSpec:
+    """A Llama's tensors from its config: a unit per decoder layer, the root unit holding
+    embeddings, final norm and (untied) lm_head."""
+    kv = hidden // heads * kv_heads
+    layer = ((hidden * hidden, True), (hidden * kv, True), (hidden * kv, True), (hidden * hidden, True),
+             (hidden * intermediate, True), (hidden * intermediate, True), (intermediate * hidden, True),
+             (hidden, False), (hidden, False))
+    root = ((vocab * hidden, True), (hidden, False), (vocab * hidden, True))
+    return ModelSpec(name, (root,) + (layer,) * layers, hidden, layers)
+
+
+LLAMA_7B = llama("Llama-2 7B", 4096, 11008, 32, 32000, 32, 32)            # 6.74e9 parameters
+LLAMA_70B = llama("Llama-3 70B", 8192, 28672, 80, 128256, 64, 8)          # 70.6e9 parameters
+
+
+@dataclass
+class Collective:
+    """One kind of collective in a step: `calls` of `op` over `axis`, `nbytes` counted in
+    all (the runtime's convention), split by link, and its modelled seconds."""
+
+    axis: str
+    op: str
+    calls: int
+    nbytes: int
+    links: LinkBytes
+    seconds: float
+
+
+@dataclass
+class Plan:
+    """A step's collectives on one rank under a layout (`step_comm`)."""
+
+    layout: str
+    cluster: Cluster
+    collectives: list[Collective] = field(default_factory=list)
+
+    @property
+    def inter_bytes(self) -> float:
+        """Bytes crossing a node's boundary per step (per node)."""
+        return sum(c.links.inter for c in self.collectives)
+
+    @property
+    def intra_bytes(self) -> float:
+        """A rank's bytes over node-local links per step."""
+        return sum(c.links.intra for c in self.collectives)
+
+    @property
+    def seconds(self) -> float:
+        return sum(c.seconds for c in self.collectives)
+
+    def counted(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """{(axis, op): (calls, bytes)}: what `Step.explain` shows as `collectives`."""
+        return {(c.axis, c.op): (c.calls, c.nbytes) for c in self.collectives}
+
+
+def _padded(numel: int, n: int) -> int:
+    return -(-numel // n) * n
+
+
+def step_comm(model: ModelSpec, layout: str, cluster: Cluster, *, elem_bytes: int = 2, tp: int = 1, sp: int = 1,
+              tokens: int = 4096, reduce_bucket: float | None = None, metric_bytes: int = 8) -> Plan:
+    """One step's collectives on rank 0 (module docstring). `elem_bytes`: the parameters'
+    and gradients' element size (2: bf16); `tokens`: tokens per rank per step (tp/sp
+    activations); `metric_bytes`: the metrics all-reduced over dp (a loss and its count, as
+    float32: 8)."""
+    if layout not in LAYOUTS:
+        raise ConfigError(f"unknown layout {layout!r}; one of {LAYOUTS}")
+    L = cluster.gpus_per_node
+    if L % (tp * sp):
+        raise ConfigError(f"tp x sp = {tp * sp} must divide the {L} GPUs of a node (tp and sp stay inside a node)")
+    topo = cluster.topology
+    world = topo.world
+    dp = list(range(0, world, tp * sp))              # rank 0's dp group (mesh dp, sp, tp: tp fastest)
+    k = L // (tp * sp)                               # dp ranks per node
+    groups = {"dp": dp, "dp_shard": dp[:k], "dp_replicate": dp[::k], "tp": list(range(tp)),
+              "sp": list(range(0, tp * sp, tp))}
+    plan = Plan(layout, cluster)
+
+    def add(axis: str, op: str, calls: int, nbytes: int) -> None:
+        ranks = groups[axis]
+        if len(ranks) == 1 or calls == 0:
+            return
+        gl = group_links(ranks, topo, 0)
+        split = link_bytes(op, nbytes, gl)
+        nodes = gl.nodes_spanned
+        across = 2 * math.ceil(math.log2(nodes)) if op == "all_reduce" else nodes - 1
+        hops = calls * (cluster.intra.latency * (gl.on_node - 1) + cluster.inter.latency * across)
+        secs = hops + split.intra / cluster.intra.bandwidth + \
+            split.inter / (cluster.inter.bandwidth * cluster.nics_per_node)
+        plan.collectives.append(Collective(axis, op, calls, nbytes, split, secs))
+
+    def local(n: int, split: bool) -> int:
+        return -(-n // tp) if split and tp > 1 else n
+
+    def unit_bytes(n: int) -> list[int]:
+        return [sum(_padded(local(t, s), n) for t, s in u) * elem_bytes for u in model.units]
+
+    P_local = sum(local(t, s) for u in model.units for t, s in u)
+    units = len(model.units)
+    buckets = units if reduce_bucket is None else max(1, math.ceil(P_local / reduce_bucket))
+    if layout == "flat":
+        per = sum(unit_bytes(len(dp)))
+        add("dp", "all_gather", 2 * units, 2 * per)
+        add("dp", "reduce_scatter", buckets, per)
+    elif layout == "hsdp":
+        per = sum(unit_bytes(k))
+        add("dp_shard", "all_gather", 2 * units, 2 * per)
+        add("dp_shard", "reduce_scatter", buckets, per)
+        add("dp_replicate", "all_reduce", buckets, per // k)
+    else:
+        per = sum(unit_bytes(len(dp)))
+        add("dp", "all_gather", units, per)
+        add("dp_shard", "all_gather", units, per)
+        add("dp", "reduce_scatter", buckets, per)
+    add("dp", "all_reduce", 1, metric_bytes)
+    act = tokens * model.hidden * elem_bytes
+    add("tp", "all_reduce", 4 * model.layers, 4 * model.layers * act)
+    add("sp", "all_to_all", 8 * model.layers, 8 * model.layers * act)
+    add("sp", "all_reduce", buckets, P_local * elem_bytes)
+    return plan
+
+
+def projections(model: ModelSpec, nodes: Sequence[int], layouts: Sequence[str] = LAYOUTS,
+                **kw) -> dict[tuple[int, str], Plan]:
+    """`step_comm` for each node count and layout (other arguments as `step_comm`'s)."""
+    return {(n, lay): step_comm(model, lay, Cluster(n), **kw) for n in nodes for lay in layouts}
