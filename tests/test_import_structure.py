@@ -163,7 +163,8 @@ def test_the_checks_see_what_they_forbid(tmp_path):
     """Negative controls: each check, on a graph (or source) that breaks its rule, reports it."""
     g = graph()
     made = circles({**g, "dsfn.runtime.env": g["dsfn.runtime.env"] | {"dsfn.runtime.mesh"}})
-    assert ["dsfn.runtime.env", "dsfn.runtime.mesh"] in made
+    # (mesh reaches env through topology too: the circle holds both, and maybe more)
+    assert any({"dsfn.runtime.env", "dsfn.runtime.mesh"} <= set(c) for c in made), made
     assert crossings({"dsfn.optim.base": {"dsfn.state.donation"}}, "dsfn.optim", "dsfn.state") == \
         [("dsfn.optim.base", "dsfn.state.donation")]
     lazy = tmp_path / "lazy.py"          # a function-level, TYPE_CHECKING-guarded private import
