@@ -4,6 +4,7 @@ size it is about (gloo ranks), with only what its marker says is given.
 A block is marked by the HTML comment on the line before its fence:
 
     <!-- doc-test: NAME; given: a, b, ds_config.json; world: N -->   run on N ranks with a, b
+    <!-- doc-test: NAME; given: a; world: N; nodes: M -->             N ranks laid out as on M nodes
     <!-- doc-test: NAME; after: OTHER -->                             a bash block, run in OTHER's directory
     <!-- doc-test: NAME; bench -->                                     `./dev bench ...` lines, run from the root
     <!-- doc-test: NAME; file: ds_config.json -->                      the input file a later block is given
@@ -42,6 +43,10 @@ SKIPPED = {
                         "elided training; README's checkpoints block runs the same calls"),
     "load-deepspeed": ("given a\nDeepSpeed checkpoint", "needs a DeepSpeed checkpoint (tests/migrate runs these calls)"),
     "convert-deepspeed": ("or, once, on the command line", "needs a DeepSpeed checkpoint (tests/migrate runs it)"),
+    "several-nodes-torchrun": ("on each node", "needs two nodes; tests/test_torchrun_nodes.py runs this line as two "
+                               "agents on one machine and checks the README's flags are the ones it runs"),
+    "several-nodes-slurm": ("Under SLURM", "needs a SLURM allocation; tests/runtime/test_topology.py reads srun's "
+                            "variables, and the srun-without-RANK error"),
 }
 SLOW = {"offload", "sequence-parallel", "zero3-from-ds-config", "tp-sp-from-ds-config", "checkpoints",
         "checkpoints-cli", "remat"}
@@ -82,6 +87,9 @@ state, metrics = step(step.init_state(params, tx), batch)
 assert torch.isfinite(metrics['loss'])
 """,
     "tp-sp-from-ds-config": "assert int(state.step) == 2",
+    # the marker's 2 nodes of 2: the shard group is a node's ranks (on one node of 4 it would be all dp)
+    "several-nodes": "assert \"hybrid, state sharded over 'dp_shard' (2, inside a node) and replicated over "
+                     "'dp_replicate' (2, across nodes)\" in notes, notes",
 }
 # the internal names a THEN check reads besides the block's own (made like a given)
 THEN_NEEDS = {"remat": ("params", "batch", "shard_zero", "remat"),
@@ -322,8 +330,9 @@ def _python_blocks(slow: bool):
 def _run(block: Block, tmp_path: pathlib.Path) -> None:
     from dsfn.testing import run_on_ranks
     _files_for(block, tmp_path)
-    world = int(block.opts["world"])
-    assert run_on_ranks(_run_block, world, block, str(tmp_path), timeout=300) == ["ok"] * world
+    world, nodes = int(block.opts["world"]), int(block.opts.get("nodes", 1))
+    assert run_on_ranks(_run_block, world, block, str(tmp_path), timeout=300,
+                        ranks_per_node=world // nodes) == ["ok"] * world
 
 
 @pytest.mark.timeout(400)

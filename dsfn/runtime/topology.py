@@ -7,7 +7,10 @@ per node). The topology is read, in this order, from
   `GROUP_RANK` (this node's index); `GROUP_WORLD_SIZE` when set is the number of nodes;
 - SLURM's `srun`: `SLURM_NNODES`, `SLURM_NTASKS_PER_NODE` ("8", or "8(x4)"),
   `SLURM_PROCID` (this rank) and `SLURM_NODEID`;
-- otherwise one node holding every rank.
+- otherwise (and for a single process inside a SLURM allocation) one node holding every rank.
+
+A task of a several-task `srun` step that is a world of one rank (RANK, WORLD_SIZE, ... not
+exported) is a `DistributedError`: each task would otherwise train alone.
 
 A launcher whose numbers disagree (ranks that do not divide into equal nodes, a node index
 that is not `rank // L`) is a `DistributedError` naming the variables: a hybrid layout
@@ -70,12 +73,12 @@ def _int(environ: Mapping[str, str], name: str) -> int | None:
         raise DistributedError(f"{name}={value!r} is not an integer; fix the launcher's environment") from None
 
 
-def _slurm_tasks_per_node(value: str) -> int:
-    """SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE: "8", "8(x4)"; several counts ("8(x3),4")
-    mean nodes of different sizes, which no layout here supports."""
+def _slurm_tasks_per_node(name: str, value: str) -> int:
+    """SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE (`name`): "8", "8(x4)"; several counts
+    ("8(x3),4") mean nodes of different sizes, which no layout here supports."""
     counts = {int(m.group(1)) for m in re.finditer(r"(\d+)(?:\(x\d+\))?", value)}
     if len(counts) != 1:
-        raise DistributedError(f"SLURM tasks per node {value!r}: nodes run different numbers of ranks; launch "
+        raise DistributedError(f"{name}={value!r}: nodes run different numbers of ranks; launch "
                                "the same number on every node (srun --ntasks-per-node=N)")
     return counts.pop()
 
@@ -83,14 +86,24 @@ def _slurm_tasks_per_node(value: str) -> int:
 def from_environ(environ: Mapping[str, str], world: int, rank: int) -> Topology:
     """The topology `environ` describes for a world of `world` ranks, checked from `rank`'s side."""
     per = _int(environ, "LOCAL_WORLD_SIZE")
+    step_tasks = _int(environ, "SLURM_STEP_NUM_TASKS")
+    if per is None and world == 1 and step_tasks is not None and step_tasks > 1:
+        raise DistributedError(f"srun started {step_tasks} tasks (SLURM_STEP_NUM_TASKS={step_tasks}), but this one "
+                               "is a world of 1 rank: each task would train alone. dsfn joins the process group "
+                               "from RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: export them per task "
+                               "(RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID, MASTER_ADDR "
+                               "the first node), or run one torchrun per node under srun (README, Several nodes)")
     if per is not None:
         source, node = "torchrun", _int(environ, "GROUP_RANK")
         nodes = _int(environ, "GROUP_WORLD_SIZE")
         names = "LOCAL_WORLD_SIZE / GROUP_RANK"
-    elif environ.get("SLURM_NNODES", "").strip() and (environ.get("SLURM_NTASKS_PER_NODE", "").strip()
-                                                       or environ.get("SLURM_TASKS_PER_NODE", "").strip()):
-        source, names = "slurm", "SLURM_NNODES / SLURM_NTASKS_PER_NODE / SLURM_NODEID"
-        per = _slurm_tasks_per_node(environ.get("SLURM_NTASKS_PER_NODE") or environ["SLURM_TASKS_PER_NODE"])
+    elif world > 1 and environ.get("SLURM_NNODES", "").strip() and (
+            environ.get("SLURM_NTASKS_PER_NODE", "").strip() or environ.get("SLURM_TASKS_PER_NODE", "").strip()):
+        # (a single process in an allocation, e.g. the batch script's own python, is one node:
+        # the allocation's variables describe srun's tasks, not this process)
+        tasks = "SLURM_NTASKS_PER_NODE" if environ.get("SLURM_NTASKS_PER_NODE", "").strip() else "SLURM_TASKS_PER_NODE"
+        source, names = "slurm", f"SLURM_NNODES / {tasks} / SLURM_NODEID"
+        per = _slurm_tasks_per_node(tasks, environ[tasks])
         nodes, node = _int(environ, "SLURM_NNODES"), _int(environ, "SLURM_NODEID")
     else:
         return Topology(1, world)
