@@ -25,9 +25,15 @@ dp_replicate groups of hybrid sharding: one per rank of the node); the node's bo
 carries all of them: *inter-node bytes per node* = (crossing of one group) x (groups of the
 axis on the node), the groups along an axis being translates of one another in the mesh
 (every mesh here is row-major over node-major ranks), so that number is (ranks of the
-node) / m. A rank's *intra-node bytes* (per rank) are the part of its traffic from or to
-the other ranks of its node: traffic x (m-1)/g (broadcast: all of it when the source is
-another rank of the node); its own piece, traffic/g, moves nowhere.
+node) / m. A rank's *intra-node bytes* (per rank) are what its node-local links carry for
+it: traffic x (m-1)/m (broadcast: all of it when the source is another rank of the node).
+For a node-local group (m = g) that is everything but its own piece, traffic/g, which moves
+nowhere. For a group across nodes it is what the fast collectives do (NCCL's rings and
+trees over all of a node's NICs, a hierarchical gather): each rank brings 1/m of the
+node's missing bytes in through its own NIC and hands it to the m-1 others over NVLink,
+and the node's own pieces are exchanged there too, so a rank's NVLink traffic stays
+traffic x (m-1)/m however many nodes the group spans (counting only (m-1)/g would make a
+flat collective over many nodes look free of NVLink time).
 
 Imports nothing above the runtime.
 """
@@ -118,4 +124,4 @@ def link_bytes(op: str, nbytes: float, links: GroupLinks, src: int | None = None
         else:
             off = src is None or links.topology.node_of(src) != links.node
         return LinkBytes(0.0 if off or src == me else t, t * links.groups_on_node if off else 0.0)
-    return LinkBytes(t * (links.on_node - 1) / links.size, t * links.cross * links.groups_on_node)
+    return LinkBytes(t * (links.on_node - 1) / links.on_node, t * links.cross * links.groups_on_node)
