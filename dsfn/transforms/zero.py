@@ -81,6 +81,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dsfn.engines.data_parallel import Replicas
+from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.engines.zero_stage12 import Stage12
 from dsfn.engines.zero_stage3 import Stage3
 from dsfn.errors import ConfigError, StackError
@@ -214,8 +215,15 @@ class ShardZero(Transform):
         return call_next(self._replicas.sync_buffers(buffers))
 
     def handle_reduce_leaves(self, call_next, partials, pending, op):
-        """Leaves split over this transform's axis (its shards) are combined over it."""
-        return call_next(*self._replicas.reduce_leaves(partials, pending, op), op)
+        """Leaves split over this transform's axis (its shards) are combined over it; a hybrid
+        shard (split over "dp_shard") over its shard group alone: its copies lie across the
+        groups ("dp_replicate"), so that sum is already the whole leaf's."""
+        partials, pending = self._replicas.reduce_leaves(partials, pending, op)
+        if self._engine is not None and any(pending):
+            shard, replicate = self._engine.shard_axes()
+            if replicate is not None:
+                partials, pending = reduce_over_axis(partials, pending, shard, op)
+        return call_next(partials, pending, op)
 
     # -- update -----------------------------------------------------------------------------------
     def handle_apply_gradients(self, call_next, state, grads):
