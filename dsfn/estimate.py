@@ -18,6 +18,13 @@ separately as dsfn lays it out (tp split first, then ZeRO's flat shard, padded t
 | `largest_unit` | ZeRO 3: the most bytes gathered at once (the largest unit — a repeated block — plus the root unit's parameters, which stay gathered through the forward) |
 | `buckets` | gradient-reduction buckets (reduce_bucket_size elements, at most the model) and, ZeRO 1/2, the all-gather bucket |
 | `host` / `nvme` | what `offload("cpu")` / `offload("nvme")` moves off the device: optimizer state and master weights, and ZeRO 3's parameter shards with `params=True` |
+| `secondary` | ZeRO++ hpZ (`shard_zero(3, hpz=k)`): every gathered unit's secondary shard, 1/k of the unit as gathered (each tensor padded to N) in the compute dtype, all held at once from the end of forward until backward re-gathers each unit |
+
+Hybrid sharding (`shard_zero(stage, shard_group=k)`, HSDP / MiCS) shards over the k ranks of a
+shard group instead of all N: every "1/N" above is then 1/k (the state is replicated N/k
+times). k comes from `dsfn.engines.shard_groups.group_size`, checked as ZeRO checks it, on
+the launcher's topology (or `ranks_per_node=`, which "node" needs when estimating another
+world than the running one).
 
 `params + optimizer + master + host + nvme` is the state `Step.explain` measures on a rank
 (its leaves); `explain()` shows this estimate beside it. Gradients, units and buckets are
@@ -59,6 +66,9 @@ class MemoryEstimate:
     stage: int = 0
     offload: str | None = None
     offload_params: bool = False
+    secondary: int = 0
+    shard_group: int | None = None  # hybrid sharding: ranks of a shard group (None: flat over dp)
+    hpz: int | None = None          # ZeRO++ hpZ: ranks of a secondary group (None: off)
 
     @property
     def state(self) -> int:
@@ -67,14 +77,16 @@ class MemoryEstimate:
 
     @property
     def device(self) -> int:
-        """Peak device bytes of model states: state on the device + grads + largest unit + buckets."""
-        return self.params + self.optimizer + self.master + self.grads + self.largest_unit + self.buckets
+        """Peak device bytes of model states: state on the device + grads + largest unit + buckets
+        (+ hpZ's secondary shards, all held while backward starts)."""
+        return (self.params + self.optimizer + self.master + self.grads + self.largest_unit + self.buckets
+                + self.secondary)
 
     def deepspeed(self, gpus_per_node: int = 8) -> dict[str, int]:
         """DeepSpeed's published formulas for this model and dp size: {"gpu": per GPU, "cpu":
         per node of `gpus_per_node`} (`estimate_zero2_model_states_mem_needs` for stages <= 2,
         `estimate_zero3_model_states_mem_needs` for 3, whose largest layer is `largest_layer`)."""
-        n = self.mesh.get("dp", self.world_size)
+        n = self.shard_group or self.mesh.get("dp", self.world_size)     # MiCS: the formulas over its shard group
         per_node = min(gpus_per_node, n)
         nodes = max(n // per_node, 1)
         cpu = self.offload is not None
@@ -85,11 +97,20 @@ class MemoryEstimate:
 
     def __str__(self) -> str:
         g = _human
-        g = _human
         lines = [f"memory estimate per rank ({_count(self.num_params)} params, world {self.world_size}, "
                  f"mesh {self.mesh}, ZeRO {self.stage}{', offload ' + self.offload if self.offload else ''}):"]
+        dp = self.mesh.get("dp", self.world_size)
+        if self.shard_group is not None:
+            lines.append(f"  hybrid sharding: the state is sharded over shard groups of {self.shard_group} of the {dp} "
+                         f"dp ranks (1/{self.shard_group} per rank, not 1/{dp}) and replicated "
+                         f"{dp // self.shard_group} times")
+        if self.hpz is not None:
+            lines.append(f"  hpZ: each gathered unit keeps a secondary shard over {self.hpz} ranks (1/{self.hpz} of "
+                         "the unit, in the compute dtype) from its forward to its backward: 'secondary'")
         for k in ("params", "grads", "optimizer", "master", "largest_unit", "buckets", "host", "nvme"):
             lines.append(f"  {k:13s} {g(getattr(self, k))}")
+        if self.hpz is not None:
+            lines.append(f"  {'secondary':13s} {g(self.secondary)}   (hpZ, all units' secondary shards after forward)")
         lines.append(f"  {'device peak':13s} {g(self.device)}   (state on this rank: {g(self.state)})")
         return "\n".join(lines)
 
@@ -151,13 +172,48 @@ def deepspeed_zero3_estimate(total_params: int, largest_layer_params: int, num_g
 
 
 class _Mesh:
-    """Just enough of a Mesh for `Layout.local_shape`: axis sizes, no process group."""
+    """Just enough of a Mesh for `Layout.local_shape` and `shard_groups.group_size`: axis
+    sizes (row-major in the given order, as `Mesh` lays them out), a topology, no process group."""
 
-    def __init__(self, sizes: dict[str, int]):
-        self.sizes = sizes
+    def __init__(self, sizes: dict[str, int], topology: Any = None):
+        self.sizes, self.topology = sizes, topology
 
     def size(self, axis: str) -> int:
         return self.sizes.get(axis, 1)
+
+    def axis_groups(self, axis: str) -> list[list[int]]:
+        names = list(self.sizes)
+        stride = math.prod(self.sizes[a] for a in names[names.index(axis) + 1:])
+        n, world = self.sizes[axis], math.prod(self.sizes.values())
+        starts = [r for r in range(world) if (r // stride) % n == 0]
+        return [[r + i * stride for i in range(n)] for r in starts]
+
+
+def _group(spec: Any, cross_node: bool, sizes: dict[str, int], world_size: int, ranks_per_node: int | None,
+           who: str) -> int | None:
+    """Ranks of a hybrid shard group (or hpZ secondary group) `spec` ("node" or k) on a mesh of
+    `sizes`: ZeRO's own `group_size` on the topology of `ranks_per_node`, else the launcher's
+    when it launched `world_size` ranks. None for no group (spec None) or one that is the whole
+    dp axis (flat sharding)."""
+    if spec is None:
+        return None
+    from dsfn.engines.shard_groups import group_size      # ZeRO's check and arithmetic
+    from dsfn.runtime.topology import Topology, topology
+    if ranks_per_node is not None:
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1 \
+                or world_size % ranks_per_node:
+            raise ConfigError(f"estimate_memory(ranks_per_node={ranks_per_node!r}): a divisor of world_size "
+                              f"{world_size}")
+        topo = Topology(world_size // ranks_per_node, ranks_per_node, "estimate_memory(ranks_per_node=...)")
+    else:
+        topo = topology()
+        if topo.world != world_size:
+            if spec == "node":
+                raise ConfigError(f"estimate_memory: {who} needs the ranks per node of a {world_size}-rank job, and "
+                                  f"this process was launched as {topo.describe()}; pass ranks_per_node=")
+            topo = Topology(1, world_size, "one node (estimate_memory: no ranks_per_node given)")
+    k = group_size(_Mesh(sizes, topo), "dp", spec, cross_node, who)
+    return None if k == sizes["dp"] else k
 
 
 def _stack_of(stack: Any) -> tuple:
@@ -209,7 +265,7 @@ def _unit_params(module: nn.Module | None, zero: Any, names: set[str]) -> tuple[
 
 def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = (), world_size: int = 1, *,
                     tx: Any = None, tp: int | None = None, sp: int | None = None,
-                    dtype: torch.dtype | None = None) -> MemoryEstimate:
+                    dtype: torch.dtype | None = None, ranks_per_node: int | None = None) -> MemoryEstimate:
     """Per-rank bytes of parameters, gradients, optimizer state, master weights, the largest
     gathered unit, buckets, host and NVMe (see the module docstring).
 
@@ -221,6 +277,8 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
         tp, sp: mesh sizes (default: 2 if the stack has tensor_parallel / sequence_parallel
             and world_size allows, else 1 — pass them for any other mesh).
         dtype: the parameters' dtype without mixed precision (default: the model's, else fp32).
+        ranks_per_node: the launcher's ranks per node, for `shard_zero(shard_group="node")` /
+            `hpz="node"` (default: this job's topology when it has `world_size` ranks).
     """
     from dsfn.optim import adamw
     stack = _stack_of(stack)
@@ -236,6 +294,15 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
     zero = _find(stack, "shard_zero")
     stage = getattr(zero, "stage", 0) if zero is not None else 0
     n_shard = dp if (zero is not None or _find(stack, "data_parallel") is not None) else 1
+    sizes = {"dp": dp, "sp": sp, "tp": tp}          # Mesh's default axis order (dp outermost)
+    hybrid = hpz = None
+    if zero is not None and stage >= 1:
+        hybrid = _group(getattr(zero, "shard_group", None), bool(getattr(zero, "cross_node", False)), sizes,
+                        world_size, ranks_per_node, f"shard_zero({stage}, shard_group={zero.shard_group!r})")
+        hpz = _group(getattr(zero, "hpz", None), False, sizes, world_size, ranks_per_node,
+                     f"shard_zero(3, hpz={getattr(zero, 'hpz', None)!r})")
+    if hybrid is not None:
+        n_shard = hybrid            # the state is 1/k of a shard group, replicated across the groups
     mp = _find(stack, "mixed_precision")
     mp_active = mp is not None and mp.param_dtype != mp.master_dtype
     pdtype = mp.param_dtype if mp_active else model_dtype
@@ -259,7 +326,8 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
 
     est = MemoryEstimate(num_params=sum(math.prod(s) for s in shapes.values()), world_size=world_size,
                          mesh={"dp": dp, "tp": tp, "sp": sp}, stage=stage,
-                         offload=getattr(off, "device", None), offload_params=bool(getattr(off, "params", False)))
+                         offload=getattr(off, "device", None), offload_params=bool(getattr(off, "params", False)),
+                         shard_group=hybrid, hpz=hpz)
     pb, gb = esize(pdtype), esize(pdtype)
     param_bytes = sum((shard(k) if sharded(n) else k) * pb for n, k in numel.items())
     if off is not None and est.offload_params and stage == 3:
@@ -295,6 +363,8 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
         scale = lambda k: k if tpt is None or tp == 1 else math.ceil(k / tp)
         est.largest_unit = (scale(largest) + scale(root)) * pb if module is not None else 0
         est.largest_layer = largest
+        if hpz is not None:         # every sharded tensor is gathered padded to N, and 1/hpz of it kept
+            est.secondary = sum(shard(k) * n_shard // hpz * pb for n, k in numel.items() if sharded(n))
     if zero is not None or _find(stack, "data_parallel") is not None:
         rb = getattr(zero, "reduce_bucket_size", None)
         if rb is None:

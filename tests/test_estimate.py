@@ -128,3 +128,73 @@ def test_header_names_small_models_params_in_a_readable_unit():
     assert (_count(7_241_732_096), _count(15_300_000), _count(50_244), _count(840)) == ("7.24B", "15.3M", "50.2K", "840")
     est = estimate_memory(torch.nn.Linear(100, 500), (), 1)
     assert "(50.5K params, world 1" in str(est), str(est)
+
+
+# -- hybrid sharding and hpZ (world 4, 2 ranks per node) -----------------------------------------
+HYBRID = {
+    "zero3 hybrid": lambda: [shard_zero(3, shard_group="node")],
+    "zero1 hybrid+bf16": lambda: [shard_zero(1, shard_group="node"), mixed_precision()],
+    "zero3 hpz+bf16": lambda: [shard_zero(3, hpz="node"), mixed_precision()],
+}
+
+
+def _measure_hybrid():
+    """On each rank: (measured state fields, the secondary gauge's peak over a step, the
+    estimate, the estimate given ranks_per_node explicitly, its printed lines) per stack."""
+    from dsfn.runtime import collectives as C
+    out = {}
+    for name, make in HYBRID.items():
+        init_mesh()
+        torch.manual_seed(0)
+        model = GPT(CONF)
+        apply_fn, params = dsfn.functionalize(model)
+        tx = dsfn.optim.adamw(1e-3)
+        step = dsfn.compose(*make())(train_step_for(apply_fn, lm_loss))
+        state = step.place(dsfn.TrainState.create(params, tx))
+        batch = token_batches(1, 4, 16, VOCAB)[0]
+        expl = step.explain(state, batch)
+        C.reset_gauges()
+        state, _ = step(state, batch)
+        secondary = C.gauge_max.get("zero3.secondary_bytes", 0)
+        with torch.device("meta"):
+            meta = GPT(CONF)
+        est = estimate_memory(meta, make(), 4, tx=tx)                  # ranks per node: the launcher's
+        given = estimate_memory(meta, make(), 4, tx=tx, ranks_per_node=2)
+        out[name] = (measured_state_bytes(expl), secondary, {k: getattr(est, k) for k in FIELDS + ("secondary",)},
+                     {k: getattr(given, k) for k in FIELDS + ("secondary",)}, str(est))
+    return out
+
+
+def test_hybrid_and_hpz_estimates_match_explain_and_the_secondary_gauge():
+    """State 1/k of the shard group (k = 2 ranks per node), not 1/4, within 5% of explain's
+    leaves; hpZ's secondary shards within 5% of the gauge's peak; both stated when printed.
+    Negative controls: the flat estimate misses the hybrid state; the secondary is not zero."""
+    results = run_on_ranks(_measure_hybrid, 4, timeout=300, ranks_per_node=2)
+    for rank, res in enumerate(results):
+        for name, (measured, secondary, est, given, text) in res.items():
+            assert est == given, (name, est, given)
+            assert _close(est, measured), (rank, name, est, measured)
+            if "hpz" in name:
+                assert secondary > 0 and math.isclose(est["secondary"], secondary, rel_tol=0.05), \
+                    (rank, name, est["secondary"], secondary)
+                assert "hpZ: each gathered unit keeps a secondary shard over 2 ranks" in text
+                assert "secondary" in text.splitlines()[-2]
+            else:
+                assert est["secondary"] == 0 and secondary == 0, (name, est["secondary"], secondary)
+                assert "shard groups of 2 of the 4 dp ranks (1/2 per rank, not 1/4) and replicated 2 times" in text
+    with torch.device("meta"):
+        meta = GPT(CONF)
+    flat = estimate_memory(meta, [shard_zero(3)], 4)
+    measured = results[0]["zero3 hybrid"][0]
+    assert not _close({k: getattr(flat, k) for k in FIELDS}, measured)
+
+
+def test_node_groups_need_the_ranks_per_node_of_another_world():
+    with torch.device("meta"):
+        meta = GPT(CONF)
+    with pytest.raises(dsfn.errors.ConfigError, match="pass ranks_per_node="):
+        estimate_memory(meta, [shard_zero(3, shard_group="node")], 64)
+    est = estimate_memory(meta, [shard_zero(3, shard_group="node")], 64, ranks_per_node=8)
+    flat = estimate_memory(meta, [shard_zero(3)], 64)
+    assert est.shard_group == 8 and est.optimizer > 7 * flat.optimizer      # 1/8 instead of 1/64
+    assert estimate_memory(meta, [shard_zero(3, shard_group=8)], 64).shard_group == 8

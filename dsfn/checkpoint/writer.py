@@ -7,7 +7,9 @@ Protocol (collective over every rank when torch.distributed is initialised):
    group; it has a timeout) lets the others start.
 2. every rank writes `rank_{r}.safetensors` with the slices it owns (replicated leaves
    by the rank at coordinate 0 of every mesh axis, i.e. rank 0; a sharded leaf by the ranks
-   at coordinate 0 of every *other* axis), fsyncs it and hashes it;
+   holding its first copy, `Mesh.first_copy`: coordinate 0 of every *other* axis, where a
+   hybrid leaf split over "dp_shard" has its copies along "dp_replicate"), fsyncs it and
+   hashes it. Every element of every leaf is on disk exactly once;
 3. the ranks' slice tables and statuses are gathered on the checkpoint group; if any rank
    failed, every rank raises and nothing is committed;
 4. rank 0 writes `manifest.json` (fsync), fsyncs the directory, renames it to
@@ -181,9 +183,11 @@ def _write_rank_file(tmp: str, state: Any, rank: int, rng_state: dict[str, torch
         region, axes = F.region_of(layout, mesh)
         leaves[path] = {"shape": list(F.logical_shape(layout, piece)), "dtype": F.dtype_name(piece.dtype),
                         "layout": F.layout_to_json(layout)}
-        # a sharded leaf is written by the ranks at coordinate 0 of every axis it is not split over,
-        # and a replicated piece (GroupDimShard) by the lowest rank holding it
-        owner = all(c == 0 for a, c in mesh.coords.items() if a not in axes) and not layout.duplicate(mesh)
+        # one copy on disk: a leaf split over `axes` is written by the ranks holding its first copy
+        # (index 0 along every other axis; for a split axis such as hybrid ZeRO's "dp_shard", index
+        # 0 along the rest of its parent, "dp_replicate": the copies lie there, not along "dp"), and
+        # a replicated piece (GroupDimShard) by the lowest rank holding it
+        owner = mesh.first_copy(axes) and not layout.duplicate(mesh)
         if not owner or region.empty or piece.numel() == 0:
             continue
         if region.kind == "layout":

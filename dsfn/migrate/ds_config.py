@@ -15,6 +15,8 @@ Keys and defaults are DeepSpeed 0.19's (`deepspeed/runtime/config.py`, `zero/con
 |---|---|
 | `sequence_parallel_size: N` (> 1) | `sequence_parallel()`, mesh sp = N |
 | `zero_optimization.stage` s (default 0) | `shard_zero(s, reduce_bucket_size, allgather_bucket_size (s >= 1), param_persistence_threshold (s = 3))` (DeepSpeed's defaults 5e8, 5e8, 1e5 for stage 3) |
+| `zero_optimization.mics_shard_size: k` (> 0, stage 3) | `shard_zero(3, shard_group=k, cross_node=True)` (MiCS: state sharded over blocks of k ranks, replicated across them) |
+| `zero_optimization.zero_hpz_partition_size: k` (> 1, stage 3) | `shard_zero(3, hpz=min(k, dp))` (ZeRO++ hpZ) |
 | `tensor_parallel.autotp_size: N` (> 1) | `tensor_parallel("auto", model=model)`, mesh tp = N |
 | `activation_checkpointing.cpu_checkpointing` / `partition_activations` | `remat(offload="cpu")` / `remat(partition_activations=True)` |
 | `gradient_accumulation_steps: n` (> 1) | `accumulate(n)` |
@@ -551,6 +553,7 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
                                                       threshold)
     offload_t = _offload(zero, stage, c)
     zenflow_t = _zenflow(zero.pop("zenflow", None), c)
+    zero_kw.update(_hybrid(zero, stage, dp, sp * tp, c))
     _zero_rest(zero, c)
 
     fp16, bf16 = _block("fp16", cfg.pop("fp16", None)), _block("bf16", cfg.pop("bf16", None))
@@ -755,21 +758,71 @@ def _zenflow(block: Any, c: _Collect) -> list:
     return [_make("zero_optimization.zenflow", T.zenflow, **kw)]
 
 
+def _hybrid(zero: dict, stage: int, dp: int, model_parallel: int, c: _Collect) -> dict:
+    """shard_zero's hybrid-sharding options from MiCS's and ZeRO++ hpZ's keys (popped from `zero`).
+
+    - `mics_shard_size: k` (k > 0; DeepSpeed's -1 default is off) -> `shard_group=k,
+      cross_node=True`: the state is sharded over blocks of k consecutive ranks and
+      replicated across the blocks, and (as in MiCS) a block may span nodes;
+    - `zero_hpz_partition_size: k` (k > 1; 1, DeepSpeed's default, is off, and so is 0) ->
+      `hpz=k`, with k clamped to the data-parallel size as DeepSpeed clamps it to the world.
+
+    Both are stage 3 in DeepSpeed (MiCS is built only in its stage-3 branch, hpZ partitions
+    parameters): at stages 1-2 DeepSpeed would not shard by them, so each is a listed
+    error there rather than a silent change. DeepSpeed forms both groups over the global
+    ranks (pure data parallelism); dsfn's shard groups are blocks of the "dp" axis, so with
+    sequence or tensor parallelism the key is listed (write `shard_zero` by hand).
+    `mics_hierarchical_params_gather: true` (a two-hop all-gather, across nodes then inside
+    them, for shard groups spanning nodes) is listed too: dsfn gathers a shard group in one
+    all-gather, and a key accepted but doing nothing would hide that.
+    """
+    out: dict[str, Any] = {}
+    mics = zero.pop("mics_shard_size", -1)
+    hpz = zero.pop("zero_hpz_partition_size", 1)
+    hier = _bool("zero_optimization.mics_hierarchical_params_gather",
+                 zero.pop("mics_hierarchical_params_gather", False))
+    if mics is None or (isinstance(mics, int) and not isinstance(mics, bool) and mics <= 0):
+        mics = -1                      # DeepSpeed builds MiCS only for mics_shard_size > 0
+    mics = _int("zero_optimization.mics_shard_size", mics) if mics != -1 else -1
+    hpz = min(1 if hpz is None else _int("zero_optimization.zero_hpz_partition_size", hpz), dp)
+    for key, on, spelled in (("mics_shard_size", mics > 0, f"shard_group={mics}, cross_node=True"),
+                             ("zero_hpz_partition_size", hpz > 1, f"hpz={hpz}")):
+        if not on:
+            continue
+        if stage != 3:
+            c.no(f"zero_optimization.{key}", f"DeepSpeed reads it only at ZeRO stage 3; set stage 3 (then it is "
+                 f"shard_zero(3, {spelled})), or remove it")
+        elif model_parallel > 1:
+            c.no(f"zero_optimization.{key}", "DeepSpeed forms its groups over the whole world (pure data "
+                 "parallelism); with sequence / tensor parallelism write shard_zero(3, "
+                 f"{spelled.split(',')[0]}) by hand (groups of the data-parallel ranks)")
+    if mics > 0 and hpz > 1:
+        c.no("zero_optimization.zero_hpz_partition_size", "with mics_shard_size: hybrid sharding already gathers "
+             "inside its shard group in forward and backward; keep one of the two")
+    if hier:
+        c.no("zero_optimization.mics_hierarchical_params_gather", "dsfn gathers a MiCS shard group in one all-gather "
+             "(the values are the same); the two-hop gather (across nodes, then inside them) is not implemented: "
+             "remove the key")
+    if stage == 3 and model_parallel == 1:
+        if mics > 0:
+            out.update(shard_group=mics, cross_node=True)
+        elif hpz > 1:
+            out["hpz"] = hpz
+    return out
+
+
 def _zero_rest(zero: dict, c: _Collect) -> None:
     for k in list(zero):
         v = zero.pop(k)
         if k in _ZERO_PERF:
             c.ignore(f"zero_optimization.{k}", "communication / memory tuning")
-        elif k in ("zero_hpz_partition_size", "mics_shard_size") and v in (1, -1, 0, None):
-            continue
-        elif k in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
-                   "mics_hierarchical_params_gather") and not v:
+        elif k in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights") \
+                and not v:
             continue
         elif k == "leaf_module" and not v:
             continue
-        elif k in ("zero_hpz_partition_size", "mics_shard_size", "zero_quantized_weights",
-                   "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
-            c.no(f"zero_optimization.{k}", "ZeRO++ / MiCS hierarchical or quantized communication")
+        elif k in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
+            c.no(f"zero_optimization.{k}", "ZeRO++ quantized communication")
         elif k == "leaf_module":
             c.no("zero_optimization.leaf_module", "use shard_zero(3, units=[module name patterns]) instead")
         else:

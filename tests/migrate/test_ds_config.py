@@ -236,8 +236,9 @@ def test_unsupported_keys_are_listed_in_one_error():
         "from_ds_config again:\n"
         "  - zero_optimization.offload_optimizer.ratio: partial (Twin-Flow) offload: dsfn offloads all of the "
         "optimizer state; use 1.0\n"
-        "  - zero_optimization.zero_quantized_gradients: ZeRO++ / MiCS hierarchical or quantized communication\n"
-        "  - zero_optimization.zero_hpz_partition_size: ZeRO++ / MiCS hierarchical or quantized communication\n"
+        "  - zero_optimization.zero_hpz_partition_size: DeepSpeed reads it only at ZeRO stage 3; set stage 3 (then "
+        "it is shard_zero(3, hpz=2)), or remove it\n"
+        "  - zero_optimization.zero_quantized_gradients: ZeRO++ quantized communication\n"
         "  - amp: use bf16/fp16 (dsfn's mixed_precision) instead\n"
         "  - pipeline: not supported by dsfn (or not a DeepSpeed 0.19 key)\n"
         "  - gradient_allreduce_op: 'sum': dsfn averages gradients over data parallel (DeepSpeed's 'mean')")
