@@ -255,6 +255,12 @@ class Region:
         raise CheckpointError(f"unknown slice kind {kind!r} in the checkpoint manifest")
 
 
+def _coords_of(mesh) -> dict[str, int]:
+    """The rank's coordinates along every axis a layout may split over (a split axis of hybrid
+    sharding included: `Mesh.all_coords`)."""
+    return dict(getattr(mesh, "all_coords", mesh.coords))
+
+
 def region_of(layout: Layout, mesh) -> tuple[Region, tuple[str, ...]]:
     """(the logical region this rank's piece covers, the mesh axes the layout splits over).
 
@@ -279,7 +285,7 @@ def region_of(layout: Layout, mesh) -> tuple[Region, tuple[str, ...]]:
     for d in local:
         padded *= d
     region = Region("layout", padded=padded, runs=runs, coords=tuple((str(a), int(c)) for a, c in
-                                                                     dict(mesh.coords).items()),
+                                                                     _coords_of(mesh).items()),
                     local_shape=local)
     return region, tuple(base.axes())
 

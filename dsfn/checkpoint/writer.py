@@ -234,7 +234,7 @@ def _build_manifest(step: int, world: int, reports: list[dict], user_data: Any, 
             rngs[str(r["rank"])] = {"file": r["file"], "keys": r["rng"]}
     mesh = current_mesh()
     return {"format": F.FORMAT_NAME, "version": F.FORMAT_VERSION, "step": step, "world_size": world,
-            "mesh": dict(mesh.axes), "leaves": leaves, "files": files, "rng": rngs, "user_data": user_data,
+            "mesh": mesh.all_axes, "leaves": leaves, "files": files, "rng": rngs, "user_data": user_data,
             "metadata": {"created": time.time(), "torch": torch.__version__,
                          "treespec": str(tree.structure(state, is_leaf=is_placed)),
                          "paths": [p for p, _ in tree.leaves_with_path(state, is_leaf=is_placed)]}}

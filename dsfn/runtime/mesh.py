@@ -151,6 +151,16 @@ class Mesh:
             self._groups[name], self._groups[grad_channel(name)] = group, channel
             self._ranks[name] = ranks
 
+    @property
+    def all_axes(self) -> dict[str, int]:
+        """Every axis's size, the split axes' included (`axes` has the mesh axes only)."""
+        return {**self.axes, **{name: size for name, (_, size) in self._sub.items()}}
+
+    @property
+    def all_coords(self) -> dict[str, int]:
+        """This rank's index along every axis, the split axes' included."""
+        return {**self.coords, **{name: self.local_rank(name) for name in self._sub}}
+
     def axis_groups(self, axis: str) -> list[list[int]]:
         """Every group of ranks along mesh axis `axis`, over the whole mesh (each in axis order)."""
         axis = self._check_axis(axis)

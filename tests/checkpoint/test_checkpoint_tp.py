@@ -115,3 +115,45 @@ def test_async_checkpoint_of_2x2_exports_a_model_transformers_loads_with_the_sam
     like = like_step.init_state(params, dsfn.optim.adamw(lr=1e-2))
     loaded = dsfn.checkpoint.load(tmp_path / "ckpt", like=like, restore_rng=False)
     assert_trees_equal(_logical(like_step, loaded), final)
+
+
+def _save_hybrid(root):
+    """tp 2 x dp 4 on 2 nodes of 4 ranks, ZeRO-3 sharded over each node's 2 dp ranks: leaves
+    are Nested(DimShard/tp, FlatShard/dp_shard) pieces, saved as "layout" slices whose
+    coordinates include the split axes."""
+    init_mesh(dp=4, tp=2)
+    model = _model()
+    apply_fn, params = dsfn.functionalize(model)
+    step = compose(shard_zero(3, shard_group="node"), tensor_parallel("auto", model=model))(
+        train_step_for(apply_fn, lm_loss))
+    state = step.init_state(params, dsfn.optim.adamw(lr=1e-2))
+    for b in BATCHES:
+        state, _ = step(state, b)
+    dsfn.checkpoint.save(f"{root}/hybrid_tp", state)
+    return _logical(step, state)
+
+
+def _load_into(root, name, tp, dp, zero, group=None):
+    init_mesh(dp=dp, tp=tp)
+    model = _model()
+    apply_fn, params = dsfn.functionalize(model)
+    ts = [shard_zero(zero, shard_group=group)] if zero is not None else []
+    ts += [tensor_parallel("auto", model=model)] if tp > 1 else []
+    step = compose(*ts)(train_step_for(apply_fn, lm_loss))
+    like = step.init_state(params, dsfn.optim.adamw(lr=1e-2))
+    return _logical(step, dsfn.checkpoint.load(f"{root}/{name}", like=like, restore_rng=False))
+
+
+def test_a_hybrid_tp_checkpoint_loads_into_flat_layouts_and_back(tmp_path):
+    saved = run_on_ranks(_save_hybrid, 8, str(tmp_path), timeout=240, ranks_per_node=4)[0]
+    m = dsfn.checkpoint.read_manifest(tmp_path / "hybrid_tp")
+    assert m.raw["mesh"]["dp_shard"] == 2 and m.raw["mesh"]["dp_replicate"] == 2
+    for tp, dp, zero in [(2, 2, 3), (1, 1, None)]:
+        for rank, got in enumerate(run_on_ranks(_load_into, tp * dp, str(tmp_path), "hybrid_tp", tp, dp, zero,
+                                                timeout=180)):
+            assert_trees_equal(got, saved, msg=f"hybrid tp2 x dp4 loaded at tp,dp,zero={(tp, dp, zero)}, rank {rank}")
+    # and a flat checkpoint into the hybrid layout
+    flat = run_on_ranks(_save, 4, str(tmp_path), 2, 2, 1, timeout=180)[0]
+    for rank, got in enumerate(run_on_ranks(_load_into, 8, str(tmp_path), "2x2z1", 2, 4, 3, "node", timeout=240,
+                                            ranks_per_node=4)):
+        assert_trees_equal(got, flat, msg=f"flat tp2 x dp2 loaded into hybrid tp2 x dp4, rank {rank}")
