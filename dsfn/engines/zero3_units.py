@@ -155,7 +155,7 @@ class UnitGatherer:
 
     def __init__(self, module: nn.Module, params: dict[str, Any], plan: UnitPlan, leaves: tuple,
                  frozen: dict[str, tuple[torch.Tensor, FlatShard]], axis: str, bucket_elems: int, prefetch: int,
-                 due: Any = None, secondary: str | None = None):
+                 due: Any = None, secondary: str | None = None, hierarchy: tuple[str, str] | None = None):
         """`plan`: the module's UnitPlan; `leaves`: (names, FlatShards, compute devices) of the
         ZeRO shards among `params`; `frozen`: name -> (piece to gather, its FlatShard); the
         gathers run over `axis` in buckets of `bucket_elems`, `prefetch` units ahead. `due`
@@ -167,6 +167,7 @@ class UnitGatherer:
         over that axis alone instead of over `axis`."""
         self.module, self.axis, self.bucket_elems, self.prefetch, self.due = module, axis, bucket_elems, prefetch, due
         self.secondary = secondary
+        self.hierarchy = hierarchy        # (cross, local): MiCS's two-stage gather (`hierarchical_all_gather`)
         self._secondary: dict[int, tuple[FlatGather, list[torch.Tensor]]] = {}   # unit -> (gather, pieces)
         names, layouts, homes = leaves
         # the step's shards, in plan order: trainable ones, then frozen ones (no gradients)
@@ -330,7 +331,7 @@ class UnitGatherer:
         shards, homes, layouts = self.shards, self.homes, self.layouts
         on_home = [shards[j] if shards[j].device == homes[j] else self._on_home(j) for j in ids]
         return store.gather(lambda pool: gather_into_buffers(
-            on_home, [layouts[j].shape for j in ids], self.axis, self.bucket_elems, pool))
+            on_home, [layouts[j].shape for j in ids], self.axis, self.bucket_elems, pool, self.hierarchy))
 
     def _gather_for_backward_async(self, u: int) -> FlatGather:
         """Start unit u's backward gather: from the secondary shards over the secondary axis

@@ -97,11 +97,14 @@ class Stage3(ZeroShards):
 
     def __init__(self, axis: str, reduce_bucket_size: int, allgather_bucket_size: int,
                  param_persistence_threshold: int, units: Sequence[str] | None, prefetch: int,
-                 shard_group: Any = None, cross_node: bool = False, hpz: Any = None):
+                 shard_group: Any = None, cross_node: bool = False, hpz: Any = None,
+                 hierarchical_gather: bool = False):
         super().__init__(axis, 3, reduce_bucket_size, allgather_bucket_size, shard_group, cross_node)
         # ZeRO++ hpZ: a secondary shard of each gathered unit over groups of `hpz` dp ranks
         # ("node" or an int): backward re-gathers inside the group (`UnitGatherer`)
         self.hpz = hpz
+        # MiCS's hierarchical gather: a shard group spanning nodes gathers across nodes, then inside
+        self.hierarchical_gather = hierarchical_gather
         self.param_persistence_threshold = param_persistence_threshold
         self.units, self.prefetch = units, prefetch
         self.due: GradientsDue | None = None         # the running value_and_grad's sink
@@ -124,6 +127,25 @@ class Stage3(ZeroShards):
         return hit[1]
 
     _secondary_on: tuple | None = None
+
+    def hierarchy_axes(self) -> tuple[str, str] | None:
+        """(cross, local) axes of the shard group's two-stage gather (MiCS's hierarchical
+        gather), or None: not asked, or a group inside one node (nothing to do in two stages)."""
+        if not self.hierarchical_gather:
+            return None
+        mesh = current_mesh()
+        hit = self._hierarchy_on
+        if hit is None or hit[0] is not mesh:
+            shard = self.axis
+            local = mesh.ranks_on_node(shard)
+            axes = None
+            if local < mesh.size(shard):
+                local_axis, cross_axis = mesh.split(shard, local, names=(f"{shard}_local", f"{shard}_cross"))
+                axes = (cross_axis, local_axis)
+            hit = self._hierarchy_on = (mesh, axes)
+        return hit[1]
+
+    _hierarchy_on: tuple | None = None
 
     def sharded(self, x: Any) -> bool:
         """Parameters above the persistence threshold are stored sharded."""
@@ -240,7 +262,8 @@ class Stage3(ZeroShards):
         plan = self.unit_plan(apply_fn.module, leaves[0], tuple(frozen))
         due = self.due
         gatherer = UnitGatherer(apply_fn.module, params, plan, leaves, frozen, self.axis,
-                                self.allgather_bucket_size, self.prefetch, due, self.secondary_axis())
+                                self.allgather_bucket_size, self.prefetch, due, self.secondary_axis(),
+                                self.hierarchy_axes())
         if due is not None:           # inside value_and_grad: its backward ends the sequence
             due.gatherers.append(gatherer)
             due.host_units = due.host_units or any(d.type == "cpu" for d in gatherer.homes)

@@ -772,9 +772,10 @@ def _hybrid(zero: dict, stage: int, dp: int, model_parallel: int, c: _Collect) -
     error there rather than a silent change. DeepSpeed forms both groups over the global
     ranks (pure data parallelism); dsfn's shard groups are blocks of the "dp" axis, so with
     sequence or tensor parallelism the key is listed (write `shard_zero` by hand).
-    `mics_hierarchical_params_gather: true` (a two-hop all-gather, across nodes then inside
-    them, for shard groups spanning nodes) is listed too: dsfn gathers a shard group in one
-    all-gather, and a key accepted but doing nothing would hide that.
+    `mics_hierarchical_params_gather: true` -> `hierarchical_gather=True` (with MiCS only:
+    without a shard group it is listed): a shard group spanning nodes gathers its
+    parameters across nodes first, then inside each node (`explain` says when the group
+    fits in a node, where there is nothing to do in two stages, as DeepSpeed logs).
     """
     out: dict[str, Any] = {}
     mics = zero.pop("mics_shard_size", -1)
@@ -799,13 +800,14 @@ def _hybrid(zero: dict, stage: int, dp: int, model_parallel: int, c: _Collect) -
     if mics > 0 and hpz > 1:
         c.no("zero_optimization.zero_hpz_partition_size", "with mics_shard_size: hybrid sharding already gathers "
              "inside its shard group in forward and backward; keep one of the two")
-    if hier:
-        c.no("zero_optimization.mics_hierarchical_params_gather", "dsfn gathers a MiCS shard group in one all-gather "
-             "(the values are the same); the two-hop gather (across nodes, then inside them) is not implemented: "
-             "remove the key")
+    if hier and not mics > 0:
+        c.no("zero_optimization.mics_hierarchical_params_gather", "it is MiCS's two-stage gather of a shard group "
+             "spanning nodes, and no mics_shard_size is set: set mics_shard_size, or remove the key")
     if stage == 3 and model_parallel == 1:
         if mics > 0:
             out.update(shard_group=mics, cross_node=True)
+            if hier:
+                out["hierarchical_gather"] = True
         elif hpz > 1:
             out["hpz"] = hpz
     return out

@@ -403,7 +403,8 @@ class FlatGather:
 
 
 def gather_into_buffers(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]], axis: str,
-                        bucket_elems: int, pool: BufferPool | None = None) -> FlatGather:
+                        bucket_elems: int, pool: BufferPool | None = None,
+                        hierarchy: tuple[str, str] | None = None) -> FlatGather:
     """Start all-gathering full tensors of `shapes` from every rank's `shards` (FlatShard
     pieces), each directly into its place in a flat buffer (see `FlatGather`), taken from
     `pool` when one is given. Shards are grouped by (dtype, device) and packed into buckets
@@ -412,6 +413,11 @@ def gather_into_buffers(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[i
 
     Bytes made per bucket: its buffer, n * sum(c_i) — no concatenation of the shards and no
     per-tensor copy out of a gathered buffer (`all_gather_full` makes both).
+
+    `hierarchy` = (cross, local): `axis` is a group across nodes made of `local` (its ranks
+    on one node, consecutive) and `cross` (the same place on every node); each bucket is then
+    gathered in two stages, across nodes first, then inside the node (MiCS's hierarchical
+    all-gather, `hierarchical_all_gather`), synchronously.
     """
     n = current_mesh().size(axis)
     shards = [s.detach() for s in shards]      # collectives write outside autograd
@@ -440,7 +446,9 @@ def gather_into_buffers(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[i
             views[i] = (len(slabs), at, tuple(shapes[i]))
             at += size
         version = buf._version
-        pendings.append(C.all_gather_into_(outs, [shards[i] for i in bucket], axis, async_op=True))
+        ins = [shards[i] for i in bucket]
+        pendings.append(C.all_gather_into_(outs, ins, axis, async_op=True) if hierarchy is None
+                        else hierarchical_all_gather(outs, ins, *hierarchy))
         torch._C._autograd._unsafe_set_version_counter((buf,), (version,))
         slabs.append(buf)
         bucket.clear()
@@ -456,6 +464,25 @@ def gather_into_buffers(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[i
         used += s.numel()
     flush()
     return FlatGather(views, slabs, pendings)  # type: ignore[arg-type]
+
+
+def hierarchical_all_gather(outs: list[torch.Tensor], ins: list[torch.Tensor], cross: str, local: str) -> C.Pending:
+    """The all-gather of `ins` over a group of S nodes x L ranks (node-major: group rank
+    b*L + j is node b's j-th), in two stages: over `cross` (S ranks, one per node, the same j)
+    then over `local` (the L ranks of this node); each `outs[k]` receives the S*L pieces in
+    group-rank order, as a flat all-gather writes them. Every node brings the same bytes
+    across its boundary as a flat ring would, in S-1 network hops instead of S*L-1, through
+    one NIC per rank. Completed when it returns (a Pending for `FlatGather`)."""
+    m = current_mesh()
+    nodes, per = m.size(cross), m.size(local)
+    mid = [torch.empty(nodes * t.numel(), dtype=t.dtype, device=t.device) for t in ins]
+    C.all_gather_into_(mid, list(ins), cross)                  # [b]: node b's piece at my place j
+    full = [torch.empty(per * x.numel(), dtype=x.dtype, device=x.device) for x in mid]
+    C.all_gather_into_(full, mid, local)                       # [j][b]: every place of every node
+    for out, f, t in zip(outs, full, ins):
+        c = t.numel()
+        out.view(nodes, per, c).copy_(f.view(per, nodes, c).transpose(0, 1))
+    return C.Pending(None, outs)
 
 
 def owners_by_size(numels: Sequence[int], n: int) -> list[int]:

@@ -70,6 +70,8 @@ class Mesh:
         self.topology: Topology = topology()
         self.splits: dict[str, int] = {}           # axis -> its shard blocks' size (`split`)
         self._sub: dict[str, tuple[str, int]] = {}  # split axis name -> (parent axis, size)
+        self._sub_groups: dict[str, list[list[int]]] = {}      # split axis name -> all its groups
+        self._split_names: dict[str, tuple[str, str]] = {}     # axis -> the names of its split
         if env.is_distributed():
             self._build_groups()
         else:
@@ -107,39 +109,38 @@ class Mesh:
                     self._ranks[axis] = ranks
 
     # -- split axes (hybrid sharding) ----------------------------------------------------------------
-    def split(self, axis: str, inner: int) -> tuple[str, str]:
+    def split(self, axis: str, inner: int, names: tuple[str, str] | None = None) -> tuple[str, str]:
         """Split `axis` into blocks of `inner` consecutive ranks: returns the names of the
-        block axis ("<axis>_shard", size `inner`) and of the axis across blocks
-        ("<axis>_replicate", size size(axis) // inner), creating their process groups on the
-        first call (collective: every rank calls it at the same point, as the first place of
-        a hybrid ZeRO does). One split per axis: another size is a MeshError."""
+        block axis (`names[0]`, default "<axis>_shard", size `inner`) and of the axis across
+        blocks (`names[1]`, default "<axis>_replicate", size size(axis) // inner), creating
+        their process groups on the first call (collective: every rank calls it at the same
+        point, as the first place of a hybrid ZeRO does). A split axis can be split again (a
+        shard group across nodes into its node-local part and the part across nodes). One
+        split per axis: another size is a MeshError."""
         axis = self._check_axis(axis)
-        if axis in self._sub:
-            raise MeshError(f"{axis!r} is already a split axis; split a mesh axis ({list(self.axes)})")
-        shard, replicate = f"{axis}_shard", f"{axis}_replicate"
+        shard, replicate = names or (f"{axis}_shard", f"{axis}_replicate")
         have = self.splits.get(axis)
         if have == inner:
-            return shard, replicate
+            return self._split_names[axis]
         if have is not None:
             raise MeshError(f"the mesh already splits {axis!r} into shard groups of {have}; one hybrid layout per "
                             f"mesh axis: use shard groups of {have} in every transform, or init_mesh(...) again")
-        n = self.axes[axis]
+        n = self.size(axis)
         if isinstance(inner, bool) or not isinstance(inner, int) or inner < 1 or n % inner:
             raise MeshError(f"cannot split {axis!r} (size {n}) into groups of {inner!r}: use a divisor of {n}")
-        if shard in self.axes or replicate in self.axes:
+        if shard in self.axes or replicate in self.axes or shard in self._sub or replicate in self._sub:
             raise MeshError(f"the mesh already has an axis named {shard!r} or {replicate!r}")
         self._sub[shard], self._sub[replicate] = (axis, inner), (axis, n // inner)
-        names = list(self.axes)
-        others = [a for a in names if a != axis]
-        for other_coords in itertools.product(*(range(self.axes[a]) for a in others)):
-            fixed = dict(zip(others, other_coords))
-            ranks = [self._rank_of({**fixed, axis: i}) for i in range(n)]
+        for name in (shard, replicate):
+            self._sub_groups[name] = []
+        for ranks in self.axis_groups(axis):
             blocks = [ranks[b:b + inner] for b in range(0, n, inner)]
             across = [ranks[j::inner] for j in range(inner)]
             for name, groups in ((shard, blocks), (replicate, across)):
                 for rs in groups:     # every rank creates every group in the same order
                     self._add_group(name, rs)
         self.splits[axis] = inner
+        self._split_names[axis] = (shard, replicate)
         return shard, replicate
 
     def _add_group(self, name: str, ranks: list[int]) -> None:
@@ -147,6 +148,7 @@ class Mesh:
             group = channel = None
         else:
             group, channel = dist.new_group(ranks), dist.new_group(ranks)
+        self._sub_groups[name].append(ranks)
         if self.rank in ranks:
             self._groups[name], self._groups[grad_channel(name)] = group, channel
             self._ranks[name] = ranks
@@ -164,6 +166,8 @@ class Mesh:
     def axis_groups(self, axis: str) -> list[list[int]]:
         """Every group of ranks along mesh axis `axis`, over the whole mesh (each in axis order)."""
         axis = self._check_axis(axis)
+        if axis in self._sub:
+            return [list(g) for g in self._sub_groups[axis]]
         others = [a for a in self.axes if a != axis]
         return [[self._rank_of({**dict(zip(others, coords)), axis: i}) for i in range(self.axes[axis])]
                 for coords in itertools.product(*(range(self.axes[a]) for a in others))]

@@ -109,7 +109,8 @@ class ShardZero(Transform):
     def __init__(self, stage: int, axis: str = "dp", reduce_bucket_size: int = 4_000_000,
                  allgather_bucket_size: int = 50_000_000, param_persistence_threshold: int = 0,
                  units: Sequence[str] | None = None, prefetch: int = 1, split_batch: bool = True,
-                 shard_group: int | str | None = None, hpz: int | str | None = None, cross_node: bool = False):
+                 shard_group: int | str | None = None, hpz: int | str | None = None, cross_node: bool = False,
+                 hierarchical_gather: bool = False):
         if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
             raise ConfigError(f"shard_zero(stage={stage!r}): stage must be 0, 1, 2 or 3 "
                               "(0 = plain data parallel, 1 = + optimizer state, 2 = + gradients, 3 = + parameters)")
@@ -123,7 +124,7 @@ class ShardZero(Transform):
             raise ConfigError(f"shard_zero(prefetch={prefetch!r}): prefetch depth is an int >= 0")
         _check_stage_options(stage, allgather_bucket_size, param_persistence_threshold, units, prefetch,
                              shard_group, hpz)
-        _check_groups(stage, shard_group, hpz, cross_node)
+        _check_groups(stage, shard_group, hpz, cross_node, hierarchical_gather)
         if not isinstance(axis, str):
             raise ConfigError(f"shard_zero(axis=...) takes a mesh axis name, got {axis!r}")
         self.axis = axis
@@ -137,6 +138,7 @@ class ShardZero(Transform):
         self.units = tuple(units) if units is not None else None
         self.prefetch = prefetch
         self.shard_group, self.hpz, self.cross_node = shard_group, hpz, bool(cross_node)
+        self.hierarchical_gather = hierarchical_gather
         # the stage's engine (none at stage 0: data parallel's replicas do everything)
         self._engine = _engine_for(self)
 
@@ -165,6 +167,11 @@ class ShardZero(Transform):
         shard, replicate = self._engine.shard_axes()
         if replicate is not None:
             note += f": hybrid, state sharded over {where(shard)} and replicated over {where(replicate)}"
+        if self.hierarchical_gather:
+            hierarchy = self._engine.hierarchy_axes()
+            note += (f": parameters gathered across nodes over {where(hierarchy[0])}, then inside the node over "
+                     f"{where(hierarchy[1])}" if hierarchy is not None else
+                     ": hierarchical_gather has nothing to do (the shard group is inside a node)")
         secondary = self._engine.secondary_axis() if self.hpz is not None else None
         if secondary is not None:
             note += (f": hpZ, each gathered unit keeps a secondary shard over {where(secondary)} for backward's "
@@ -275,13 +282,13 @@ def _engine_for(zero: ShardZero) -> Any:
         return Stage12(zero.axis, zero.stage, zero.reduce_bucket_size, zero.allgather_bucket_size, zero.shard_group,
                        zero.cross_node)
     return Stage3(zero.axis, zero.reduce_bucket_size, zero.allgather_bucket_size, zero.param_persistence_threshold,
-                  zero.units, zero.prefetch, zero.shard_group, zero.cross_node, zero.hpz)
+                  zero.units, zero.prefetch, zero.shard_group, zero.cross_node, zero.hpz, zero.hierarchical_gather)
 
 
 def shard_zero(*args: Any, **kwargs: Any) -> ShardZero:
     """`shard_zero(stage, axis="dp", reduce_bucket_size=4e6, allgather_bucket_size=5e7,
     param_persistence_threshold=0, units=None, prefetch=1, split_batch=True,
-    shard_group=None, hpz=None, cross_node=False)`.
+    shard_group=None, hpz=None, cross_node=False, hierarchical_gather=False)`.
 
     Beyond one node (stages 1-3): `shard_group="node"` (or k ranks) is hybrid sharding
     (FSDP2's HSDP, DeepSpeed's MiCS): the state is sharded over the dp ranks of one node
@@ -290,7 +297,9 @@ def shard_zero(*args: Any, **kwargs: Any) -> ShardZero:
     the network. `hpz="node"` (stage 3, ZeRO++'s hpZ) keeps flat sharding over every dp
     rank, but each unit gathered in forward leaves a node-local secondary shard from which
     backward re-gathers it inside the node. A group spanning nodes needs
-    `cross_node=True`. The axes are named "dp_shard" / "dp_replicate" (`explain`).
+    `cross_node=True`; with `hierarchical_gather=True` (MiCS's) such a group gathers its
+    parameters across nodes first, then inside each node. The axes are named "dp_shard" /
+    "dp_replicate" (`explain`).
 
     Bucket sizes and the threshold count elements, as DeepSpeed's config keys do. Two
     defaults differ from DeepSpeed's on purpose: `reduce_bucket_size` (DeepSpeed 5e8) is
@@ -324,7 +333,7 @@ def _check_group_spec(key: str, v: Any) -> None:
                           "ranks of one node, from the launcher's topology)")
 
 
-def _check_groups(stage: int, shard_group: Any, hpz: Any, cross_node: Any) -> None:
+def _check_groups(stage: int, shard_group: Any, hpz: Any, cross_node: Any, hierarchical: Any) -> None:
     """Hybrid sharding's and hpZ's options (their stages are `_check_stage_options`')."""
     _check_group_spec("shard_group", shard_group)
     _check_group_spec("hpz", hpz)
@@ -337,6 +346,14 @@ def _check_groups(stage: int, shard_group: Any, hpz: Any, cross_node: Any) -> No
     if cross_node and shard_group is None:
         raise ConfigError("shard_zero(cross_node=True) lets a shard group span nodes, but no shard_group is given: "
                           "add shard_group=k, or drop cross_node")
+    if not isinstance(hierarchical, bool):
+        raise ConfigError(f"shard_zero(hierarchical_gather={hierarchical!r}): a bool")
+    if hierarchical and (stage != 3 or not cross_node):
+        raise ConfigError(f"shard_zero({stage}, hierarchical_gather=True) gathers a stage-3 shard group that spans "
+                          "nodes in two stages (across nodes, then inside them), but "
+                          + ("parameters are gathered only at stage 3: use shard_zero(3, ...)" if stage != 3 else
+                             "without cross_node=True no shard group spans nodes: add shard_group=k, "
+                             "cross_node=True, or drop hierarchical_gather"))
 
 
 def _check_stage_options(stage: int, *values: Any) -> None:

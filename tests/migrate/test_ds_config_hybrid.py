@@ -6,8 +6,9 @@
 - `zero_hpz_partition_size: k` (k > 1, stage 3) -> `shard_zero(3, hpz=min(k, dp))`; 1 (the
   default) and 0 are off;
 - either at stage < 3, with sequence / tensor parallelism, or both together: a ConfigError
-  naming the key and the fix; `mics_hierarchical_params_gather: true` and the quantized
-  ZeRO++ keys stay named refusals.
+  naming the key and the fix;
+- `mics_hierarchical_params_gather: true` -> `hierarchical_gather=True` (with MiCS; alone, a
+  named refusal); the quantized ZeRO++ keys stay named refusals.
 
 A MiCS config trains bitwise like the hand-written hybrid stack at world 4 with 2 ranks per
 node, and its state really is hybrid (leaves split over "dp_shard"; the same config without
@@ -67,8 +68,8 @@ def test_keys_map_to_shard_zero_options(zero, expected):
      r"zero_hpz_partition_size: DeepSpeed reads it only at ZeRO stage 3; set stage 3 \(then it is "
      r"shard_zero\(3, hpz=2\)\)"),
     (_cfg(mics_shard_size=2, zero_hpz_partition_size=2), r"zero_hpz_partition_size: with mics_shard_size.*keep one"),
-    (_cfg(mics_shard_size=2, mics_hierarchical_params_gather=True),
-     r"mics_hierarchical_params_gather: dsfn gathers a MiCS shard group in one all-gather.*remove the key"),
+    (_cfg(mics_hierarchical_params_gather=True),
+     r"mics_hierarchical_params_gather: .*no mics_shard_size is set: set mics_shard_size, or remove the key"),
     ({**_cfg(mics_shard_size=2), "sequence_parallel_size": 2},
      r"mics_shard_size: DeepSpeed forms its groups over the whole world.*shard_zero\(3, shard_group=2\) by hand"),
     (_cfg(zero_quantized_weights=True), r"zero_quantized_weights: ZeRO\+\+ quantized communication"),
@@ -79,9 +80,12 @@ def test_refusals_are_config_errors_naming_the_key_and_the_fix(cfg, match):
         _zero(cfg)
 
 
-def test_hierarchical_gather_off_is_accepted():
-    """Negative control of the refusal above: the same key set to false changes nothing."""
-    assert _zero(_cfg(mics_shard_size=2, mics_hierarchical_params_gather=False)).shard_group == 2
+def test_hierarchical_gather_maps_to_the_two_stage_gather():
+    """With MiCS the key turns the two-stage gather on; false leaves it off."""
+    on = _zero(_cfg(mics_shard_size=2, mics_hierarchical_params_gather=True))
+    assert (on.shard_group, on.cross_node, on.hierarchical_gather) == (2, True, True)
+    off = _zero(_cfg(mics_shard_size=2, mics_hierarchical_params_gather=False))
+    assert (off.shard_group, off.hierarchical_gather) == (2, False)
 
 
 STEPS = 3

@@ -172,3 +172,28 @@ def test_a_group_across_nodes_trains_when_asked():
     for state, counts, groups, _ in _train(dict(stage=3, shard_group=4, cross_node=True), 8, 2):
         assert_trees_close(state, ref, **FP32)
         assert len(groups["dp_shard"]) == 4
+
+
+def test_hierarchical_gather_of_a_group_across_nodes_trains_alike_and_gathers_in_two_stages():
+    """MiCS's hierarchical gather: groups of 4 on nodes of 2 gather across nodes (one rank per
+    node) and then inside the node; the values are a flat gather's."""
+    ref = _reference()
+    out = _train(dict(stage=3, shard_group=4, cross_node=True, hierarchical_gather=True), 8, 2)
+    one_stage = _train(dict(stage=3, shard_group=4, cross_node=True), 8, 2)[0][1]
+    for state, counts, groups, _ in out:
+        assert_trees_close(state, ref, **FP32)
+        assert counts[("dp_shard_cross", "all_gather")] > 0 and counts[("dp_shard_local", "all_gather")] > 0
+    counts = out[0][1]
+    # the second stage writes every unit whole, as the one-stage gather did; the first brings
+    # in 1/2 of that (one piece from each of the 2 nodes); what stays on "dp_shard" is
+    # step.gather's logical gather at the end, the same in both runs
+    assert counts[("dp_shard_local", "all_gather")] + counts[("dp_shard", "all_gather")] == \
+        one_stage[("dp_shard", "all_gather")]
+    assert counts[("dp_shard_cross", "all_gather")] * 2 == counts[("dp_shard_local", "all_gather")]
+
+
+def test_hierarchical_gather_needs_a_group_that_can_span_nodes():
+    with pytest.raises(ConfigError, match="cross_node=True"):
+        shard_zero(3, shard_group=2, hierarchical_gather=True)
+    with pytest.raises(ConfigError, match="stage 3"):
+        shard_zero(2, shard_group=2, cross_node=True, hierarchical_gather=True)
