@@ -60,6 +60,7 @@ from dsfn.state.layout import (
     Nested,
     PackedDimShard,
     Replicated,
+    StageOwned,
 )
 
 FORMAT_NAME = "dsfn-checkpoint"
@@ -120,7 +121,7 @@ def _axis_of(v: Any) -> str:
 
 def layout_from_json(d: Any) -> Layout:
     """The layout a manifest describes (inverse of `layout_to_json` for Replicated, FlatShard,
-    DimShard, PackedDimShard, GroupDimShard and Nested). A layout that only moves a piece (one with an
+    DimShard, PackedDimShard, GroupDimShard, StageOwned and Nested). A layout that only moves a piece (one with an
     `inner` layout that is not `Nested`: `Offloaded`, offload's `NvmeOffloaded`) loads as its
     inner layout: which elements a rank held is all a checkpoint needs.
 
@@ -155,6 +156,12 @@ def layout_from_json(d: Any) -> Layout:
             if not isinstance(groups, int) or isinstance(groups, bool):
                 raise ValueError(f"groups {groups!r} is not an int")
             return GroupDimShard(_axis_of(d["axis"]), dim, shape, groups)
+        if kind == "StageOwned":
+            owners = d["owners"]
+            if not isinstance(owners, list) or not all(isinstance(o, int) and not isinstance(o, bool)
+                                                       for o in owners):
+                raise ValueError(f"owners {owners!r} is not a list of ints")
+            return StageOwned(_axis_of(d["axis"]), tuple(owners), _shape_of(d["shape"]))
         if kind == "Nested":
             return Nested(layout_from_json(d["inner"]), layout_from_json(d["outer"]))
         if isinstance(d.get("inner"), dict):          # Offloaded and its kin: the same elements as inner
@@ -165,7 +172,7 @@ def layout_from_json(d: Any) -> Layout:
         raise CheckpointError(f"layout description {d!r} is invalid ({type(e).__name__}: {e}); the checkpoint "
                               "manifest is corrupt") from None
     raise CheckpointError(f"unknown layout type {kind!r} in the checkpoint manifest; this dsfn knows Replicated, "
-                          "FlatShard, DimShard, PackedDimShard, GroupDimShard, Nested and offloaded layouts")
+                          "FlatShard, DimShard, PackedDimShard, GroupDimShard, StageOwned, Nested and offloaded layouts")
 
 
 def _moves_only(layout: Layout) -> bool:
@@ -265,7 +272,11 @@ def region_of(layout: Layout, mesh) -> tuple[Region, tuple[str, ...]]:
     """(the logical region this rank's piece covers, the mesh axes the layout splits over).
 
     Replicated, FlatShard and DimShard (possibly offloaded) give the `full`, `flat` and `dim`
-    regions; any other layout that lists its `runs` gives a `layout` region.
+    regions; any other layout that lists its `runs` gives a `layout` region. A StageOwned
+    leaf (pipeline parallelism) is a `layout` region too: one run, the whole tensor, on an
+    owner; none elsewhere. With its axes ("pp") the writer's owner rule (`Mesh.first_copy`,
+    not `Layout.duplicate`) leaves owners[0] alone writing it, and the reader computes a saved
+    slice's runs from the layout, so it loads into any layout and any layout loads into it.
     """
     base = base_layout(layout)
     if isinstance(base, FlatShard):

@@ -23,8 +23,14 @@ Layouts the foundation knows:
 - `GroupDimShard(axis, dim, shape, groups)`: `dim` split into `groups` equal blocks, `groups`
   dividing the axis size n; the n / groups consecutive ranks of a block hold identical
   replicas of it. Tensor parallel's k/v projections with fewer kv heads than tp.
+- `StageOwned(axis, owners, shape)`: the ranks at `owners` along `axis` (pipeline
+  parallelism's "pp": the stages that use the parameter) hold the whole tensor, every
+  other rank an empty one (shape (0,)). A second owner (a tied embedding's last stage)
+  holds a replica of the first's (`duplicate`).
 - `Nested(inner, outer)`: `outer`'s piece of `inner`'s piece: how ZeRO shards a
   tensor-parallel shard over dp (`Nested(DimShard("tp", ...), FlatShard("dp", piece shape))`).
+  A rank whose inner piece is empty (`holds` false: a StageOwned non-owner) holds an empty
+  piece and `outer` is skipped.
 - `Offloaded(inner, device)`: `inner`'s piece, kept on another device (host memory).
 Padding never leaves a layout: `unshard` trims it. A piece that repeats one another rank
 along the layout's axes holds (`duplicate(mesh)`, a GroupDimShard replica) is neither
@@ -45,7 +51,7 @@ from typing import Any
 import torch
 
 from dsfn import tree
-from dsfn.errors import ShapeError
+from dsfn.errors import LayoutError, ShapeError
 from dsfn.runtime import collectives as C
 from dsfn.placed import Placed, is_placed  # noqa: F401  (re-exported: the leaf these layouts describe)
 from dsfn.runtime.mesh import Mesh, current_mesh
@@ -79,6 +85,14 @@ class Layout(abc.ABC):
         """True when this rank's piece is a replica of one that a lower rank along the layout's
         axes holds: the elements are counted (norms, checkpoints) by that rank only."""
         return False
+
+    def holds(self, mesh: Any = None) -> bool:
+        """Whether this rank holds a piece at all. False only where a layout gives some ranks
+        nothing (a StageOwned non-owner: a 0-element piece, whatever the shape); a layout
+        nested over it (`Nested`) then has nothing to split there. A layout that only moves
+        an `inner` layout's piece (Offloaded, offload's NvmeOffloaded) answers for its inner."""
+        inner = getattr(self, "inner", None)
+        return inner.holds(mesh) if isinstance(inner, Layout) else True
 
 
 @dataclass(frozen=True)
@@ -357,6 +371,86 @@ class GroupDimShard(Layout):
 
 
 @dataclass(frozen=True)
+class StageOwned(Layout):
+    """The whole tensor on the ranks at `owners` along `axis`, nothing elsewhere: pipeline
+    parallelism's layout of a parameter (and its optimizer-state mirrors), held by the stages
+    that use it ("pp" indices; a tied embedding's: the first and the last stage).
+
+    Invariant: an owner's piece is the logical tensor (`shape`); every other rank along
+    `axis` holds a 0-element tensor of shape (0,) (same dtype and device). `owners[0]`
+    holds the canonical copy: `unshard` broadcasts it, and every other owner is a
+    `duplicate` (its elements are counted, in norms and checkpoints, by owners[0] only).
+    Whoever updates the leaf keeps the owners' copies equal (a pipeline sums a tied
+    parameter's gradients over its owners before the update). `owners` is sorted, unique
+    and non-empty; every owner must lie inside the axis (checked where the mesh is known).
+    """
+    axis: str
+    owners: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self):
+        owners = self.owners
+        if not isinstance(owners, tuple) or not all(isinstance(o, int) and not isinstance(o, bool) for o in owners):
+            raise LayoutError(f"StageOwned: owners {owners!r} must be a tuple of ints (indices along axis "
+                              f"{self.axis!r}), e.g. owners=(0,) or owners=(0, {self.axis}_size - 1)")
+        if not owners:
+            raise LayoutError(f"StageOwned: owners is empty; name at least one index along axis {self.axis!r} "
+                              "that holds the tensor")
+        if any(o < 0 for o in owners):
+            raise LayoutError(f"StageOwned: owners {owners} has a negative index; owners are indices 0 .. size-1 "
+                              f"along axis {self.axis!r}")
+        if list(owners) != sorted(set(owners)):
+            raise LayoutError(f"StageOwned: owners {owners} must be sorted and unique "
+                              f"(pass owners={tuple(sorted(set(owners)))})")
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in self.shape):
+            raise ShapeError(f"StageOwned: shape {self.shape!r} is not a shape (a tuple of non-negative ints)")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def _index(self, mesh: Any) -> int:
+        """This rank's index along the axis, after checking every owner lies inside it."""
+        m = mesh or current_mesh()
+        n = m.size(self.axis)
+        if self.owners[-1] >= n:
+            raise LayoutError(f"StageOwned: owner {self.owners[-1]} lies outside mesh axis {self.axis!r} of size "
+                              f"{n} (owners {self.owners}); owners are indices 0 .. {n - 1}: build the layout "
+                              f"for this mesh (init_mesh({self.axis}=...)) or re-split the stages")
+        return m.local_rank(self.axis)
+
+    def holds(self, mesh=None):
+        return self._index(mesh) in self.owners
+
+    def local_shape(self, mesh=None):
+        return tuple(self.shape) if self.holds(mesh) else (0,)
+
+    def shard(self, full, mesh=None):
+        _check_shape(full, self.shape, self)
+        return full.clone() if self.holds(mesh) else full.new_empty((0,))
+
+    def unshard(self, local, mesh=None):
+        """owners[0]'s copy broadcast along the axis (collective: every rank along it calls it);
+        owners[0] gets its own piece back, as Replicated does."""
+        m = mesh or current_mesh()
+        first = self._index(m) == self.owners[0]
+        if first:
+            _check_shape(local, self.shape, self)
+        full = local if first else local.new_empty(self.shape)
+        C.broadcast_(full, self.axis, src=self.owners[0], mesh=m)
+        return full
+
+    def runs(self, mesh=None):
+        return [(0, self.numel, 0)] if self.numel and self.holds(mesh) else []
+
+    def axes(self):
+        return (self.axis,)
+
+    def duplicate(self, mesh=None):
+        return self._index(mesh) in self.owners[1:]
+
+
+@dataclass(frozen=True)
 class Nested(Layout):
     """`outer`'s piece of `inner`'s piece: the logical tensor is split by `inner` (e.g.
     tensor parallel's DimShard over tp), then this rank's inner piece is split by `outer`,
@@ -368,17 +462,31 @@ class Nested(Layout):
     def shape(self) -> tuple[int, ...]:
         return self.inner.shape
 
+    # Where `inner` gives this rank nothing (`holds` false: a StageOwned non-owner), the piece is
+    # inner's empty one and `outer` is skipped. Every rank of outer's axes then skips it too: they
+    # differ from this rank only along outer's axes, and whether a layout holds a piece depends
+    # only on the rank's coordinates along its own axes (ZeRO's dp group lies inside one stage).
     def local_shape(self, mesh=None):
+        if not self.inner.holds(mesh):
+            return self.inner.local_shape(mesh)
         return self.outer.local_shape(mesh)
 
     def shard(self, full, mesh=None):
-        return self.outer.shard(self.inner.shard(full, mesh), mesh)
+        piece = self.inner.shard(full, mesh)
+        return self.outer.shard(piece, mesh) if self.inner.holds(mesh) else piece
 
     def unshard(self, local, mesh=None):
+        if not self.inner.holds(mesh):
+            return self.inner.unshard(local, mesh)
         return self.inner.unshard(self.outer.unshard(local, mesh), mesh)
+
+    def holds(self, mesh=None):
+        return self.inner.holds(mesh) and self.outer.holds(mesh)
 
     def runs(self, mesh=None):
         m = mesh or current_mesh()
+        if not self.inner.holds(m):
+            return []
         inner = self.inner.runs(m)           # (logical, length, offset in the inner piece)
         out: list[tuple[int, int, int]] = []
         k = 0
@@ -398,6 +506,8 @@ class Nested(Layout):
         return self.inner.axes() + tuple(a for a in self.outer.axes() if a not in self.inner.axes())
 
     def duplicate(self, mesh=None):
+        if not self.inner.holds(mesh):
+            return self.inner.duplicate(mesh)
         return self.inner.duplicate(mesh) or self.outer.duplicate(mesh)
 
 
@@ -430,6 +540,9 @@ class Offloaded(Layout):
 
     def duplicate(self, mesh=None):
         return self.inner.duplicate(mesh)
+
+    def holds(self, mesh=None):
+        return self.inner.holds(mesh)
 
 
 @dataclass(frozen=True)
