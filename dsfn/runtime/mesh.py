@@ -29,7 +29,7 @@ from dsfn.errors import MeshError
 from dsfn.runtime import env
 from dsfn.runtime.topology import Topology, topology
 
-DEFAULT_AXES = ("dp", "sp", "tp")
+DEFAULT_AXES = ("dp", "sp", "tp", "pp")
 # Over the data-parallel axis, size 1 is exactly right when the mesh does not name it
 # (a pure tp/sp run); over any other axis a transform would silently do nothing.
 _SIZE_ONE_OK = ("dp",)

@@ -19,6 +19,7 @@ from dsfn.transforms.core import Transform
 from dsfn.transforms.data_parallel import data_parallel
 from dsfn.transforms.loss_scale import loss_scale
 from dsfn.transforms.offload import offload
+from dsfn.transforms.pipeline_parallel import pipeline_parallel
 from dsfn.transforms.mixed_precision import mixed_precision
 from dsfn.transforms.remat import remat
 from dsfn.transforms.sequence_parallel import sequence_parallel
@@ -27,5 +28,5 @@ from dsfn.transforms.zenflow import zenflow
 from dsfn.transforms.zero import shard_zero
 
 __all__ = ["Step", "Transform", "accumulate", "async_checkpoint", "clip_grad_norm", "compile_units", "compose",
-           "data_parallel", "loss_scale", "mixed_precision", "offload", "remat",
+           "data_parallel", "loss_scale", "mixed_precision", "offload", "pipeline_parallel", "remat",
            "sequence_parallel", "shard_zero", "tensor_parallel", "zenflow"]

@@ -26,7 +26,8 @@ import torch
 
 from dsfn import tree
 from dsfn.adapters import MicroBatchCounts, adapter_for, micro_batches
-from dsfn.errors import ConfigError, ShapeError
+from dsfn.engines.micro_batches import slice_micro_batches
+from dsfn.errors import ConfigError
 from dsfn.transforms.core import Transform, make_transform
 
 
@@ -42,17 +43,7 @@ class Accumulate(Transform):
     def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
         if self.n == 1:
             return call_next(fn, params, args, kwargs, has_aux)
-        wholes = tree.leaves((args, kwargs))
-        if not any(isinstance(x, torch.Tensor) for x in wholes):
-            raise ConfigError(f"accumulate({self.n}): the differentiated function was given no batch tensors to "
-                              "split into micro-batches (a batch captured by a closure is invisible to it). Pass "
-                              "the batch as an argument: value_and_grad(lambda p, b: loss(p, b))(params, batch)")
-        micro = [self._slice(args, kwargs, i) for i in range(self.n)]
-        whole_of = {}        # id(micro-batch tensor) -> the batch tensor it is a slice of
-        for k in range(self.n):
-            for part, whole in zip(tree.leaves(micro[k]), wholes):
-                if isinstance(part, torch.Tensor) and part is not whole:
-                    whole_of[id(part)] = whole
+        micro, whole_of = slice_micro_batches(args, kwargs, self.n, f"accumulate({self.n})")
         inv = 1.0 / self.n
 
         def scaled(p, *a, **k):
@@ -78,19 +69,6 @@ class Accumulate(Transform):
             return call_next(apply_fn, params, args, kwargs)
         with adapter.token_mean_over(module, [], args, kwargs):
             return call_next(apply_fn, params, args, kwargs)
-
-    def _slice(self, args: Any, kwargs: Any, i: int) -> tuple[Any, Any]:
-        n = self.n
-
-        def take(path: str, x: Any) -> Any:
-            if not isinstance(x, torch.Tensor):
-                return x
-            if x.dim() == 0 or x.shape[0] % n:
-                raise ShapeError(f"accumulate({n}): input {path or '<arg>'!r} has shape {tuple(x.shape)}; its "
-                                 f"leading (batch) dimension must be a multiple of {n}")
-            rows = x.shape[0] // n
-            return x[i * rows:(i + 1) * rows]
-        return tree.map_with_path(take, args), tree.map_with_path(take, kwargs)
 
 
 def accumulate(*args: Any, **kwargs: Any) -> Accumulate:

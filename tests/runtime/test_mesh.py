@@ -41,8 +41,8 @@ def test_sizes_that_do_not_multiply_to_world_are_an_error():
 def test_single_process_mesh_and_bad_axis_names():
     mesh = init_mesh()
     assert mesh.size("dp") == 1 and mesh.group("dp") is None
-    with pytest.raises(MeshError, match="no axis 'pp'"):
-        mesh.size("pp")
+    with pytest.raises(MeshError, match="no axis 'ep'"):
+        mesh.size("ep")
     with pytest.raises(MeshError, match="positive"):
         init_mesh(dp=0)
 
@@ -100,7 +100,7 @@ def _default_mesh():
 
 
 def test_default_mesh_over_a_world_of_two_is_all_dp():
-    assert run_on_ranks(_default_mesh, 2, timeout=60) == [({"dp": 2, "sp": 1, "tp": 1}, ("dp",))] * 2
+    assert run_on_ranks(_default_mesh, 2, timeout=60) == [({"dp": 2, "sp": 1, "tp": 1, "pp": 1}, ("dp",))] * 2
 
 
 def test_a_transform_over_an_axis_the_mesh_lacks_names_the_fix():

@@ -1,0 +1,124 @@
+"""Running one rank's part of a pipeline schedule: its actions in order, with the
+activations and their gradients sent between the stages' ranks.
+
+The schedule (`dsfn.engines.pipeline_schedules`) lists, per rank, F (forward), BW (full
+backward) or B / W (zero-bubble's split backward) actions of (stage, micro-batch).
+`run_rank(actions, ...)` executes them with the caller's `forward(stage, mb, h_in)` and
+autograd:
+
+- F(s, j): receives stage s-1's activation for micro-batch j (s > 0; a leaf that requires
+  grad), runs `forward` — the activation of stage s (s < last, sent on asynchronously) or
+  the micro-batch's (scaled) loss (the last stage);
+- BW(s, j), or B(s, j): receives the gradient of stage s's activation from stage s+1 (s <
+  last), back-propagates it (the loss itself on the last stage) into the parameters'
+  `.grad` and the received activation's, and sends that on to stage s-1 (s > 0). W(s, j)
+  is then nothing left to do: the backward was done whole at B (the split of the weight
+  gradient into its own pass is not implemented: zero-bubble's order runs, its saving
+  does not).
+
+Transfers are point-to-point through torch.distributed on the pipeline axis's ranks: a
+small int64 header (rank count of dims, the dims, the dtype) then the tensor, both with a
+tag unique to (stage, micro-batch, direction), so a rank holding several stages
+(interleaved, ZBV) matches each receive with its send whatever the order. Sends are
+asynchronous and waited for at the end; receives block (the schedule's checker proves
+this order finishes). Imports no transform.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsfn.engines.pipeline_schedules import Action, Kind
+from dsfn.errors import ConfigError
+
+__all__ = ["StageLinks", "run_rank"]
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+_HEADER = 8
+
+
+class StageLinks:
+    """Point-to-point transfers between the stages' ranks. `rank_of[s]`: the global rank
+    holding stage s; `m`: micro-batches (for the tags)."""
+
+    def __init__(self, rank_of: Sequence[int], m: int, device: torch.device):
+        self.rank_of, self.m, self.device = list(rank_of), m, device
+        self.pending: list[tuple[Any, torch.Tensor]] = []
+        self.sent_bytes = 0
+        self.me = dist.get_rank() if dist.is_initialized() else 0
+        self.local: dict[int, torch.Tensor] = {}      # tag -> a tensor this rank sent itself (ZBV's turn)
+
+    def _tag(self, stage: int, mb: int, backward: bool) -> int:
+        return (stage * self.m + mb) * 2 + int(backward)
+
+    def send(self, t: torch.Tensor, to_stage: int, stage: int, mb: int, backward: bool) -> None:
+        t = t.detach().contiguous()
+        if t.dtype not in _DTYPES or t.dim() > _HEADER - 2:
+            raise ConfigError(f"pipeline_parallel: a stage boundary carries a {t.dtype} tensor of {t.dim()} dims; "
+                              f"supported: {[str(d) for d in _DTYPES]}, up to {_HEADER - 2} dims")
+        dst, tag = self.rank_of[to_stage], self._tag(stage, mb, backward)
+        if dst == self.me:            # both stages on this rank: no transfer
+            self.local[tag] = t.clone()
+            return
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
+        header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        for x in (header.to(self.device), t):
+            self.pending.append((dist.isend(x, dst, tag=tag), x))
+        self.sent_bytes += t.numel() * t.element_size()
+
+    def recv(self, from_stage: int, stage: int, mb: int, backward: bool) -> torch.Tensor:
+        src, tag = self.rank_of[from_stage], self._tag(stage, mb, backward)
+        if src == self.me:
+            return self.local.pop(tag)
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        dist.recv(header, src, tag=tag)
+        header = header.cpu()
+        ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+        out = torch.empty(tuple(int(d) for d in header[2:2 + ndim]), dtype=dtype, device=self.device)
+        dist.recv(out, src, tag=tag)
+        return out
+
+    def finish(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending = []
+
+
+def run_rank(actions: Sequence[Action], n_stages: int, links: StageLinks,
+             forward: Callable[[int, int, torch.Tensor | None], torch.Tensor]) -> list[torch.Tensor]:
+    """Run this rank's `actions` (module docstring); returns the last stage's loss per
+    micro-batch it computed (detached), in micro-batch order. `forward(stage, mb, h_in)`
+    returns the stage's activation (a stage before the last) or the scaled loss (the last),
+    with autograd recording."""
+    held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+    losses: dict[int, torch.Tensor] = {}
+    last = n_stages - 1
+    for a in actions:
+        key = (a.stage, a.mb)
+        if a.kind == Kind.F:
+            h_in = None
+            if a.stage > 0:
+                h_in = links.recv(a.stage - 1, a.stage, a.mb, backward=False).requires_grad_(True)
+            out = forward(a.stage, a.mb, h_in)
+            if a.stage < last:
+                links.send(out, a.stage + 1, a.stage + 1, a.mb, backward=False)
+            else:
+                losses[a.mb] = out.detach()
+            held[key] = (h_in, out)
+        elif a.kind in (Kind.BW, Kind.B):
+            h_in, out = held.pop(key)
+            if a.stage < last:
+                grad = links.recv(a.stage + 1, a.stage, a.mb, backward=True)
+                torch.autograd.backward(out, grad)
+            else:
+                torch.autograd.backward(out)
+            if a.stage > 0:
+                g = h_in.grad if h_in.grad is not None else torch.zeros_like(h_in)
+                links.send(g, a.stage - 1, a.stage - 1, a.mb, backward=True)
+        # Kind.W: the weight gradient was computed with the whole backward at B
+    links.finish()
+    return [losses[j] for j in sorted(losses)]

@@ -1,0 +1,213 @@
+"""A model cut into pipeline stages, and one stage's forward run inside the user's own step.
+
+The model's repeated blocks (`dsfn.units.find_units`: a Hugging Face decoder's layers, dsfn
+GPT's blocks — or the ModuleList named by `layers=`) are cut into S stages of consecutive
+layers (`plan_stages`: even, the first stages taking one more when S does not divide them,
+or the counts given by `split=`). A parameter belongs to the stage of its layer; the
+modules registered before the layer list (embeddings) belong to the first stage, those
+after it (final norm, head) to the last; a parameter held by several modules (a tied
+embedding and head) belongs to every stage that uses it.
+
+`running_stage(plan, s, h_in)` runs stage s inside an ordinary forward of the whole model
+— the user's loss function calling apply_fn, unchanged — by steering it with hooks that
+are installed at forward time (after the parameters were put into the module):
+
+- a stage after the first: the modules before the layers that hold parameters return zeros
+  shaped like the received activation `h_in` instead of running (their weights live on
+  the first stage); the layers before the stage are skipped (the layer list is cut for
+  the call); the stage's first layer gets `h_in` as its hidden states;
+- a stage before the last: its last layer's output (the activation to send on) is raised
+  as `StopForward(h)`: the rest of the model and the user's loss do not run.
+
+The last stage runs to the end, so the user's loss function computes the loss there.
+Imports no transform.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dsfn.errors import ConfigError
+from dsfn.units import find_units
+
+__all__ = ["StagePlan", "StopForward", "plan_stages", "running_stage"]
+
+
+class StopForward(Exception):
+    """Raised by a stage before the last, when its last layer is done: `value` is the
+    activation to send to the next stage (a tensor)."""
+
+    def __init__(self, value: torch.Tensor):
+        super().__init__("pipeline stage done")
+        self.value = value
+
+
+@dataclass
+class StagePlan:
+    """`layers` (the ModuleList at `layers_path` in `parent`, attribute `attr`) cut into stages
+    `bounds[s] = (start, stop)`; `param_stages[name]` the stages using parameter `name`;
+    `before` the (parent, attribute) of each module before the layers holding parameters."""
+
+    layers_path: str
+    parent: nn.Module
+    attr: str
+    layers: tuple[nn.Module, ...]
+    bounds: list[tuple[int, int]]
+    param_stages: dict[str, tuple[int, ...]]
+    before: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.bounds)
+
+    def describe(self) -> str:
+        return ", ".join(f"stage {s}: layers {a}-{b - 1}" for s, (a, b) in enumerate(self.bounds))
+
+
+def _layer_list(module: nn.Module, layers: str | None) -> tuple[str, nn.ModuleList]:
+    if layers is not None:
+        try:
+            found = module.get_submodule(layers)
+        except AttributeError:
+            found = None
+        if not isinstance(found, nn.ModuleList):
+            raise ConfigError(f"pipeline_parallel(layers={layers!r}): that is not a ModuleList of the model; name the "
+                              "list of its repeated blocks, e.g. layers='model.layers'")
+        return layers, found
+    units = find_units(module, None)
+    parents = {name.rsplit(".", 1)[0] for name, _ in units if "." in name}
+    if len(parents) == 1:
+        path = parents.pop()
+        found = module.get_submodule(path)
+        if isinstance(found, nn.ModuleList):
+            return path, found
+    raise ConfigError(f"pipeline_parallel: cannot find the layers of {type(module).__name__} to cut into stages "
+                      "(no Hugging Face _no_split_modules, and no single ModuleList of repeated blocks); pass "
+                      "layers='path.to.ModuleList', e.g. pipeline_parallel(..., layers='model.layers')")
+
+
+def _split(n_layers: int, n_stages: int, split: Sequence[int] | None) -> list[tuple[int, int]]:
+    if split is None:
+        if n_layers < n_stages:
+            raise ConfigError(f"pipeline_parallel: the model has {n_layers} layers, fewer than the {n_stages} stages "
+                              "asked (pp size x virtual stages); use fewer stages or a deeper model")
+        base, extra = divmod(n_layers, n_stages)
+        counts = [base + (1 if s < extra else 0) for s in range(n_stages)]
+    else:
+        counts = list(split)
+        if len(counts) != n_stages or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts) \
+                or sum(counts) != n_layers:
+            raise ConfigError(f"pipeline_parallel(split={list(split)}): give {n_stages} layer counts (one per stage, "
+                              f"each >= 1) summing to the model's {n_layers} layers")
+    bounds, at = [], 0
+    for c in counts:
+        bounds.append((at, at + c))
+        at += c
+    return bounds
+
+
+def plan_stages(module: nn.Module, param_names: Sequence[str], n_stages: int, split: Sequence[int] | None = None,
+                layers: str | None = None) -> StagePlan:
+    """Cut `module` into `n_stages` stages (module docstring)."""
+    path, layer_list = _layer_list(module, layers)
+    bounds = _split(len(layer_list), n_stages, split)
+    stage_of_layer = {k: s for s, (a, b) in enumerate(bounds) for k in range(a, b)}
+    order = {name: k for k, (name, _) in enumerate(module.named_modules())}
+    at = order[path]
+    aliases: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    by_name = dict(module.named_parameters(remove_duplicate=False))
+    before_mods: dict[str, nn.Module] = {}
+    param_stages: dict[str, tuple[int, ...]] = {}
+    prefix = path + "."
+    for name in param_names:
+        stages = set()
+        for alias in aliases.get(id(by_name[name]), [name]):
+            owner = alias.rsplit(".", 1)[0] if "." in alias else ""
+            if alias.startswith(prefix):
+                stages.add(stage_of_layer[int(alias[len(prefix):].split(".", 1)[0])])
+            elif order.get(owner, -1) < at:
+                stages.add(0)
+                before_mods[owner] = module.get_submodule(owner)
+            else:
+                stages.add(n_stages - 1)
+        param_stages[name] = tuple(sorted(stages))
+    parent_path, attr = path.rsplit(".", 1) if "." in path else ("", path)
+    before = []
+    for owner in before_mods:
+        ppath, a = owner.rsplit(".", 1) if "." in owner else ("", owner)
+        before.append((module.get_submodule(ppath), a))
+    return StagePlan(path, module.get_submodule(parent_path), attr, tuple(layer_list), bounds, param_stages, before)
+
+
+class _LikeReceived(nn.Module):
+    """Stands in for a module before the layers on a later stage: zeros shaped like the
+    received activation (what it computes is overwritten at the stage's first layer)."""
+
+    def __init__(self, like: torch.Tensor):
+        super().__init__()
+        self.like = like
+
+    def forward(self, *args, **kwargs):
+        return torch.zeros_like(self.like)
+
+
+@contextlib.contextmanager
+def running_stage(plan: StagePlan, stage: int, h_in: torch.Tensor | None) -> Iterator[None]:
+    """Hooks that make the model's next forward run stage `stage` only (module docstring).
+    `h_in`: the activation received from the previous stage (None on the first)."""
+    start, stop = plan.bounds[stage]
+    last = stage == plan.n_stages - 1
+    swaps: list[tuple[nn.Module, str, nn.Module]] = []
+    hooks = []
+
+    def swap(parent: nn.Module, attr: str, new: nn.Module) -> None:
+        swaps.append((parent, attr, parent._modules[attr]))
+        parent._modules[attr] = new
+
+    # at forward time (the parameters are in place by then): stand-ins and the cut layer list
+    parents: dict[int, tuple[nn.Module, list]] = {}
+    if stage > 0:
+        for parent, attr in plan.before:
+            parents.setdefault(id(parent), (parent, []))[1].append(("before", attr))
+    parents.setdefault(id(plan.parent), (plan.parent, []))[1].append(("layers", plan.attr))
+
+    def on_forward(todo):
+        def pre(mod, args):
+            for kind, attr in todo:
+                if any(p is mod and a == attr for p, a, _ in swaps):
+                    continue
+                if kind == "before":
+                    swap(mod, attr, _LikeReceived(h_in))
+                else:
+                    swap(mod, attr, nn.ModuleList(plan.layers[start:stop]))
+        return pre
+    for parent, todo in parents.values():
+        hooks.append(parent.register_forward_pre_hook(on_forward(todo)))
+    if stage > 0:
+        def take_received(mod, args, kwargs):
+            if args:
+                return (h_in,) + tuple(args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": h_in}
+        hooks.append(plan.layers[start].register_forward_pre_hook(take_received, with_kwargs=True))
+    if not last:
+        def stop_here(mod, args, out):
+            h = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, (tuple, list)) else None
+            if not isinstance(h, torch.Tensor):
+                raise ConfigError(f"pipeline_parallel: layer {stop - 1} of {plan.layers_path} returned "
+                                  f"{type(out).__name__}, not a tensor (or a tuple starting with one): the activation "
+                                  "to send to the next stage cannot be found")
+            raise StopForward(h)
+        hooks.append(plan.layers[stop - 1].register_forward_hook(stop_here))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        for parent, attr, original in reversed(swaps):
+            parent._modules[attr] = original

@@ -1,0 +1,180 @@
+"""`pipeline_parallel(schedule, microbatches, ...)`: the model's layers cut into stages over
+the mesh's "pp" axis, micro-batches streamed through them in a schedule's order.
+
+The user's `train_step` is unchanged. The gradient primitive is handled here: the batch
+arguments are cut into `microbatches` equal micro-batches (as `accumulate` cuts them: the
+loss of each is scaled by 1/m and a Hugging Face model's own loss is the whole batch's
+token mean), and this rank runs its part of the schedule (`dsfn.engines.pipeline_schedules`:
+"gpipe", "1f1b", "interleaved" with `virtual` stages per rank, "zbv"): each forward runs
+the user's loss function, steered so that the model runs only this rank's stage
+(`dsfn.engines.pipeline_stages`), the activations and their gradients travelling between the
+stages' ranks (`dsfn.engines.pipeline_runner`). The loss is computed on the last stage and
+broadcast to every stage, so the metrics are the same on every rank.
+
+Parameters (this version): every rank holds every parameter; a stage's backward fills the
+gradients of its own parameters (zeros elsewhere) and the gradients are summed over the
+"pp" axis, so every rank applies the same update and the parameters stay equal on all
+stages. The activations are what pipelining saves here; storing each stage's parameters
+on its own ranks only (a StageOwned layout) is the next step.
+
+Composes, outside it, with `data_parallel` / `shard_zero(1)` over "dp" (they split the
+batch over dp first; the pipeline cuts each rank's rows into micro-batches) and with
+`clip_grad_norm`, `loss_scale`, `mixed_precision` placed outside. A transform that handles
+the gradient primitive inside it (accumulate, another reduction) is a StackError: the
+pipeline runs the differentiated function itself.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsfn import tree
+from dsfn.adapters import MicroBatchCounts, micro_batches
+from dsfn.engines.micro_batches import slice_micro_batches
+from dsfn.engines.pipeline_runner import StageLinks, run_rank
+from dsfn.engines.pipeline_schedules import SCHEDULES, build_schedule, check_schedule
+from dsfn.engines.pipeline_stages import StagePlan, StopForward, plan_stages, running_stage
+from dsfn.errors import ConfigError, StackError
+from dsfn.runtime import collectives as C
+from dsfn.runtime import env
+from dsfn.runtime.mesh import current_mesh
+from dsfn.transforms.core import Transform, make_transform
+
+_VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbv": 2}
+
+
+class PipelineParallel(Transform):
+    name = "pipeline_parallel"
+    roles = frozenset({"pipeline"})
+
+    def __init__(self, schedule: str = "1f1b", microbatches: int | None = None, model: nn.Module | None = None,
+                 split: Sequence[int] | None = None, layers: str | None = None, virtual: int | None = None,
+                 axis: str = "pp"):
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"pipeline_parallel(schedule={schedule!r}): choose one of {sorted(SCHEDULES)}")
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ConfigError(f"pipeline_parallel(microbatches={microbatches!r}): give the number of micro-batches "
+                              "each step's batch is cut into (an int >= 1; at least the pipeline size for 1f1b)")
+        if virtual is not None and schedule != "interleaved":
+            raise ConfigError(f"pipeline_parallel(schedule={schedule!r}, virtual={virtual!r}): only 'interleaved' "
+                              f"takes a number of virtual stages per rank ({schedule!r} uses {_VIRTUAL[schedule]})")
+        if virtual is not None and (isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 2):
+            raise ConfigError(f"pipeline_parallel(virtual={virtual!r}): the interleaved schedule runs >= 2 "
+                              "stages per rank")
+        if model is not None and not isinstance(model, nn.Module):
+            raise ConfigError(f"pipeline_parallel(model=...) takes the torch module, got {type(model).__name__}")
+        if not isinstance(axis, str):
+            raise ConfigError(f"pipeline_parallel(axis=...) takes a mesh axis name, got {axis!r}")
+        self.schedule, self.microbatches, self.axis = schedule, microbatches, axis
+        self.virtual = virtual or _VIRTUAL[schedule]
+        self.split = tuple(split) if split is not None else None
+        self.layers = layers
+        self.model = model
+        self._plans: dict[int, tuple[nn.Module, StagePlan]] = {}
+        self._schedules: dict[tuple[int, int], Any] = {}
+        self._running: tuple[int, torch.Tensor | None] | None = None
+        if model is not None:       # a model whose layers cannot be found fails here, not at the first step
+            plan_stages(model, [n for n, _ in model.named_parameters()], 1, None, layers)
+
+    # -- stack rules ----------------------------------------------------------------------------
+    def check_stack(self, stack, index):
+        for t in stack[index + 1:]:
+            if hasattr(t, "handle_value_and_grad"):
+                raise StackError(f"{t.name}() is inside pipeline_parallel, which runs the differentiated function "
+                                 f"itself (micro-batch by micro-batch, stage by stage): put {t.name}() outside it "
+                                 "(before it in compose), or drop it (pipeline_parallel already cuts the batch into "
+                                 "micro-batches)")
+
+    def facts(self) -> dict[str, Any]:
+        return {"pp_axis": self.axis, "pipeline_microbatches": self.microbatches}
+
+    def explain_note(self) -> str:
+        p = current_mesh().size(self.axis)
+        return (f"pipeline_parallel({self.schedule!r}) over {self.axis!r} (size {p}): {self.microbatches} "
+                f"micro-batches, {p * self.virtual} stages ({self.virtual} per rank)")
+
+    # -- the schedule ---------------------------------------------------------------------------
+    def _schedule(self, p: int) -> Any:
+        key = (p, self.microbatches)
+        hit = self._schedules.get(key)
+        if hit is None:
+            hit = build_schedule(self.schedule, p, self.microbatches, self.virtual)
+            check_schedule(hit, p, self.microbatches, self.virtual)
+            self._schedules[key] = hit
+        return hit
+
+    def _plan(self, module: nn.Module, names: Sequence[str], n_stages: int) -> StagePlan:
+        hit = self._plans.get(id(module))
+        if hit is None or hit[0] is not module or hit[1].n_stages != n_stages:
+            hit = self._plans[id(module)] = (module, plan_stages(module, names, n_stages, self.split, self.layers))
+        return hit[1]
+
+    # -- gradients ------------------------------------------------------------------------------
+    def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
+        if has_aux:
+            raise ConfigError("pipeline_parallel: value_and_grad(..., has_aux=True) is not supported yet (the aux "
+                              "outputs live on the last stage); return the loss alone")
+        mesh = current_mesh()
+        p = mesh.size(self.axis)
+        m = self.microbatches
+        schedule = self._schedule(p)
+        me = mesh.local_rank(self.axis)
+        ranks = mesh.ranks(self.axis)
+        rank_of = {}
+        for acts in schedule:
+            for a in acts:
+                rank_of[a.stage] = ranks[a.rank]
+        n_stages = len(rank_of)
+        micro, whole_of = slice_micro_batches(args, kwargs, m, f"pipeline_parallel(microbatches={m})")
+        leaves, spec = tree.flatten(params)
+        inputs = [x.detach().requires_grad_(True) for x in leaves]
+        tree_in = tree.unflatten(spec, inputs)
+        inv = 1.0 / m
+
+        def forward(stage: int, mb: int, h_in: torch.Tensor | None) -> torch.Tensor:
+            self._running = (stage, h_in, n_stages)
+            try:
+                a, k = micro[mb]
+                out = fn(tree_in, *a, **k)
+            except StopForward as done:
+                return done.value
+            finally:
+                self._running = None
+            if not isinstance(out, torch.Tensor) or out.numel() != 1:
+                raise ConfigError("pipeline_parallel: the differentiated function must return a scalar loss")
+            return out.reshape(()) * inv
+
+        links = StageLinks([rank_of[s] for s in range(n_stages)], m, env.device())
+        with torch.enable_grad(), micro_batches(MicroBatchCounts(m, whole_of)):
+            losses = run_rank(schedule[me], n_stages, links, forward)
+        value = torch.stack(losses).sum() if losses else torch.zeros((), device=inputs[0].device if inputs else None)
+        last_rank = rank_of[n_stages - 1]
+        value = C.broadcast_(value.detach().clone(), self.axis, src=ranks.index(last_rank))
+        grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
+        # each stage filled its own parameters' gradients: their sum is every gradient
+        grads = [C.all_reduce_(g, self.axis, "sum") for g in grads] if p > 1 else grads
+        return value, tree.unflatten(spec, grads)
+
+    # -- forward --------------------------------------------------------------------------------
+    def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
+        running = self._running
+        if running is None:            # a forward outside the gradient (evaluation): the whole model
+            return call_next(apply_fn, params, args, kwargs)
+        stage, h_in, n_stages = running
+        plan = self._plan(apply_fn.module, list(params), n_stages)
+        with running_stage(plan, stage, h_in):
+            return call_next(apply_fn, params, args, kwargs)
+
+
+def pipeline_parallel(*args: Any, **kwargs: Any) -> PipelineParallel:
+    """`pipeline_parallel(schedule="1f1b"|"gpipe"|"interleaved"|"zbv", microbatches=M, model=None,
+    split=None, layers=None, virtual=None, axis="pp")`; see the module docstring.
+
+    `split`: layer counts per stage (uneven splits; default even); `layers`: the path of the
+    model's ModuleList of blocks when it cannot be found; `virtual`: stages per rank of the
+    interleaved schedule (default 2). Needs `init_mesh(pp=P, ...)` on more than one rank.
+    """
+    return make_transform(PipelineParallel, "pipeline_parallel", args, kwargs)
