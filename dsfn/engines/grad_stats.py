@@ -7,6 +7,8 @@ is zero and adds nothing. The result is the single-process value on every rank.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import torch
@@ -24,7 +26,11 @@ def global_sq_norm(grads: Any) -> torch.Tensor:
     Per-leaf partial sums go through the `reduce_leaves` primitive (`dsfn.logical`), which
     the transforms owning the leaves' axes answer: one mechanism for this transform's
     clipping and an optimizer's `clip_by_global_norm`."""
-    xs = [x for x in tree.leaves(grads, is_leaf=is_placed) if (x.data if isinstance(x, Placed) else x).numel()]
+    # every leaf with logical elements takes part, on every rank alike (the reduction is
+    # collective): a rank's piece may be empty (a pipeline stage's StageOwned non-owner)
+    xs = [x for x in tree.leaves(grads, is_leaf=is_placed)
+          if (math.prod(x.layout.shape) if isinstance(x, Placed) and hasattr(x.layout, "shape") else
+              (x.data if isinstance(x, Placed) else x).numel())]
     if not xs:
         return torch.zeros((), dtype=torch.float64)
     norms = torch._foreach_norm([x.data if isinstance(x, Placed) else x for x in xs], 2)

@@ -11,11 +11,14 @@ the user's loss function, steered so that the model runs only this rank's stage
 stages' ranks (`dsfn.engines.pipeline_runner`). The loss is computed on the last stage and
 broadcast to every stage, so the metrics are the same on every rank.
 
-Parameters (this version): every rank holds every parameter; a stage's backward fills the
-gradients of its own parameters (zeros elsewhere) and the gradients are summed over the
-"pp" axis, so every rank applies the same update and the parameters stay equal on all
-stages. The activations are what pipelining saves here; storing each stage's parameters
-on its own ranks only (a StageOwned layout) is the next step.
+Parameters live on their stages: `place` lays every parameter out as
+`StageOwned("pp", owners)` — the whole tensor on the ranks holding a stage that uses it,
+a 0-element piece elsewhere — and its optimizer-state mirrors alike (`model=` names the
+module, so the stages are known before the first step). A stage's backward fills its own
+parameters' gradients; a parameter used by two stages (a tied embedding and head, on the
+first and the last) has its gradients summed over its owners, so their copies stay equal
+through every update. A global norm (clipping) sums each stage's part over "pp"
+(`reduce_leaves`); a whole-tensor function (Muon) runs on the owners (`map_whole`).
 
 Composes, outside it, with `data_parallel` / `shard_zero(1)` over "dp" (they split the
 batch over dp first; the pipeline cuts each rank's rows into micro-batches) and with
@@ -37,18 +40,24 @@ from dsfn.engines.micro_batches import slice_micro_batches
 from dsfn.engines.pipeline_runner import StageLinks, run_rank
 from dsfn.engines.pipeline_schedules import SCHEDULES, build_schedule, check_schedule
 from dsfn.engines.pipeline_stages import StagePlan, StopForward, plan_stages, running_stage
+from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.errors import ConfigError, StackError
+from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
+from dsfn.state.layout import StageOwned, mirrored_param
 from dsfn.transforms.core import Transform, make_transform
+from dsfn.transforms.facts import StackFacts
 
 _VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbv": 2}
 
 
 class PipelineParallel(Transform):
     name = "pipeline_parallel"
-    roles = frozenset({"pipeline"})
+    # it runs several micro-batches inside one gradient: the reductions outside reduce once,
+    # after (as around `accumulate`), not per backward
+    roles = frozenset({"pipeline", "accumulate"})
 
     def __init__(self, schedule: str = "1f1b", microbatches: int | None = None, model: nn.Module | None = None,
                  split: Sequence[int] | None = None, layers: str | None = None, virtual: int | None = None,
@@ -81,6 +90,11 @@ class PipelineParallel(Transform):
 
     # -- stack rules ----------------------------------------------------------------------------
     def check_stack(self, stack, index):
+        for d in StackFacts(stack).outside(self).with_role("zero"):
+            if d["zero_stage"] >= 2:
+                raise StackError(f"shard_zero({d['zero_stage']}) around pipeline_parallel is not supported yet (its "
+                                 "gradients are reduced while backward runs, and a pipeline runs many backwards in one "
+                                 "step); use shard_zero(1) or data_parallel() outside pipeline_parallel")
         for t in stack[index + 1:]:
             if hasattr(t, "handle_value_and_grad"):
                 raise StackError(f"{t.name}() is inside pipeline_parallel, which runs the differentiated function "
@@ -112,6 +126,74 @@ class PipelineParallel(Transform):
             hit = self._plans[id(module)] = (module, plan_stages(module, names, n_stages, self.split, self.layers))
         return hit[1]
 
+    # -- layout ---------------------------------------------------------------------------------
+    def _stage_ranks(self, p: int) -> dict[int, int]:
+        """Stage -> its rank's index along the pipeline axis (the schedule's placement)."""
+        return {a.stage: a.rank for acts in self._schedule(p) for a in acts}
+
+    def _owners(self, names: Sequence[str], p: int) -> dict[str, tuple[int, ...]]:
+        if self.model is None:
+            raise ConfigError("pipeline_parallel(..., model=model): the stages' parameters are placed on their own "
+                              "ranks when the state is placed, before any forward; pass the torch module")
+        where = self._stage_ranks(p)
+        plan = self._plan(self.model, names, len(where))
+        return {n: tuple(sorted({where[s] for s in plan.param_stages[n]})) for n in names}
+
+    def place(self, state: Any) -> Any:
+        p = current_mesh().size(self.axis)
+        if p == 1 or not hasattr(state, "params"):
+            return state
+        params = dict(tree.leaves_with_path(state.params, is_leaf=is_placed))
+        for path, x in params.items():
+            if not isinstance(x, torch.Tensor):
+                raise ConfigError(f"pipeline_parallel: parameter {path!r} is already placed ({x.layout}); put the "
+                                  "transform that placed it outside pipeline_parallel")
+        owners = self._owners(list(params), p)
+        layouts = {n: StageOwned(self.axis, owners[n], tuple(x.shape)) for n, x in params.items()}
+        shapes = {n: tuple(x.shape) for n, x in params.items()}
+
+        def own(path: str, x: Any) -> Any:
+            name = path if path in layouts else None
+            if name is None and isinstance(x, torch.Tensor):
+                name = mirrored_param(path, tuple(x.shape), shapes)      # Adam's mu.<name>, master.<name>
+            if name is None or not isinstance(x, torch.Tensor):
+                return x
+            return Placed(layouts[name].shard(x), layouts[name])
+        new_params = tree.map_with_path(own, state.params, is_leaf=is_placed)
+        opt = getattr(state, "opt_state", None)
+        new_opt = tree.map_with_path(own, opt, is_leaf=is_placed) if opt is not None else opt
+        return state.replace(params=new_params, opt_state=new_opt)
+
+    def unplaced(self, state: Any) -> str | None:
+        if current_mesh().size(self.axis) == 1 or not hasattr(state, "params"):
+            return None
+        for path, x in tree.leaves_with_path(state.params, is_leaf=is_placed):
+            if isinstance(x, torch.Tensor):
+                return f"parameter {path!r} is a whole tensor, not its pipeline stage's piece"
+        return None
+
+    def handle_reduce_leaves(self, call_next, partials, pending, op):
+        """Leaves held by the stages (StageOwned) are combined over the pipeline axis."""
+        return call_next(*reduce_over_axis(partials, pending, self.axis, op), op)
+
+    def handle_map_whole(self, call_next, fn, pieces):
+        """Whole-tensor functions (Muon): an owner holds the whole tensor and maps it; the
+        other ranks hold nothing of it."""
+        ours = [k for k, x in enumerate(pieces) if isinstance(x, Placed) and isinstance(x.layout, StageOwned)
+                and x.layout.axis == self.axis]
+        if not ours:
+            return call_next(fn, pieces)
+        out = list(pieces)
+        for k in ours:
+            x = pieces[k]
+            if x.layout.holds():
+                out[k] = Placed(fn(k, x.data), x.layout)
+        rest = [k for k in range(len(pieces)) if k not in set(ours)]
+        if rest:
+            for k, r in zip(rest, call_next(lambda j, w: fn(rest[j], w), [pieces[k] for k in rest])):
+                out[k] = r
+        return out
+
     # -- gradients ------------------------------------------------------------------------------
     def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
         if has_aux:
@@ -129,8 +211,8 @@ class PipelineParallel(Transform):
                 rank_of[a.stage] = ranks[a.rank]
         n_stages = len(rank_of)
         micro, whole_of = slice_micro_batches(args, kwargs, m, f"pipeline_parallel(microbatches={m})")
-        leaves, spec = tree.flatten(params)
-        inputs = [x.detach().requires_grad_(True) for x in leaves]
+        leaves, spec = tree.flatten(params, is_leaf=is_placed)
+        inputs = [data_of(x).detach().requires_grad_(True) for x in leaves]
         tree_in = tree.unflatten(spec, inputs)
         inv = 1.0 / m
 
@@ -154,9 +236,17 @@ class PipelineParallel(Transform):
         last_rank = rank_of[n_stages - 1]
         value = C.broadcast_(value.detach().clone(), self.axis, src=ranks.index(last_rank))
         grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
-        # each stage filled its own parameters' gradients: their sum is every gradient
-        grads = [C.all_reduce_(g, self.axis, "sum") for g in grads] if p > 1 else grads
-        return value, tree.unflatten(spec, grads)
+        out = []
+        for x, g in zip(leaves, grads):
+            layout = x.layout if isinstance(x, Placed) else None
+            if isinstance(layout, StageOwned) and len(layout.owners) > 1:
+                # a parameter of several stages (tied embedding and head): its gradients summed
+                # over its owners, whose copies then take the same update
+                full = g if g.numel() else torch.zeros(layout.shape, dtype=g.dtype, device=g.device)
+                full = C.all_reduce_(full, self.axis, "sum")
+                g = full if layout.holds() else g
+            out.append(Placed(g, layout) if layout is not None else g)
+        return value, tree.unflatten(spec, out)
 
     # -- forward --------------------------------------------------------------------------------
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
