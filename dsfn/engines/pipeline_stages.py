@@ -1,7 +1,9 @@
 """A model cut into pipeline stages, and one stage's forward run inside the user's own step.
 
-The model's repeated blocks (`dsfn.units.find_units`: a Hugging Face decoder's layers, dsfn
-GPT's blocks — or the ModuleList named by `layers=`) are cut into S stages of consecutive
+The model's repeated blocks (`dsfn.units.find_units` of the classes a model declares in
+`_no_split_modules`: a Hugging Face decoder's layers, dsfn GPT's blocks — or the ModuleList
+named by `layers=`, whose blocks must run one after the other, each on the previous one's
+output) are cut into S stages of consecutive
 layers (`plan_stages`: even, the first stages taking one more when S does not divide them,
 or the counts given by `split=`). A parameter belongs to the stage of its layer; the
 modules registered before the layer list (embeddings) belong to the first stage, those
@@ -78,7 +80,10 @@ def _layer_list(module: nn.Module, layers: str | None) -> tuple[str, nn.ModuleLi
             raise ConfigError(f"pipeline_parallel(layers={layers!r}): that is not a ModuleList of the model; name the "
                               "list of its repeated blocks, e.g. layers='model.layers'")
         return layers, found
-    units = find_units(module, None)
+    # only blocks a model declares (Hugging Face's and dsfn GPT's _no_split_modules): any
+    # other ModuleList may hold branches (experts) rather than a sequence of layers
+    declared = any(getattr(m, "_no_split_modules", None) for m in module.modules())
+    units = find_units(module, None) if declared else []
     parents = {name.rsplit(".", 1)[0] for name, _ in units if "." in name}
     if len(parents) == 1:
         path = parents.pop()
@@ -86,8 +91,9 @@ def _layer_list(module: nn.Module, layers: str | None) -> tuple[str, nn.ModuleLi
         if isinstance(found, nn.ModuleList):
             return path, found
     raise ConfigError(f"pipeline_parallel: cannot find the layers of {type(module).__name__} to cut into stages "
-                      "(no Hugging Face _no_split_modules, and no single ModuleList of repeated blocks); pass "
-                      "layers='path.to.ModuleList', e.g. pipeline_parallel(..., layers='model.layers')")
+                      "(it declares no repeated blocks, _no_split_modules as Hugging Face models do, held in one "
+                      "ModuleList); pass the ModuleList of blocks that run one after the other: "
+                      "pipeline_parallel(..., layers='path.to.ModuleList'), e.g. layers='model.layers'")
 
 
 def _split(n_layers: int, n_stages: int, split: Sequence[int] | None) -> list[tuple[int, int]]:

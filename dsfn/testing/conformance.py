@@ -114,6 +114,7 @@ class ModelSpec:
     batch_stats: bool = False        # normalises by batch statistics (BatchNorm): see `_reference`
     reference_make: Callable[[], nn.Module] | None = None   # the reference's model, when it differs
     rtol: float = 1e-5               # a model's own floor, where one needs it
+    layers: int = 2                  # repeated blocks (pipeline stages are cut from them)
 
 
 def _tokens():
@@ -141,6 +142,9 @@ MODELS: dict[str, ModelSpec] = {
     "qwen2+labels": ModelSpec(lambda: make_tiny_causal_lm("qwen2"), _tokens, _hf_labels_loss, attention=True,
                               tp="auto"),
     # 4 query / 1 key-value heads: tensor parallel's ranks share replicas of the one kv head
+    # 4 layers: pipeline schedules with 2 stages per rank (interleaved, ZBV) at pp 2
+    "qwen2+4layers": ModelSpec(lambda: make_tiny_causal_lm("qwen2", num_hidden_layers=4), _tokens, _lm_loss,
+                               attention=True, tp="auto", layers=4),
     "llama+kv1": ModelSpec(lambda: make_tiny_causal_lm("llama", num_attention_heads=4, num_key_value_heads=1),
                            _tokens, _lm_loss, attention=True, tp="auto"),
     # the activation-checkpointing axis: HF's own checkpointing, compared with the model without it
@@ -298,6 +302,18 @@ STACKS: dict[str, StackSpec] = {
                        also_sampled=(8,)),
     "zero3+hpz": StackSpec(lambda m, s, d: [_T().shard_zero(3, hpz="node")], worlds=(4, 8), nodes=2,
                            also_sampled=(8,)),
+    # pipeline parallel: each schedule at pp 2 (4 micro-batches of the 8 rows), and with ZeRO-1
+    # over dp (2 micro-batches of each dp rank's 4 rows); interleaved and ZBV run 4 stages
+    "pp_gpipe": StackSpec(lambda m, s, d: [_T().pipeline_parallel("gpipe", 4, model=m)], mesh=lambda w: {"pp": w},
+                          worlds=(2,)),
+    "pp_1f1b": StackSpec(lambda m, s, d: [_T().pipeline_parallel("1f1b", 4, model=m)], mesh=lambda w: {"pp": w},
+                         worlds=(2, 4)),
+    "pp_interleaved": StackSpec(lambda m, s, d: [_T().pipeline_parallel("interleaved", 4, model=m)],
+                                mesh=lambda w: {"pp": w}, worlds=(2,)),
+    "pp_zbv": StackSpec(lambda m, s, d: [_T().pipeline_parallel("zbv", 4, model=m)], mesh=lambda w: {"pp": w},
+                        worlds=(2,)),
+    "zero1+pp": StackSpec(lambda m, s, d: [_T().shard_zero(1), _T().pipeline_parallel("1f1b", 2, model=m)],
+                          mesh=lambda w: {"dp": w // 2, "pp": 2}, worlds=(4,)),
     "hsdp3+tp": StackSpec(lambda m, s, d: [_T().shard_zero(3, shard_group="node"), _tp(m, s)],
                           mesh=lambda w: {"dp": w // 2, "tp": 2}, worlds=(8,), nodes=2),
 }
@@ -315,17 +331,29 @@ class Refusal:
     why: str
 
 
+def pipelined(stack: str) -> bool:
+    """Whether a stack pipelines (its name has a "pp" or "pp_<schedule>" part)."""
+    return any(part == "pp" or part.startswith("pp_") for part in stack.split("+"))
+
+
 REFUSALS: list[Refusal] = [
     Refusal(lambda s, o, m: "tp" in s.split("+") and m == "llama+lora", ConfigError, "matches no module of PeftModel",
             "the HF tp plan names the inner model's modules; peft's wrapper (and its LoRA layers) has no plan: "
             "a clear error, not a silent replicated run"),
     Refusal(lambda s, o, m: "remat" in s and m == "batchnorm", ConfigError, "no repeated blocks to checkpoint",
             "remat's default picks the model's repeated blocks; this model has none (name them: modules=[...])"),
-    Refusal(lambda s, o, m: s in ("tp", "zero1+tp", "zero1+tp+offload_cpu") and MODELS[m].tp is None, ConfigError,
+    Refusal(lambda s, o, m: "tp" in s.split("+") and MODELS[m].tp is None, ConfigError,
             "declares no tp plan", "tensor parallel needs a plan; the model has none (pass plan=...)"),
     Refusal(lambda s, o, m: s == "sp+zero3" and not MODELS[m].attention, ShapeError,
             "the batch must be a dict with 'input_ids' [batch, seq]",
             "sequence parallel splits a token sequence; the model's batches have none"),
+    Refusal(lambda s, o, m: pipelined(s) and not MODELS[m].attention, ConfigError,
+            "cannot find the layers", "pipeline stages are cut from the model's repeated blocks; it has none "
+            "(name them: layers='...')"),
+    Refusal(lambda s, o, m: s in ("pp_interleaved", "pp_zbv") and MODELS[m].attention and MODELS[m].layers < 4,
+            ConfigError, "fewer than the 4 stages", "2 ranks x 2 virtual stages need 4 layers; the model has 2"),
+    Refusal(lambda s, o, m: pipelined(s) and "hf_ckpt" in m, ConfigError, "gradient checkpointing",
+            "a stage's recompute in backward would run without the stage's hooks: refused until it is built"),
 ]
 
 

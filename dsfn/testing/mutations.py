@@ -76,6 +76,20 @@ def _hybrid_no_cross():
     return mock.patch.object(flat.ShardReducer, "_reduce_across", lambda self: None)
 
 
+def _pipeline_drops_microbatch():
+    """The last stage's loss of micro-batch 0 is multiplied by 0: its gradient (and its part
+    of the loss) never reaches the parameters."""
+    from dsfn.engines import pipeline_runner
+    orig = pipeline_runner.run_rank
+
+    def run_rank(actions, n_stages, links, forward):
+        def dropping(stage, mb, h_in):
+            out = forward(stage, mb, h_in)
+            return out * 0 if stage == n_stages - 1 and mb == 0 else out
+        return orig(actions, n_stages, links, dropping)
+    return mock.patch.object(pipeline_runner, "run_rank", run_rank)
+
+
 def _update(transform: Callable[[Any, Any], Any]):
     """base.step with its new params passed through `transform(old, new)` in a rank."""
     from dsfn import tree
@@ -184,6 +198,8 @@ MUTATIONS: dict[str, Mutation] = {m.name: m for m in [
     Mutation("hybrid_no_cross", "hybrid sharding reduces inside the shard group only (the all-reduce across "
              "groups forgotten)", _hybrid_no_cross, lambda c: "hsdp" in c.stack,
              ("tests/transforms/test_zero_hybrid.py",)),
+    Mutation("pipeline_drops_microbatch", "the pipeline drops one micro-batch's gradient (and loss)",
+             _pipeline_drops_microbatch, lambda c: _K().pipelined(c.stack), ("tests/transforms/test_pipeline_parallel.py",)),
     Mutation("no_update", "the optimizer update switched off in the ranks", _no_update, lambda c: True,
              ("tests/transforms/test_data_parallel.py",), ranks_only=True),
     Mutation("zero_grads", "all gradients zeroed (in the ranks)", _zero_grads, lambda c: True,

@@ -28,6 +28,7 @@ pipeline runs the differentiated function itself.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,9 +36,10 @@ import torch
 from torch import nn
 
 from dsfn import tree
-from dsfn.adapters import MicroBatchCounts, micro_batches
+from dsfn.adapters import MicroBatchCounts, adapter_for, micro_batches
 from dsfn.engines.micro_batches import slice_micro_batches
-from dsfn.engines.pipeline_runner import StageLinks, run_rank
+from dsfn.engines import pipeline_runner
+from dsfn.engines.pipeline_runner import StageLinks
 from dsfn.engines.pipeline_schedules import SCHEDULES, build_schedule, check_schedule
 from dsfn.engines.pipeline_stages import StagePlan, StopForward, plan_stages, running_stage
 from dsfn.engines.grad_stats import reduce_over_axis
@@ -123,6 +125,11 @@ class PipelineParallel(Transform):
     def _plan(self, module: nn.Module, names: Sequence[str], n_stages: int) -> StagePlan:
         hit = self._plans.get(id(module))
         if hit is None or hit[0] is not module or hit[1].n_stages != n_stages:
+            if _checkpointing(module):
+                raise ConfigError("pipeline_parallel with the model's own gradient checkpointing is not supported yet "
+                                  "(a layer's recompute in backward would run without its stage's hooks): call "
+                                  "model.gradient_checkpointing_disable(), or use remat outside pipeline_parallel "
+                                  "once it composes")
             hit = self._plans[id(module)] = (module, plan_stages(module, names, n_stages, self.split, self.layers))
         return hit[1]
 
@@ -231,7 +238,7 @@ class PipelineParallel(Transform):
 
         links = StageLinks([rank_of[s] for s in range(n_stages)], m, env.device())
         with torch.enable_grad(), micro_batches(MicroBatchCounts(m, whole_of)):
-            losses = run_rank(schedule[me], n_stages, links, forward)
+            losses = pipeline_runner.run_rank(schedule[me], n_stages, links, forward)
         value = torch.stack(losses).sum() if losses else torch.zeros((), device=inputs[0].device if inputs else None)
         last_rank = rank_of[n_stages - 1]
         value = C.broadcast_(value.detach().clone(), self.axis, src=ranks.index(last_rank))
@@ -254,9 +261,19 @@ class PipelineParallel(Transform):
         if running is None:            # a forward outside the gradient (evaluation): the whole model
             return call_next(apply_fn, params, args, kwargs)
         stage, h_in, n_stages = running
-        plan = self._plan(apply_fn.module, list(params), n_stages)
-        with running_stage(plan, stage, h_in):
+        module = apply_fn.module
+        plan = self._plan(module, list(params), n_stages)
+        # a model's own loss (a Hugging Face causal LM given labels) is the whole batch's token
+        # mean over the micro-batches, as under accumulate (its adapter, dsfn.adapters)
+        adapter = adapter_for(module) if self.microbatches > 1 else None
+        mean = adapter.token_mean_over(module, [], args, kwargs) if adapter is not None else contextlib.nullcontext()
+        with mean, running_stage(plan, stage, h_in):
             return call_next(apply_fn, params, args, kwargs)
+
+
+def _checkpointing(module: nn.Module) -> bool:
+    """Whether a Hugging Face model (or one inside a wrapper, e.g. peft's) recomputes its layers."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules())
 
 
 def pipeline_parallel(*args: Any, **kwargs: Any) -> PipelineParallel:
