@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from dsfn.engines.pipeline_schedules import Action, Kind
 from dsfn.errors import ConfigError
+from dsfn.runtime import collectives as C
 
 __all__ = ["StageLinks", "run_rank"]
 
@@ -44,8 +45,9 @@ class StageLinks:
     """Point-to-point transfers between the stages' ranks. `rank_of[s]`: the global rank
     holding stage s; `m`: micro-batches (for the tags)."""
 
-    def __init__(self, rank_of: Sequence[int], m: int, device: torch.device):
-        self.rank_of, self.m, self.device = list(rank_of), m, device
+    def __init__(self, rank_of: Sequence[int], m: int, device: torch.device, axis: str = "pp"):
+        self.rank_of, self.m, self.device, self.axis = list(rank_of), m, device, axis
+        self.boundary_bytes: dict[tuple[int, int], int] = {}     # (from stage, to stage) -> bytes sent
         self.pending: list[tuple[Any, torch.Tensor]] = []
         self.sent_bytes = 0
         self.me = dist.get_rank() if dist.is_initialized() else 0
@@ -60,6 +62,8 @@ class StageLinks:
             raise ConfigError(f"pipeline_parallel: a stage boundary carries a {t.dtype} tensor of {t.dim()} dims; "
                               f"supported: {[str(d) for d in _DTYPES]}, up to {_HEADER - 2} dims")
         dst, tag = self.rank_of[to_stage], self._tag(stage, mb, backward)
+        edge = (to_stage + 1, to_stage) if backward else (to_stage - 1, to_stage)
+        self.boundary_bytes[edge] = self.boundary_bytes.get(edge, 0) + t.numel() * t.element_size()
         if dst == self.me:            # both stages on this rank: no transfer
             self.local[tag] = t.clone()
             return
@@ -69,6 +73,7 @@ class StageLinks:
         for x in (header.to(self.device), t):
             self.pending.append((dist.isend(x, dst, tag=tag), x))
         self.sent_bytes += t.numel() * t.element_size()
+        C.counters.record(self.axis, "send", t.numel() * t.element_size(), None, dst)
 
     def recv(self, from_stage: int, stage: int, mb: int, backward: bool) -> torch.Tensor:
         src, tag = self.rank_of[from_stage], self._tag(stage, mb, backward)

@@ -56,13 +56,20 @@ class CommCounters:
     def record(self, axis: str, op: str, nbytes: int, mesh: Mesh | None = None, src: int | None = None) -> None:
         """Count one call of `op` along `axis` (a gradient channel "x/grads" counts as x)
         moving `nbytes`; `mesh` (default: the current one) places its group on the
-        topology, `src` is a broadcast's source (a global rank)."""
+        topology, `src` is a broadcast's source (a global rank), or the receiver of a
+        point-to-point "send" (its bytes cross this node's boundary when the receiver is on
+        another node)."""
         axis = axis.split("/")[0]
         key = (axis, op)
         c = self._counts[key]
         c.calls += 1
         c.bytes += int(nbytes)
         m = mesh if mesh is not None else current_mesh()
+        if op == "send":            # point to point: `src` is the receiving global rank
+            off = m.topology.node_of(src) != m.topology.node_of(m.rank)
+            c.inter += nbytes if off else 0
+            c.intra += 0 if off else nbytes
+            return
         if op == "broadcast":
             split = link_bytes(op, nbytes, group_links(m.ranks(axis), m.topology, m.rank), src, m.rank)
             c.intra += split.intra

@@ -109,8 +109,16 @@ class PipelineParallel(Transform):
 
     def explain_note(self) -> str:
         p = current_mesh().size(self.axis)
-        return (f"pipeline_parallel({self.schedule!r}) over {self.axis!r} (size {p}): {self.microbatches} "
+        note = (f"pipeline_parallel({self.schedule!r}) over {self.axis!r} (size {p}): {self.microbatches} "
                 f"micro-batches, {p * self.virtual} stages ({self.virtual} per rank)")
+        last = self._last
+        if last is not None:          # what this rank did in the step explain ran
+            me, steps, sent = last
+            edges = ", ".join(f"stage {a}->{b}: {n:,} B" for (a, b), n in sorted(sent.items())) or "none"
+            note += f"; rank {me} runs (kind stage.micro-batch) {' '.join(steps)}; it sends per step {edges}"
+        return note
+
+    _last: tuple | None = None
 
     # -- the schedule ---------------------------------------------------------------------------
     def _schedule(self, p: int) -> Any:
@@ -236,9 +244,10 @@ class PipelineParallel(Transform):
                 raise ConfigError("pipeline_parallel: the differentiated function must return a scalar loss")
             return out.reshape(()) * inv
 
-        links = StageLinks([rank_of[s] for s in range(n_stages)], m, env.device())
+        links = StageLinks([rank_of[s] for s in range(n_stages)], m, env.device(), self.axis)
         with torch.enable_grad(), micro_batches(MicroBatchCounts(m, whole_of)):
             losses = pipeline_runner.run_rank(schedule[me], n_stages, links, forward)
+        self._last = (me, [f"{a.kind.value}{a.stage}.{a.mb}" for a in schedule[me]], dict(links.boundary_bytes))
         value = torch.stack(losses).sum() if losses else torch.zeros((), device=inputs[0].device if inputs else None)
         last_rank = rank_of[n_stages - 1]
         value = C.broadcast_(value.detach().clone(), self.axis, src=ranks.index(last_rank))

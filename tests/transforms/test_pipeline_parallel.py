@@ -187,3 +187,22 @@ def test_a_single_rank_pipeline_is_micro_batching():
     out = run_on_ranks(_train, 1, "gpt", "sgd", (), None, "1f1b", 4, timeout=60)
     _check(out, ref, "sgd")
     assert current_mesh is not None and all(v is None for v in out[0][2].values())
+
+
+def test_explain_states_the_schedule_and_the_bytes_each_boundary_carries():
+    """Each of the 4 micro-batches' activations [2, 12, d] crosses 0 -> 1, its gradient 1 -> 0:
+    explain's note and the runtime's counters agree with that count."""
+    def fn():
+        init_mesh(pp=2)
+        model = _model("gpt")
+        apply_fn, params = dsfn.functionalize(model)
+        step = dsfn.compose(pipeline_parallel("1f1b", 4, model=model))(train_step_for(apply_fn, lm_loss))
+        ex = step.explain(step.init_state(params, OPTS["sgd"]()), BATCHES[0])
+        return str(ex), ex.collectives.get(("pp", "send"), (0, 0)), model.config.d_model
+    out = run_on_ranks(fn, 2, timeout=120)
+    for rank, (text, (calls, nbytes), d) in enumerate(out):
+        per_step = 8 * 12 * d * 4                 # the batch's rows x tokens x width, fp32
+        assert nbytes == per_step and calls == 4, (rank, calls, nbytes)
+        edge = "stage 0->1" if rank == 0 else "stage 1->0"
+        assert f"{edge}: {per_step:,} B" in text, text
+        assert ("F0.0 F0.1 BW0.0" if rank == 0 else "F1.0 BW1.0 F1.1") in text, text
