@@ -3,7 +3,8 @@
 Canonical order, outermost first: compose(sequence_parallel(), shard_zero(s) | data_parallel(),
 tensor_parallel(plan), remat(...), accumulate(n),
 offload(...), mixed_precision(...), loss_scale(), clip_grad_norm(c), zenflow(...)); async_checkpoint
-may sit anywhere.
+may sit anywhere; pipeline_parallel(...) sits inside every transform that handles the
+gradient (it runs the differentiated function itself, micro-batch by micro-batch).
 
 This package exports the factories (and `compose`, `Step`, the `Transform` base for new
 transforms), as optax's top level does. Mechanisms live where they belong: primitives
