@@ -248,7 +248,9 @@ class PipelineParallel(Transform):
         with torch.enable_grad(), micro_batches(MicroBatchCounts(m, whole_of)):
             losses = pipeline_runner.run_rank(schedule[me], n_stages, links, forward)
         self._last = (me, [f"{a.kind.value}{a.stage}.{a.mb}" for a in schedule[me]], dict(links.boundary_bytes))
-        value = torch.stack(losses).sum() if losses else torch.zeros((), device=inputs[0].device if inputs else None)
+        # the loss lives on the last stage; it travels in fp32 (the other stages do not know
+        # its dtype: bf16 under mixed precision) and comes back in it
+        value = torch.stack(losses).sum().float() if losses else torch.zeros((), device=env.device())
         last_rank = rank_of[n_stages - 1]
         value = C.broadcast_(value.detach().clone(), self.axis, src=ranks.index(last_rank))
         grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]

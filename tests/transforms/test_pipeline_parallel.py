@@ -21,7 +21,7 @@ from dsfn.testing import run_on_ranks
 from dsfn.testing.asserts import assert_trees_close
 from dsfn.testing.models import make_mlp, make_tiny_causal_lm, token_batches
 from dsfn.testing.reference import lm_loss, train_step_for
-from dsfn.transforms import accumulate, clip_grad_norm, data_parallel, pipeline_parallel, shard_zero
+from dsfn.transforms import accumulate, clip_grad_norm, data_parallel, mixed_precision, pipeline_parallel, shard_zero
 
 BATCHES = token_batches(3, 8, 12, 101, seed=1)
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -245,3 +245,29 @@ def test_a_pipeline_checkpoint_reloads_at_other_pipeline_sizes_bitwise(tmp_path)
     saved4 = run_on_ranks(_save_pp, 4, str(tmp_path), 4, timeout=180)[0]
     for rank, got in enumerate(run_on_ranks(_load_as, 2, str(tmp_path), "pp4", 2, timeout=120)):
         assert_trees_equal(got, saved4, msg=f"pp4 checkpoint loaded at pp 2, rank {rank}")
+
+
+def _train_mp(outer_pp, pp):
+    if pp:
+        init_mesh(pp=2)
+    model = make_tiny_causal_lm("llama", num_hidden_layers=4)
+    apply_fn, params = dsfn.functionalize(model)
+    ts = [mixed_precision()] + ([pipeline_parallel("1f1b", 4, model=model)] if pp else [accumulate(4)])
+    step = dsfn.compose(*ts)(train_step_for(apply_fn, lm_loss))
+    state = step.init_state(params, OPTS["sgd"]())
+    losses = []
+    for b in BATCHES:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    return losses, step.gather(state).params
+
+
+def test_mixed_precision_outside_runs_each_micro_batch_as_accumulate_does():
+    """bf16 compute, fp32 master: the pipeline's micro-batches are accumulate(4)'s, each in bf16;
+    every stage reports the last stage's loss (sent in fp32, whatever the loss's dtype)."""
+    ref_losses, ref_params = _train_mp(None, False)
+    for losses, params in run_on_ranks(_train_mp, 2, None, True, timeout=120):
+        # the tied embedding's bf16 gradients are summed over the two stages, in another order than
+        # autograd's: within one bf16 step (2^-8 relative) of the loss, and of the parameters
+        assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-2), (losses, ref_losses)
+        assert_trees_close(params, ref_params, rtol=1e-2, atol=1e-3)
