@@ -20,6 +20,19 @@ separately as dsfn lays it out (tp split first, then ZeRO's flat shard, padded t
 | `host` / `nvme` | what `offload("cpu")` / `offload("nvme")` moves off the device: optimizer state and master weights, and ZeRO 3's parameter shards with `params=True` |
 | `secondary` | ZeRO++ hpZ (`shard_zero(3, hpz=k)`): every gathered unit's secondary shard, 1/k of the unit as gathered (each tensor padded to N) in the compute dtype, all held at once from the end of forward until backward re-gathers each unit |
 
+Pipeline parallel (`pipeline_parallel(schedule, microbatches, model=...)` in the stack, pp =
+the "pp" axis' size): the model is cut as the transform cuts it (`plan_stages` over p*v
+stages: even, the first stages one layer more, or `split=`; embeddings on the first stage,
+final norm and head on the last, a tied embedding on both) and placed as the schedule
+places the stages (stage -> rank). On pipeline rank r every field above counts only the
+parameters of r's stages — the whole tensor (`StageOwned`), a tied one on both its ranks —
+then ZeRO over dp as above (ZeRO-1 outside: the optimizer state 1/N). `pp_rank=` picks the
+rank; by default the estimate is the rank with the largest device peak (`pp_rank` says which).
+
+| field | what |
+|---|---|
+| `activations` | **modelled, not measured**: the most activation bytes this rank holds at once under the schedule — the schedule's own order walked (a forward adds its stage's micro-batch, its backward (B or BW) frees it), so the peak in micro-batches is `simulate(schedule).peak_activations[r]` (1F1B: p - r; GPipe: m; interleaved, ZBV: the simulator's). One micro-batch of one stage is an activation model, not a trace: 34·b·s·h bytes per layer at 16 bits (Korthikanti et al. 2022, "Reducing Activation Recomputation", Table 2 without parallelism: attention, MLP, norms, dropout masks; the attention scores not stored, as under flash / SDPA attention), i.e. `ACT_VALUES_PER_LAYER` = 17 values per token per hidden unit in the compute dtype, 1/(tp·sp) of it per rank under tensor / sequence parallel; plus the embedding output (b·s·h values) on the first stage and the logits (b·s·V values) on the last. b·s is one micro-batch's tokens on this rank (`batch=(rows, seq_len)` of the step's whole batch, split over dp when a dp transform is in the stack, then into `microbatches`), h the model config's hidden size, V its vocabulary. ZBV's weight-gradient leftovers between B and W, remat and the p2p buffers are not modelled |
+
 Hybrid sharding (`shard_zero(stage, shard_group=k)`, HSDP / MiCS) shards over the k ranks of a
 shard group instead of all N: every "1/N" above is then 1/k (the state is replicated N/k
 times). k comes from `dsfn.engines.shard_groups.group_size`, checked as ZeRO checks it, on
@@ -27,8 +40,9 @@ the launcher's topology (or `ranks_per_node=`, which "node" needs when estimatin
 world than the running one).
 
 `params + optimizer + master + host + nvme` is the state `Step.explain` measures on a rank
-(its leaves); `explain()` shows this estimate beside it. Gradients, units and buckets are
-transient (not state) and are estimated only.
+(its leaves); `explain()` shows this estimate beside it (on a pipeline, for this rank's
+stages). Gradients, units, buckets and activations are transient (not state) and are
+estimated only; activations are a model (above).
 """
 from __future__ import annotations
 
@@ -42,10 +56,15 @@ from torch import nn
 from dsfn import tree
 from dsfn.errors import ConfigError
 
-__all__ = ["MemoryEstimate", "deepspeed_zero2_estimate", "deepspeed_zero3_estimate", "estimate_memory",
-           "measured_state_bytes"]
+__all__ = ["ACT_VALUES_PER_LAYER", "MemoryEstimate", "deepspeed_zero2_estimate", "deepspeed_zero3_estimate",
+           "estimate_memory", "measured_state_bytes"]
 
 _GiB = 2**30
+
+ACT_VALUES_PER_LAYER = 17
+"""Activation values kept per token per hidden unit by one transformer layer for its backward:
+Korthikanti et al. 2022's 34·s·b·h bytes at 16 bits (no recomputation, no parallelism,
+attention scores not stored). A model, not a measurement."""
 
 
 @dataclass
@@ -69,6 +88,14 @@ class MemoryEstimate:
     secondary: int = 0
     shard_group: int | None = None  # hybrid sharding: ranks of a shard group (None: flat over dp)
     hpz: int | None = None          # ZeRO++ hpZ: ranks of a secondary group (None: off)
+    activations: int = 0            # pipeline: modelled peak activation bytes of this rank (module docstring)
+    pp_rank: int | None = None      # pipeline: the rank estimated (index along the pipeline axis)
+    pipeline_schedule: str | None = None
+    pipeline_microbatches: int = 0
+    pipeline_stages: tuple[int, ...] = ()          # this rank's stages
+    peak_microbatches: float = 0.0  # simulate(schedule).peak_activations[pp_rank]: stage micro-batches held at once
+    microbatch_activations: int = 0  # one micro-batch's modelled activations through this rank's stages (all v)
+    activation_note: str = ""       # what the activation figure assumed, or why it is 0
 
     @property
     def state(self) -> int:
@@ -78,9 +105,10 @@ class MemoryEstimate:
     @property
     def device(self) -> int:
         """Peak device bytes of model states: state on the device + grads + largest unit + buckets
-        (+ hpZ's secondary shards, all held while backward starts)."""
+        (+ hpZ's secondary shards, all held while backward starts; + a pipeline's modelled
+        activations)."""
         return (self.params + self.optimizer + self.master + self.grads + self.largest_unit + self.buckets
-                + self.secondary)
+                + self.secondary + self.activations)
 
     def deepspeed(self, gpus_per_node: int = 8) -> dict[str, int]:
         """DeepSpeed's published formulas for this model and dp size: {"gpu": per GPU, "cpu":
@@ -104,6 +132,8 @@ class MemoryEstimate:
             lines.append(f"  hybrid sharding: the state is sharded over shard groups of {self.shard_group} of the {dp} "
                          f"dp ranks (1/{self.shard_group} per rank, not 1/{dp}) and replicated "
                          f"{dp // self.shard_group} times")
+        if self.pipeline_schedule is not None:
+            lines.append(_pipeline_line(self))
         if self.hpz is not None:
             lines.append(f"  hpZ: each gathered unit keeps a secondary shard over {self.hpz} ranks (1/{self.hpz} of "
                          "the unit, in the compute dtype) from its forward to its backward: 'secondary'")
@@ -111,10 +141,30 @@ class MemoryEstimate:
             lines.append(f"  {k:13s} {g(getattr(self, k))}")
         if self.hpz is not None:
             lines.append(f"  {'secondary':13s} {g(self.secondary)}   (hpZ, all units' secondary shards after forward)")
+        if self.pipeline_schedule is not None:
+            lines.append(f"  {'activations':13s} {g(self.activations)}   ({_activation_detail(self)})")
         lines.append(f"  {'device peak':13s} {g(self.device)}   (state on this rank: {g(self.state)})")
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _pipeline_line(est: "MemoryEstimate") -> str:
+    many = len(est.pipeline_stages) > 1
+    stages = ", ".join(str(k) for k in est.pipeline_stages)
+    return (f"  pipeline: schedule {est.pipeline_schedule!r}, {est.pipeline_microbatches} micro-batches, pp "
+            f"{est.mesh.get('pp', 1)}; pipeline rank {est.pp_rank} holds stage{'s' if many else ''} {stages} "
+            f"(the fields count {'their' if many else 'its'} parameters only); peak {est.peak_microbatches:g} "
+            f"micro-batch{'' if est.peak_microbatches == 1 else 'es'} of activations held at once under "
+            f"{est.pipeline_schedule!r}")
+
+
+def _activation_detail(est: "MemoryEstimate") -> str:
+    if not est.microbatch_activations:
+        return f"modelled; {est.activation_note}"
+    return (f"modelled: peak {est.peak_microbatches:g} micro-batch{'' if est.peak_microbatches == 1 else 'es'} under "
+            f"{est.pipeline_schedule!r} x {_human(est.microbatch_activations).strip()} per micro-batch through this "
+            f"rank's stages; {est.activation_note}")
 
 
 def _count(n: int) -> str:
@@ -264,7 +314,8 @@ def _unit_params(module: nn.Module | None, zero: Any, names: set[str]) -> tuple[
 
 
 def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = (), world_size: int = 1, *,
-                    tx: Any = None, tp: int | None = None, sp: int | None = None,
+                    tx: Any = None, tp: int | None = None, sp: int | None = None, pp: int | None = None,
+                    pp_rank: int | None = None, batch: tuple[int, int] | None = None,
                     dtype: torch.dtype | None = None, ranks_per_node: int | None = None) -> MemoryEstimate:
     """Per-rank bytes of parameters, gradients, optimizer state, master weights, the largest
     gathered unit, buckets, host and NVMe (see the module docstring).
@@ -272,10 +323,14 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
     Args:
         model: an nn.Module (meta device is enough), {name: shape} or a parameter count.
         stack: the transforms (or a Step) the run will use.
-        world_size: ranks; dp = world / (tp * sp).
+        world_size: ranks; dp = world / (tp * sp * pp).
         tx: the optimizer (default: `dsfn.optim.adamw`); its state is made on meta tensors.
-        tp, sp: mesh sizes (default: 2 if the stack has tensor_parallel / sequence_parallel
-            and world_size allows, else 1 — pass them for any other mesh).
+        tp, sp, pp: mesh sizes (default: 2 if the stack has tensor_parallel / sequence_parallel /
+            pipeline_parallel and world_size allows, else 1 — pass them for any other mesh).
+        pp_rank: with pipeline_parallel, the pipeline rank (index along its axis) to estimate;
+            default: the rank with the largest device peak.
+        batch: (rows, seq_len) of the step's whole batch, for a pipeline's modelled activations
+            (without it they are 0, and the printout says so).
         dtype: the parameters' dtype without mixed precision (default: the model's, else fp32).
         ranks_per_node: the launcher's ranks per node, for `shard_zero(shard_group="node")` /
             `hpz="node"` (default: this job's topology when it has `world_size` ranks).
@@ -287,14 +342,24 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
     tx = tx if tx is not None else adamw(1e-3)
     tp = tp if tp is not None else (2 if _find(stack, "tensor_parallel") and world_size % 2 == 0 else 1)
     sp = sp if sp is not None else (2 if _find(stack, "sequence_parallel") and world_size % (2 * tp) == 0 else 1)
-    if world_size % (tp * sp):
-        raise ConfigError(f"estimate_memory: world_size {world_size} is not divisible by tp {tp} x sp {sp}")
-    dp = world_size // (tp * sp)
+    pipe = _find(stack, "pipeline_parallel")
+    pp = pp if pp is not None else (2 if pipe is not None and world_size % (2 * tp * sp) == 0 else 1)
+    if world_size % (tp * sp * pp):
+        raise ConfigError(f"estimate_memory: world_size {world_size} is not divisible by tp {tp} x sp {sp}"
+                          + (f" x pp {pp}" if pp > 1 else ""))
+    if pipe is not None and pp_rank is None:
+        # the rank whose stages weigh the most (a pipeline's ranks differ: embeddings, head)
+        ranks = [estimate_memory(model, stack, world_size, tx=tx, tp=tp, sp=sp, pp=pp, pp_rank=r, batch=batch,
+                                 dtype=dtype, ranks_per_node=ranks_per_node) for r in range(pp)]
+        return max(ranks, key=lambda e: (e.device, -e.pp_rank))
+    dp = world_size // (tp * sp * pp)
     mesh = _Mesh({"dp": dp, "tp": tp, "sp": sp})
     zero = _find(stack, "shard_zero")
     stage = getattr(zero, "stage", 0) if zero is not None else 0
     n_shard = dp if (zero is not None or _find(stack, "data_parallel") is not None) else 1
     sizes = {"dp": dp, "sp": sp, "tp": tp}          # Mesh's default axis order (dp outermost)
+    if pp > 1:
+        sizes["pp"] = pp
     hybrid = hpz = None
     if zero is not None and stage >= 1:
         hybrid = _group(getattr(zero, "shard_group", None), bool(getattr(zero, "cross_node", False)), sizes,
@@ -319,13 +384,17 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
                 local[name] = tuple(layout.local_shape(mesh))
             except Exception:   # noqa: BLE001  (a layout needing more of a mesh: count it whole)
                 pass
+    pipeline = None
+    if pipe is not None:       # this pipeline rank's stages: their parameters only
+        pipeline = _pipeline_rank(pipe, module, shapes, pp, pp_rank)
+        local = {n: s for n, s in local.items() if pp_rank in pipeline["owners"][n]}
     numel = {n: math.prod(s) for n, s in local.items()}
     sharded = lambda n: stage == 3 and numel[n] > threshold
     shard = lambda k: math.ceil(k / n_shard)
     esize = lambda dt: torch.empty((), dtype=dt).element_size()
 
     est = MemoryEstimate(num_params=sum(math.prod(s) for s in shapes.values()), world_size=world_size,
-                         mesh={"dp": dp, "tp": tp, "sp": sp}, stage=stage,
+                         mesh={"dp": dp, "tp": tp, "sp": sp, **({"pp": pp} if pp > 1 else {})}, stage=stage,
                          offload=getattr(off, "device", None), offload_params=bool(getattr(off, "params", False)),
                          shard_group=hybrid, hpz=hpz)
     pb, gb = esize(pdtype), esize(pdtype)
@@ -373,7 +442,93 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
         est.buckets = min(rb, total_local) * gb
         if stage in (1, 2):
             est.buckets += min(getattr(zero, "allgather_bucket_size", total_local), total_local) * pb
+    if pipeline is not None:
+        dp_split = dp if (zero is not None or _find(stack, "data_parallel") is not None) else 1
+        _pipeline_activations(est, pipe, pipeline, pp_rank, batch, dp_split, tp * sp, esize(pdtype))
     return est
+
+
+def _pipeline_rank(pipe: Any, module: nn.Module | None, shapes: dict[str, tuple[int, ...]], pp: int,
+                   pp_rank: int) -> dict[str, Any]:
+    """The pipeline transform's cut and placement, as it makes them: its schedule (`build_schedule`
+    of its schedule, microbatches, virtual at pp), stage -> rank from the schedule's actions,
+    `plan_stages` of the model over p*v stages (its split, layers). {"schedule", "plan",
+    "owners": {param: pipeline ranks holding it}, "stages": this rank's stages}."""
+    from dsfn.engines.pipeline_schedules import build_schedule
+    from dsfn.engines.pipeline_stages import plan_stages
+    if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp:
+        raise ConfigError(f"estimate_memory(pp_rank={pp_rank!r}): a pipeline rank 0 .. {pp - 1}")
+    module = module if module is not None else getattr(pipe, "model", None)
+    if not isinstance(module, nn.Module):
+        raise ConfigError("estimate_memory with pipeline_parallel needs the model's layers to cut it into stages: "
+                          "pass the nn.Module as model= (the meta device is enough), or pipeline_parallel(..., "
+                          "model=model)")
+    schedule = build_schedule(pipe.schedule, pp, pipe.microbatches, pipe.virtual)
+    where = {a.stage: a.rank for acts in schedule for a in acts}
+    plan = plan_stages(module, list(shapes), len(where), pipe.split, pipe.layers)
+    owners = {n: {where[s] for s in plan.param_stages[n]} for n in shapes}
+    return {"schedule": schedule, "plan": plan, "owners": owners, "module": module,
+            "stages": tuple(sorted(s for s, r in where.items() if r == pp_rank))}
+
+
+def _model_dims(module: nn.Module) -> tuple[int | None, int | None]:
+    """(hidden size, vocabulary) from the model's config: Hugging Face's hidden_size /
+    vocab_size, dsfn GPT's d_model / vocab_size (n_embd for GPT-2 style configs)."""
+    config = getattr(module, "config", None)
+    hidden = next((getattr(config, k) for k in ("hidden_size", "d_model", "n_embd")
+                   if isinstance(getattr(config, k, None), int)), None)
+    vocab = getattr(config, "vocab_size", None)
+    return hidden, vocab if isinstance(vocab, int) else None
+
+
+def _pipeline_activations(est: MemoryEstimate, pipe: Any, pipeline: dict[str, Any], pp_rank: int,
+                          batch: tuple[int, int] | None, dp_split: int, tp_sp: int, act_bytes: int) -> None:
+    """Fill the pipeline fields of `est` for rank `pp_rank`: the schedule's peak in stage
+    micro-batches (the engine's simulator) and the modelled activation bytes (module docstring)."""
+    from dsfn.engines.pipeline_schedules import simulate
+    schedule, plan = pipeline["schedule"], pipeline["plan"]
+    m = pipe.microbatches
+    est.pp_rank, est.pipeline_schedule, est.pipeline_microbatches = pp_rank, pipe.schedule, m
+    est.pipeline_stages = pipeline["stages"]
+    est.peak_microbatches = simulate(schedule).peak_activations[pp_rank]
+    hidden, vocab = _model_dims(pipeline["module"])
+    if batch is None:
+        est.activation_note = "bytes not estimated: pass batch=(rows, seq_len) of the step's batch"
+        return
+    if hidden is None:
+        est.activation_note = "bytes not estimated: the model's config names no hidden size (hidden_size, d_model)"
+        return
+    rows, seq = batch
+    if rows % (dp_split * m):
+        raise ConfigError(f"estimate_memory(batch={tuple(batch)}): {rows} rows do not split into {dp_split} dp "
+                          f"rank{'s' if dp_split > 1 else ''} x {m} micro-batches (pipeline_parallel(microbatches={m}))"
+                          f"; pass a batch whose rows are a multiple of {dp_split * m}")
+    mb_rows = rows // (dp_split * m)
+    tokens = mb_rows * seq
+    n_stages = plan.n_stages
+
+    def stage_bytes(s: int) -> int:
+        a, b = plan.bounds[s]
+        values = (b - a) * ACT_VALUES_PER_LAYER * tokens * hidden // tp_sp
+        if s == 0:
+            values += tokens * hidden                       # the embedding's output
+        if s == n_stages - 1 and vocab:
+            values += tokens * vocab                        # the logits
+        return values * act_bytes
+    per_stage = {s: stage_bytes(s) for s in est.pipeline_stages}
+    held = peak = 0
+    for act in schedule[pp_rank]:            # the schedule's order: F holds, B / BW frees (W keeps nothing here)
+        if act.kind.value == "F":
+            held += per_stage[act.stage]
+        elif act.kind.value in ("B", "BW"):
+            held -= per_stage[act.stage]
+        peak = max(peak, held)
+    est.activations = peak
+    est.microbatch_activations = sum(per_stage.values())
+    est.activation_note = (f"{ACT_VALUES_PER_LAYER} values per token per hidden unit per layer, {mb_rows} "
+                           f"row{'s' if mb_rows != 1 else ''} x {seq} tokens per micro-batch, hidden {hidden}"
+                           f"{f', vocabulary {vocab}' if vocab else ''}, "
+                           f"{act_bytes} B per value")
 
 
 def measured_state_bytes(explanation: Any) -> dict[str, int]:
@@ -393,10 +548,12 @@ def measured_state_bytes(explanation: Any) -> dict[str, int]:
     return out
 
 
-def explain_estimate(stack: Sequence[Any], state: Any) -> MemoryEstimate | None:
+def explain_estimate(stack: Sequence[Any], state: Any, batch: Any = None) -> MemoryEstimate | None:
     """`estimate_memory` for `Step.explain`: the logical shapes of `state.params` (a placed
-    state), the state's optimizer and the current mesh. None (with a warning) when the
-    stack holds something the estimate cannot read."""
+    state), the state's optimizer and the current mesh; with pipeline_parallel, this rank's
+    index along its axis and the (rows, seq_len) of `batch`'s first 2-D tensor (its token
+    ids, for the modelled activations). None (with a warning) when the stack holds something
+    the estimate cannot read."""
     import warnings
     from dsfn.runtime import env
     from dsfn.runtime.mesh import current_mesh
@@ -416,19 +573,37 @@ def explain_estimate(stack: Sequence[Any], state: Any) -> MemoryEstimate | None:
         mp = _find(tuple(stack), "mixed_precision")
         if mp is not None and mp.param_dtype != mp.master_dtype:
             dtype = mp.master_dtype
+        pipe = _find(tuple(stack), "pipeline_parallel")
+        pp = mesh.size(pipe.axis) if pipe is not None else 1
+        pp_rank = mesh.local_rank(pipe.axis) if pipe is not None else None
         return estimate_memory(shapes, stack, env.world_size(), tx=state.tx, tp=mesh.size("tp"),
-                               sp=mesh.size("sp"), dtype=dtype)
+                               sp=mesh.size("sp"), pp=pp, pp_rank=pp_rank, batch=_tokens_shape(batch), dtype=dtype)
     except Exception as e:    # noqa: BLE001  (explain still reports what it measured)
         warnings.warn(f"explain: no memory estimate for this stack ({type(e).__name__}: {e})", stacklevel=3)
         return None
+
+
+def _tokens_shape(batch: Any) -> tuple[int, int] | None:
+    """(rows, seq_len) of a batch's first 2-D tensor (token ids), or None."""
+    if batch is None:
+        return None
+    for x in tree.leaves(batch):
+        if isinstance(x, torch.Tensor) and x.dim() == 2:
+            return int(x.shape[0]), int(x.shape[1])
+    return None
 
 
 def estimate_vs_measured(est: MemoryEstimate, explanation: Any) -> str:
     """The estimate's state fields beside `Step.explain`'s measured bytes, one line each."""
     measured = measured_state_bytes(explanation)
     lines = ["memory per rank (estimate | measured state leaves):"]
+    if est.pipeline_schedule is not None:
+        lines.append(_pipeline_line(est))
     for k in ("params", "optimizer", "master", "host", "nvme"):
         lines.append(f"  {k:13s} {_human(getattr(est, k))} | {_human(measured[k])}")
     for k in ("grads", "largest_unit", "buckets"):
         lines.append(f"  {k:13s} {_human(getattr(est, k))} | (transient, not measured)")
+    if est.pipeline_schedule is not None:
+        lines.append(f"  {'activations':13s} {_human(est.activations)} | (transient, not measured; "
+                     f"{_activation_detail(est)})")
     return "\n".join(lines)

@@ -6,6 +6,13 @@ optimizer, master, host) is within 5% of the bytes of the placed state's leaves 
 `explain()` reports on each rank (the GPT's parameters do not divide evenly, so ZeRO's
 padding is in both). The estimate is made from a meta-device copy of the model. Negative
 control: an estimate made for the wrong stage or world misses by more than 5%.
+
+Pipeline parallel (pp 2, and pp 2 x dp 2 with shard_zero(1) outside): params and optimizer
+bytes equal the measured leaves of each rank exactly (GPT; a tiny Llama whose tied embedding
+lives on both ends); the negative control, every parameter on every rank, misses. The
+activation peak in micro-batches is the schedule simulator's (1F1B: p - rank, GPipe: m);
+the activation bytes are a model (dsfn.estimate's docstring), checked against that model
+by hand, not measured.
 """
 import math
 
@@ -198,3 +205,113 @@ def test_node_groups_need_the_ranks_per_node_of_another_world():
     flat = estimate_memory(meta, [shard_zero(3)], 64)
     assert est.shard_group == 8 and est.optimizer > 7 * flat.optimizer      # 1/8 instead of 1/64
     assert estimate_memory(meta, [shard_zero(3, shard_group=8)], 64).shard_group == 8
+
+
+# -- pipeline parallel: the rank's stages only; activations held under the schedule ---------------
+PCONF = GPTConfig(vocab_size=VOCAB, seq_len=16, n_layer=4, n_head=4, d_model=36)
+PBATCH = (8, 16)          # rows x tokens of the step's batch
+STATE = ("params", "optimizer")
+
+
+def _pipe_model(family, device=None):
+    from dsfn.testing.models import make_tiny_causal_lm
+    with torch.device(device or "cpu"):
+        return GPT(PCONF) if family == "gpt" else make_tiny_causal_lm("llama", num_hidden_layers=4)
+
+
+def _measure_pipeline(families, mesh, zero1):
+    """On each rank, per model family: (measured state fields, explain's estimate fields, a
+    standalone estimate's fields (meta model, this rank given), the old every-parameter
+    estimate's fields, this rank's pipeline index, explain's text)."""
+    from dsfn.runtime import current_mesh
+    from dsfn.transforms import pipeline_parallel
+    out = {}
+    for family in families:
+        init_mesh(**mesh)
+        torch.manual_seed(0)
+        model = _pipe_model(family)
+        apply_fn, params = dsfn.functionalize(model)
+        tx = dsfn.optim.adamw(1e-3)
+        make = lambda m: ([shard_zero(1)] if zero1 else []) + [pipeline_parallel("1f1b", 4, model=m)]
+        step = dsfn.compose(*make(model))(train_step_for(apply_fn, lm_loss))
+        state = step.place(dsfn.TrainState.create(params, tx))
+        vocab = model.config.vocab_size
+        expl = step.explain(state, token_batches(1, PBATCH[0], PBATCH[1], vocab)[0])
+        world, rank = math.prod(mesh.values()), current_mesh().local_rank("pp")
+        meta = _pipe_model(family, "meta")
+        est = estimate_memory(meta, make(meta), world, tx=tx, pp=2, pp_rank=rank, batch=PBATCH)
+        old = estimate_memory(meta, [shard_zero(1)] if zero1 else [], world // 2 if zero1 else 1, tx=tx)
+        fields = lambda e: {k: getattr(e, k) for k in FIELDS}
+        out[family] = (measured_state_bytes(expl), fields(expl.estimate), fields(est), fields(old), rank, str(expl),
+                       expl.estimate.pp_rank)
+    return out
+
+
+def _check_pipeline(results):
+    for res in results:
+        for family, (measured, via_explain, est, old, rank, text, est_rank) in res.items():
+            assert measured["params"] > 0 and est_rank == rank
+            for k in STATE:      # exactly the rank's leaves: its stages' whole tensors (ZeRO-1: 1/dp of the moments)
+                assert via_explain[k] == measured[k] == est[k], (family, rank, k, via_explain[k], est[k], measured[k])
+            # negative control: every parameter on every rank (the estimate before pipelines were read)
+            assert old["params"] > 1.5 * measured["params"] and old["optimizer"] > 1.5 * measured["optimizer"]
+            assert f"schedule '1f1b', 4 micro-batches, pp 2; pipeline rank {rank} holds stage {rank}" in text, text
+            assert f"peak {2 - rank} micro-batch" in text and "activations" in text, text
+
+
+def test_pipeline_estimate_counts_the_ranks_stages_only():
+    """pp 2: GPT (untied) and a tiny Llama (its tied embedding on both ends) — params and
+    optimizer state equal the measured leaves on each rank, via explain and standalone."""
+    _check_pipeline(run_on_ranks(_measure_pipeline, 2, ["gpt", "llama"], {"pp": 2}, False, timeout=300))
+
+
+def test_pipeline_estimate_with_zero1_outside():
+    """pp 2 x dp 2 (world 4), shard_zero(1) outside: the stage's optimizer state 1/2 per rank."""
+    _check_pipeline(run_on_ranks(_measure_pipeline, 4, ["llama"], {"pp": 2, "dp": 2}, True, timeout=300))
+
+
+@pytest.mark.parametrize("schedule, p, m", [("1f1b", 2, 4), ("1f1b", 4, 8), ("gpipe", 2, 4), ("gpipe", 4, 2),
+                                            ("interleaved", 2, 4), ("zbv", 2, 4)])
+def test_pipeline_activation_peak_is_the_schedules(schedule, p, m):
+    """The peak in micro-batches is the simulator's (1F1B: p - rank; GPipe: m); the bytes are
+    the modelled micro-batch activations walked through the rank's order."""
+    from dsfn.engines.pipeline_schedules import build_schedule, simulate
+    from dsfn.estimate import ACT_VALUES_PER_LAYER
+    from dsfn.transforms import pipeline_parallel
+    meta = _pipe_model("gpt", "meta")
+    pipe = pipeline_parallel(schedule, m, model=meta)
+    sim = simulate(build_schedule(schedule, p, m, pipe.virtual))
+    tokens, h = PBATCH[0] // m * PBATCH[1], PCONF.d_model
+    per = {r: estimate_memory(meta, [pipe], p, pp=p, pp_rank=r, batch=PBATCH) for r in range(p)}
+    for r, est in per.items():
+        assert est.peak_microbatches == sim.peak_activations[r]
+        if schedule == "1f1b":
+            assert est.peak_microbatches == p - r
+        if schedule == "gpipe":
+            assert est.peak_microbatches == m
+        if pipe.virtual == 1:        # one stage: peak x that stage's micro-batch, the model by hand
+            layers = PCONF.n_layer // p
+            values = layers * ACT_VALUES_PER_LAYER * tokens * h + (tokens * h if r == 0 else 0) \
+                + (tokens * VOCAB if r == p - 1 else 0)
+            assert est.microbatch_activations == values * 4
+            assert est.activations == est.peak_microbatches * est.microbatch_activations
+        assert est.activations > 0 and f"under '{schedule}'" in str(est) and "modelled" in str(est)
+        assert f"peak {sim.peak_activations[r]:g} micro-batch" in str(est), str(est)
+    heaviest = estimate_memory(meta, [pipe], p, pp=p, batch=PBATCH)       # no pp_rank: the largest device peak
+    assert heaviest.device == max(e.device for e in per.values())
+    if schedule in ("1f1b", "gpipe"):   # GPipe: every rank holds m; 1F1B: rank 0 holds the most
+        assert per[0].activations > per[p - 1].activations or schedule == "gpipe"
+
+
+def test_pipeline_estimate_needs_the_model_and_a_rank_in_range():
+    from dsfn.transforms import pipeline_parallel
+    meta = _pipe_model("gpt", "meta")
+    shapes = {n: tuple(x.shape) for n, x in meta.named_parameters()}
+    with pytest.raises(dsfn.errors.ConfigError, match="needs the model's layers"):
+        estimate_memory(shapes, [pipeline_parallel("1f1b", 4)], 2)
+    with pytest.raises(dsfn.errors.ConfigError, match="pp_rank=2"):
+        estimate_memory(meta, [pipeline_parallel("1f1b", 4, model=meta)], 2, pp_rank=2)
+    est = estimate_memory(shapes, [pipeline_parallel("1f1b", 4, model=meta)], 2, pp_rank=1)
+    assert est.activations == 0 and "pass batch=(rows, seq_len)" in str(est) and est.peak_microbatches == 1
+    with pytest.raises(dsfn.errors.ConfigError, match="do not split into 1 dp rank x 3 micro-batches"):
+        estimate_memory(meta, [pipeline_parallel("gpipe", 3, model=meta)], 2, batch=(8, 16))

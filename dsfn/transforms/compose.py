@@ -199,7 +199,7 @@ class Step:
         out = Explanation(notes, leaves, comm, dict(C.gauge_max))
         out.links = links
         from dsfn.estimate import explain_estimate     # dsfn.estimate_memory for this stack, beside the leaves
-        out.estimate = explain_estimate(self.stack, state)
+        out.estimate = explain_estimate(self.stack, state, batch)
         return out
 
     def __repr__(self) -> str:
