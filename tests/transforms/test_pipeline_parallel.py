@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import dsfn
+from dsfn.engines.pipeline_schedules import Kind, build_schedule
 from dsfn.errors import ConfigError, ShapeError, StackError
 from dsfn.models.gpt import GPT, GPTConfig
 from dsfn.runtime import current_mesh, init_mesh
@@ -119,6 +120,7 @@ def test_uneven_and_manual_splits():
     (dict(schedule="1f1b", microbatches=4, virtual=2), "only 'interleaved'"),
     (dict(schedule="1f1b", microbatches=4, model=make_mlp([4, 4, 2])), "cannot find the layers"),
     (dict(schedule="1f1b", microbatches=4, layers="blocks.0"), None),
+    (dict(schedule="1f1b", microbatches=4, record_timeline="yes"), "True or False"),
 ])
 def test_bad_options_are_config_errors(kwargs, match):
     if match is None:       # a layers= path that is not a ModuleList
@@ -206,3 +208,32 @@ def test_explain_states_the_schedule_and_the_bytes_each_boundary_carries():
         edge = "stage 0->1" if rank == 0 else "stage 1->0"
         assert f"{edge}: {per_step:,} B" in text, text
         assert ("F0.0 F0.1 BW0.0" if rank == 0 else "F1.0 BW1.0 F1.1") in text, text
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_record_timeline_times_each_action_of_the_ranks_schedule_in_order(schedule):
+    """record_timeline=True: one record per action of this rank's schedule, in its order,
+    start <= end and no two overlapping (one rank runs one action at a time); zbv's W (a no-op
+    here) lasts 0; explain states the busy time. Without the switch nothing is recorded."""
+    def fn(record):
+        init_mesh(pp=2)
+        model = _model("gpt")
+        apply_fn, params = dsfn.functionalize(model)
+        pp = pipeline_parallel(schedule, 4, model=model, **({"record_timeline": True} if record else {}))
+        step = dsfn.compose(pp)(train_step_for(apply_fn, lm_loss))
+        state = step.init_state(params, OPTS["sgd"]())
+        for b in BATCHES[:2]:
+            state, _ = step(state, b)
+        note = pp.explain_note()
+        return pp.timeline, note, current_mesh().local_rank("pp")
+    for records, note, me in run_on_ranks(fn, 2, True, timeout=120):
+        expected = list(build_schedule(schedule, 2, 4)[me])
+        assert [sl.action for sl in records] == expected
+        assert [(sl.kind, sl.stage, sl.mb) for sl in records] == [(a.kind, a.stage, a.mb) for a in expected]
+        assert all(sl.start <= sl.end for sl in records)
+        assert all(x.end <= y.start for x, y in zip(records, records[1:]))
+        assert all(sl.end > sl.start for sl in records if sl.kind != Kind.W)
+        assert all(sl.end == sl.start for sl in records if sl.kind == Kind.W)
+        assert "measured (record_timeline) busy" in note
+    for records, note, _ in run_on_ranks(fn, 2, False, timeout=120):
+        assert records is None and "measured" not in note
