@@ -22,16 +22,25 @@ tag unique to (stage, micro-batch, direction), so a rank holding several stages
 (interleaved, ZBV) matches each receive with its send whatever the order. Sends are
 asynchronous and waited for at the end; receives block (the schedule's checker proves
 this order finishes). Imports no transform.
+
+Timeline. Given a list (`run_rank(..., timeline=records)`), one `Slot(action, start, end)`
+(`dsfn.engines.pipeline_schedules.Slot`; `.kind`, `.stage`, `.mb` name its action) is
+appended per action, in the rank's order: `time.perf_counter()` (CLOCK_MONOTONIC on Linux,
+one clock for every process of the machine) around the action's compute — the forward, or
+the backward — excluding the time blocked in its receive (idle time, the bubble) and the
+posting of its asynchronous send. W, a no-op here, is recorded with start == end. Without
+a list nothing is timed.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dsfn.engines.pipeline_schedules import Action, Kind
+from dsfn.engines.pipeline_schedules import Action, Kind, Slot
 from dsfn.errors import ConfigError
 from dsfn.runtime import collectives as C
 
@@ -94,21 +103,28 @@ class StageLinks:
 
 
 def run_rank(actions: Sequence[Action], n_stages: int, links: StageLinks,
-             forward: Callable[[int, int, torch.Tensor | None], torch.Tensor]) -> list[torch.Tensor]:
+             forward: Callable[[int, int, torch.Tensor | None], torch.Tensor],
+             timeline: list | None = None) -> list[torch.Tensor]:
     """Run this rank's `actions` (module docstring); returns the last stage's loss per
     micro-batch it computed (detached), in micro-batch order. `forward(stage, mb, h_in)`
     returns the stage's activation (a stage before the last) or the scaled loss (the last),
-    with autograd recording."""
+    with autograd recording. `timeline`: when a list, one `Slot` per action is appended to
+    it, in order, timing the action's compute without its receive (module docstring)."""
     held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     losses: dict[int, torch.Tensor] = {}
     last = n_stages - 1
+    timed = timeline is not None
     for a in actions:
         key = (a.stage, a.mb)
         if a.kind == Kind.F:
             h_in = None
             if a.stage > 0:
                 h_in = links.recv(a.stage - 1, a.stage, a.mb, backward=False).requires_grad_(True)
+            if timed:
+                t0 = time.perf_counter()
             out = forward(a.stage, a.mb, h_in)
+            if timed:
+                timeline.append(Slot(a, t0, time.perf_counter()))
             if a.stage < last:
                 links.send(out, a.stage + 1, a.stage + 1, a.mb, backward=False)
             else:
@@ -118,12 +134,21 @@ def run_rank(actions: Sequence[Action], n_stages: int, links: StageLinks,
             h_in, out = held.pop(key)
             if a.stage < last:
                 grad = links.recv(a.stage + 1, a.stage, a.mb, backward=True)
+                if timed:
+                    t0 = time.perf_counter()
                 torch.autograd.backward(out, grad)
             else:
+                if timed:
+                    t0 = time.perf_counter()
                 torch.autograd.backward(out)
+            if timed:
+                timeline.append(Slot(a, t0, time.perf_counter()))
             if a.stage > 0:
                 g = h_in.grad if h_in.grad is not None else torch.zeros_like(h_in)
                 links.send(g, a.stage - 1, a.stage - 1, a.mb, backward=True)
-        # Kind.W: the weight gradient was computed with the whole backward at B
+        elif timed:
+            # Kind.W: the weight gradient was computed with the whole backward at B
+            t0 = time.perf_counter()
+            timeline.append(Slot(a, t0, t0))
     links.finish()
     return [losses[j] for j in sorted(losses)]

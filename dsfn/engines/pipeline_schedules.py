@@ -389,10 +389,26 @@ def check_schedule(schedule: Schedule | Sequence[Sequence[Action]], p: int | Non
 
 @dataclass(frozen=True)
 class Slot:
-    """One action's place on its rank's timeline: [start, end)."""
+    """One action's place on its rank's timeline: [start, end) (simulated time units, or
+    seconds of `time.perf_counter()` when `pipeline_runner.run_rank` records a timeline)."""
     action: Action
     start: float
     end: float
+
+    @property
+    def kind(self) -> Kind:
+        """The action's kind (F, BW, B or W)."""
+        return self.action.kind
+
+    @property
+    def stage(self) -> int:
+        """The action's stage."""
+        return self.action.stage
+
+    @property
+    def mb(self) -> int:
+        """The action's micro-batch."""
+        return self.action.mb
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,14 @@ batch over dp first; the pipeline cuts each rank's rows into micro-batches) and 
 `clip_grad_norm`, `loss_scale`, `mixed_precision` placed outside. A transform that handles
 the gradient primitive inside it (accumulate, another reduction) is a StackError: the
 pipeline runs the differentiated function itself.
+
+Timeline. `pipeline_parallel(..., record_timeline=True)` times every action of this rank's
+schedule in each step: `transform.timeline` then holds the last step's records, one
+`Slot(action, start, end)` per action in the rank's order (`.kind`, `.stage`, `.mb`; start
+and end in seconds of `time.perf_counter()`, one clock for every process of a machine),
+the compute alone, without the time blocked in receives (`pipeline_runner.run_rank`).
+`explain` then states the rank's busy time. Off by default (nothing is timed, `timeline`
+stays None); `benchmarks/pipeline.py` measures the bubble with it.
 """
 from __future__ import annotations
 
@@ -40,7 +48,7 @@ from dsfn.adapters import MicroBatchCounts, adapter_for, micro_batches
 from dsfn.engines.micro_batches import slice_micro_batches
 from dsfn.engines import pipeline_runner
 from dsfn.engines.pipeline_runner import StageLinks
-from dsfn.engines.pipeline_schedules import SCHEDULES, build_schedule, check_schedule
+from dsfn.engines.pipeline_schedules import SCHEDULES, Slot, build_schedule, check_schedule
 from dsfn.engines.pipeline_stages import StagePlan, StopForward, plan_stages, running_stage
 from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.errors import ConfigError, StackError
@@ -63,7 +71,7 @@ class PipelineParallel(Transform):
 
     def __init__(self, schedule: str = "1f1b", microbatches: int | None = None, model: nn.Module | None = None,
                  split: Sequence[int] | None = None, layers: str | None = None, virtual: int | None = None,
-                 axis: str = "pp"):
+                 axis: str = "pp", record_timeline: bool = False):
         if schedule not in SCHEDULES:
             raise ConfigError(f"pipeline_parallel(schedule={schedule!r}): choose one of {sorted(SCHEDULES)}")
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
@@ -79,6 +87,10 @@ class PipelineParallel(Transform):
             raise ConfigError(f"pipeline_parallel(model=...) takes the torch module, got {type(model).__name__}")
         if not isinstance(axis, str):
             raise ConfigError(f"pipeline_parallel(axis=...) takes a mesh axis name, got {axis!r}")
+        if not isinstance(record_timeline, bool):
+            raise ConfigError(f"pipeline_parallel(record_timeline=...) takes True or False, got {record_timeline!r}")
+        self.record_timeline = record_timeline
+        self.timeline: list[Slot] | None = None      # the last step's records (record_timeline=True)
         self.schedule, self.microbatches, self.axis = schedule, microbatches, axis
         self.virtual = virtual or _VIRTUAL[schedule]
         self.split = tuple(split) if split is not None else None
@@ -116,6 +128,11 @@ class PipelineParallel(Transform):
             me, steps, sent = last
             edges = ", ".join(f"stage {a}->{b}: {n:,} B" for (a, b), n in sorted(sent.items())) or "none"
             note += f"; rank {me} runs (kind stage.micro-batch) {' '.join(steps)}; it sends per step {edges}"
+        if self.timeline:
+            busy = sum(sl.end - sl.start for sl in self.timeline)
+            span = self.timeline[-1].end - self.timeline[0].start
+            note += (f"; measured (record_timeline) busy {1e3 * busy:.1f} ms of this rank's "
+                     f"{1e3 * span:.1f} ms from its first action's start to its last one's end")
         return note
 
     _last: tuple | None = None
@@ -245,8 +262,11 @@ class PipelineParallel(Transform):
             return out.reshape(()) * inv
 
         links = StageLinks([rank_of[s] for s in range(n_stages)], m, env.device(), self.axis)
+        records: list[Slot] | None = [] if self.record_timeline else None
         with torch.enable_grad(), micro_batches(MicroBatchCounts(m, whole_of)):
-            losses = pipeline_runner.run_rank(schedule[me], n_stages, links, forward)
+            losses = pipeline_runner.run_rank(schedule[me], n_stages, links, forward, timeline=records)
+        if records is not None:
+            self.timeline = records
         self._last = (me, [f"{a.kind.value}{a.stage}.{a.mb}" for a in schedule[me]], dict(links.boundary_bytes))
         # the loss lives on the last stage; it travels in fp32 (the other stages do not know
         # its dtype: bf16 under mixed precision) and comes back in it
@@ -289,10 +309,12 @@ def _checkpointing(module: nn.Module) -> bool:
 
 def pipeline_parallel(*args: Any, **kwargs: Any) -> PipelineParallel:
     """`pipeline_parallel(schedule="1f1b"|"gpipe"|"interleaved"|"zbv", microbatches=M, model=None,
-    split=None, layers=None, virtual=None, axis="pp")`; see the module docstring.
+    split=None, layers=None, virtual=None, axis="pp", record_timeline=False)`; see the module
+    docstring.
 
     `split`: layer counts per stage (uneven splits; default even); `layers`: the path of the
     model's ModuleList of blocks when it cannot be found; `virtual`: stages per rank of the
-    interleaved schedule (default 2). Needs `init_mesh(pp=P, ...)` on more than one rank.
+    interleaved schedule (default 2); `record_timeline`: time each action of this rank's
+    schedule, the last step's records in `.timeline` (module docstring). Needs `init_mesh(pp=P, ...)` on more than one rank.
     """
     return make_transform(PipelineParallel, "pipeline_parallel", args, kwargs)

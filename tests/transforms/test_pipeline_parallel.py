@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import dsfn
-from dsfn.errors import ConfigError, ShapeError, StackError
+from dsfn.engines.pipeline_schedules import Kind, build_schedule
+from dsfn.errors import ConfigError, StackError
 from dsfn.models.gpt import GPT, GPTConfig
 from dsfn.runtime import current_mesh, init_mesh
 from dsfn.state.layout import Placed, StageOwned
@@ -119,6 +120,7 @@ def test_uneven_and_manual_splits():
     (dict(schedule="1f1b", microbatches=4, virtual=2), "only 'interleaved'"),
     (dict(schedule="1f1b", microbatches=4, model=make_mlp([4, 4, 2])), "cannot find the layers"),
     (dict(schedule="1f1b", microbatches=4, layers="blocks.0"), None),
+    (dict(schedule="1f1b", microbatches=4, record_timeline="yes"), "True or False"),
 ])
 def test_bad_options_are_config_errors(kwargs, match):
     if match is None:       # a layers= path that is not a ModuleList
@@ -271,3 +273,31 @@ def test_mixed_precision_outside_runs_each_micro_batch_as_accumulate_does():
         # autograd's: within one bf16 step (2^-8 relative) of the loss, and of the parameters
         assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-2), (losses, ref_losses)
         assert_trees_close(params, ref_params, rtol=1e-2, atol=1e-3)
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_record_timeline_times_each_action_of_the_ranks_schedule_in_order(schedule):
+    """record_timeline=True: one record per action of this rank's schedule, in its order,
+    start <= end and no two overlapping (one rank runs one action at a time); zbv's W (a no-op
+    here) lasts 0; explain states the busy time. Without the switch nothing is recorded."""
+    def fn(record):
+        init_mesh(pp=2)
+        model = _model("gpt")
+        apply_fn, params = dsfn.functionalize(model)
+        pp = pipeline_parallel(schedule, 4, model=model, **({"record_timeline": True} if record else {}))
+        step = dsfn.compose(pp)(train_step_for(apply_fn, lm_loss))
+        state = step.init_state(params, OPTS["sgd"]())
+        for b in BATCHES[:2]:
+            state, _ = step(state, b)
+        note = pp.explain_note()
+        return pp.timeline, note, current_mesh().local_rank("pp")
+    for records, note, me in run_on_ranks(fn, 2, True, timeout=120):
+        expected = list(build_schedule(schedule, 2, 4)[me])
+        assert [sl.action for sl in records] == expected
+        assert [(sl.kind, sl.stage, sl.mb) for sl in records] == [(a.kind, a.stage, a.mb) for a in expected]
+        assert all(sl.start <= sl.end for sl in records)
+        assert all(x.end <= y.start for x, y in zip(records, records[1:]))
+        assert all(sl.end > sl.start for sl in records if sl.kind != Kind.W)
+        assert all(sl.end == sl.start for sl in records if sl.kind == Kind.W)
+        assert "measured (record_timeline) busy" in note
+    for records, note, _ in run_on_ranks(fn, 2, False, timeout=120):
+        assert records is None and "measured" not in note
