@@ -415,25 +415,20 @@ def default_sample(seed: int = SAMPLE_SEED) -> list[Case]:
     def least(counts: dict[str, int], allowed: list[str]) -> str:
         low = min(counts[x] for x in allowed)
         return rng.choice([x for x in allowed if counts[x] == low])
+
+    def draw(stack: str, family: str, world: int) -> None:
+        opts = [o for o, spec in OPTIMIZERS.items() if spec.family == family
+                and any(refusal(stack, o, m) is None for m in MODELS)]
+        o = least(used_opt, opts)
+        m = least(used_model, [m for m in MODELS if refusal(stack, o, m) is None])
+        used_opt[o] += 1
+        used_model[m] += 1
+        out.append(Case(stack, o, m, world))
     for stack, sspec in STACKS.items():
-        world = sspec.full_world()
         for family in ("sgd", "adam"):
-            opts = [o for o, spec in OPTIMIZERS.items() if spec.family == family
-                    and any(refusal(stack, o, m) is None for m in MODELS)]
-            o = least(used_opt, opts)
-            m = least(used_model, [m for m in MODELS if refusal(stack, o, m) is None])
-            used_opt[o] += 1
-            used_model[m] += 1
-            out.append(Case(stack, o, m, world))
+            draw(stack, family, sspec.full_world())
         for k, world in enumerate(sspec.also_sampled):      # one more row each, the families alternating
-            family = ("sgd", "adam")[(len(out) + k) % 2]
-            opts = [o for o, spec in OPTIMIZERS.items() if spec.family == family
-                    and any(refusal(stack, o, m) is None for m in MODELS)]
-            o = least(used_opt, opts)
-            m = least(used_model, [m for m in MODELS if refusal(stack, o, m) is None])
-            used_opt[o] += 1
-            used_model[m] += 1
-            out.append(Case(stack, o, m, world))
+            draw(stack, ("sgd", "adam")[(len(out) + k) % 2], world)
     return out
 
 
