@@ -307,7 +307,9 @@ STACKS: dict[str, StackSpec] = {
     "pp_gpipe": StackSpec(lambda m, s, d: [_T().pipeline_parallel("gpipe", 4, model=m)], mesh=lambda w: {"pp": w},
                           worlds=(2,)),
     "pp_1f1b": StackSpec(lambda m, s, d: [_T().pipeline_parallel("1f1b", 4, model=m)], mesh=lambda w: {"pp": w},
-                         worlds=(2, 4)),
+                         worlds=(2,)),
+    "pp4_1f1b": StackSpec(lambda m, s, d: [_T().pipeline_parallel("1f1b", 4, model=m)], mesh=lambda w: {"pp": w},
+                          worlds=(4,)),
     "pp_interleaved": StackSpec(lambda m, s, d: [_T().pipeline_parallel("interleaved", 4, model=m)],
                                 mesh=lambda w: {"pp": w}, worlds=(2,)),
     "pp_zbv": StackSpec(lambda m, s, d: [_T().pipeline_parallel("zbv", 4, model=m)], mesh=lambda w: {"pp": w},
@@ -333,7 +335,7 @@ class Refusal:
 
 def pipelined(stack: str) -> bool:
     """Whether a stack pipelines (its name has a "pp" or "pp_<schedule>" part)."""
-    return any(part == "pp" or part.startswith("pp_") for part in stack.split("+"))
+    return any(part == "pp" or part.startswith(("pp_", "pp4_")) for part in stack.split("+"))
 
 
 REFUSALS: list[Refusal] = [
@@ -350,8 +352,9 @@ REFUSALS: list[Refusal] = [
     Refusal(lambda s, o, m: pipelined(s) and not MODELS[m].attention, ConfigError,
             "cannot find the layers", "pipeline stages are cut from the model's repeated blocks; it has none "
             "(name them: layers='...')"),
-    Refusal(lambda s, o, m: s in ("pp_interleaved", "pp_zbv") and MODELS[m].attention and MODELS[m].layers < 4,
-            ConfigError, "fewer than the 4 stages", "2 ranks x 2 virtual stages need 4 layers; the model has 2"),
+    Refusal(lambda s, o, m: s in ("pp_interleaved", "pp_zbv", "pp4_1f1b") and MODELS[m].attention
+            and MODELS[m].layers < 4, ConfigError, "fewer than the 4 stages",
+            "4 stages (2 ranks x 2 virtual stages, or 4 ranks) need 4 layers; the model has 2"),
     Refusal(lambda s, o, m: pipelined(s) and "hf_ckpt" in m, ConfigError, "gradient checkpointing",
             "a stage's recompute in backward would run without the stage's hooks: refused until it is built"),
 ]

@@ -150,12 +150,12 @@ class PipelineParallel(Transform):
     def _plan(self, module: nn.Module, names: Sequence[str], n_stages: int) -> StagePlan:
         hit = self._plans.get(id(module))
         if hit is None or hit[0] is not module or hit[1].n_stages != n_stages:
+            plan = plan_stages(module, names, n_stages, self.split, self.layers)   # a split that cannot be, first
             if _checkpointing(module):
                 raise ConfigError("pipeline_parallel with the model's own gradient checkpointing is not supported yet "
                                   "(a layer's recompute in backward would run without its stage's hooks): call "
-                                  "model.gradient_checkpointing_disable(), or use remat outside pipeline_parallel "
-                                  "once it composes")
-            hit = self._plans[id(module)] = (module, plan_stages(module, names, n_stages, self.split, self.layers))
+                                  "model.gradient_checkpointing_disable()")
+            hit = self._plans[id(module)] = (module, plan)
         return hit[1]
 
     # -- layout ---------------------------------------------------------------------------------
