@@ -1,7 +1,7 @@
 """`from_ds_config(config, model=...)`: a DeepSpeed `ds_config.json` as a dsfn stack, optimizer and batch.
 
     cfg = dsfn.from_ds_config("ds_config.json", model=model)   # world size: the launcher's group
-    cfg.init_mesh()                                   # dp x sp x tp from the config and the world size
+    cfg.init_mesh()                                   # pp x dp x sp x tp from the config and the world size
     step = cfg.compose(train_step)                    # dsfn.compose(*cfg.transforms, donate=True)(train_step)
     state = step.init_state(params, cfg.tx)
     for batch in loader(cfg.train_batch_size):        # the global batch: micro * accumulation * dp rows
@@ -19,7 +19,9 @@ Keys and defaults are DeepSpeed 0.19's (`deepspeed/runtime/config.py`, `zero/con
 | `zero_optimization.zero_hpz_partition_size: k` (> 1, stage 3) | `shard_zero(3, hpz=min(k, dp))` (ZeRO++ hpZ) |
 | `tensor_parallel.autotp_size: N` (> 1) | `tensor_parallel("auto", model=model)`, mesh tp = N |
 | `activation_checkpointing.cpu_checkpointing` / `partition_activations` | `remat(offload="cpu")` / `remat(partition_activations=True)` |
-| `gradient_accumulation_steps: n` (> 1) | `accumulate(n)` |
+| `gradient_accumulation_steps: n` (> 1) | `accumulate(n)` (without a pipeline) |
+| `pipeline.stages: P` (> 1) | `pipeline_parallel("1f1b", microbatches=gradient_accumulation_steps, model=model)` innermost, mesh pp = P; no `accumulate` (the pipeline's micro-batches are the accumulation) |
+| `pipeline.partition` "uniform" / absent or "best" / "parameters" / "type:regex" | the even split by layer count / the same / `split=` balancing each stage's parameter count (embeddings counted on the first stage, final norm and head on the last) / `split=` balancing the layers whose class name matches |
 | `offload_optimizer.device` cpu / nvme (+ `offload_param` on the same device) | `offload(device, params=, path=nvme_path, pin_memory=, overlap=super_offload, cores=cpuadam_cores_perc)` |
 | `bf16.enabled` / `fp16.enabled` | `mixed_precision(torch.bfloat16 / torch.float16, reduce_dtype=communication_data_type)` |
 | `communication_data_type` bf16 / fp16 without bf16/fp16 (fp32 training) | `mixed_precision(torch.float32, reduce_dtype=...)`: only the gradient reductions run in it |
@@ -31,7 +33,7 @@ Keys and defaults are DeepSpeed 0.19's (`deepspeed/runtime/config.py`, `zero/con
 | `scheduler` | `dsfn.optim.schedules.from_config` as the lr |
 
 Batch sizes follow DeepSpeed's rule train_batch_size = micro * accumulation * dp world
-(dp world = world / (sp * tp)): any two give the third, all three must agree
+(dp world = world / (pp * sp * tp)): any two give the third, all three must agree
 (`batch_sizes`). The world size is the launcher's: without `world_size=`, a process
 started by torchrun / `dsfn.launch` joins its process group first (as a Step does), so
 the sizes are those DeepSpeed derives on the same ranks.
@@ -43,6 +45,22 @@ stage3_prefetch_bucket_size = 0.9*h*h, stage3_param_persistence_threshold = 10*h
 third batch size from the other two, the scheduler's warmup_min_lr as 0 and
 warmup_max_lr as the optimizer's lr; what is left is listed in one ConfigError.
 Every value is type-checked: a wrong one is a ConfigError naming its key.
+
+Pipeline parallelism. In DeepSpeed it is a `PipelineModule` passed to `initialize`; its
+config's `"pipeline"` section (`get_pipeline_config`) is where dsfn reads it: `stages` > 1
+builds `pipeline_parallel("1f1b", microbatches=gradient_accumulation_steps, model=model)`
+(DeepSpeed's engine runs 1F1B, with the accumulation steps as its micro-batches) over a
+"pp" mesh axis laid out outermost, as DeepSpeed's pipe-data(-model) topology is. `stages`
+absent, "auto" (DeepSpeed's default) or 1 is no pipeline: the other pipeline keys then do
+nothing and are named in the warning. With a pipeline: `activation_checkpoint_interval`
+> 0 is listed (checkpointing inside a stage is not supported yet), and so are ZeRO stage
+2/3 (DeepSpeed's pipeline engine refuses them too), `sequence_parallel_size` /
+`autotp_size` > 1, `activation_checkpointing` remat, and fewer accumulation steps than
+stages (dsfn's 1F1B needs m >= P); `pipe_partitioned` / `grad_partitioned` (partitioned
+p2p of tensor-parallel activations: communication only, and DeepSpeed applies them only
+under model parallelism), `use_reentrant` and `seed_layers` (DeepSpeed's engine takes it
+from PipelineModule, and dsfn trains the parameters the model already holds) are accepted
+and named in the warning. The split into stages changes where layers run, not the numbers.
 
 Keys dsfn does not reproduce raise one `ConfigError` listing all of them;
 keys that only tune performance or logging (bucket and prefetch tuning, aio, monitors, ...)
@@ -98,7 +116,7 @@ class DsConfig:
 
     `transforms`: the stack, outermost first (`compose(*transforms)`); `tx`: the optimizer
     (its lr the scheduler when one is given); batch sizes per DeepSpeed's rule; `mesh`:
-    {"dp", "sp", "tp"} sizes for `dsfn.runtime.init_mesh`; `checkpoint`: async checkpoint
+    {"pp", "dp", "sp", "tp"} sizes for `dsfn.runtime.init_mesh` (pp outermost); `checkpoint`: async checkpoint
     settings (`host_cache_size` in bytes, `engine`); `ignored`: performance/logging keys
     accepted without effect; `config`: the config as given; `resolved`: the config with
     every `"auto"` filled and the three batch sizes set (what DeepSpeed would be given);
@@ -125,7 +143,7 @@ class DsConfig:
         return compose(*self.transforms, donate=self.donate if donate is None else donate)(train_step)
 
     def init_mesh(self) -> Any:
-        """`dsfn.runtime.init_mesh(dp=, sp=, tp=)` with this config's sizes."""
+        """`dsfn.runtime.init_mesh(pp=, dp=, sp=, tp=)` with this config's sizes (axes of size 1 left out, dp kept)."""
         from dsfn.runtime.mesh import init_mesh
         return init_mesh(**{k: v for k, v in self.mesh.items() if v > 1 or k == "dp"})
 
@@ -162,7 +180,8 @@ def batch_sizes(train_batch_size: int | None, micro_batch_size: int | None, grad
             f"ds_config batch sizes disagree: train_batch_size ({tb}, samples per optimizer step over all ranks) "
             f"must equal train_micro_batch_size_per_gpu ({mb}, samples per rank per forward) x "
             f"gradient_accumulation_steps ({gas}, forwards per optimizer step) x data-parallel world size ({w}, "
-            f"= world size / (sequence_parallel_size x autotp_size)): {mb} x {gas} x {w} = {mb * gas * w}. "
+            f"= world size / (pipeline.stages x sequence_parallel_size x autotp_size)): {mb} x {gas} x {w} = "
+            f"{mb * gas * w}. "
             "Give two of the three and dsfn infers the third, or fix the one that is off")
     return tb, mb, gas
 
@@ -438,6 +457,8 @@ def _resolve_auto(cfg: dict, auto: Any, model: Any) -> dict:
             continue                                           # after the others: any two give the third
         elif _ignored_path(path):
             continue                                           # accepted without being read
+        elif path == "pipeline.stages":
+            continue                                           # DeepSpeed's own default: no pipeline here
         elif path.count(".") and _get(cfg, path.split(".")[0] + ".enabled") is False:
             continue                                           # a disabled block's keys do nothing
         else:
@@ -496,12 +517,12 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
 
     Args:
         config: a path to ds_config.json, or the dict.
-        model: the nn.Module (needed for `tensor_parallel.autotp_size` and Muon's
-            `per_head_muon`).
+        model: the nn.Module (needed for `tensor_parallel.autotp_size`, `pipeline.stages`
+            > 1 and Muon's `per_head_muon`).
         world_size: ranks in the run. Default: the launcher's; under torchrun /
             `dsfn.launch` (WORLD_SIZE > 1) the process group is initialised now, as a Step
             would, and its size used (1 only for a single process). Given while a group
-            exists, it must equal the group's. The batch-size rule uses world / (sp * tp).
+            exists, it must equal the group's. The batch-size rule uses world / (pp * sp * tp).
         checkpoint_dir, save_every: with `datastates_ckpt` / `checkpoint.writer`, add
             `async_checkpoint(checkpoint_dir, save_every, host_cache_size=...)`.
         auto: values for the config's `"auto"` entries, dotted key -> value (e.g.
@@ -522,12 +543,17 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
 
     sp = _int("sequence_parallel_size", cfg.pop("sequence_parallel_size", 1) or 1)
     tp = _tensor_parallel(cfg.pop("tensor_parallel", None), c)
-    if world_size % (sp * tp):
-        raise ConfigError(f"ds_config: world size {world_size} is not divisible by sequence_parallel_size ({sp}) x "
-                          f"tensor_parallel.autotp_size ({tp}); the data-parallel size is world / (sp x tp)")
-    dp = world_size // (sp * tp)
+    pp, partition = _pipeline(cfg.pop("pipeline", None), c)
+    if world_size % (pp * sp * tp):
+        what = f"pipeline.stages ({pp}) x " if pp > 1 else ""
+        raise ConfigError(f"ds_config: world size {world_size} is not divisible by {what}sequence_parallel_size "
+                          f"({sp}) x tensor_parallel.autotp_size ({tp}); the data-parallel size is world / "
+                          f"({'pp x ' if pp > 1 else ''}sp x tp)")
+    dp = world_size // (pp * sp * tp)
     tb, mb, gas = batch_sizes(cfg.pop("train_batch_size", None), cfg.pop("train_micro_batch_size_per_gpu", None),
                               cfg.pop("gradient_accumulation_steps", None), dp)
+    if pp > 1:
+        _pipeline_limits(pp, gas, sp, tp, c)
 
     for k, v in zip(_BATCH_KEYS, (tb, mb, gas)):
         resolved[k] = v
@@ -555,6 +581,10 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
     zenflow_t = _zenflow(zero.pop("zenflow", None), c)
     zero_kw.update(_hybrid(zero, stage, dp, sp * tp, c))
     _zero_rest(zero, c)
+    if pp > 1 and stage >= 2:
+        c.no("zero_optimization.stage", f"{stage} with pipeline.stages {pp}: ZeRO-2/3 reduce gradients while "
+             "backward runs, and a pipeline runs many backwards per step (DeepSpeed's pipeline engine refuses them "
+             "too); use stage 0 or 1")
 
     fp16, bf16 = _block("fp16", cfg.pop("fp16", None)), _block("bf16", cfg.pop("bf16", None))
     for name, block in (("fp16", fp16), ("bf16", bf16)):
@@ -623,6 +653,10 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
                           "default is 1.0)")
     tx = _optimizer(cfg.pop("optimizer", None), cfg.pop("scheduler", None), model, c)
     remat_t = _activation_checkpointing(cfg.pop("activation_checkpointing", None), c)
+    if pp > 1 and remat_t:
+        c.no("activation_checkpointing", "cpu_checkpointing / partition_activations with pipeline.stages > 1: remat "
+             "does not compose with pipeline_parallel yet; set them false (the same numbers, more activation "
+             "memory), or drop the pipeline section")
     ckpt, ckpt_t = _checkpointing(cfg, c, checkpoint_dir, save_every)
     _top_rest(cfg, c)
 
@@ -644,14 +678,166 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
                               "from_ds_config(config, model=model)")
         stack.append(T.tensor_parallel("auto", model=model))
     stack += remat_t
-    if gas > 1:
+    if gas > 1 and pp == 1:
         stack.append(T.accumulate(gas))
     stack += offload_t + precision + scaler
     if clip > 0:
         stack.append(_make("gradient_clipping", T.clip_grad_norm, float(clip)))
     stack += zenflow_t + ckpt_t
-    return DsConfig(tuple(stack), tx, tb, mb, gas, world_size, {"dp": dp, "sp": sp, "tp": tp}, ckpt,
+    if pp > 1:          # innermost: it runs the differentiated function itself, micro-batch by micro-batch
+        if model is None:
+            raise ConfigError("ds_config pipeline.stages > 1 needs the model (its layers are cut into stages): "
+                              "from_ds_config(config, model=model)")
+        split = _pipeline_split(model, pp, partition)
+        stack.append(_make("pipeline", T.pipeline_parallel, "1f1b", microbatches=gas, model=model, split=split))
+    return DsConfig(tuple(stack), tx, tb, mb, gas, world_size, {"pp": pp, "dp": dp, "sp": sp, "tp": tp}, ckpt,
                     tuple(k for k, _ in c.ignored), raw, resolved)
+
+
+# -- pipeline parallelism ----------------------------------------------------------------------
+_PIPE_COMM = {"pipe_partitioned": "partitioned p2p of tensor-parallel activations",
+              "grad_partitioned": "partitioned p2p of tensor-parallel activation gradients"}
+
+
+def _pipeline(block: Any, c: _Collect) -> tuple[int, str]:
+    """(pp size, partition method) from the `pipeline` section (module docstring); its
+    keys are popped and each one checked, listed or named as ignored."""
+    if block is None:
+        return 1, "uniform"
+    b = _block("pipeline", block)
+    stages = b.pop("stages", "auto")
+    if stages is None or (isinstance(stages, str) and stages == "auto"):
+        pp = 1
+    else:
+        pp = _int("pipeline.stages", stages)
+        if pp < 1:
+            raise ConfigError(f"ds_config pipeline.stages={stages!r}: the number of pipeline stages, an int >= 1 "
+                              "(PipelineModule's num_stages)")
+    if pp == 1:
+        if b:
+            c.ignore("pipeline", f"{sorted(b)} with no pipeline.stages > 1: DeepSpeed takes the stage count from "
+                     "PipelineModule(num_stages=); set pipeline.stages to it for pipeline_parallel (without it the "
+                     "accumulation steps run as accumulate(n): the same numbers)")
+        return 1, "uniform"
+    partition = b.pop("partition", "best")
+    if not isinstance(partition, str):
+        raise ConfigError(f"ds_config pipeline.partition={partition!r}: 'uniform', 'parameters' or 'type:<regex>'")
+    low = partition.lower()
+    if low in ("best", "uniform"):
+        partition = "uniform"
+    elif low == "parameters":
+        partition = "parameters"
+    elif low.startswith("type:"):
+        partition = "type:" + partition[5:]
+    else:
+        c.no("pipeline.partition", f"{partition!r}: dsfn cuts the model's decoder layers 'uniform' (by count), by "
+             "'parameters' or by 'type:<regex>' (DeepSpeed's 'profile' is not implemented there either)")
+    interval = _int("pipeline.activation_checkpoint_interval", b.pop("activation_checkpoint_interval", 0))
+    if interval > 0:
+        c.no("pipeline.activation_checkpoint_interval", f"{interval}: activation checkpointing inside a pipeline "
+             "stage is not supported yet (pipeline_parallel refuses the model's own gradient checkpointing); set 0 "
+             "(the same numbers, more activation memory)")
+    if "use_reentrant" in b:
+        _bool("pipeline.use_reentrant", b.pop("use_reentrant"))
+        c.ignore("pipeline.use_reentrant", "it picks the checkpoint function of activation_checkpoint_interval, "
+                 "which is off")
+    for k, what in _PIPE_COMM.items():
+        if k in b:
+            _bool(f"pipeline.{k}", b.pop(k))
+            c.ignore(f"pipeline.{k}", f"{what}: communication only, and DeepSpeed applies it only under tensor "
+                     "parallelism, which does not run inside a dsfn pipeline stage")
+    if "seed_layers" in b and _bool("pipeline.seed_layers", b.pop("seed_layers")):
+        c.ignore("pipeline.seed_layers", "it seeds PipelineModule's layer construction (DeepSpeed's engine reads "
+                 "it from PipelineModule, not the config); dsfn trains the parameters the model already holds")
+    for k in b:
+        c.no(f"pipeline.{k}", "not a DeepSpeed 0.19 pipeline key (stages, partition, seed_layers, "
+             "activation_checkpoint_interval, pipe_partitioned, grad_partitioned, use_reentrant)")
+    return pp, partition
+
+
+def _pipeline_limits(pp: int, gas: int, sp: int, tp: int, c: _Collect) -> None:
+    """What a dsfn pipeline does not combine with (listed, as DeepSpeed's own limits are)."""
+    if gas < pp:
+        c.no("gradient_accumulation_steps", f"{gas} with pipeline.stages {pp}: the accumulation steps are the "
+             f"pipeline's micro-batches, and dsfn's 1F1B needs at least one per stage; set it >= {pp} (and "
+             "train_batch_size to match)")
+    if sp > 1:
+        c.no("sequence_parallel_size", f"{sp} with pipeline.stages {pp}: sequence parallelism inside a pipeline "
+             "stage is not supported yet; keep one of the two")
+    if tp > 1:
+        c.no("tensor_parallel.autotp_size", f"{tp} with pipeline.stages {pp}: tensor parallelism inside a pipeline "
+             "stage is not supported yet; keep one of the two")
+
+
+def _pipeline_split(model: Any, pp: int, partition: str) -> list[int] | None:
+    """`pipeline_parallel(split=)` for a partition method: None (the even split by layer
+    count) for 'uniform', else each stage's layer count balancing a weight per layer as
+    DeepSpeed's `partition_balanced` does: its parameter count ('parameters'; the modules
+    before the layer list, embeddings, counted on the first stage, those after it on the
+    last, a tied weight once, where it first appears) or 1 for a layer whose class name
+    matches the regex ('type:<regex>', case-insensitive as in DeepSpeed)."""
+    import re
+    from dsfn.engines.pipeline_stages import plan_stages
+    if partition == "uniform":
+        return None
+    names = [n for n, _ in model.named_parameters()]
+    plan = _make("pipeline", plan_stages, model, names, 1)
+    layers, prefix = plan.layers, plan.layers_path + "."
+    first = last = 0
+    if partition == "parameters":
+        weights = [0] * len(layers)
+        order = {name: k for k, (name, _) in enumerate(model.named_modules())}
+        at = order[plan.layers_path]
+        for name, p in model.named_parameters():
+            if name.startswith(prefix):
+                weights[int(name[len(prefix):].split(".", 1)[0])] += p.numel()
+            elif order.get(name.rsplit(".", 1)[0] if "." in name else "", -1) < at:
+                first += p.numel()
+            else:
+                last += p.numel()
+    else:
+        try:
+            regex = re.compile(partition[5:], re.IGNORECASE)
+        except re.error as e:
+            raise ConfigError(f"ds_config pipeline.partition={partition!r}: not a regular expression ({e})") from None
+        weights = [1 if regex.search(type(layer).__name__) else 0 for layer in layers]
+        if not any(weights):
+            kinds = sorted({type(layer).__name__ for layer in layers})
+            raise ConfigError(f"ds_config pipeline.partition={partition!r}: no layer of the model's layer list "
+                              f"({plan.layers_path}: {kinds}) matches; name one of those classes, or use 'uniform'")
+    return balanced_split(weights, pp, first, last)
+
+
+def balanced_split(weights: list[int], parts: int, first: int = 0, last: int = 0) -> list[int]:
+    """Consecutive layer counts (each >= 1) cutting `weights` into `parts` stages whose
+    largest total (`first` added to the first stage, `last` to the last) is the least
+    possible; of those, the one whose earlier stages hold the most layers (equal weights
+    give the even split, the first stages taking one more)."""
+    n = len(weights)
+    if n < parts:
+        raise ConfigError(f"ds_config pipeline.stages={parts}: the model has {n} layers, fewer than the stages")
+    pre = [0]
+    for w in weights:
+        pre.append(pre[-1] + w)
+
+    def cost(s: int, a: int, b: int) -> int:
+        return pre[b] - pre[a] + (first if s == 0 else 0) + (last if s == parts - 1 else 0)
+
+    inf = float("inf")
+    # best[s][a]: the least largest total of stages s.. over layers a..
+    best = [[inf] * (n + 1) for _ in range(parts)]
+    for a in range(n):
+        best[parts - 1][a] = cost(parts - 1, a, n)
+    for s in range(parts - 2, -1, -1):
+        for a in range(s, n - (parts - 1 - s)):
+            best[s][a] = min(max(cost(s, a, b), best[s + 1][b]) for b in range(a + 1, n - (parts - 2 - s)))
+    cap, counts, a = best[0][0], [], 0
+    for s in range(parts - 1):
+        b = max(b for b in range(a + 1, n - (parts - 2 - s)) if cost(s, a, b) <= cap and best[s + 1][b] <= cap)
+        counts.append(b - a)
+        a = b
+    counts.append(n - a)
+    return counts
 
 
 def _tensor_parallel(block: Any, c: _Collect) -> int:
