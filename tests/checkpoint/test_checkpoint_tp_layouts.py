@@ -144,7 +144,7 @@ def test_manifest_keeps_old_kinds_and_describes_tp_layouts(tp_ckpt):
     assert len(leaves["params.w_col"]["slices"]) == 2 and len(leaves["params.qkv"]["slices"]) == 2
     assert len(leaves["params.z_col"]["slices"]) == 4
     for s in leaves["params.z_qkv"]["slices"]:
-        assert set(s) == {"file", "kind", "coords"} and set(s["coords"]) == {"dp", "sp", "tp"}
+        assert set(s) == {"file", "kind", "coords"} and set(s["coords"]) == {"dp", "sp", "tp", "pp"}
     assert leaves["params.z_qkv"]["layout"]["type"] == "Nested"
     assert leaves["params.qkv"]["layout"] == {"type": "PackedDimShard", "axis": "tp", "dim": 0, "shape": [10, 3],
                                               "parts": [6, 2, 2]}
