@@ -217,6 +217,11 @@ def _write_rank_file(tmp: str, state: Any, rank: int, rng_state: dict[str, torch
 def _build_manifest(step: int, world: int, reports: list[dict], user_data: Any, state: Any) -> dict:
     leaves: dict[str, dict] = {}
     for path, desc in reports[0]["leaves"].items():
+        # a leaf's layout as a rank that writes it describes it: the ranks that hold nothing of
+        # it (a pipeline stage's StageOwned non-owner) may describe their empty piece's outer
+        # layers (ZeRO's FlatShard of it) by another shape; the reader computes every slice's
+        # runs from this description
+        desc = next((r["leaves"][path] for r in reports if path in r["slices"] and path in r["leaves"]), desc)
         leaves[path] = {**desc, "slices": []}
     for path, v in reports[0]["values"].items():
         leaves[path] = {"value": v}
