@@ -82,11 +82,11 @@ def _pipeline_drops_microbatch():
     from dsfn.engines import pipeline_runner
     orig = pipeline_runner.run_rank
 
-    def run_rank(actions, n_stages, links, forward):
+    def run_rank(actions, n_stages, links, forward, *args, **kwargs):
         def dropping(stage, mb, h_in):
             out = forward(stage, mb, h_in)
             return out * 0 if stage == n_stages - 1 and mb == 0 else out
-        return orig(actions, n_stages, links, dropping)
+        return orig(actions, n_stages, links, dropping, *args, **kwargs)
     return mock.patch.object(pipeline_runner, "run_rank", run_rank)
 
 
