@@ -65,12 +65,7 @@ class CommCounters:
         c.calls += 1
         c.bytes += int(nbytes)
         m = mesh if mesh is not None else current_mesh()
-        if op == "send":            # point to point: `src` is the receiving global rank
-            off = m.topology.node_of(src) != m.topology.node_of(m.rank)
-            c.inter += nbytes if off else 0
-            c.intra += 0 if off else nbytes
-            return
-        if op == "broadcast":
+        if op in ("broadcast", "send"):     # the other end decides the link, call by call
             split = link_bytes(op, nbytes, group_links(m.ranks(axis), m.topology, m.rank), src, m.rank)
             c.intra += split.intra
             c.inter += split.inter

@@ -47,7 +47,7 @@ from dsfn.runtime.topology import Topology
 
 __all__ = ["OPS", "GroupLinks", "LinkBytes", "group_links", "link_bytes", "traffic"]
 
-OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send")
 
 
 def traffic(op: str, nbytes: float) -> float:
@@ -116,8 +116,12 @@ def link_bytes(op: str, nbytes: float, links: GroupLinks, src: int | None = None
     """The intra-/inter-node split of one collective of `nbytes` counted (module docstring).
     `src`: a broadcast's source (a global rank); None counts it as off the node when the
     group spans nodes (the worst node). `me`: the rank counting (a broadcast's source
-    receives nothing)."""
+    receives nothing). A point-to-point "send" (`src`: its receiver) crosses this node's
+    boundary when the receiver is on another node, else it stays on the node's links."""
     t = traffic(op, nbytes)
+    if op == "send":
+        off = links.topology.node_of(src) != links.node
+        return LinkBytes(0.0 if off else t, t if off else 0.0)
     if op == "broadcast":
         if links.on_node == links.size:
             off = False

@@ -237,10 +237,7 @@ class PipelineParallel(Transform):
         schedule = self._schedule(p)
         me = mesh.local_rank(self.axis)
         ranks = mesh.ranks(self.axis)
-        rank_of = {}
-        for acts in schedule:
-            for a in acts:
-                rank_of[a.stage] = ranks[a.rank]
+        rank_of = {stage: ranks[i] for stage, i in self._stage_ranks(p).items()}      # global ranks
         n_stages = len(rank_of)
         micro, whole_of = slice_micro_batches(args, kwargs, m, f"pipeline_parallel(microbatches={m})")
         leaves, spec = tree.flatten(params, is_leaf=is_placed)

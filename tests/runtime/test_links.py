@@ -69,3 +69,11 @@ def test_explain_negative_controls_one_node_is_all_intra_and_flat_zero3_crosses(
         assert inter == 0
     for links, inter, _ in run_on_ranks(_explain, 4, {}, ranks_per_node=2, timeout=60):
         assert links[("dp", "all_gather")][1] > 0
+
+
+def test_a_send_crosses_the_node_boundary_only_to_another_node():
+    topo = Topology(2, 2)
+    across = link_bytes("send", 100, group_links([0, 2], topo, rank=0), src=2)
+    inside = link_bytes("send", 100, group_links([0, 1], topo, rank=0), src=1)
+    assert (across.intra, across.inter) == (0, 100)
+    assert (inside.intra, inside.inter) == (100, 0)
