@@ -27,9 +27,9 @@ from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import BufferPool, ShardReducer, all_gather_full, map_whole
 from dsfn.runtime.mesh import current_mesh, grad_channel
-from dsfn.state.layout import FlatShard, Layout, Nested, Offloaded, mirrored_param, shard_further
+from dsfn.state.layout import FlatShard, Layout, Nested, Offloaded, mirrored_param, shard_further, stage_copies
 
-__all__ = ["ZeroShards", "compute_device", "inner_piece", "logical_shape", "zero_layout"]
+__all__ = ["BackwardRounds", "ZeroShards", "compute_device", "inner_piece", "logical_shape", "zero_layout"]
 
 
 def compute_device(x: Any) -> torch.device:
@@ -69,6 +69,30 @@ def bucket_ready(items: list[tuple[str, torch.Tensor]]) -> None:
     """A reduced bucket of gradient shards, [(key, shard), ...], handed to the transforms that
     handle the "grad_bucket_ready" primitive (default: nothing)."""
     bind("grad_bucket_ready", lambda items: None, items)
+
+
+class BackwardRounds:
+    """Rounds of a ShardReducer opened by backwards, not forwards: under a pipeline inside,
+    the forwards and backwards of the micro-batches interleave (1F1B runs F1 before B0),
+    so "each forward is a round" would close a round before its gradients came. Each
+    micro-batch's backward is one whole action of the pipeline's schedule, and every dp
+    rank of a stage runs the same schedule: the first gradient of a new owner (one
+    forward's sink) closes the previous owner's round (`close(previous)`, e.g. ZeRO-3's
+    `GradientsDue.end_backward`, first) and opens the next, at the same point on every
+    dp rank."""
+
+    def __init__(self, reducer: ShardReducer, close: Any = None):
+        self.reducer, self.close = reducer, close
+        self.owner: Any = None
+
+    def enter(self, owner: Any) -> None:
+        """A gradient of `owner`'s backward is about to reach the reducer."""
+        if owner is self.owner:
+            return
+        if self.owner is not None and self.close is not None:
+            self.close(self.owner)
+        self.reducer.new_round()
+        self.owner = owner
 
 
 class ZeroShards:
@@ -181,18 +205,26 @@ class ZeroShards:
         # the keys that may reach the reducer (whole ones are all-reduced); the full gradient's shape
         named, devices = [], {}
         for path, x in registration_order(params):
-            if self.keeps_whole(x):
+            if self._outside_reducer(x):
                 continue
             full = zero_layout(x.layout).shape if self.mine(x) else tuple(data_of(x).shape)
             named.append((path, torch.empty(full, dtype=data_of(x).dtype, device="meta")))
             devices[path] = compute_device(x)     # zeros of an unused one: where grads are
         with_path = tree.leaves_with_path(params, is_leaf=is_placed)
-        replicated = [k for k, (_, x) in enumerate(with_path) if self.keeps_whole(x)]
+        replicated = [k for k, (_, x) in enumerate(with_path) if self._outside_reducer(x)]
         plan = dict(named=named, devices=devices, paths=[p for p, _ in with_path], replicated=replicated,
                     layouts=[None if k in replicated else self.shard_layout(x) for k, (_, x) in enumerate(with_path)],
                     spec=spec)
         self._grad_plan_cache = (spec, key, plan)
         return plan
+
+    def _outside_reducer(self, x: Any) -> bool:
+        """A leaf whose gradient is all-reduced whole, not reduce-scattered: one kept whole, or
+        one of no elements on this rank (another pipeline stage's parameter: the same on every
+        dp rank of this stage, so the reducer's plan stays alike on them). A key that never
+        gets a gradient in a bucket would hold the bucket, and every later one, until the
+        round's end: no reduce-scatter could start while backward runs."""
+        return self.keeps_whole(x) or (not self.mine(x) and data_of(x).numel() == 0)
 
     def reducer(self, plan: dict[str, Any], facts: Any, hears: bool, channel: str) -> ShardReducer:
         """A reduce-scatter plan over the step's gradients on `channel` (the shard axis, or its
@@ -221,7 +253,46 @@ class ZeroShards:
                 out.append(Placed(reduced[k], g.layout) if isinstance(g, Placed) else reduced[k])
                 continue
             out.append(Placed(shards[path], layout))   # zeros where this rank's loss did not reach it
+        if self.stage >= 2:
+            out = self.sum_stage_copies(out)
         return tree.unflatten(plan["spec"], out)
+
+    def owner_grad_numel(self, numel: int) -> int:
+        """Elements of the reduced gradient an owner of a `numel`-element leaf holds: its shard."""
+        return -(-numel // current_mesh().size(self.axis))
+
+    def sum_stage_copies(self, grads: list[Any]) -> list[Any]:
+        """Gradients of leaves held by several pipeline stages (`stage_copies`: a tied
+        embedding and head) summed over their stages, so the copies take the same update.
+        Stages 2-3 take the gradients over inside backward (taps, unit gathers), before a
+        pipeline inside could sum them; so it is done here, on the reduced pieces: every
+        rank along the stages' axis joins one all-reduce per axis, a non-owner with zeros of
+        an owner's size (the owners' pieces are alike: the same dp coordinate)."""
+        todo: dict[tuple[str, torch.dtype], list[int]] = {}
+        for k, g in enumerate(grads):
+            copies = stage_copies(g.layout) if isinstance(g, Placed) else None
+            if copies is not None:
+                todo.setdefault((copies.axis, g.data.dtype), []).append(k)
+        if not todo:
+            return grads
+        out = list(grads)
+        for (axis, _), ks in todo.items():
+            parts = []
+            for k in ks:
+                g, copies = grads[k], stage_copies(grads[k].layout)
+                if copies.holds():
+                    parts.append(g.data.reshape(-1))
+                else:
+                    parts.append(torch.zeros(self.owner_grad_numel(copies.numel), dtype=g.data.dtype,
+                                             device=g.data.device))
+            flat = C.all_reduce_(torch.cat(parts), axis, "sum")
+            at = 0
+            for k, part in zip(ks, parts):
+                g = grads[k]
+                if stage_copies(g.layout).holds():
+                    out[k] = Placed(flat[at:at + part.numel()].view_as(g.data).clone(), g.layout)
+                at += part.numel()
+        return out
 
     # -- update ---------------------------------------------------------------------------------
     def gather_updated(self, shards: list[torch.Tensor], shapes: list[tuple[int, ...]],

@@ -18,7 +18,7 @@ from typing import Any
 
 from dsfn import tree
 from dsfn.engines.data_parallel import tap_gradients
-from dsfn.engines.zero_shards import ZeroShards, zero_layout
+from dsfn.engines.zero_shards import BackwardRounds, ZeroShards, zero_layout
 from dsfn.placed import data_of, is_placed
 from dsfn.state.layout import inner_view
 
@@ -37,21 +37,29 @@ class Stage12(ZeroShards):
 
     active = None           # the reducer of the value_and_grad running now (a nested call uses it)
 
-    def value_and_grad(self, call_next, fn, params, args, kwargs, has_aux, facts: Any, hears: bool):
+    def value_and_grad(self, call_next, fn, params, args, kwargs, has_aux, facts: Any, hears: bool,
+                       pipelined: bool = False):
+        """`pipelined`: a pipeline inside runs the forwards and the backwards of its
+        micro-batches interleaved (1F1B), so a round of buckets is a backward, opened by
+        its first gradient (`BackwardRounds`), not a forward."""
         outer = self.active
         if outer is not None:           # nested call: the outermost call reduces
-            return call_next(tap_gradients(fn, outer.add) if self.stage == 2 else fn, params, args, kwargs, has_aux)
+            return call_next(tap_gradients(fn, _sink(outer)) if self.stage == 2 else fn, params, args, kwargs, has_aux)
         plan = self.grad_plan(params)
         reducer = self.active = self.reducer(plan, facts, hears, self.axis)
         try:
-            if self.stage == 2:         # buckets reduce-scattered during backward; a round per forward
-                fn = _rounds(tap_gradients(fn, reducer.add), reducer)
+            if self.stage == 2 and pipelined:     # a round per micro-batch's backward
+                fn = _backward_rounds(fn, BackwardRounds(reducer))
+            elif self.stage == 2:       # buckets reduce-scattered during backward; a round per forward
+                fn = _rounds(tap_gradients(fn, _sink(reducer)), reducer)
             value, grads = call_next(fn, params, args, kwargs, has_aux)
         finally:
             self.active = None
         if self.stage == 1:             # everything after backward, in order
-            for path, g in zip(plan["paths"], tree.leaves(grads, is_leaf=is_placed)):
-                reducer.add(path, data_of(g))
+            whole = set(plan["replicated"])
+            for k, (path, g) in enumerate(zip(plan["paths"], tree.leaves(grads, is_leaf=is_placed))):
+                if k not in whole:
+                    reducer.add(path, data_of(g))
         return value, self.finish_reduction(reducer, plan, grads, facts)
 
     def apply_gradients(self, call_next, state, grads):
@@ -66,6 +74,29 @@ class Stage12(ZeroShards):
     def init_optimizer(self, call_next, state):
         """The optimizer state is made for what the update will see: shards."""
         return call_next(state.replace(params=tree.map(self.as_shard, state.params, is_leaf=is_placed)))
+
+
+def _backward_rounds(fn, rounds: BackwardRounds):
+    """`fn` whose calls (a pipeline's forwards of its micro-batches) each tap the parameters
+    with a sink of their own: the first gradient of a call's backward opens a new round."""
+    def wrapped(params, *args, **kwargs):
+        owner = object()
+
+        def sink(path, grad):
+            if grad.numel() or path in rounds.reducer.plan:
+                rounds.enter(owner)
+                rounds.reducer.add(path, grad)
+        return tap_gradients(fn, sink)(params, *args, **kwargs)
+    return wrapped
+
+
+def _sink(reducer):
+    """The reducer's `add`, passing over the empty gradient of a leaf all-reduced whole (no
+    elements here: another pipeline stage's parameter)."""
+    def add(path, grad):
+        if grad.numel() or path in reducer.plan:
+            reducer.add(path, grad)
+    return add
 
 
 def _rounds(fn, reducer):

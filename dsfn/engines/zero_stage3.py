@@ -30,7 +30,7 @@ from dsfn.aliasing import may_alias
 from dsfn.effects import bind
 from dsfn.engines.shard_groups import split_axes
 from dsfn.engines.zero3_units import UnitGatherer, UnitPlan
-from dsfn.engines.zero_shards import ZeroShards, compute_device, zero_layout
+from dsfn.engines.zero_shards import BackwardRounds, ZeroShards, compute_device, zero_layout
 from dsfn.functional import until_backward
 from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import env
@@ -47,8 +47,9 @@ class GradientsDue:
     summed here and handed to the reducer once, as one key per round, when the last one
     arrives (or at backward's end, `flush`)."""
 
-    def __init__(self, reducer: Any):
+    def __init__(self, reducer: Any, rounds: BackwardRounds | None = None):
         self.reducer = reducer
+        self.rounds = rounds                     # a pipeline inside: this forward's backward is a round
         self.expect: dict[str, list] = {}        # key -> [gradients still due, their sum]
         self.gatherers: list[UnitGatherer] = []  # this round's forwards, for backward's end
         self.host_units = False                  # a unit was gathered into host memory
@@ -66,6 +67,8 @@ class GradientsDue:
     def grads_arrived(self, items: list[tuple[str, torch.Tensor]]) -> None:
         """(key, gradient) pairs of one backward node (a unit): summed per key, and the
         complete ones handed to the reducer in one call."""
+        if self.rounds is not None:
+            self.rounds.enter(self)
         ready = []
         for key, grad in items:
             rec = self.expect.get(key)
@@ -147,6 +150,10 @@ class Stage3(ZeroShards):
 
     _hierarchy_on: tuple | None = None
 
+    def owner_grad_numel(self, numel: int) -> int:
+        """A sharded leaf's owner holds a shard of its gradient; a persistent one the whole."""
+        return super().owner_grad_numel(numel) if numel > self.param_persistence_threshold else numel
+
     def sharded(self, x: Any) -> bool:
         """Parameters above the persistence threshold are stored sharded."""
         return data_of(x).numel() > self.param_persistence_threshold
@@ -171,19 +178,37 @@ class Stage3(ZeroShards):
         return None
 
     # -- gradients ------------------------------------------------------------------------------
-    def value_and_grad(self, call_next, fn, params, args, kwargs, has_aux, facts: Any, hears: bool):
+    def value_and_grad(self, call_next, fn, params, args, kwargs, has_aux, facts: Any, hears: bool,
+                       pipelined: bool = False):
+        """`pipelined`: a pipeline inside interleaves its micro-batches' forwards and
+        backwards (1F1B): each forward gets a sink of its own, and a round of buckets is a
+        backward (`BackwardRounds`) instead of a forward."""
         if self.due is not None:        # nested call: the outermost call reduces
             return call_next(fn, params, args, kwargs, has_aux)
         plan = self.grad_plan(params)
         due = self.due = GradientsDue(self.reducer(plan, facts, hears, grad_channel(self.axis)))
+        sinks = [due]
         try:
-            def each_forward(*a, **k):       # a micro-batch: the previous one's backward closes first
-                due.end_backward()
-                due.reducer.new_round()
-                return fn(*a, **k)
+            if pipelined:
+                rounds = BackwardRounds(due.reducer, close=GradientsDue.end_backward)
+
+                def each_forward(*a, **k):   # a micro-batch's forward: a sink of its own
+                    mine = GradientsDue(due.reducer, rounds)
+                    sinks.append(mine)
+                    self.due = mine          # its units' gatherers report to it
+                    try:
+                        return fn(*a, **k)
+                    finally:
+                        self.due = due
+            else:
+                def each_forward(*a, **k):   # a micro-batch: the previous one's backward closes first
+                    due.end_backward()
+                    due.reducer.new_round()
+                    return fn(*a, **k)
             value, grads = call_next(each_forward, params, args, kwargs, has_aux)
-            due.end_backward()
-            if due.host_units and may_alias():
+            for sink in sinks:               # the last round's, then what no gradient ever reached
+                sink.end_backward()
+            if any(sink.host_units for sink in sinks) and may_alias():
                 # every unit is released: a donated step gives the heap's holes back
                 # (env.trim_host_heap; on a GPU the units churn device memory instead)
                 env.trim_host_heap()

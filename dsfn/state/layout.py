@@ -598,6 +598,16 @@ def gather_tree(physical: Any, mesh: Mesh | None = None) -> Any:
     return tree.map(lambda x: unplace(x, mesh), physical, is_leaf=is_placed)
 
 
+def stage_copies(layout: Any) -> StageOwned | None:
+    """The StageOwned of a leaf held as copies by several stages (a tied embedding and
+    head), directly or as the inner layout of a Nested (ZeRO's shard of it), else None.
+    Each owner's gradient of such a leaf is a part (its own stage's uses): the update
+    needs their sum over `axis`, which whoever takes the gradients over forms."""
+    while isinstance(layout, Nested):
+        layout = layout.inner
+    return layout if isinstance(layout, StageOwned) and len(layout.owners) > 1 else None
+
+
 def shard_further(x: Any, make: Any) -> Placed:
     """Put the layout `make(shape)` on top of whatever layout leaf `x` has: `shape` is the
     shape of x's local piece; a placed leaf becomes `Nested(its layout, make(shape))`."""

@@ -316,6 +316,14 @@ STACKS: dict[str, StackSpec] = {
                         worlds=(2,)),
     "zero1+pp": StackSpec(lambda m, s, d: [_T().shard_zero(1), _T().pipeline_parallel("1f1b", 2, model=m)],
                           mesh=lambda w: {"dp": w // 2, "pp": 2}, worlds=(4,)),
+    # ZeRO-2/3 around the pipeline: a round of gradient buckets per micro-batch's backward;
+    # small buckets, so a stage's gradients fill several and rounds matter
+    "zero2+pp": StackSpec(lambda m, s, d: [_T().shard_zero(2, reduce_bucket_size=3000),
+                                           _T().pipeline_parallel("1f1b", 2, model=m)],
+                          mesh=lambda w: {"dp": w // 2, "pp": 2}, worlds=(4,)),
+    "zero3+pp": StackSpec(lambda m, s, d: [_T().shard_zero(3, reduce_bucket_size=3000),
+                                           _T().pipeline_parallel("1f1b", 2, model=m)],
+                          mesh=lambda w: {"dp": w // 2, "pp": 2}, worlds=(4,)),
     "hsdp3+tp": StackSpec(lambda m, s, d: [_T().shard_zero(3, shard_group="node"), _tp(m, s)],
                           mesh=lambda w: {"dp": w // 2, "tp": 2}, worlds=(8,), nodes=2),
 }

@@ -52,13 +52,13 @@ from dsfn.engines.pipeline_schedules import SCHEDULES, Slot, build_schedule, che
 from dsfn.engines.pipeline_stages import StagePlan, StopForward, plan_stages, running_stage
 from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.errors import ConfigError, StackError
-from dsfn.placed import Placed, data_of, is_placed
+from dsfn.placed import Placed, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
-from dsfn.state.layout import StageOwned, mirrored_param
+from dsfn.state.layout import StageOwned, mirrored_param, stage_copies
 from dsfn.transforms.core import Transform, make_transform
-from dsfn.transforms.facts import StackFacts
+from dsfn.transforms.facts import stack_facts
 
 _VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbv": 2}
 
@@ -104,11 +104,6 @@ class PipelineParallel(Transform):
 
     # -- stack rules ----------------------------------------------------------------------------
     def check_stack(self, stack, index):
-        for d in StackFacts(stack).outside(self).with_role("zero"):
-            if d["zero_stage"] >= 2:
-                raise StackError(f"shard_zero({d['zero_stage']}) around pipeline_parallel is not supported yet (its "
-                                 "gradients are reduced while backward runs, and a pipeline runs many backwards in one "
-                                 "step); use shard_zero(1) or data_parallel() outside pipeline_parallel")
         for t in stack[index + 1:]:
             if hasattr(t, "handle_value_and_grad"):
                 raise StackError(f"{t.name}() is inside pipeline_parallel, which runs the differentiated function "
@@ -240,8 +235,10 @@ class PipelineParallel(Transform):
         rank_of = {stage: ranks[i] for stage, i in self._stage_ranks(p).items()}      # global ranks
         n_stages = len(rank_of)
         micro, whole_of = slice_micro_batches(args, kwargs, m, f"pipeline_parallel(microbatches={m})")
-        leaves, spec = tree.flatten(params, is_leaf=is_placed)
-        inputs = [data_of(x).detach().requires_grad_(True) for x in leaves]
+        # the leaves keep their layouts (Placed): a ZeRO-3 outside gathers its shards in the forward
+        placed = tree.leaves(params, is_leaf=is_placed)
+        leaves, spec = tree.flatten(params)
+        inputs = [x.detach().requires_grad_(True) for x in leaves]
         tree_in = tree.unflatten(spec, inputs)
         inv = 1.0 / m
 
@@ -271,17 +268,19 @@ class PipelineParallel(Transform):
         last_rank = rank_of[n_stages - 1]
         value = C.broadcast_(value.detach().clone(), self.axis, src=ranks.index(last_rank))
         grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
-        out = []
-        for x, g in zip(leaves, grads):
-            layout = x.layout if isinstance(x, Placed) else None
-            if isinstance(layout, StageOwned) and len(layout.owners) > 1:
-                # a parameter of several stages (tied embedding and head): its gradients summed
-                # over its owners, whose copies then take the same update
-                full = g if g.numel() else torch.zeros(layout.shape, dtype=g.dtype, device=g.device)
-                full = C.all_reduce_(full, self.axis, "sum")
-                g = full if layout.holds() else g
-            out.append(Placed(g, layout) if layout is not None else g)
-        return value, tree.unflatten(spec, out)
+        # a parameter of several stages (tied embedding and head): its gradients summed over
+        # its owners, whose copies then take the same update — here, unless a ZeRO-2/3 outside
+        # takes the gradients over in backward (they never reach these leaves): it sums them
+        # then (`stage_copies`)
+        if not any(d["zero_stage"] >= 2 for d in stack_facts(self).outside(self).with_role("zero")):
+            for k, x in enumerate(placed):
+                copies = stage_copies(x.layout) if isinstance(x, Placed) else None
+                if copies is not None:
+                    g = grads[k]
+                    full = g if g.numel() else torch.zeros(copies.shape, dtype=g.dtype, device=g.device)
+                    full = C.all_reduce_(full, self.axis, "sum")
+                    grads[k] = full if copies.holds() else g
+        return value, tree.unflatten(spec, grads)
 
     # -- forward --------------------------------------------------------------------------------
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
@@ -290,6 +289,9 @@ class PipelineParallel(Transform):
             return call_next(apply_fn, params, args, kwargs)
         stage, h_in, n_stages = running
         module = apply_fn.module
+        # the stages' pieces are the model's tensors (a 0-element one where this rank holds none)
+        params = {k: (v.data if isinstance(v, Placed) and isinstance(v.layout, StageOwned) else v)
+                  for k, v in params.items()}
         plan = self._plan(module, list(params), n_stages)
         # a model's own loss (a Hugging Face causal LM given labels) is the whole batch's token
         # mean over the micro-batches, as under accumulate (its adapter, dsfn.adapters)

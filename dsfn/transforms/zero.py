@@ -214,7 +214,10 @@ class ShardZero(Transform):
                                                  overlap=not facts.inside(self).has_role("accumulate"))
         # a transform inside that hears reduced buckets (offload's overlapped host update)
         hears = facts.inside(self).first("hears_grad_buckets", False)
-        return engine.value_and_grad(call_next, fn, params, args, kwargs, has_aux, facts, hears)
+        # a pipeline inside interleaves its micro-batches' forwards and backwards: a round of
+        # gradient buckets is then a backward, not a forward
+        pipelined = facts.inside(self).has_role("pipeline")
+        return engine.value_and_grad(call_next, fn, params, args, kwargs, has_aux, facts, hears, pipelined)
 
     # -- the replicated parts: data parallel's machinery --------------------------------------------
     def wrap_step(self, fn):

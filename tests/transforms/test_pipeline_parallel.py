@@ -166,10 +166,11 @@ def test_stacks_that_cannot_compose_are_stack_errors():
     step_fn = train_step_for(apply_fn, lm_loss)
     with pytest.raises(StackError, match="accumulate.*inside pipeline_parallel"):
         dsfn.compose(pipeline_parallel("1f1b", 4, model=model), accumulate(2))(step_fn)
-    with pytest.raises(StackError, match="shard_zero\\(3\\) around pipeline_parallel"):
-        dsfn.compose(shard_zero(3), pipeline_parallel("1f1b", 4, model=model))(step_fn)
+    with pytest.raises(StackError, match="shard_zero\\(\\) is inside pipeline_parallel.*put shard_zero\\(\\) outside"):
+        dsfn.compose(pipeline_parallel("1f1b", 4, model=model), shard_zero(3))(step_fn)
     # a negative control: the same transforms in a working order compose
-    dsfn.compose(shard_zero(1), pipeline_parallel("1f1b", 4, model=model))(step_fn)
+    for stage in (1, 2, 3):
+        dsfn.compose(shard_zero(stage), pipeline_parallel("1f1b", 4, model=model))(step_fn)
 
 
 def test_the_models_own_checkpointing_is_refused_until_it_is_built():
@@ -303,15 +304,16 @@ def test_record_timeline_times_each_action_of_the_ranks_schedule_in_order(schedu
         assert records is None and "measured" not in note
 
 
-def _save_pp_dp(root):
-    """pp 2 x dp 2 with ZeRO-1 outside (the optimizer state a FlatShard of each stage's piece),
-    saved through async_checkpoint at step 2."""
+def _save_pp_dp(root, stage=1):
+    """pp 2 x dp 2 with ZeRO-`stage` outside (the optimizer state — at stage 3 the parameters
+    too — a FlatShard of each stage's piece), saved through async_checkpoint at step 2."""
     from dsfn.transforms import async_checkpoint
     init_mesh(pp=2, dp=2)
     model = _model("qwen2")
     apply_fn, params = dsfn.functionalize(model)
     ck = async_checkpoint(f"{root}/ppdp", every=2)
-    step = dsfn.compose(shard_zero(1), ck, pipeline_parallel("1f1b", 2, model=model))(train_step_for(apply_fn, lm_loss))
+    step = dsfn.compose(shard_zero(stage), ck, pipeline_parallel("1f1b", 2, model=model))(
+        train_step_for(apply_fn, lm_loss))
     state = step.init_state(params, OPTS["adamw"]())
     for b in BATCHES[:2]:
         state, _ = step(state, b)
@@ -320,24 +322,25 @@ def _save_pp_dp(root):
     return {"params": g.params, "opt_state": g.opt_state, "step": g.step}
 
 
-def _load_dp(root, world):
-    """Load the pp2 x dp2 checkpoint into ZeRO-1 over dp `world` without a pipeline."""
+def _load_dp(root, world, stage=1):
+    """Load the pp2 x dp2 checkpoint into ZeRO-`stage` over dp `world` without a pipeline."""
     init_mesh(dp=world)
     model = _model("qwen2")
     apply_fn, params = dsfn.functionalize(model)
-    step = dsfn.compose(shard_zero(1))(train_step_for(apply_fn, lm_loss))
+    step = dsfn.compose(shard_zero(stage))(train_step_for(apply_fn, lm_loss))
     like = step.init_state(params, OPTS["adamw"]())
     g = step.gather(dsfn.checkpoint.load(f"{root}/ppdp", like=like, restore_rng=False))
     return {"params": g.params, "opt_state": g.opt_state, "step": g.step}
 
 
-def test_a_pp_x_dp_zero1_async_checkpoint_reloads_without_the_pipeline(tmp_path):
-    """Saved at pp 2 x dp 2 (ZeRO-1 outside, async_checkpoint): reloads bitwise at dp 4 and dp 2
-    with no pipeline (universal: the layout on disk is the logical tensors' slices)."""
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_pp_x_dp_zero_async_checkpoint_reloads_without_the_pipeline(tmp_path, stage):
+    """Saved at pp 2 x dp 2 (ZeRO-1 or ZeRO-3 outside, async_checkpoint): reloads bitwise at dp 4
+    and dp 2 with no pipeline (universal: the layout on disk is the logical tensors' slices)."""
     from dsfn.testing import assert_trees_equal
-    saved = run_on_ranks(_save_pp_dp, 4, str(tmp_path), timeout=240)[0]
+    saved = run_on_ranks(_save_pp_dp, 4, str(tmp_path), stage, timeout=240)[0]
     for world in (4, 2):
-        for rank, got in enumerate(run_on_ranks(_load_dp, world, str(tmp_path), world, timeout=240)):
+        for rank, got in enumerate(run_on_ranks(_load_dp, world, str(tmp_path), world, stage, timeout=240)):
             assert_trees_equal(got, saved, msg=f"pp2 x dp2 checkpoint loaded at dp {world}, rank {rank}")
 
 

@@ -1,0 +1,106 @@
+"""ZeRO-2 and ZeRO-3 over dp around a pipeline over pp: train equal to the single process.
+
+A pipeline interleaves its micro-batches' forwards and backwards (1F1B runs F1 before B0), so
+ZeRO's rounds of gradient buckets are backwards, not forwards (`BackwardRounds`): the
+buckets here are small (3,000 elements, so a stage's gradients fill several) and each dp rank
+runs 4 micro-batches, which is where rounds per forward would close a round before its
+gradients came. Llama ties its embedding and head: the first and the last stage hold copies,
+whose gradients ZeRO sums over pp after its reduction (`ZeroShards.sum_stage_copies`).
+ZeRO-3 stores each stage's parameters as FlatShards over the stage's dp ranks (1/(pp*dp) of
+the model per rank) and gathers only what the stage runs. SGD-momentum state is compared at
+fp32 tolerance; Muon and AdamW through the losses and parameters.
+"""
+import math
+
+import pytest
+import torch
+
+import dsfn
+from dsfn.models.gpt import GPT, GPTConfig
+from dsfn.runtime import current_mesh, init_mesh
+from dsfn.state.layout import FlatShard, Nested, Placed, StageOwned
+from dsfn.testing import run_on_ranks
+from dsfn.testing.asserts import assert_trees_close
+from dsfn.testing.models import make_tiny_causal_lm, token_batches
+from dsfn.testing.reference import lm_loss, train_step_for
+from dsfn.transforms import clip_grad_norm, pipeline_parallel, shard_zero
+
+BATCHES = token_batches(3, 8, 12, 101, seed=3)
+FP32 = dict(rtol=1e-5, atol=1e-6)
+OPTS = {"sgd": lambda: dsfn.optim.sgd(0.1, momentum=0.9),
+        "adamw": lambda: dsfn.optim.adamw(3e-3, eps=1e-4, weight_decay=0.1),
+        "muon": lambda: dsfn.optim.muon(lr=0.02, adam_lr=3e-3, adam_eps=1e-4, weight_decay=0.1, allow_no_muon=True)}
+BUCKET = 3000
+
+
+def _model(family):
+    if family == "gpt":
+        return GPT(GPTConfig.preset("tiny", n_layer=4))
+    return make_tiny_causal_lm(family, num_hidden_layers=4)
+
+
+def _train(family, opt, stage=None, schedule=None, m=4, clip=None):
+    """3 steps: (losses, logical state, {param: (layout kind, piece numel)}, pp index); with `stage`, at
+    pp 2 x dp 2 with shard_zero(stage) around pipeline_parallel(schedule, m)."""
+    model = _model(family)
+    apply_fn, params = dsfn.functionalize(model)
+    ts = [clip_grad_norm(clip)] if clip else []
+    if stage is not None:
+        init_mesh(dp=2, pp=2)
+        ts += [shard_zero(stage, reduce_bucket_size=BUCKET), pipeline_parallel(schedule, m, model=model)]
+    step = dsfn.compose(*ts)(train_step_for(apply_fn, lm_loss))
+    state = step.init_state(params, OPTS[opt]())
+    losses = []
+    for b in BATCHES:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    pieces = {k: (type(x.layout).__name__, x.data.numel()) if isinstance(x, Placed) else ("tensor", x.numel())
+              for k, x in state.params.items()}
+    g = step.gather(state)
+    pp = current_mesh().local_rank("pp") if stage is not None else 0
+    return losses, {"params": g.params, "opt_state": g.opt_state}, pieces, pp
+
+
+def _check(results, ref, opt):
+    for losses, state, *_ in results:
+        assert torch.allclose(torch.tensor(losses), torch.tensor(ref[0]), **FP32), (losses, ref[0])
+        compared = state if opt == "sgd" else {"params": state["params"]}
+        expected = ref[1] if opt == "sgd" else {"params": ref[1]["params"]}
+        assert_trees_close(compared, expected, **FP32)
+
+
+@pytest.mark.parametrize("stage,schedule,family,opt", [
+    (2, "1f1b", "llama", "sgd"),          # tied embedding, one stage per rank
+    (3, "1f1b", "llama", "sgd"),
+    (2, "interleaved", "gpt", "sgd"),     # two stages per rank (loop placement)
+    (3, "zbv", "qwen2", "muon"),          # two stages per rank (V placement); Muon maps whole tensors
+])
+def test_zero2_and_zero3_around_the_pipeline_equal_the_single_process(stage, schedule, family, opt):
+    ref = _train(family, opt)
+    _check(run_on_ranks(_train, 4, family, opt, stage, schedule, timeout=240), ref, opt)
+
+
+def test_zero3_stores_each_stage_sharded_over_its_dp_ranks_and_clips_the_global_norm():
+    """Each parameter lives on its stage's dp ranks as halves (ZeRO-3 over dp 2 of a StageOwned
+    piece) and nowhere else; the tied embedding on both ends. Clipping's norm spans both axes."""
+    ref = _train("llama", "sgd", clip=0.05)
+    out = run_on_ranks(_train, 4, "llama", "sgd", 3, "1f1b", clip=0.05, timeout=240)
+    _check(out, ref, "sgd")
+    full = {k: v.numel() for k, v in ref[1]["params"].items()}
+    for rank, (_, _, pieces, pp) in enumerate(out):
+        for name, (kind, numel) in pieces.items():
+            on_stage_0 = name.startswith(("model.embed_tokens", "model.layers.0.", "model.layers.1."))
+            mine = on_stage_0 if pp == 0 else not on_stage_0 or name == "model.embed_tokens.weight"
+            if mine:
+                assert kind == "Nested" and numel == math.ceil(full[name] / 2), (rank, name, kind, numel)
+            else:
+                assert numel == 0, (rank, name, kind, numel)
+
+
+def test_the_layout_names_a_tied_copy_through_zeros_shard():
+    from dsfn.state.layout import stage_copies
+    tied = StageOwned("pp", (0, 3), (5, 4))
+    assert stage_copies(tied) is tied
+    assert stage_copies(Nested(tied, FlatShard("dp", (5, 4)))) is tied
+    assert stage_copies(StageOwned("pp", (1,), (5, 4))) is None       # one owner: its gradient is whole
+    assert stage_copies(FlatShard("dp", (5, 4))) is None
