@@ -219,7 +219,7 @@ def _pipe_model(family, device=None):
         return GPT(PCONF) if family == "gpt" else make_tiny_causal_lm("llama", num_hidden_layers=4)
 
 
-def _measure_pipeline(families, mesh, zero1):
+def _measure_pipeline(families, mesh, zero):
     """On each rank, per model family: (measured state fields, explain's estimate fields, a
     standalone estimate's fields (meta model, this rank given), the old every-parameter
     estimate's fields, this rank's pipeline index, explain's text)."""
@@ -232,7 +232,7 @@ def _measure_pipeline(families, mesh, zero1):
         model = _pipe_model(family)
         apply_fn, params = dsfn.functionalize(model)
         tx = dsfn.optim.adamw(1e-3)
-        make = lambda m: ([shard_zero(1)] if zero1 else []) + [pipeline_parallel("1f1b", 4, model=m)]
+        make = lambda m: ([shard_zero(zero)] if zero else []) + [pipeline_parallel("1f1b", 4, model=m)]
         step = dsfn.compose(*make(model))(train_step_for(apply_fn, lm_loss))
         state = step.place(dsfn.TrainState.create(params, tx))
         vocab = model.config.vocab_size
@@ -240,7 +240,7 @@ def _measure_pipeline(families, mesh, zero1):
         world, rank = math.prod(mesh.values()), current_mesh().local_rank("pp")
         meta = _pipe_model(family, "meta")
         est = estimate_memory(meta, make(meta), world, tx=tx, pp=2, pp_rank=rank, batch=PBATCH)
-        old = estimate_memory(meta, [shard_zero(1)] if zero1 else [], world // 2 if zero1 else 1, tx=tx)
+        old = estimate_memory(meta, [shard_zero(zero)] if zero else [], world // 2 if zero else 1, tx=tx)
         fields = lambda e: {k: getattr(e, k) for k in FIELDS}
         out[family] = (measured_state_bytes(expl), fields(expl.estimate), fields(est), fields(old), rank, str(expl),
                        expl.estimate.pp_rank)
@@ -251,7 +251,8 @@ def _check_pipeline(results):
     for res in results:
         for family, (measured, via_explain, est, old, rank, text, est_rank) in res.items():
             assert measured["params"] > 0 and est_rank == rank
-            for k in STATE:      # exactly the rank's leaves: its stages' whole tensors (ZeRO-1: 1/dp of the moments)
+            for k in STATE:      # exactly the rank's leaves: its stages' whole tensors (ZeRO-1: 1/dp of the
+                # moments; ZeRO-3: 1/dp of everything)
                 assert via_explain[k] == measured[k] == est[k], (family, rank, k, via_explain[k], est[k], measured[k])
             # negative control: every parameter on every rank (the estimate before pipelines were read)
             assert old["params"] > 1.5 * measured["params"] and old["optimizer"] > 1.5 * measured["optimizer"]
@@ -262,12 +263,14 @@ def _check_pipeline(results):
 def test_pipeline_estimate_counts_the_ranks_stages_only():
     """pp 2: GPT (untied) and a tiny Llama (its tied embedding on both ends) — params and
     optimizer state equal the measured leaves on each rank, via explain and standalone."""
-    _check_pipeline(run_on_ranks(_measure_pipeline, 2, ["gpt", "llama"], {"pp": 2}, False, timeout=300))
+    _check_pipeline(run_on_ranks(_measure_pipeline, 2, ["gpt", "llama"], {"pp": 2}, 0, timeout=300))
 
 
-def test_pipeline_estimate_with_zero1_outside():
-    """pp 2 x dp 2 (world 4), shard_zero(1) outside: the stage's optimizer state 1/2 per rank."""
-    _check_pipeline(run_on_ranks(_measure_pipeline, 4, ["llama"], {"pp": 2, "dp": 2}, True, timeout=300))
+@pytest.mark.parametrize("zero", [1, 3])
+def test_pipeline_estimate_with_zero_outside(zero):
+    """pp 2 x dp 2 (world 4), shard_zero(1) outside: the stage's optimizer state 1/2 per rank;
+    shard_zero(3): its parameters and optimizer state 1/2 per rank."""
+    _check_pipeline(run_on_ranks(_measure_pipeline, 4, ["llama"], {"pp": 2, "dp": 2}, zero, timeout=300))
 
 
 @pytest.mark.parametrize("schedule, p, m", [("1f1b", 2, 4), ("1f1b", 4, 8), ("gpipe", 2, 4), ("gpipe", 4, 2),

@@ -20,9 +20,15 @@ first and the last) has its gradients summed over its owners, so their copies st
 through every update. A global norm (clipping) sums each stage's part over "pp"
 (`reduce_leaves`); a whole-tensor function (Muon) runs on the owners (`map_whole`).
 
-Composes, outside it, with `data_parallel` / `shard_zero(1)` over "dp" (they split the
+Composes, outside it, with `data_parallel` / `shard_zero(1|2|3)` over "dp" (they split the
 batch over dp first; the pipeline cuts each rank's rows into micro-batches) and with
-`clip_grad_norm`, `loss_scale`, `mixed_precision` placed outside. A transform that handles
+`clip_grad_norm`, `loss_scale`, `mixed_precision` placed outside. Under ZeRO-2/3 each
+micro-batch's backward is a round of gradient buckets, reduce-scattered over the stage's dp
+ranks while the schedule goes on (`dsfn.engines.zero_shards.BackwardRounds`); ZeRO-3 stores
+each stage's parameters as FlatShards over its dp ranks (1/(pp*dp) of the model per rank)
+and gathers the units this rank's stage runs; those reductions take the gradients over
+inside backward, so ZeRO, not the pipeline, sums a tied parameter's copies over pp
+(`dsfn.state.layout.stage_copies`). A transform that handles
 the gradient primitive inside it (accumulate, another reduction) is a StackError: the
 pipeline runs the differentiated function itself.
 

@@ -65,7 +65,11 @@ Communication per step (Ψ = parameter elements, N = dp size, counted by the run
 stages 1-2 reduce-scatter Ψ and all-gather Ψ (2Ψ(N-1)/N moved per rank); stage 3
 all-gathers Ψ in forward and again in backward and reduce-scatters Ψ (3Ψ(N-1)/N).
 Gradient accumulation reduces every micro-batch into the shard (DeepSpeed's stage 2/3
-choice: only shards are ever held).
+choice: only shards are ever held). With `pipeline_parallel` inside (a "pipeline" role),
+whose schedule interleaves micro-batches' forwards and backwards, a round is a micro-batch's
+backward instead of its forward, and stages 2-3 sum a parameter held by two stages (a tied
+embedding) over the pipeline axis after reducing it (DeepSpeed refuses ZeRO-2/3 with its
+pipeline engine).
 
 Beyond one node (`dsfn.engines.shard_groups`; the launcher's topology, `dsfn.runtime.topology`):
 with `shard_group=k` ("node": the dp ranks of one node) the shards are cut over k ranks
