@@ -52,9 +52,10 @@ builds `pipeline_parallel("1f1b", microbatches=gradient_accumulation_steps, mode
 (DeepSpeed's engine runs 1F1B, with the accumulation steps as its micro-batches) over a
 "pp" mesh axis laid out outermost, as DeepSpeed's pipe-data(-model) topology is. `stages`
 absent, "auto" (DeepSpeed's default) or 1 is no pipeline: the other pipeline keys then do
-nothing and are named in the warning. With a pipeline: `activation_checkpoint_interval`
-> 0 is listed (checkpointing inside a stage is not supported yet), and so are ZeRO stage
-2/3 (DeepSpeed's pipeline engine refuses them too), `sequence_parallel_size` /
+nothing and are named in the warning. ZeRO stage 2/3 with a pipeline, which DeepSpeed's
+pipeline engine refuses, is mapped: `shard_zero(2|3)` around it (each micro-batch's backward
+a round of gradient buckets). With a pipeline: `activation_checkpoint_interval`
+> 0 is listed (checkpointing inside a stage is not supported yet), and so are `sequence_parallel_size` /
 `autotp_size` > 1, `activation_checkpointing` remat, and fewer accumulation steps than
 stages (dsfn's 1F1B needs m >= P); `pipe_partitioned` / `grad_partitioned` (partitioned
 p2p of tensor-parallel activations: communication only, and DeepSpeed applies them only
@@ -581,10 +582,6 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
     zenflow_t = _zenflow(zero.pop("zenflow", None), c)
     zero_kw.update(_hybrid(zero, stage, dp, sp * tp, c))
     _zero_rest(zero, c)
-    if pp > 1 and stage >= 2:
-        c.no("zero_optimization.stage", f"{stage} with pipeline.stages {pp}: ZeRO-2/3 reduce gradients while "
-             "backward runs, and a pipeline runs many backwards per step (DeepSpeed's pipeline engine refuses them "
-             "too); use stage 0 or 1")
 
     fp16, bf16 = _block("fp16", cfg.pop("fp16", None)), _block("bf16", cfg.pop("bf16", None))
     for name, block in (("fp16", fp16), ("bf16", bf16)):
