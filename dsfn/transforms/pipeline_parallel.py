@@ -28,7 +28,10 @@ ranks while the schedule goes on (`dsfn.engines.zero_shards.BackwardRounds`); Ze
 each stage's parameters as FlatShards over its dp ranks (1/(pp*dp) of the model per rank)
 and gathers the units this rank's stage runs; those reductions take the gradients over
 inside backward, so ZeRO, not the pipeline, sums a tied parameter's copies over pp
-(`dsfn.state.layout.stage_copies`). A transform that handles
+(`dsfn.state.layout.stage_copies`). `accumulate(k)` outside multiplies: each step runs k
+pipeline flushes of `microbatches` micro-batches (k*M in all, each 1/(k*M) of the batch);
+the pipeline's own micro-batches are DeepSpeed's accumulation steps, so `accumulate` is
+rarely wanted. A transform that handles
 the gradient primitive inside it (accumulate, another reduction) is a StackError: the
 pipeline runs the differentiated function itself.
 

@@ -386,3 +386,13 @@ def test_an_overflow_on_one_stage_skips_the_step_on_every_stage():
     assert skipped == [0.0, 1.0, 0.0] and changed == [True, False, True], out[0]
     # negative control: with no inf nothing is skipped
     assert run_on_ranks(_overflow_on_stage_0, 2, 99, timeout=180)[0][0] == [0.0, 0.0, 0.0]
+
+
+def test_accumulate_outside_multiplies_the_micro_batches():
+    """accumulate(2) around pipeline_parallel(m=2): two pipeline flushes of 2 micro-batches per
+    step (4 in all, each 1/4 of the batch), equal to the single process; with ZeRO-3 over dp
+    outside both too (its rounds are the 4 micro-batches' backwards)."""
+    ref = _train("llama", "sgd")
+    _check(run_on_ranks(_train, 2, "llama", "sgd", [accumulate(2)], {"pp": 2}, "1f1b", 2, timeout=120), ref, "sgd")
+    _check(run_on_ranks(_train, 4, "llama", "sgd", [shard_zero(3, reduce_bucket_size=3000), accumulate(2)],
+                        {"pp": 2, "dp": 2}, "1f1b", 2, timeout=240), ref, "sgd")
