@@ -56,8 +56,8 @@ from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
-from dsfn.state.layout import StageOwned, mirrored_param
-from dsfn.transforms.core import Transform, make_transform
+from dsfn.state.layout import Nested, StageOwned, mirrored_param
+from dsfn.transforms.core import Transform, make_transform, with_role
 from dsfn.transforms.facts import StackFacts
 
 _VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbv": 2}
@@ -104,6 +104,11 @@ class PipelineParallel(Transform):
 
     # -- stack rules ----------------------------------------------------------------------------
     def check_stack(self, stack, index):
+        for t in with_role(stack[:index], "tensor_parallel"):
+            raise StackError(f"{t.name}() is outside pipeline_parallel: a stage's parameters are split over tp inside "
+                             "their stage (the stage owns the tensor, its tp group splits it), so tensor_parallel "
+                             "places after the pipeline cut the model and must sit inside it: write "
+                             f"compose(pipeline_parallel(...), {t.name}(...))")
         for d in StackFacts(stack).outside(self).with_role("zero"):
             if d["zero_stage"] >= 2:
                 raise StackError(f"shard_zero({d['zero_stage']}) around pipeline_parallel is not supported yet (its "
@@ -177,20 +182,21 @@ class PipelineParallel(Transform):
             return state
         params = dict(tree.leaves_with_path(state.params, is_leaf=is_placed))
         for path, x in params.items():
-            if not isinstance(x, torch.Tensor):
-                raise ConfigError(f"pipeline_parallel: parameter {path!r} is already placed ({x.layout}); put the "
-                                  "transform that placed it outside pipeline_parallel")
+            if isinstance(x, Placed) and (self.axis in x.layout.axes() or _stage_owned(x.layout)[0] is not None):
+                raise ConfigError(f"pipeline_parallel: parameter {path!r} is already laid out over the pipeline axis "
+                                  f"{self.axis!r} ({x.layout}); place the state once, with one pipeline_parallel")
         owners = self._owners(list(params), p)
-        layouts = {n: StageOwned(self.axis, owners[n], tuple(x.shape)) for n, x in params.items()}
-        shapes = {n: tuple(x.shape) for n, x in params.items()}
+        shapes = {n: tuple(x.layout.shape if isinstance(x, Placed) else x.shape) for n, x in params.items()}
+        layouts = {n: StageOwned(self.axis, owners[n], shapes[n]) for n in params}
 
         def own(path: str, x: Any) -> Any:
             name = path if path in layouts else None
-            if name is None and isinstance(x, torch.Tensor):
-                name = mirrored_param(path, tuple(x.shape), shapes)      # Adam's mu.<name>, master.<name>
-            if name is None or not isinstance(x, torch.Tensor):
+            if name is None and isinstance(x, (torch.Tensor, Placed)):
+                # Adam's mu.<name>, master.<name> (a tensor_parallel piece inside: its logical shape)
+                name = mirrored_param(path, tuple(x.layout.shape if isinstance(x, Placed) else x.shape), shapes)
+            if name is None or not isinstance(x, (torch.Tensor, Placed)):
                 return x
-            return Placed(layouts[name].shard(x), layouts[name])
+            return _on_stage(x, layouts[name])
         new_params = tree.map_with_path(own, state.params, is_leaf=is_placed)
         opt = getattr(state, "opt_state", None)
         new_opt = tree.map_with_path(own, opt, is_leaf=is_placed) if opt is not None else opt
@@ -200,7 +206,7 @@ class PipelineParallel(Transform):
         if current_mesh().size(self.axis) == 1 or not hasattr(state, "params"):
             return None
         for path, x in tree.leaves_with_path(state.params, is_leaf=is_placed):
-            if isinstance(x, torch.Tensor):
+            if isinstance(x, torch.Tensor) or _stage_owned(x.layout)[0] is None:
                 return f"parameter {path!r} is a whole tensor, not its pipeline stage's piece"
         return None
 
@@ -210,20 +216,29 @@ class PipelineParallel(Transform):
 
     def handle_map_whole(self, call_next, fn, pieces):
         """Whole-tensor functions (Muon): an owner holds the whole tensor and maps it; the
-        other ranks hold nothing of it."""
-        ours = [k for k, x in enumerate(pieces) if isinstance(x, Placed) and isinstance(x.layout, StageOwned)
-                and x.layout.axis == self.axis]
-        if not ours:
-            return call_next(fn, pieces)
+        other ranks hold nothing of it. A stage's piece split further inside the stage
+        (`Nested(StageOwned, DimShard)`: tensor_parallel) is handed on to the transform that
+        split it, on the owners only (that split's groups lie inside one stage)."""
         out = list(pieces)
-        for k in ours:
-            x = pieces[k]
-            if x.layout.holds():
+        passed: list[tuple[int, Any]] = []        # (leaf index, what the transforms inside see)
+        wrap: dict[int, StageOwned] = {}
+        for k, x in enumerate(pieces):
+            so, inner = _stage_owned(x.layout) if isinstance(x, Placed) else (None, None)
+            if so is None or so.axis != self.axis:
+                passed.append((k, x))
+            elif not so.holds():
+                continue
+            elif inner is None:
                 out[k] = Placed(fn(k, x.data), x.layout)
-        rest = [k for k in range(len(pieces)) if k not in set(ours)]
-        if rest:
-            for k, r in zip(rest, call_next(lambda j, w: fn(rest[j], w), [pieces[k] for k in rest])):
-                out[k] = r
+            else:
+                passed.append((k, Placed(x.data, inner)))
+                wrap[k] = so
+        if not wrap and len(passed) == len(pieces):       # nothing of this axis
+            return call_next(fn, pieces)
+        if passed:
+            idx = [k for k, _ in passed]
+            for k, r in zip(idx, call_next(lambda j, w: fn(idx[j], w), [x for _, x in passed])):
+                out[k] = Placed(data_of(r), Nested(wrap[k], r.layout)) if k in wrap else r
         return out
 
     # -- gradients ------------------------------------------------------------------------------
@@ -274,12 +289,15 @@ class PipelineParallel(Transform):
         out = []
         for x, g in zip(leaves, grads):
             layout = x.layout if isinstance(x, Placed) else None
-            if isinstance(layout, StageOwned) and len(layout.owners) > 1:
+            so, inner = _stage_owned(layout) if layout is not None else (None, None)
+            if so is not None and len(so.owners) > 1:
                 # a parameter of several stages (tied embedding and head): its gradients summed
-                # over its owners, whose copies then take the same update
-                full = g if g.numel() else torch.zeros(layout.shape, dtype=g.dtype, device=g.device)
+                # over its owners, whose copies then take the same update (a piece split inside
+                # the stage, tensor_parallel's: the same piece on every owner, summed alike)
+                shape = inner.local_shape() if inner is not None else so.shape
+                full = g if g.numel() else torch.zeros(shape, dtype=g.dtype, device=g.device)
                 full = C.all_reduce_(full, self.axis, "sum")
-                g = full if layout.holds() else g
+                g = full if so.holds() else g
             out.append(Placed(g, layout) if layout is not None else g)
         return value, tree.unflatten(spec, out)
 
@@ -297,6 +315,27 @@ class PipelineParallel(Transform):
         mean = adapter.token_mean_over(module, [], args, kwargs) if adapter is not None else contextlib.nullcontext()
         with mean, running_stage(plan, stage, h_in):
             return call_next(apply_fn, params, args, kwargs)
+
+
+def _stage_owned(layout: Any) -> tuple[StageOwned | None, Any]:
+    """(the StageOwned, the layout inside the stage or None) of a leaf's layout: `StageOwned`
+    itself, or `Nested(StageOwned, inner)` (a stage's piece split further inside the stage,
+    e.g. tensor_parallel's DimShard); (None, None) for any other layout."""
+    if isinstance(layout, StageOwned):
+        return layout, None
+    if isinstance(layout, Nested) and isinstance(layout.inner, StageOwned):
+        return layout.inner, layout.outer
+    return None, None
+
+
+def _on_stage(x: Any, owned: StageOwned) -> Placed:
+    """Leaf `x` laid out on its stages: a whole tensor as `owned`; a piece another transform
+    inside placed (tensor_parallel's DimShard of the logical tensor) as `Nested(owned, its
+    layout)`: the owners keep their piece, the other stages hold an empty one."""
+    if isinstance(x, Placed):
+        piece = x.data if owned.holds() else x.data.new_empty((0,))
+        return Placed(piece, Nested(owned, x.layout))
+    return Placed(owned.shard(x), owned)
 
 
 def _checkpointing(module: nn.Module) -> bool:
