@@ -78,7 +78,9 @@ def _train(family, opt, mesh=None, outer=(), inner_tp=True, m=4, clip=None):
         if inner_tp and mesh.get("tp", 1) > 1:
             ts.append(_tp(model, family))
     step = dsfn.compose(*ts)(_step_fn(apply_fn))
-    state = step.init_state(params, OPTS[opt]())
+    # placed with its optimizer state made whole (the mirrors follow their parameters' layouts);
+    # the checkpoint test below builds it placed (init_state)
+    state = step.place(dsfn.TrainState.create(params, OPTS[opt]()))
     layouts = {k: (x.layout if isinstance(x, Placed) else None, tuple(dsfn.tree.leaves(x)[0].shape))
                for k, x in state.params.items()}
     layouts.update({f"opt_state.{k}": (x.layout, tuple(x.data.shape))          # the optimizer state's mirrors
