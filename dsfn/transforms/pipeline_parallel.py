@@ -26,6 +26,24 @@ batch over dp first; the pipeline cuts each rank's rows into micro-batches) and 
 the gradient primitive inside it (accumulate, another reduction) is a StackError: the
 pipeline runs the differentiated function itself.
 
+Inside a stage (Megatron's TP x PP x DP): `tensor_parallel` sits *inside* the pipeline,
+`sequence_parallel` outside it (it is always outermost), e.g. `init_mesh(dp=2, pp=2, tp=2)`
+with `compose(shard_zero(1), pipeline_parallel(...), tensor_parallel(...))`. The pipeline
+cuts the model first, then each stage's parameters are split over the stage's tp group:
+`place` (innermost first) wraps the tp piece it is given as `Nested(StageOwned("pp", owners),
+DimShard("tp", ...))` — pp rank s's tp ranks hold their DimShard pieces of stage s's
+parameters, every other stage an empty tensor — and the optimizer-state mirrors alike (ZeRO-1
+outside then shards each piece over dp). At forward time the stage's hooks run first (they
+swap the earlier stages' modules out) and tp's forwards run inside them. An activation crosses a
+stage boundary at a layer's output, which tp has made whole (replicated over tp) and sp leaves
+sequence-sharded: each rank sends to the rank of the next stage at its own (dp, sp, tp)
+coordinates (its own pipeline group's ranks), so each sp rank's slice reaches the same sp rank.
+Gradients follow: a tied parameter's tp piece is summed over its owners; a global norm sums
+over "pp" here and over "tp" in tensor_parallel; a whole-tensor function (Muon) hands an
+owner's piece to tensor_parallel, which gathers it over its tp group (every rank of which is
+on the same stage). `tensor_parallel` outside the pipeline is a StackError: its `place` would
+run after the stages emptied the other stages' parameters.
+
 Timeline. `pipeline_parallel(..., record_timeline=True)` times every action of this rank's
 schedule in each step: `transform.timeline` then holds the last step's records, one
 `Slot(action, start, end)` per action in the rank's order (`.kind`, `.stage`, `.mb`; start
