@@ -224,8 +224,10 @@ class PipelineParallel(Transform):
         if current_mesh().size(self.axis) == 1 or not hasattr(state, "params"):
             return None
         for path, x in tree.leaves_with_path(state.params, is_leaf=is_placed):
-            if isinstance(x, torch.Tensor) or _stage_owned(x.layout)[0] is None:
+            if isinstance(x, torch.Tensor):
                 return f"parameter {path!r} is a whole tensor, not its pipeline stage's piece"
+            if self.axis not in x.layout.axes():          # e.g. a tp piece placed without the pipeline
+                return f"parameter {path!r} is laid out as {x.layout}, not on its pipeline stage"
         return None
 
     def handle_reduce_leaves(self, call_next, partials, pending, op):

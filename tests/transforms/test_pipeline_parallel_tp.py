@@ -19,7 +19,7 @@ import torch
 
 import dsfn
 from dsfn.engines.pipeline_runner import StageLinks
-from dsfn.errors import StackError
+from dsfn.errors import StackError, UnplacedStateError
 from dsfn.models.gpt import GPT, GPTConfig, tp_plan
 from dsfn.runtime import current_mesh, init_mesh
 from dsfn.state.layout import DimShard, Nested, PackedDimShard, Placed, StageOwned, is_placed
@@ -256,3 +256,22 @@ def test_a_pp2_x_tp2_checkpoint_reloads_without_the_pipeline_and_continues_equal
             assert_trees_equal(got, saved, msg=f"pp2 x tp2 checkpoint loaded at tp {tp}, rank {rank}")
             assert abs(loss - loss3) <= 1e-5 * abs(loss3), (tp, loss, loss3)
             assert_trees_close(params, params3, **FP32)
+
+
+def test_a_state_placed_by_tensor_parallel_alone_is_refused_by_the_pipeline():
+    """A state placed for tp 2 only (its pieces on every stage) given to the pp x tp step: an
+    UnplacedStateError naming the parameter, not a run on the wrong pieces."""
+    def fn():
+        init_mesh(pp=2, tp=2)
+        model = _model("gpt")
+        apply_fn, params = dsfn.functionalize(model)
+        tp_only = dsfn.compose(_tp(model, "gpt"))(_step_fn(apply_fn))
+        step = dsfn.compose(pipeline_parallel("1f1b", 4, model=model), _tp(model, "gpt"))(_step_fn(apply_fn))
+        state = tp_only.init_state(params, OPTS["sgd"]())
+        try:
+            step(state, BATCHES[0])
+        except UnplacedStateError as e:
+            return str(e)
+        return "ran"
+    for text in run_on_ranks(fn, 4, timeout=120):
+        assert "pipeline_parallel: parameter" in text and "step.place" in text, text
