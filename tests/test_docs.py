@@ -81,6 +81,14 @@ assert torch.isfinite(metrics['loss'])
 held = [x.data.numel() for x in state.params.values()]
 assert 0 in held, "every parameter is on this rank: nothing was placed on its stage"
 """,
+    "pipeline-tensor-parallel": """
+state, metrics = step(step.init_state(params, dsfn.optim.adamw(1e-3)), batch)
+assert torch.isfinite(metrics['loss'])
+held = [x.data.numel() for x in state.params.values()]
+assert 0 in held, "every parameter is on this rank: nothing was placed on its stage"
+assert any('StageOwned' in str(x.layout) and 'DimShard' in str(x.layout) for x in state.params.values()
+           if hasattr(x, 'layout')), "no stage's parameter is split over tp"
+""",
     "offload": """
 state, metrics = step(step.init_state(params, dsfn.optim.adamw(1e-3)), batch)
 assert torch.isfinite(metrics['loss'])
@@ -100,12 +108,14 @@ assert torch.isfinite(metrics['loss'])
 # the internal names a THEN check reads besides the block's own (made like a given)
 THEN_NEEDS = {"remat": ("params", "batch", "shard_zero", "remat"),
               "tensor-parallel": ("batch",), "sequence-parallel": ("params", "batch"), "pipeline-parallel": ("batch",),
+              "pipeline-tensor-parallel": ("batch",),
               "offload": ("params", "batch"), "zero3-by-hand": ("params", "batch"),
               }
 # which model a block's `model` / `params` / `train_step` are: a tiny GPT (dsfn.models), a tiny
 # Hugging Face Llama, or a BatchNorm MLP
 MODEL = {"buffers": "bn", "remat": "llama", "tensor-parallel": "llama", "sequence-parallel": "llama",
          "pipeline-parallel": "llama",
+         "pipeline-tensor-parallel": "llama",
          "tp-sp-from-ds-config": "llama"}
 LOADER_LEN = {"checkpoints": 100}
 ROWS = {"zero3-by-hand": 64, "tp-sp-from-ds-config": 2}     # dp 8 x accumulate 8; ds_config's 1 x 1 x dp 2

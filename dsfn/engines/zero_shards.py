@@ -13,6 +13,7 @@ Imports no transform.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -27,7 +28,8 @@ from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import BufferPool, ShardReducer, all_gather_full, map_whole
 from dsfn.runtime.mesh import current_mesh, grad_channel
-from dsfn.state.layout import FlatShard, Layout, Nested, Offloaded, mirrored_param, shard_further, stage_copies
+from dsfn.state.layout import (FlatShard, Layout, Nested, Offloaded, mirrored_param, shard_further, stage_copies,
+                               stage_piece_shape)
 
 __all__ = ["BackwardRounds", "ZeroShards", "compute_device", "inner_piece", "logical_shape", "zero_layout"]
 
@@ -282,8 +284,9 @@ class ZeroShards:
                 g, copies = grads[k], stage_copies(grads[k].layout)
                 if copies.holds():
                     parts.append(g.data.reshape(-1))
-                else:
-                    parts.append(torch.zeros(self.owner_grad_numel(copies.numel), dtype=g.data.dtype,
+                else:           # (a 0-element leaf here stays outside ZeRO: its layout is the stage's)
+                    owner_numel = math.prod(stage_piece_shape(g.layout))
+                    parts.append(torch.zeros(self.owner_grad_numel(owner_numel), dtype=g.data.dtype,
                                              device=g.data.device))
             flat = C.all_reduce_(torch.cat(parts), axis, "sum")
             at = 0

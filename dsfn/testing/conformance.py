@@ -324,6 +324,13 @@ STACKS: dict[str, StackSpec] = {
     "zero3+pp": StackSpec(lambda m, s, d: [_T().shard_zero(3, reduce_bucket_size=3000),
                                            _T().pipeline_parallel("1f1b", 2, model=m)],
                           mesh=lambda w: {"dp": w // 2, "pp": 2}, worlds=(4,)),
+    # tensor parallel inside each pipeline stage (Megatron's TP x PP, x DP with ZeRO-1): a stage's
+    # parameters split over its tp group, nothing on the other stages; every axis 2
+    "pp+tp": StackSpec(lambda m, s, d: [_T().pipeline_parallel("1f1b", 4, model=m), _tp(m, s)],
+                       mesh=lambda w: {"pp": 2, "tp": w // 2}, worlds=(4,)),
+    "zero1+pp+tp": StackSpec(lambda m, s, d: [_T().shard_zero(1), _T().pipeline_parallel("1f1b", 2, model=m),
+                                              _tp(m, s)],
+                             mesh=lambda w: {"dp": w // 4, "pp": 2, "tp": 2}, worlds=(8,)),
     "hsdp3+tp": StackSpec(lambda m, s, d: [_T().shard_zero(3, shard_group="node"), _tp(m, s)],
                           mesh=lambda w: {"dp": w // 2, "tp": 2}, worlds=(8,), nodes=2),
 }
@@ -352,14 +359,15 @@ REFUSALS: list[Refusal] = [
             "a clear error, not a silent replicated run"),
     Refusal(lambda s, o, m: "remat" in s and m == "batchnorm", ConfigError, "no repeated blocks to checkpoint",
             "remat's default picks the model's repeated blocks; this model has none (name them: modules=[...])"),
+    # before tensor parallel's: a pipeline's model is cut when the stack is built (pp+tp on the MLP)
+    Refusal(lambda s, o, m: pipelined(s) and not MODELS[m].attention, ConfigError,
+            "cannot find the layers", "pipeline stages are cut from the model's repeated blocks; it has none "
+            "(name them: layers='...')"),
     Refusal(lambda s, o, m: "tp" in s.split("+") and MODELS[m].tp is None, ConfigError,
             "declares no tp plan", "tensor parallel needs a plan; the model has none (pass plan=...)"),
     Refusal(lambda s, o, m: s == "sp+zero3" and not MODELS[m].attention, ShapeError,
             "the batch must be a dict with 'input_ids' [batch, seq]",
             "sequence parallel splits a token sequence; the model's batches have none"),
-    Refusal(lambda s, o, m: pipelined(s) and not MODELS[m].attention, ConfigError,
-            "cannot find the layers", "pipeline stages are cut from the model's repeated blocks; it has none "
-            "(name them: layers='...')"),
     Refusal(lambda s, o, m: s in ("pp_interleaved", "pp_zbv", "pp4_1f1b") and MODELS[m].attention
             and MODELS[m].layers < 4, ConfigError, "fewer than the 4 stages",
             "4 stages (2 ranks x 2 virtual stages, or 4 ranks) need 4 layers; the model has 2"),

@@ -35,6 +35,24 @@ rarely wanted. A transform that handles
 the gradient primitive inside it (accumulate, another reduction) is a StackError: the
 pipeline runs the differentiated function itself.
 
+Inside a stage (Megatron's TP x PP x DP): `tensor_parallel` sits *inside* the pipeline,
+`sequence_parallel` outside it (it is always outermost), e.g. `init_mesh(dp=2, pp=2, tp=2)`
+with `compose(shard_zero(1), pipeline_parallel(...), tensor_parallel(...))`. The pipeline
+cuts the model first, then each stage's parameters are split over the stage's tp group:
+`place` (innermost first) wraps the tp piece it is given as `Nested(StageOwned("pp", owners),
+DimShard("tp", ...))` — pp rank s's tp ranks hold their DimShard pieces of stage s's
+parameters, every other stage an empty tensor — and the optimizer-state mirrors alike (ZeRO-1
+outside then shards each piece over dp). At forward time the stage's hooks run first (they
+swap the earlier stages' modules out) and tp's forwards run inside them. An activation crosses a
+stage boundary at a layer's output, which tp has made whole (replicated over tp) and sp leaves
+sequence-sharded: each rank sends to the rank of the next stage at its own (dp, sp, tp)
+coordinates (its own pipeline group's ranks), so each sp rank's slice reaches the same sp rank.
+Gradients follow: a tied parameter's tp piece is summed over its owners; a global norm sums
+over "pp" here and over "tp" in tensor_parallel; a whole-tensor function (Muon) hands an
+owner's piece to tensor_parallel, which gathers it over its tp group (every rank of which is
+on the same stage). `tensor_parallel` outside the pipeline is a StackError: its `place` would
+run after the stages emptied the other stages' parameters.
+
 Timeline. `pipeline_parallel(..., record_timeline=True)` times every action of this rank's
 schedule in each step: `transform.timeline` then holds the last step's records, one
 `Slot(action, start, end)` per action in the rank's order (`.kind`, `.stage`, `.mb`; start
@@ -61,12 +79,12 @@ from dsfn.engines.pipeline_schedules import SCHEDULES, Slot, build_schedule, che
 from dsfn.engines.pipeline_stages import StagePlan, StopForward, plan_stages, running_stage
 from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.errors import ConfigError, StackError
-from dsfn.placed import Placed, is_placed
+from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
-from dsfn.state.layout import StageOwned, mirrored_param, stage_copies
-from dsfn.transforms.core import Transform, make_transform
+from dsfn.state.layout import Nested, StageOwned, mirrored_param
+from dsfn.transforms.core import Transform, make_transform, with_role
 from dsfn.transforms.facts import stack_facts
 
 _VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbv": 2}
@@ -113,6 +131,11 @@ class PipelineParallel(Transform):
 
     # -- stack rules ----------------------------------------------------------------------------
     def check_stack(self, stack, index):
+        for t in with_role(stack[:index], "tensor_parallel"):
+            raise StackError(f"{t.name}() is outside pipeline_parallel: a stage's parameters are split over tp inside "
+                             "their stage (the stage owns the tensor, its tp group splits it), so tensor_parallel "
+                             "places after the pipeline cut the model and must sit inside it: write "
+                             f"compose(pipeline_parallel(...), {t.name}(...))")
         for t in stack[index + 1:]:
             if hasattr(t, "handle_value_and_grad"):
                 raise StackError(f"{t.name}() is inside pipeline_parallel, which runs the differentiated function "
@@ -181,20 +204,21 @@ class PipelineParallel(Transform):
             return state
         params = dict(tree.leaves_with_path(state.params, is_leaf=is_placed))
         for path, x in params.items():
-            if not isinstance(x, torch.Tensor):
-                raise ConfigError(f"pipeline_parallel: parameter {path!r} is already placed ({x.layout}); put the "
-                                  "transform that placed it outside pipeline_parallel")
+            if isinstance(x, Placed) and (self.axis in x.layout.axes() or _stage_owned(x.layout)[0] is not None):
+                raise ConfigError(f"pipeline_parallel: parameter {path!r} is already laid out over the pipeline axis "
+                                  f"{self.axis!r} ({x.layout}); place the state once, with one pipeline_parallel")
         owners = self._owners(list(params), p)
-        layouts = {n: StageOwned(self.axis, owners[n], tuple(x.shape)) for n, x in params.items()}
-        shapes = {n: tuple(x.shape) for n, x in params.items()}
+        shapes = {n: tuple(x.layout.shape if isinstance(x, Placed) else x.shape) for n, x in params.items()}
+        layouts = {n: StageOwned(self.axis, owners[n], shapes[n]) for n in params}
 
         def own(path: str, x: Any) -> Any:
             name = path if path in layouts else None
-            if name is None and isinstance(x, torch.Tensor):
-                name = mirrored_param(path, tuple(x.shape), shapes)      # Adam's mu.<name>, master.<name>
-            if name is None or not isinstance(x, torch.Tensor):
+            if name is None and isinstance(x, (torch.Tensor, Placed)):
+                # Adam's mu.<name>, master.<name> (a tensor_parallel piece inside: its logical shape)
+                name = mirrored_param(path, tuple(x.layout.shape if isinstance(x, Placed) else x.shape), shapes)
+            if name is None or not isinstance(x, (torch.Tensor, Placed)):
                 return x
-            return Placed(layouts[name].shard(x), layouts[name])
+            return _on_stage(x, layouts[name])
         new_params = tree.map_with_path(own, state.params, is_leaf=is_placed)
         opt = getattr(state, "opt_state", None)
         new_opt = tree.map_with_path(own, opt, is_leaf=is_placed) if opt is not None else opt
@@ -206,6 +230,8 @@ class PipelineParallel(Transform):
         for path, x in tree.leaves_with_path(state.params, is_leaf=is_placed):
             if isinstance(x, torch.Tensor):
                 return f"parameter {path!r} is a whole tensor, not its pipeline stage's piece"
+            if self.axis not in x.layout.axes():          # e.g. a tp piece placed without the pipeline
+                return f"parameter {path!r} is laid out as {x.layout}, not on its pipeline stage"
         return None
 
     def handle_reduce_leaves(self, call_next, partials, pending, op):
@@ -214,20 +240,29 @@ class PipelineParallel(Transform):
 
     def handle_map_whole(self, call_next, fn, pieces):
         """Whole-tensor functions (Muon): an owner holds the whole tensor and maps it; the
-        other ranks hold nothing of it."""
-        ours = [k for k, x in enumerate(pieces) if isinstance(x, Placed) and isinstance(x.layout, StageOwned)
-                and x.layout.axis == self.axis]
-        if not ours:
-            return call_next(fn, pieces)
+        other ranks hold nothing of it. A stage's piece split further inside the stage
+        (`Nested(StageOwned, DimShard)`: tensor_parallel) is handed on to the transform that
+        split it, on the owners only (that split's groups lie inside one stage)."""
         out = list(pieces)
-        for k in ours:
-            x = pieces[k]
-            if x.layout.holds():
+        passed: list[tuple[int, Any]] = []        # (leaf index, what the transforms inside see)
+        wrap: dict[int, StageOwned] = {}
+        for k, x in enumerate(pieces):
+            so, inner = _stage_owned(x.layout) if isinstance(x, Placed) else (None, None)
+            if so is None or so.axis != self.axis:
+                passed.append((k, x))
+            elif not so.holds():
+                continue
+            elif inner is None:
                 out[k] = Placed(fn(k, x.data), x.layout)
-        rest = [k for k in range(len(pieces)) if k not in set(ours)]
-        if rest:
-            for k, r in zip(rest, call_next(lambda j, w: fn(rest[j], w), [pieces[k] for k in rest])):
-                out[k] = r
+            else:
+                passed.append((k, Placed(x.data, inner)))
+                wrap[k] = so
+        if not wrap and len(passed) == len(pieces):       # nothing of this axis
+            return call_next(fn, pieces)
+        if passed:
+            idx = [k for k, _ in passed]
+            for k, r in zip(idx, call_next(lambda j, w: fn(idx[j], w), [x for _, x in passed])):
+                out[k] = Placed(data_of(r), Nested(wrap[k], r.layout)) if k in wrap else r
         return out
 
     # -- gradients ------------------------------------------------------------------------------
@@ -278,17 +313,19 @@ class PipelineParallel(Transform):
         value = C.broadcast_(value.detach().clone(), self.axis, src=ranks.index(last_rank))
         grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
         # a parameter of several stages (tied embedding and head): its gradients summed over
-        # its owners, whose copies then take the same update — here, unless a ZeRO-2/3 outside
-        # takes the gradients over in backward (they never reach these leaves): it sums them
-        # then (`stage_copies`)
+        # its owners, whose copies then take the same update (a piece split inside the stage,
+        # tensor_parallel's: the same piece on every owner, summed alike) — here, unless a
+        # ZeRO-2/3 outside takes the gradients over in backward (they never reach these
+        # leaves): it sums them then (`dsfn.state.layout.stage_copies`)
         if not any(d["zero_stage"] >= 2 for d in stack_facts(self).outside(self).with_role("zero")):
             for k, x in enumerate(placed):
-                copies = stage_copies(x.layout) if isinstance(x, Placed) else None
-                if copies is not None:
+                so, inner = _stage_owned(x.layout) if isinstance(x, Placed) else (None, None)
+                if so is not None and len(so.owners) > 1:
                     g = grads[k]
-                    full = g if g.numel() else torch.zeros(copies.shape, dtype=g.dtype, device=g.device)
+                    shape = inner.local_shape() if inner is not None else so.shape
+                    full = g if g.numel() else torch.zeros(shape, dtype=g.dtype, device=g.device)
                     full = C.all_reduce_(full, self.axis, "sum")
-                    grads[k] = full if copies.holds() else g
+                    grads[k] = full if so.holds() else g
         return value, tree.unflatten(spec, grads)
 
     # -- forward --------------------------------------------------------------------------------
@@ -308,6 +345,27 @@ class PipelineParallel(Transform):
         mean = adapter.token_mean_over(module, [], args, kwargs) if adapter is not None else contextlib.nullcontext()
         with mean, running_stage(plan, stage, h_in):
             return call_next(apply_fn, params, args, kwargs)
+
+
+def _stage_owned(layout: Any) -> tuple[StageOwned | None, Any]:
+    """(the StageOwned, the layout inside the stage or None) of a leaf's layout: `StageOwned`
+    itself, or `Nested(StageOwned, inner)` (a stage's piece split further inside the stage,
+    e.g. tensor_parallel's DimShard); (None, None) for any other layout."""
+    if isinstance(layout, StageOwned):
+        return layout, None
+    if isinstance(layout, Nested) and isinstance(layout.inner, StageOwned):
+        return layout.inner, layout.outer
+    return None, None
+
+
+def _on_stage(x: Any, owned: StageOwned) -> Placed:
+    """Leaf `x` laid out on its stages: a whole tensor as `owned`; a piece another transform
+    inside placed (tensor_parallel's DimShard of the logical tensor) as `Nested(owned, its
+    layout)`: the owners keep their piece, the other stages hold an empty one."""
+    if isinstance(x, Placed):
+        piece = x.data if owned.holds() else x.data.new_empty((0,))
+        return Placed(piece, Nested(owned, x.layout))
+    return Placed(owned.shard(x), owned)
 
 
 def _checkpointing(module: nn.Module) -> bool:

@@ -75,8 +75,10 @@ Composition: inside `shard_zero` / `data_parallel` (ZeRO shards the tp shards ov
 `loss_scale`, `clip_grad_norm` (the norm sums each piece once over every axis it is
 split on), `offload("cpu" | "nvme")` (the optimizer state and master weights of the tp
 pieces, `Offloaded(DimShard)` / `Offloaded(Nested(...))`, live in host memory or files and
-the host optimizer updates this rank's piece) and checkpoints (tp layouts are described in
-the manifest; any tp/dp/ZeRO layout loads any checkpoint).
+the host optimizer updates this rank's piece), checkpoints (tp layouts are described in
+the manifest; any tp/dp/ZeRO layout loads any checkpoint) and, inside `pipeline_parallel`,
+each stage split over its own tp group (`Nested(StageOwned("pp"), DimShard("tp"))`; outside
+the pipeline: a StackError, see pipeline_parallel).
 
 Refused: `zenflow` (a StackError). ZenFlow picks the top-k columns of each *whole* matrix
 by gradient magnitude and updates those on the device; a tp plan splits matrices by rows
