@@ -49,9 +49,10 @@ from dsfn.engines.micro_batches import slice_micro_batches
 from dsfn.engines import pipeline_runner
 from dsfn.engines.pipeline_runner import StageLinks
 from dsfn.engines.pipeline_schedules import SCHEDULES, Slot, build_schedule, check_schedule
-from dsfn.engines.pipeline_stages import StagePlan, StopForward, plan_stages, running_stage
+from dsfn.engines.pipeline_stages import StageHooks, StagePlan, StopForward, plan_stages, running_stage
 from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.errors import ConfigError, StackError
+from dsfn.functional import backward_lifetime, until_backward
 from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime import env
@@ -98,7 +99,11 @@ class PipelineParallel(Transform):
         self.model = model
         self._plans: dict[int, tuple[nn.Module, StagePlan]] = {}
         self._schedules: dict[tuple[int, int], Any] = {}
-        self._running: tuple[int, torch.Tensor | None] | None = None
+        self._running: tuple[int, torch.Tensor | None, int] | None = None
+        # during a step: id(module) -> its StageHooks (kept until the step's last backward), and
+        # the received activation of each (stage, micro-batch) whose backward is still to run
+        self._step_hooks: dict[int, tuple[nn.Module, StageHooks]] | None = None
+        self._h_in: dict[tuple[int, int], torch.Tensor | None] = {}
         if model is not None:       # a model whose layers cannot be found fails here, not at the first step
             plan_stages(model, [n for n, _ in model.named_parameters()], 1, None, layers)
 
@@ -150,11 +155,7 @@ class PipelineParallel(Transform):
     def _plan(self, module: nn.Module, names: Sequence[str], n_stages: int) -> StagePlan:
         hit = self._plans.get(id(module))
         if hit is None or hit[0] is not module or hit[1].n_stages != n_stages:
-            plan = plan_stages(module, names, n_stages, self.split, self.layers)   # a split that cannot be, first
-            if _checkpointing(module):
-                raise ConfigError("pipeline_parallel with the model's own gradient checkpointing is not supported yet "
-                                  "(a layer's recompute in backward would run without its stage's hooks): call "
-                                  "model.gradient_checkpointing_disable()")
+            plan = plan_stages(module, names, n_stages, self.split, self.layers)
             hit = self._plans[id(module)] = (module, plan)
         return hit[1]
 
@@ -247,6 +248,7 @@ class PipelineParallel(Transform):
 
         def forward(stage: int, mb: int, h_in: torch.Tensor | None) -> torch.Tensor:
             self._running = (stage, h_in, n_stages)
+            self._h_in[(stage, mb)] = h_in
             try:
                 a, k = micro[mb]
                 out = fn(tree_in, *a, **k)
@@ -258,10 +260,29 @@ class PipelineParallel(Transform):
                 raise ConfigError("pipeline_parallel: the differentiated function must return a scalar loss")
             return out.reshape(()) * inv
 
+        @contextlib.contextmanager
+        def backward_scope(stage: int, mb: int):
+            # a recompute in this backward (activation checkpointing) runs stage `stage` on
+            # micro-batch `mb`'s received activation
+            h_in = self._h_in.pop((stage, mb), None)
+            with contextlib.ExitStack() as scope:
+                for _, hooks in list((self._step_hooks or {}).values()):
+                    scope.enter_context(hooks.running(stage, h_in, recompute=True))
+                yield
+
         links = StageLinks([rank_of[s] for s in range(n_stages)], m, env.device(), self.axis)
         records: list[Slot] | None = [] if self.record_timeline else None
-        with torch.enable_grad(), micro_batches(MicroBatchCounts(m, whole_of)):
-            losses = pipeline_runner.run_rank(schedule[me], n_stages, links, forward, timeline=records)
+        # the step's lifetime (value_and_grad's default opens it; this transform replaces it):
+        # what each forward sets up for the model — the step's parameters bound to it, remat's
+        # checkpointed forwards, the stages' hooks — stays until the last backward, whose
+        # recomputes need it; closed (everything undone) also when the step raises
+        self._step_hooks, self._h_in = {}, {}
+        try:
+            with torch.enable_grad(), micro_batches(MicroBatchCounts(m, whole_of)), backward_lifetime():
+                losses = pipeline_runner.run_rank(schedule[me], n_stages, links, forward, timeline=records,
+                                                  backward_scope=backward_scope)
+        finally:
+            self._step_hooks, self._h_in = None, {}
         if records is not None:
             self.timeline = records
         self._last = (me, [f"{a.kind.value}{a.stage}.{a.mb}" for a in schedule[me]], dict(links.boundary_bytes))
@@ -295,13 +316,19 @@ class PipelineParallel(Transform):
         # mean over the micro-batches, as under accumulate (its adapter, dsfn.adapters)
         adapter = adapter_for(module) if self.microbatches > 1 else None
         mean = adapter.token_mean_over(module, [], args, kwargs) if adapter is not None else contextlib.nullcontext()
-        with mean, running_stage(plan, stage, h_in):
+        held = self._step_hooks.get(id(module)) if self._step_hooks is not None else None
+        install = contextlib.nullcontext()
+        if held is None or held[0] is not module:
+            # the stages' hooks for the rest of the step (until_backward: the recomputes in
+            # backward run them too), installed at the step's first forward of this module
+            hooks = StageHooks(plan)
+            install = until_backward(hooks)
+            if self._step_hooks is not None:
+                self._step_hooks[id(module)] = (module, hooks)
+        else:
+            hooks = held[1]
+        with install, mean, running_stage(plan, stage, h_in, hooks):
             return call_next(apply_fn, params, args, kwargs)
-
-
-def _checkpointing(module: nn.Module) -> bool:
-    """Whether a Hugging Face model (or one inside a wrapper, e.g. peft's) recomputes its layers."""
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules())
 
 
 def pipeline_parallel(*args: Any, **kwargs: Any) -> PipelineParallel:
