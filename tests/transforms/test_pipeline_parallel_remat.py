@@ -51,8 +51,10 @@ class Block(nn.Module):
 
 class LoopCheckpointed(nn.Module):
     """Embedding, 4 Blocks, norm, head; with `ckpt` its loop runs each block as
-    `checkpoint(block, h)` (the block's `__call__`, hooks included, recomputed in backward);
-    with `whole`, one checkpoint around the whole loop."""
+    `checkpoint(block, h, early_stop=False)`: the block's `__call__` is recomputed in backward
+    whole, its hooks included (with early stop, torch ends the recompute once the saved tensors
+    are back, before the block's forward hooks run); with `whole`, one checkpoint around the
+    whole loop."""
     _no_split_modules = ["Block"]
 
     def __init__(self, ckpt: bool, whole: bool = False, d: int = 32):
@@ -66,7 +68,7 @@ class LoopCheckpointed(nn.Module):
 
     def _loop(self, h):
         for layer in self.layers:
-            h = checkpoint(layer, h, use_reentrant=False) if self.ckpt and not self.whole else layer(h)
+            h = checkpoint(layer, h, use_reentrant=False, early_stop=False) if self.ckpt and not self.whole else layer(h)
         return h
 
     def forward(self, ids):
