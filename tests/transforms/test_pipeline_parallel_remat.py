@@ -296,3 +296,37 @@ def test_a_checkpoint_around_the_whole_layer_loop_is_a_named_error_in_its_recomp
                 pytest.raises(ConfigError, match=r"layer 0 of layers \(stage 0\) ran in a recompute"):
             loss.backward()
     assert _leftovers(model) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# estimate_memory: what a stage holds when its layers are recomputed
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["remat", "hf_ckpt", "remat_offload"])
+def test_estimate_models_recomputed_layers_as_their_inputs_plus_one_rematerialised_layer(how):
+    """1F1B at pp 2, 4 micro-batches of 2 rows x 12 tokens, a 4-layer Llama (hidden 64, vocab
+    101, fp32): rank r holds p - r micro-batches; a recomputed layer keeps its input (b·s·h
+    values; none with offload="cpu"), and the backward adds one layer's 17·b·s·h at a time."""
+    from dsfn.estimate import ACT_VALUES_PER_LAYER, estimate_memory
+    with torch.device("meta"):
+        model = _model("hf_ckpt" if how == "hf_ckpt" else "llama")
+        bare = _model("llama")
+    inner = [remat(offload="cpu" if how == "remat_offload" else None)] if how.startswith("remat") else []
+    stack = [pipeline_parallel("1f1b", M, model=model), *inner]
+    bare_pipe = pipeline_parallel("1f1b", M, model=bare)
+    tokens, h, vocab, b = 2 * 12, 64, VOCAB, 4
+    layer = ACT_VALUES_PER_LAYER * tokens * h
+    kept = 0 if how == "remat_offload" else tokens * h
+
+    def est(model, stack, r):
+        return estimate_memory(model, stack, 2, pp=2, pp_rank=r, batch=(8, 12), tx=OPTS["sgd"]())
+    for r in (0, 1):
+        ours, plain = est(model, stack, r), est(bare, [bare_pipe], r)
+        ends = tokens * h if r == 0 else tokens * vocab             # the embedding's output / the logits
+        assert ours.microbatch_activations == (2 * kept + ends) * b
+        assert ours.activations == (2 - r) * (2 * kept + ends) * b + layer * b
+        assert plain.activations == (2 - r) * (2 * layer + ends) * b       # the control: no recompute
+        assert "recomputed in backward" in ours.activation_note and "recomputed" not in plain.activation_note
+        # a selective policy is not modelled: counted as without remat, and said
+        sel = est(bare, [bare_pipe, remat(policy="matmuls")], r)
+        assert sel.activations == plain.activations and "not modelled" in sel.activation_note
