@@ -22,6 +22,11 @@ are installed at forward time (after the parameters were put into the module):
   as `StopForward(h)`: the rest of the model and the user's loss do not run.
 
 The last stage runs to the end, so the user's loss function computes the loss there.
+
+The stand-ins and the cut list last one forward; the hooks on the layers (`StageHooks`) last a
+whole step, steered by `StageHooks.running(stage, h_in, recompute)`, so that activation
+checkpointing's recomputes in backward (several micro-batches outstanding at once) see their
+own micro-batch's `h_in` and never raise StopForward (the class docstring).
 Imports no transform.
 """
 from __future__ import annotations

@@ -26,6 +26,24 @@ batch over dp first; the pipeline cuts each rank's rows into micro-batches) and 
 the gradient primitive inside it (accumulate, another reduction) is a StackError: the
 pipeline runs the differentiated function itself.
 
+Activation checkpointing inside the stages. `remat()` composes with it in either order —
+`compose(pipeline_parallel(...), remat())` or `compose(remat(), pipeline_parallel(...))`,
+both inside `data_parallel` / `shard_zero(1)` — and so does a model's own checkpointing (a
+Hugging Face model after `gradient_checkpointing_enable()`, either `use_reentrant`; a model
+whose loop calls `checkpoint(layer, h)`). A stage's layers are then recomputed in each
+micro-batch's backward, with the same gradients. For that, what a forward sets up lives until
+the step's last backward, not just the micro-batch's forward: this transform opens the step's
+backward lifetime (`dsfn.functional.backward_lifetime`, as value_and_grad's default does), so
+the step's parameters stay bound to the module and remat's checkpointed forwards stay
+installed; the stages' hooks (`pipeline_stages.StageHooks`) stay registered for the step, and
+`run_rank`'s `backward_scope` tells them whose backward runs, so a recompute of micro-batch j
+of stage s takes j's received activation (several micro-batches are outstanding at once:
+1F1B holds up to p) and never stops at the stage's end. Everything is undone at the step's
+end, also when it raises. Checkpoint the layers or modules inside them: remat of a module
+holding the layer list (`remat(modules=["model"])`), or a checkpoint around the whole layer
+loop, would recompute every layer without the stage's cut — a ConfigError.
+`estimate_memory` models the recomputed layers' smaller activations.
+
 Timeline. `pipeline_parallel(..., record_timeline=True)` times every action of this rank's
 schedule in each step: `transform.timeline` then holds the last step's records, one
 `Slot(action, start, end)` per action in the rank's order (`.kind`, `.stage`, `.mb`; start
