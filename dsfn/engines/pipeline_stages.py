@@ -42,7 +42,7 @@ from dsfn.engines.remat import is_checkpointed
 from dsfn.errors import ConfigError
 from dsfn.units import find_units
 
-__all__ = ["StageHooks", "StagePlan", "StopForward", "plan_stages", "running_stage"]
+__all__ = ["StageHooks", "StagePlan", "StopForward", "layer_holders", "plan_stages", "running_stage"]
 
 
 class StopForward(Exception):
@@ -102,6 +102,14 @@ def _layer_list(module: nn.Module, layers: str | None) -> tuple[str, nn.ModuleLi
                       "(it declares no repeated blocks, _no_split_modules as Hugging Face models do, held in one "
                       "ModuleList); pass the ModuleList of blocks that run one after the other: "
                       "pipeline_parallel(..., layers='path.to.ModuleList'), e.g. layers='model.layers'")
+
+
+def layer_holders(module: nn.Module, layers: str | None = None) -> tuple[str, list[str]]:
+    """The path of the layer list `plan_stages` would cut, and the names of the modules holding
+    it (each prefix of the path, the model itself as "", and the list)."""
+    path, _ = _layer_list(module, layers)
+    parts = path.split(".")
+    return path, [".".join(parts[:i]) for i in range(len(parts) + 1)]
 
 
 def _split(n_layers: int, n_stages: int, split: Sequence[int] | None) -> list[tuple[int, int]]:
@@ -327,7 +335,7 @@ def _refuse_checkpointed_holders(plan: StagePlan) -> None:
     parts = plan.layers_path.split(".")
     for i in range(len(parts) + 1):
         path = ".".join(parts[:i])
-        if is_checkpointed(plan.root.get_submodule(path)):
+        if is_checkpointed(plan.root.get_submodule(path)):      # (pipeline_parallel's check_stack, first)
             raise ConfigError(f"pipeline_parallel with remat: remat checkpoints {path or 'the model'!r}, which holds "
                               f"the layers {plan.layers_path} cut into stages; its recompute in backward would run "
                               "every layer. Checkpoint the layers or modules inside them: remat() (the model's "

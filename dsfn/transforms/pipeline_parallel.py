@@ -55,6 +55,7 @@ stays None); `benchmarks/pipeline.py` measures the bubble with it.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,7 +68,8 @@ from dsfn.engines.micro_batches import slice_micro_batches
 from dsfn.engines import pipeline_runner
 from dsfn.engines.pipeline_runner import StageLinks
 from dsfn.engines.pipeline_schedules import SCHEDULES, Slot, build_schedule, check_schedule
-from dsfn.engines.pipeline_stages import StageHooks, StagePlan, StopForward, plan_stages, running_stage
+from dsfn.engines.pipeline_stages import StageHooks, StagePlan, StopForward, layer_holders, plan_stages, \
+    running_stage
 from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.errors import ConfigError, StackError
 from dsfn.functional import backward_lifetime, until_backward
@@ -132,12 +134,31 @@ class PipelineParallel(Transform):
                 raise StackError(f"shard_zero({d['zero_stage']}) around pipeline_parallel is not supported yet (its "
                                  "gradients are reduced while backward runs, and a pipeline runs many backwards in one "
                                  "step); use shard_zero(1) or data_parallel() outside pipeline_parallel")
+        self._check_remat(StackFacts(stack).whole.with_role("remat"))
         for t in stack[index + 1:]:
             if hasattr(t, "handle_value_and_grad"):
                 raise StackError(f"{t.name}() is inside pipeline_parallel, which runs the differentiated function "
                                  f"itself (micro-batch by micro-batch, stage by stage): put {t.name}() outside it "
                                  "(before it in compose), or drop it (pipeline_parallel already cuts the batch into "
                                  "micro-batches)")
+
+    def _check_remat(self, remats) -> None:
+        """remat of a module holding the layer list would recompute every layer in a stage's
+        backward: refused when the stack is made, on every rank alike (the forward's check,
+        `pipeline_stages`, is the backstop where the model is not known yet)."""
+        if self.model is None:
+            return
+        for d in remats:
+            patterns = d.get("remat_modules") or ()
+            if not patterns:
+                continue
+            path, holders = layer_holders(self.model, self.layers)
+            hit = [n for n in holders if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+            if hit:
+                raise StackError(f"remat(modules={list(patterns)}) checkpoints {hit[0]!r}, which holds the layers "
+                                 f"{path} that pipeline_parallel cuts into stages; its recompute in backward would run "
+                                 "every layer. Checkpoint the layers or modules inside them: remat() (the model's "
+                                 f"repeated blocks) or remat(modules=['{path}.*'])")
 
     def facts(self) -> dict[str, Any]:
         return {"pp_axis": self.axis, "pipeline_microbatches": self.microbatches}

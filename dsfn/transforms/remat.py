@@ -166,6 +166,11 @@ class Remat(Transform):
                                  "group: add tensor_parallel(...) outside it (compose(tensor_parallel(...), "
                                  "remat(partition_activations=True))) or drop partition_activations")
 
+    def facts(self) -> dict[str, Any]:
+        # the module-name patterns checkpointed (None: the model's repeated blocks); a
+        # pipeline refuses patterns naming a module that holds the layers it cuts
+        return {"remat_modules": self.modules}
+
     @property
     def _tp_axis(self) -> str | None:
         """The tensor-parallel axis outside (partition_activations splits over it): a stack fact."""

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 import dsfn
 from dsfn.engines.pipeline_schedules import build_schedule
 from dsfn.engines.pipeline_stages import StageHooks, StopForward, plan_stages, running_stage
-from dsfn.errors import ConfigError
+from dsfn.errors import ConfigError, StackError
 from dsfn.functional import in_backward
 from dsfn.runtime import init_mesh
 from dsfn.testing import run_on_ranks
@@ -68,7 +68,10 @@ class LoopCheckpointed(nn.Module):
 
     def _loop(self, h):
         for layer in self.layers:
-            h = checkpoint(layer, h, use_reentrant=False, early_stop=False) if self.ckpt and not self.whole else layer(h)
+            if self.ckpt and not self.whole:
+                h = checkpoint(layer, h, use_reentrant=False, early_stop=False)
+            else:
+                h = layer(h)
         return h
 
     def forward(self, ids):
@@ -105,7 +108,8 @@ def _leftovers(model):
     """What a step could leave on the model: hooks (beyond the model's own: Hugging Face's
     checkpointing adds one to the embedding), instance forwards, a swapped layer list."""
     left = [f"{n}: {k}" for n, m in model.named_modules() for k, h in
-            [*m._forward_hooks.items(), *m._forward_pre_hooks.items()] if getattr(h, "__module__", "").startswith("dsfn")]
+            [*m._forward_hooks.items(), *m._forward_pre_hooks.items()]
+            if getattr(h, "__module__", "").startswith("dsfn")]
     left += [f"{n}: forward" for n, m in model.named_modules() if "forward" in m.__dict__]
     layers = model.layers if isinstance(model, LoopCheckpointed) else model.model.layers
     if len(layers) != LAYERS:
@@ -258,18 +262,34 @@ def test_stage_hooks_take_the_named_microbatch_input_and_never_stop_a_recompute(
         with hooks.running(0, None, recompute=True):
             assert torch.equal(last0(x), last0.forward(x))           # a recompute returns its output
         assert torch.equal(first1(x), first1.forward(x))             # nothing running: no steering
-        with hooks.running(1, h_a, recompute=True), pytest.raises(ConfigError, match=r"layer 0 of layers \(stage 0\) ran in a recompute in backward of stage 1"):
+        with hooks.running(1, h_a, recompute=True), \
+                pytest.raises(ConfigError, match=r"layer 0 of layers \(stage 0\) ran in a recompute in backward "
+                                                 r"of stage 1"):
             model.layers[0](x)                                        # another stage's layer in a recompute
     assert _leftovers(model) == []
 
 
 def test_remat_of_a_module_holding_the_layers_is_a_named_error():
-    """One process (pp 1: the pipeline micro-batches on one rank; its hooks are the same)."""
+    """A StackError when the stack is made (every rank alike, before any transfer), either
+    order; a working order and patterns compose (the control). Without model= (pp 1 only), the
+    forward's check refuses it: a ConfigError, nothing left behind."""
+    model = _model("llama")
+    apply_fn, params = dsfn.functionalize(model)
+    step_fn = train_step_for(apply_fn, lm_loss)
+    for holder in (["model"], ["*"], ["model.layers"]):
+        for order in ((pipeline_parallel("1f1b", M, model=model), remat(modules=holder)),
+                      (remat(modules=holder), pipeline_parallel("1f1b", M, model=model))):
+            fix = r"holds the layers model\.layers .*remat\(modules=\['model\.layers\.\*'\]\)"
+            with pytest.raises(StackError, match=fix):
+                dsfn.compose(*order)(step_fn)
+    dsfn.compose(pipeline_parallel("1f1b", M, model=model), remat(modules=["model.layers.*"]))(step_fn)
+    dsfn.compose(remat(modules=["model.layers.*.mlp"]), pipeline_parallel("1f1b", M, model=model))(step_fn)
+
     def fn():
         init_mesh(pp=1)
         model = _model("llama")
         apply_fn, params = dsfn.functionalize(model)
-        step = dsfn.compose(pipeline_parallel("gpipe", 2, model=model), remat(modules=["model"]))(
+        step = dsfn.compose(pipeline_parallel("gpipe", 2), remat(modules=["model"]))(
             train_step_for(apply_fn, lm_loss))
         try:
             step(step.init_state(params, OPTS["sgd"]()), BATCHES[0])
