@@ -31,7 +31,7 @@ rank; by default the estimate is the rank with the largest device peak (`pp_rank
 
 | field | what |
 |---|---|
-| `activations` | **modelled, not measured**: the most activation bytes this rank holds at once under the schedule — the schedule's own order walked (a forward adds its stage's micro-batch, its backward (B or BW) frees it), so the peak in micro-batches is `simulate(schedule).peak_activations[r]` (1F1B: p - r; GPipe: m; interleaved, ZBV: the simulator's). One micro-batch of one stage is an activation model, not a trace: 34·b·s·h bytes per layer at 16 bits (Korthikanti et al. 2022, "Reducing Activation Recomputation", Table 2 without parallelism: attention, MLP, norms, dropout masks; the attention scores not stored, as under flash / SDPA attention), i.e. `ACT_VALUES_PER_LAYER` = 17 values per token per hidden unit in the compute dtype, 1/(tp·sp) of it per rank under tensor / sequence parallel; plus the embedding output (b·s·h values) on the first stage and the logits (b·s·V values) on the last. b·s is one micro-batch's tokens on this rank (`batch=(rows, seq_len)` of the step's whole batch, split over dp when a dp transform is in the stack, then into `microbatches`), h the model config's hidden size, V its vocabulary. ZBV's weight-gradient leftovers between B and W, remat and the p2p buffers are not modelled |
+| `activations` | **modelled, not measured**: the most activation bytes this rank holds at once under the schedule — the schedule's own order walked (a forward adds its stage's micro-batch, its backward (B or BW) frees it), so the peak in micro-batches is `simulate(schedule).peak_activations[r]` (1F1B: p - r; GPipe: m; interleaved, ZBV: the simulator's). One micro-batch of one stage is an activation model, not a trace: 34·b·s·h bytes per layer at 16 bits (Korthikanti et al. 2022, "Reducing Activation Recomputation", Table 2 without parallelism: attention, MLP, norms, dropout masks; the attention scores not stored, as under flash / SDPA attention), i.e. `ACT_VALUES_PER_LAYER` = 17 values per token per hidden unit in the compute dtype, 1/(tp·sp) of it per rank under tensor / sequence parallel; plus the embedding output (b·s·h values) on the first stage and the logits (b·s·V values) on the last. b·s is one micro-batch's tokens on this rank (`batch=(rows, seq_len)` of the step's whole batch, split over dp when a dp transform is in the stack, then into `microbatches`), h the model config's hidden size, V its vocabulary. A layer recomputed in backward (`remat()` in the stack — its default modules, or patterns naming whole layers, policy "nothing" — or the model's own gradient checkpointing) holds its input only: b·s·h values (1/sp; 1/tp more with `partition_activations`; none on the device with `offload="cpu"`), and a backward of its stage adds one layer's whole 17·b·s·h/(tp·sp) rematerialised at a time (Korthikanti et al.'s full recomputation); other remat policies and sublayer patterns are counted as without remat (an upper bound, said in the note). ZBV's weight-gradient leftovers between B and W and the p2p buffers are not modelled |
 
 Hybrid sharding (`shard_zero(stage, shard_group=k)`, HSDP / MiCS) shards over the k ranks of a
 shard group instead of all N: every "1/N" above is then 1/k (the state is replicated N/k
@@ -444,7 +444,8 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
             est.buckets += min(getattr(zero, "allgather_bucket_size", total_local), total_local) * pb
     if pipeline is not None:
         dp_split = dp if (zero is not None or _find(stack, "data_parallel") is not None) else 1
-        _pipeline_activations(est, pipe, pipeline, pp_rank, batch, dp_split, tp * sp, esize(pdtype))
+        _pipeline_activations(est, pipe, pipeline, pp_rank, batch, dp_split, tp * sp, esize(pdtype),
+                              _find(stack, "remat"), tp, sp)
     return est
 
 
@@ -481,10 +482,41 @@ def _model_dims(module: nn.Module) -> tuple[int | None, int | None]:
     return hidden, vocab if isinstance(vocab, int) else None
 
 
+def _recomputed_layers(remat: Any, plan: Any) -> tuple[set[int], set[int], str]:
+    """The plan's layers whose activations are recomputed in backward — checkpointed whole by
+    `remat` (its default modules, or patterns naming whole layers, with policy "nothing") or by
+    the model's own gradient checkpointing (Hugging Face's flag on the layer) — and a note on
+    what is not modelled (other remat policies, sublayer patterns: counted as without remat):
+    (by the model, by remat — the layers the model checkpoints itself remat skips — note)."""
+    import fnmatch
+    names = [f"{plan.layers_path}.{k}" for k in range(len(plan.layers))]
+    done = {k for k, layer in enumerate(plan.layers) if getattr(layer, "gradient_checkpointing", False) is True}
+    note = "the model's gradient checkpointing" if done else ""
+    if remat is not None:
+        policy = getattr(remat, "policy", "nothing")
+        modules = getattr(remat, "modules", None)
+        whole = set(range(len(names))) if modules is None else \
+            {k for k, n in enumerate(names) if any(fnmatch.fnmatchcase(n, p) for p in modules)}
+        if policy != "nothing" or not whole:
+            what = f"policy={policy!r}" if policy != "nothing" else f"modules={list(modules)}"
+            note = ", ".join(x for x in (note, f"remat({what}) not modelled: counted as without remat, "
+                                               "an upper bound") if x)
+        else:
+            by_remat = whole - done
+            note = ", ".join(x for x in (note, "remat()") if x)
+            return done, by_remat, note
+    return done, set(), note
+
+
 def _pipeline_activations(est: MemoryEstimate, pipe: Any, pipeline: dict[str, Any], pp_rank: int,
-                          batch: tuple[int, int] | None, dp_split: int, tp_sp: int, act_bytes: int) -> None:
+                          batch: tuple[int, int] | None, dp_split: int, tp_sp: int, act_bytes: int,
+                          remat: Any = None, tp: int = 1, sp: int = 1) -> None:
     """Fill the pipeline fields of `est` for rank `pp_rank`: the schedule's peak in stage
-    micro-batches (the engine's simulator) and the modelled activation bytes (module docstring)."""
+    micro-batches (the engine's simulator) and the modelled activation bytes (module docstring).
+    Layers recomputed in backward (`remat`, the model's own checkpointing) hold their input
+    only, b·s·h values (1/sp under sequence parallel, 1/tp more with partition_activations, on
+    the host with offload="cpu"), and each backward rematerialises one layer's whole
+    activations at a time on top of what is held."""
     from dsfn.engines.pipeline_schedules import simulate
     schedule, plan = pipeline["schedule"], pipeline["plan"]
     m = pipe.microbatches
@@ -506,21 +538,31 @@ def _pipeline_activations(est: MemoryEstimate, pipe: Any, pipeline: dict[str, An
     mb_rows = rows // (dp_split * m)
     tokens = mb_rows * seq
     n_stages = plan.n_stages
+    by_model, by_remat, recompute_note = _recomputed_layers(remat, plan)
+    recomputed = by_model | by_remat
+    split = sp * (tp if getattr(remat, "partition_activations", False) else 1)
+    kept = {k: tokens * hidden // sp for k in by_model}
+    kept.update({k: 0 if getattr(remat, "offload", None) else tokens * hidden // split for k in by_remat})
+    layer_values = ACT_VALUES_PER_LAYER * tokens * hidden // tp_sp
 
     def stage_bytes(s: int) -> int:
         a, b = plan.bounds[s]
-        values = (b - a) * ACT_VALUES_PER_LAYER * tokens * hidden // tp_sp
+        values = sum(kept.get(k, layer_values) for k in range(a, b))
         if s == 0:
             values += tokens * hidden                       # the embedding's output
         if s == n_stages - 1 and vocab:
             values += tokens * vocab                        # the logits
         return values * act_bytes
     per_stage = {s: stage_bytes(s) for s in est.pipeline_stages}
+    # a backward of a stage with recomputed layers rematerialises one of them at a time
+    transient = {s: layer_values * act_bytes if any(k in recomputed for k in range(*plan.bounds[s])) else 0
+                 for s in est.pipeline_stages}
     held = peak = 0
     for act in schedule[pp_rank]:            # the schedule's order: F holds, B / BW frees (W keeps nothing here)
         if act.kind.value == "F":
             held += per_stage[act.stage]
         elif act.kind.value in ("B", "BW"):
+            peak = max(peak, held + transient[act.stage])
             held -= per_stage[act.stage]
         peak = max(peak, held)
     est.activations = peak
@@ -529,6 +571,13 @@ def _pipeline_activations(est: MemoryEstimate, pipe: Any, pipeline: dict[str, An
                            f"row{'s' if mb_rows != 1 else ''} x {seq} tokens per micro-batch, hidden {hidden}"
                            f"{f', vocabulary {vocab}' if vocab else ''}, "
                            f"{act_bytes} B per value")
+    mine = sorted(k for s in est.pipeline_stages for k in range(*plan.bounds[s]) if k in recomputed)
+    if mine:
+        est.activation_note += (f"; recomputed in backward ({recompute_note}): layers {mine} hold their input only "
+                                f"({', '.join(f'{kept[k]:,}' for k in mine)} values on the device), plus one layer's "
+                                f"{layer_values:,} values rematerialised during a backward")
+    elif recompute_note:
+        est.activation_note += f"; {recompute_note}"
 
 
 def measured_state_bytes(explanation: Any) -> dict[str, int]:

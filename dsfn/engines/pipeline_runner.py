@@ -33,6 +33,7 @@ a list nothing is timed.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -104,12 +105,15 @@ class StageLinks:
 
 def run_rank(actions: Sequence[Action], n_stages: int, links: StageLinks,
              forward: Callable[[int, int, torch.Tensor | None], torch.Tensor],
-             timeline: list | None = None) -> list[torch.Tensor]:
+             timeline: list | None = None,
+             backward_scope: Callable[[int, int], Any] | None = None) -> list[torch.Tensor]:
     """Run this rank's `actions` (module docstring); returns the last stage's loss per
     micro-batch it computed (detached), in micro-batch order. `forward(stage, mb, h_in)`
     returns the stage's activation (a stage before the last) or the scaled loss (the last),
     with autograd recording. `timeline`: when a list, one `Slot` per action is appended to
-    it, in order, timing the action's compute without its receive (module docstring)."""
+    it, in order, timing the action's compute without its receive (module docstring).
+    `backward_scope(stage, mb)`: a context manager entered around each BW / B action's
+    backward (the caller's hooks then know whose recomputes run)."""
     held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     losses: dict[int, torch.Tensor] = {}
     last = n_stages - 1
@@ -132,15 +136,18 @@ def run_rank(actions: Sequence[Action], n_stages: int, links: StageLinks,
             held[key] = (h_in, out)
         elif a.kind in (Kind.BW, Kind.B):
             h_in, out = held.pop(key)
+            scope = backward_scope(a.stage, a.mb) if backward_scope is not None else contextlib.nullcontext()
             if a.stage < last:
                 grad = links.recv(a.stage + 1, a.stage, a.mb, backward=True)
                 if timed:
                     t0 = time.perf_counter()
-                torch.autograd.backward(out, grad)
+                with scope:
+                    torch.autograd.backward(out, grad)
             else:
                 if timed:
                     t0 = time.perf_counter()
-                torch.autograd.backward(out)
+                with scope:
+                    torch.autograd.backward(out)
             if timed:
                 timeline.append(Slot(a, t0, time.perf_counter()))
             if a.stage > 0:

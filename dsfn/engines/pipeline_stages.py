@@ -22,6 +22,11 @@ are installed at forward time (after the parameters were put into the module):
   as `StopForward(h)`: the rest of the model and the user's loss do not run.
 
 The last stage runs to the end, so the user's loss function computes the loss there.
+
+The stand-ins and the cut list last one forward; the hooks on the layers (`StageHooks`) last a
+whole step, steered by `StageHooks.running(stage, h_in, recompute)`, so that activation
+checkpointing's recomputes in backward (several micro-batches outstanding at once) see their
+own micro-batch's `h_in` and never raise StopForward (the class docstring).
 Imports no transform.
 """
 from __future__ import annotations
@@ -33,10 +38,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dsfn.engines.remat import is_checkpointed
 from dsfn.errors import ConfigError
 from dsfn.units import find_units
 
-__all__ = ["StagePlan", "StopForward", "plan_stages", "running_stage"]
+__all__ = ["StageHooks", "StagePlan", "StopForward", "layer_holders", "plan_stages", "running_stage"]
 
 
 class StopForward(Exception):
@@ -52,7 +58,8 @@ class StopForward(Exception):
 class StagePlan:
     """`layers` (the ModuleList at `layers_path` in `parent`, attribute `attr`) cut into stages
     `bounds[s] = (start, stop)`; `param_stages[name]` the stages using parameter `name`;
-    `before` the (parent, attribute) of each module before the layers holding parameters."""
+    `before` the (parent, attribute) of each module before the layers holding parameters;
+    `root` the model cut."""
 
     layers_path: str
     parent: nn.Module
@@ -61,6 +68,7 @@ class StagePlan:
     bounds: list[tuple[int, int]]
     param_stages: dict[str, tuple[int, ...]]
     before: list[tuple[nn.Module, str]] = field(default_factory=list)
+    root: nn.Module | None = None
 
     @property
     def n_stages(self) -> int:
@@ -94,6 +102,14 @@ def _layer_list(module: nn.Module, layers: str | None) -> tuple[str, nn.ModuleLi
                       "(it declares no repeated blocks, _no_split_modules as Hugging Face models do, held in one "
                       "ModuleList); pass the ModuleList of blocks that run one after the other: "
                       "pipeline_parallel(..., layers='path.to.ModuleList'), e.g. layers='model.layers'")
+
+
+def layer_holders(module: nn.Module, layers: str | None = None) -> tuple[str, list[str]]:
+    """The path of the layer list `plan_stages` would cut, and the names of the modules holding
+    it (each prefix of the path, the model itself as "", and the list)."""
+    path, _ = _layer_list(module, layers)
+    parts = path.split(".")
+    return path, [".".join(parts[:i]) for i in range(len(parts) + 1)]
 
 
 def _split(n_layers: int, n_stages: int, split: Sequence[int] | None) -> list[tuple[int, int]]:
@@ -148,7 +164,8 @@ def plan_stages(module: nn.Module, param_names: Sequence[str], n_stages: int, sp
     for owner in before_mods:
         ppath, a = owner.rsplit(".", 1) if "." in owner else ("", owner)
         before.append((module.get_submodule(ppath), a))
-    return StagePlan(path, module.get_submodule(parent_path), attr, tuple(layer_list), bounds, param_stages, before)
+    return StagePlan(path, module.get_submodule(parent_path), attr, tuple(layer_list), bounds, param_stages, before,
+                     module)
 
 
 class _LikeReceived(nn.Module):
@@ -163,14 +180,118 @@ class _LikeReceived(nn.Module):
         return torch.zeros_like(self.like)
 
 
+class StageHooks:
+    """The hooks on a plan's layers for one training step: a context manager (registered on
+    enter, removed on exit, also when the step raises), steered by `running(stage, h_in,
+    recompute)`, which says which stage runs and on which received activation.
+
+    They stay registered from a step's first forward to the end of its last backward, because
+    a recompute in backward (activation checkpointing) re-runs a layer's forward: through the
+    layer's hooks when the checkpoint wraps the layer's `__call__` (a model's own loop calling
+    `checkpoint(layer, h)`, Hugging Face before transformers 5), past them when it wraps
+    `forward` (`remat`, Hugging Face 5: the checkpoint then saved the input the hooks gave it).
+    While `running` is not set they do nothing; while it names another stage, its hooks do
+    nothing either (a rank holds several stages under interleaved / ZBV). Per layer:
+
+    - the first layer of a stage s > 0 takes `h_in` as its hidden states — in a recompute the
+      `h_in` of the micro-batch whose backward runs (the runner says which), so each of the
+      micro-batches outstanding at once (1F1B holds up to p) recomputes from its own input;
+    - the last layer of a stage before the last raises `StopForward(h)` in a forward, and
+      returns its output in a recompute (the checkpoint needs the recomputed values);
+    - every layer: a layer of another stage running is a ConfigError (a checkpoint around the
+      whole layer loop recomputes every layer, the stage's cut gone)."""
+
+    def __init__(self, plan: StagePlan):
+        self.plan = plan
+        self.active: tuple[int, torch.Tensor | None, bool] | None = None     # (stage, h_in, recompute)
+        self._handles: list = []
+        self._stage_of = {k: s for s, (a, b) in enumerate(plan.bounds) for k in range(a, b)}
+
+    @contextlib.contextmanager
+    def running(self, stage: int, h_in: torch.Tensor | None, recompute: bool = False) -> Iterator[None]:
+        """Stage `stage` runs (its forward, or its backward's recomputes when `recompute`) on `h_in`."""
+        prev, self.active = self.active, (stage, h_in, recompute)
+        try:
+            yield
+        finally:
+            self.active = prev
+
+    def __enter__(self) -> "StageHooks":
+        plan = self.plan
+        last = plan.n_stages - 1
+        try:
+            for k, layer in enumerate(plan.layers):
+                self._handles.append(layer.register_forward_pre_hook(self._own_stage(k)))
+            for s, (start, stop) in enumerate(plan.bounds):
+                if s > 0:
+                    self._handles.append(plan.layers[start].register_forward_pre_hook(self._take_received(s),
+                                                                                      with_kwargs=True))
+                if s < last:
+                    self._handles.append(plan.layers[stop - 1].register_forward_hook(self._stop_here(s, stop - 1)))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.active = None
+        return False
+
+    def _own_stage(self, k: int):
+        def pre(mod, args):
+            active = self.active
+            if active is not None and self._stage_of[k] != active[0]:
+                what = "a recompute in backward" if active[2] else "the forward"
+                raise ConfigError(f"pipeline_parallel: layer {k} of {self.plan.layers_path} (stage "
+                                  f"{self._stage_of[k]}) ran in {what} of stage {active[0]}: the model runs its "
+                                  "layers other than one after the other from the list (a checkpoint around the "
+                                  "whole layer loop, or a layer called outside it). Checkpoint the layers one by "
+                                  "one (remat() or model.gradient_checkpointing_enable()), or name the list of "
+                                  "blocks run in sequence: pipeline_parallel(..., layers='path.to.ModuleList')")
+        return pre
+
+    def _take_received(self, s: int):
+        def pre(mod, args, kwargs):
+            active = self.active
+            if active is None or active[0] != s:
+                return None
+            h_in = active[1]
+            if args:
+                return (h_in,) + tuple(args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": h_in}
+        return pre
+
+    def _stop_here(self, s: int, k: int):
+        def post(mod, args, out):
+            active = self.active
+            if active is None or active[0] != s or active[2]:       # a recompute returns its output
+                return None
+            h = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, (tuple, list)) else None
+            if not isinstance(h, torch.Tensor):
+                raise ConfigError(f"pipeline_parallel: layer {k} of {self.plan.layers_path} returned "
+                                  f"{type(out).__name__}, not a tensor (or a tuple starting with one): the activation "
+                                  "to send to the next stage cannot be found")
+            raise StopForward(h)
+        return post
+
+
 @contextlib.contextmanager
-def running_stage(plan: StagePlan, stage: int, h_in: torch.Tensor | None) -> Iterator[None]:
-    """Hooks that make the model's next forward run stage `stage` only (module docstring).
-    `h_in`: the activation received from the previous stage (None on the first)."""
+def running_stage(plan: StagePlan, stage: int, h_in: torch.Tensor | None,
+                  hooks: StageHooks | None = None) -> Iterator[None]:
+    """Make the model's next forward run stage `stage` only (module docstring). `h_in`: the
+    activation received from the previous stage (None on the first). `hooks`: the step's
+    `StageHooks` of `plan` (entered by the caller, kept for the recomputes in backward); None:
+    hooks of this forward's own, removed at its end (no recompute can use them)."""
+    if hooks is None:
+        with StageHooks(plan) as own, running_stage(plan, stage, h_in, own):
+            yield
+        return
     start, stop = plan.bounds[stage]
-    last = stage == plan.n_stages - 1
     swaps: list[tuple[nn.Module, str, nn.Module]] = []
-    hooks = []
+    handles = []
 
     def swap(parent: nn.Module, attr: str, new: nn.Module) -> None:
         swaps.append((parent, attr, parent._modules[attr]))
@@ -185,6 +306,7 @@ def running_stage(plan: StagePlan, stage: int, h_in: torch.Tensor | None) -> Ite
 
     def on_forward(todo):
         def pre(mod, args):
+            _refuse_checkpointed_holders(plan)
             for kind, attr in todo:
                 if any(p is mod and a == attr for p, a, _ in swaps):
                     continue
@@ -193,27 +315,28 @@ def running_stage(plan: StagePlan, stage: int, h_in: torch.Tensor | None) -> Ite
                 else:
                     swap(mod, attr, nn.ModuleList(plan.layers[start:stop]))
         return pre
-    for parent, todo in parents.values():
-        hooks.append(parent.register_forward_pre_hook(on_forward(todo)))
-    if stage > 0:
-        def take_received(mod, args, kwargs):
-            if args:
-                return (h_in,) + tuple(args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": h_in}
-        hooks.append(plan.layers[start].register_forward_pre_hook(take_received, with_kwargs=True))
-    if not last:
-        def stop_here(mod, args, out):
-            h = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, (tuple, list)) else None
-            if not isinstance(h, torch.Tensor):
-                raise ConfigError(f"pipeline_parallel: layer {stop - 1} of {plan.layers_path} returned "
-                                  f"{type(out).__name__}, not a tensor (or a tuple starting with one): the activation "
-                                  "to send to the next stage cannot be found")
-            raise StopForward(h)
-        hooks.append(plan.layers[stop - 1].register_forward_hook(stop_here))
     try:
-        yield
+        for parent, todo in parents.values():
+            handles.append(parent.register_forward_pre_hook(on_forward(todo)))
+        with hooks.running(stage, h_in):
+            yield
     finally:
-        for h in hooks:
+        for h in handles:
             h.remove()
         for parent, attr, original in reversed(swaps):
             parent._modules[attr] = original
+
+
+def _refuse_checkpointed_holders(plan: StagePlan) -> None:
+    """A module holding the layer list whose forward remat checkpoints would recompute every
+    layer in backward, without the stage's cut: a ConfigError naming the fix."""
+    if plan.root is None:
+        return
+    parts = plan.layers_path.split(".")
+    for i in range(len(parts) + 1):
+        path = ".".join(parts[:i])
+        if is_checkpointed(plan.root.get_submodule(path)):      # (pipeline_parallel's check_stack, first)
+            raise ConfigError(f"pipeline_parallel with remat: remat checkpoints {path or 'the model'!r}, which holds "
+                              f"the layers {plan.layers_path} cut into stages; its recompute in backward would run "
+                              "every layer. Checkpoint the layers or modules inside them: remat() (the model's "
+                              f"repeated blocks) or remat(modules=['{plan.layers_path}.*'])")

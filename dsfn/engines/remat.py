@@ -38,7 +38,7 @@ from dsfn.functional import in_backward
 from dsfn.runtime import collectives as C
 from dsfn.runtime.host import copy_to_host
 
-__all__ = ["MATMUL_OPS", "Chain", "HostStash", "Installed", "TpPartition", "save_rule"]
+__all__ = ["MATMUL_OPS", "Chain", "HostStash", "Installed", "TpPartition", "is_checkpointed", "save_rule"]
 
 # aten ops whose outputs "matmuls" / "dots" saves (what autograd's dispatch sees of Linear,
 # matmul, einsum and F.scaled_dot_product_attention)
@@ -103,6 +103,11 @@ class Installed:
         if self.saved_bytes is not None:
             self.saved_bytes.reset()
         return False
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether `module`'s forward is, now, one `Installed` replaced by a checkpointed one."""
+    return bool(getattr(module.__dict__.get("forward"), "_dsfn_remat", False))
 
 
 # keyword arguments through which a Hugging Face layer reads and *appends to* a KV cache

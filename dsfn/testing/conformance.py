@@ -314,6 +314,10 @@ STACKS: dict[str, StackSpec] = {
                                 mesh=lambda w: {"pp": w}, worlds=(2,)),
     "pp_zbv": StackSpec(lambda m, s, d: [_T().pipeline_parallel("zbv", 4, model=m)], mesh=lambda w: {"pp": w},
                         worlds=(2,)),
+    # activation checkpointing inside the stages (the hf_ckpt models, their own, run in every
+    # pipelined row too): each micro-batch's layers recomputed in its backward
+    "pp_1f1b+remat": StackSpec(lambda m, s, d: [_T().pipeline_parallel("1f1b", 4, model=m), _T().remat()],
+                               mesh=lambda w: {"pp": w}, worlds=(2,)),
     "zero1+pp": StackSpec(lambda m, s, d: [_T().shard_zero(1), _T().pipeline_parallel("1f1b", 2, model=m)],
                           mesh=lambda w: {"dp": w // 2, "pp": 2}, worlds=(4,)),
     # ZeRO-2/3 around the pipeline: a round of gradient buckets per micro-batch's backward;
@@ -357,7 +361,8 @@ REFUSALS: list[Refusal] = [
     Refusal(lambda s, o, m: "tp" in s.split("+") and m == "llama+lora", ConfigError, "matches no module of PeftModel",
             "the HF tp plan names the inner model's modules; peft's wrapper (and its LoRA layers) has no plan: "
             "a clear error, not a silent replicated run"),
-    Refusal(lambda s, o, m: "remat" in s and m == "batchnorm", ConfigError, "no repeated blocks to checkpoint",
+    Refusal(lambda s, o, m: "remat" in s and m == "batchnorm" and not pipelined(s), ConfigError,
+            "no repeated blocks to checkpoint",
             "remat's default picks the model's repeated blocks; this model has none (name them: modules=[...])"),
     # before tensor parallel's: a pipeline's model is cut when the stack is built (pp+tp on the MLP)
     Refusal(lambda s, o, m: pipelined(s) and not MODELS[m].attention, ConfigError,
@@ -371,8 +376,6 @@ REFUSALS: list[Refusal] = [
     Refusal(lambda s, o, m: s in ("pp_interleaved", "pp_zbv", "pp4_1f1b") and MODELS[m].attention
             and MODELS[m].layers < 4, ConfigError, "fewer than the 4 stages",
             "4 stages (2 ranks x 2 virtual stages, or 4 ranks) need 4 layers; the model has 2"),
-    Refusal(lambda s, o, m: pipelined(s) and "hf_ckpt" in m, ConfigError, "gradient checkpointing",
-            "a stage's recompute in backward would run without the stage's hooks: refused until it is built"),
 ]
 
 

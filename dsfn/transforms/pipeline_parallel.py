@@ -53,6 +53,24 @@ owner's piece to tensor_parallel, which gathers it over its tp group (every rank
 on the same stage). `tensor_parallel` outside the pipeline is a StackError: its `place` would
 run after the stages emptied the other stages' parameters.
 
+Activation checkpointing inside the stages. `remat()` composes with it in either order —
+`compose(pipeline_parallel(...), remat())` or `compose(remat(), pipeline_parallel(...))`,
+both inside `data_parallel` / `shard_zero(1)` — and so does a model's own checkpointing (a
+Hugging Face model after `gradient_checkpointing_enable()`, either `use_reentrant`; a model
+whose loop calls `checkpoint(layer, h)`). A stage's layers are then recomputed in each
+micro-batch's backward, with the same gradients. For that, what a forward sets up lives until
+the step's last backward, not just the micro-batch's forward: this transform opens the step's
+backward lifetime (`dsfn.functional.backward_lifetime`, as value_and_grad's default does), so
+the step's parameters stay bound to the module and remat's checkpointed forwards stay
+installed; the stages' hooks (`pipeline_stages.StageHooks`) stay registered for the step, and
+`run_rank`'s `backward_scope` tells them whose backward runs, so a recompute of micro-batch j
+of stage s takes j's received activation (several micro-batches are outstanding at once:
+1F1B holds up to p) and never stops at the stage's end. Everything is undone at the step's
+end, also when it raises. Checkpoint the layers or modules inside them: remat of a module
+holding the layer list (`remat(modules=["model"])`), or a checkpoint around the whole layer
+loop, would recompute every layer without the stage's cut — a ConfigError.
+`estimate_memory` models the recomputed layers' smaller activations.
+
 Timeline. `pipeline_parallel(..., record_timeline=True)` times every action of this rank's
 schedule in each step: `transform.timeline` then holds the last step's records, one
 `Slot(action, start, end)` per action in the rank's order (`.kind`, `.stage`, `.mb`; start
@@ -64,6 +82,7 @@ stays None); `benchmarks/pipeline.py` measures the bubble with it.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,16 +95,18 @@ from dsfn.engines.micro_batches import slice_micro_batches
 from dsfn.engines import pipeline_runner
 from dsfn.engines.pipeline_runner import StageLinks
 from dsfn.engines.pipeline_schedules import SCHEDULES, Slot, build_schedule, check_schedule
-from dsfn.engines.pipeline_stages import StagePlan, StopForward, plan_stages, running_stage
+from dsfn.engines.pipeline_stages import StageHooks, StagePlan, StopForward, layer_holders, plan_stages, \
+    running_stage
 from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.errors import ConfigError, StackError
+from dsfn.functional import backward_lifetime, until_backward
 from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import Nested, StageOwned, mirrored_param
 from dsfn.transforms.core import Transform, make_transform, with_role
-from dsfn.transforms.facts import stack_facts
+from dsfn.transforms.facts import StackFacts, stack_facts
 
 _VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbv": 2}
 
@@ -125,7 +146,11 @@ class PipelineParallel(Transform):
         self.model = model
         self._plans: dict[int, tuple[nn.Module, StagePlan]] = {}
         self._schedules: dict[tuple[int, int], Any] = {}
-        self._running: tuple[int, torch.Tensor | None] | None = None
+        self._running: tuple[int, torch.Tensor | None, int] | None = None
+        # during a step: id(module) -> its StageHooks (kept until the step's last backward), and
+        # the received activation of each (stage, micro-batch) whose backward is still to run
+        self._step_hooks: dict[int, tuple[nn.Module, StageHooks]] | None = None
+        self._h_in: dict[tuple[int, int], torch.Tensor | None] = {}
         if model is not None:       # a model whose layers cannot be found fails here, not at the first step
             plan_stages(model, [n for n, _ in model.named_parameters()], 1, None, layers)
 
@@ -136,12 +161,31 @@ class PipelineParallel(Transform):
                              "their stage (the stage owns the tensor, its tp group splits it), so tensor_parallel "
                              "places after the pipeline cut the model and must sit inside it: write "
                              f"compose(pipeline_parallel(...), {t.name}(...))")
+        self._check_remat(StackFacts(stack).whole.with_role("remat"))
         for t in stack[index + 1:]:
             if hasattr(t, "handle_value_and_grad"):
                 raise StackError(f"{t.name}() is inside pipeline_parallel, which runs the differentiated function "
                                  f"itself (micro-batch by micro-batch, stage by stage): put {t.name}() outside it "
                                  "(before it in compose), or drop it (pipeline_parallel already cuts the batch into "
                                  "micro-batches)")
+
+    def _check_remat(self, remats) -> None:
+        """remat of a module holding the layer list would recompute every layer in a stage's
+        backward: refused when the stack is made, on every rank alike (the forward's check,
+        `pipeline_stages`, is the backstop where the model is not known yet)."""
+        if self.model is None:
+            return
+        for d in remats:
+            patterns = d.get("remat_modules") or ()
+            if not patterns:
+                continue
+            path, holders = layer_holders(self.model, self.layers)
+            hit = [n for n in holders if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+            if hit:
+                raise StackError(f"remat(modules={list(patterns)}) checkpoints {hit[0]!r}, which holds the layers "
+                                 f"{path} that pipeline_parallel cuts into stages; its recompute in backward would run "
+                                 "every layer. Checkpoint the layers or modules inside them: remat() (the model's "
+                                 f"repeated blocks) or remat(modules=['{path}.*'])")
 
     def facts(self) -> dict[str, Any]:
         return {"pp_axis": self.axis, "pipeline_microbatches": self.microbatches}
@@ -177,11 +221,7 @@ class PipelineParallel(Transform):
     def _plan(self, module: nn.Module, names: Sequence[str], n_stages: int) -> StagePlan:
         hit = self._plans.get(id(module))
         if hit is None or hit[0] is not module or hit[1].n_stages != n_stages:
-            plan = plan_stages(module, names, n_stages, self.split, self.layers)   # a split that cannot be, first
-            if _checkpointing(module):
-                raise ConfigError("pipeline_parallel with the model's own gradient checkpointing is not supported yet "
-                                  "(a layer's recompute in backward would run without its stage's hooks): call "
-                                  "model.gradient_checkpointing_disable()")
+            plan = plan_stages(module, names, n_stages, self.split, self.layers)
             hit = self._plans[id(module)] = (module, plan)
         return hit[1]
 
@@ -288,6 +328,7 @@ class PipelineParallel(Transform):
 
         def forward(stage: int, mb: int, h_in: torch.Tensor | None) -> torch.Tensor:
             self._running = (stage, h_in, n_stages)
+            self._h_in[(stage, mb)] = h_in
             try:
                 a, k = micro[mb]
                 out = fn(tree_in, *a, **k)
@@ -299,10 +340,29 @@ class PipelineParallel(Transform):
                 raise ConfigError("pipeline_parallel: the differentiated function must return a scalar loss")
             return out.reshape(()) * inv
 
+        @contextlib.contextmanager
+        def backward_scope(stage: int, mb: int):
+            # a recompute in this backward (activation checkpointing) runs stage `stage` on
+            # micro-batch `mb`'s received activation
+            h_in = self._h_in.pop((stage, mb), None)
+            with contextlib.ExitStack() as scope:
+                for _, hooks in list((self._step_hooks or {}).values()):
+                    scope.enter_context(hooks.running(stage, h_in, recompute=True))
+                yield
+
         links = StageLinks([rank_of[s] for s in range(n_stages)], m, env.device(), self.axis)
         records: list[Slot] | None = [] if self.record_timeline else None
-        with torch.enable_grad(), micro_batches(MicroBatchCounts(m, whole_of)):
-            losses = pipeline_runner.run_rank(schedule[me], n_stages, links, forward, timeline=records)
+        # the step's lifetime (value_and_grad's default opens it; this transform replaces it):
+        # what each forward sets up for the model — the step's parameters bound to it, remat's
+        # checkpointed forwards, the stages' hooks — stays until the last backward, whose
+        # recomputes need it; closed (everything undone) also when the step raises
+        self._step_hooks, self._h_in = {}, {}
+        try:
+            with torch.enable_grad(), micro_batches(MicroBatchCounts(m, whole_of)), backward_lifetime():
+                losses = pipeline_runner.run_rank(schedule[me], n_stages, links, forward, timeline=records,
+                                                  backward_scope=backward_scope)
+        finally:
+            self._step_hooks, self._h_in = None, {}
         if records is not None:
             self.timeline = records
         self._last = (me, [f"{a.kind.value}{a.stage}.{a.mb}" for a in schedule[me]], dict(links.boundary_bytes))
@@ -343,7 +403,18 @@ class PipelineParallel(Transform):
         # mean over the micro-batches, as under accumulate (its adapter, dsfn.adapters)
         adapter = adapter_for(module) if self.microbatches > 1 else None
         mean = adapter.token_mean_over(module, [], args, kwargs) if adapter is not None else contextlib.nullcontext()
-        with mean, running_stage(plan, stage, h_in):
+        held = self._step_hooks.get(id(module)) if self._step_hooks is not None else None
+        install = contextlib.nullcontext()
+        if held is None or held[0] is not module:
+            # the stages' hooks for the rest of the step (until_backward: the recomputes in
+            # backward run them too), installed at the step's first forward of this module
+            hooks = StageHooks(plan)
+            install = until_backward(hooks)
+            if self._step_hooks is not None:
+                self._step_hooks[id(module)] = (module, hooks)
+        else:
+            hooks = held[1]
+        with install, mean, running_stage(plan, stage, h_in, hooks):
             return call_next(apply_fn, params, args, kwargs)
 
 
@@ -366,11 +437,6 @@ def _on_stage(x: Any, owned: StageOwned) -> Placed:
         piece = x.data if owned.holds() else x.data.new_empty((0,))
         return Placed(piece, Nested(owned, x.layout))
     return Placed(owned.shard(x), owned)
-
-
-def _checkpointing(module: nn.Module) -> bool:
-    """Whether a Hugging Face model (or one inside a wrapper, e.g. peft's) recomputes its layers."""
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules())
 
 
 def pipeline_parallel(*args: Any, **kwargs: Any) -> PipelineParallel:

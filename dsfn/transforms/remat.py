@@ -67,7 +67,12 @@ Stack position: inside `shard_zero` / `data_parallel`, `tensor_parallel` and
 set-up for the forward is installed first and remat wraps what they installed, so one
 order is tested and documented; anything else is a StackError naming the fix. Its place
 relative to `accumulate`, `offload`, `mixed_precision`, `loss_scale`, `clip_grad_norm`,
-`zenflow` does not matter (they do not touch the forward's modules).
+`zenflow` does not matter (they do not touch the forward's modules). With `pipeline_parallel`
+either order works (`compose(pipeline_parallel(...), remat())` is the one documented): the
+pipeline keeps the checkpointed forwards installed until its step's last backward, and each
+micro-batch's recompute of a stage's layers runs in that micro-batch's backward. Select the
+layers or modules inside them there; a module holding the layer list the pipeline cuts (e.g.
+`modules=["model"]`) is a ConfigError.
 
 - `partition_activations` (DeepSpeed's key of that name): under `tensor_parallel`, a
   checkpointed module's saved inputs that require grad (the residual stream) are the same on
@@ -160,6 +165,11 @@ class Remat(Transform):
                 raise StackError("remat(partition_activations=True) splits the saved inputs over the tensor parallel "
                                  "group: add tensor_parallel(...) outside it (compose(tensor_parallel(...), "
                                  "remat(partition_activations=True))) or drop partition_activations")
+
+    def facts(self) -> dict[str, Any]:
+        # the module-name patterns checkpointed (None: the model's repeated blocks); a
+        # pipeline refuses patterns naming a module that holds the layers it cuts
+        return {"remat_modules": self.modules}
 
     @property
     def _tp_axis(self) -> str | None:

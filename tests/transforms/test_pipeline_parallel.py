@@ -173,17 +173,6 @@ def test_stacks_that_cannot_compose_are_stack_errors():
         dsfn.compose(shard_zero(stage), pipeline_parallel("1f1b", 4, model=model))(step_fn)
 
 
-def test_the_models_own_checkpointing_is_refused_until_it_is_built():
-    def fn():
-        init_mesh(pp=2)
-        model = make_tiny_causal_lm("llama", num_hidden_layers=4)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        apply_fn, params = dsfn.functionalize(model)
-        step = dsfn.compose(pipeline_parallel("1f1b", 4, model=model))(train_step_for(apply_fn, lm_loss))
-        return _error(lambda: step(step.init_state(params, OPTS["sgd"]()), BATCHES[0]))
-    assert all("gradient checkpointing" in r for r in run_on_ranks(fn, 2, timeout=120))
-
-
 def test_a_single_rank_pipeline_is_micro_batching():
     """pp 1: the schedule runs its micro-batches on one rank (accumulation), nothing placed."""
     ref = _train("gpt", "sgd")
