@@ -65,6 +65,12 @@ from torch.nn.utils.stateless import _reparametrize_module
 from dsfn.effects import bind
 
 
+class ForwardEnded(Exception):
+    """Ends a forward early on purpose, carrying its result (a pipeline stage's last layer: the
+    activation to send on). What a forward set up for backward treats it as a forward that
+    completed (ZeRO-3 keeps its units' hooks for the recomputes), not as a failure."""
+
+
 class ApplyFn:
     """`apply_fn(params, *args, **kwargs)` for a functionalized module.
 

@@ -40,12 +40,13 @@ from torch import nn
 
 from dsfn.engines.remat import is_checkpointed
 from dsfn.errors import ConfigError
+from dsfn.functional import ForwardEnded
 from dsfn.units import find_units
 
 __all__ = ["StageHooks", "StagePlan", "StopForward", "layer_holders", "plan_stages", "running_stage"]
 
 
-class StopForward(Exception):
+class StopForward(ForwardEnded):
     """Raised by a stage before the last, when its last layer is done: `value` is the
     activation to send to the next stage (a tensor)."""
 
@@ -197,7 +198,9 @@ class StageHooks:
       `h_in` of the micro-batch whose backward runs (the runner says which), so each of the
       micro-batches outstanding at once (1F1B holds up to p) recomputes from its own input;
     - the last layer of a stage before the last raises `StopForward(h)` in a forward, and
-      returns its output in a recompute (the checkpoint needs the recomputed values);
+      returns its output in a recompute (the checkpoint needs the recomputed values): that hook
+      is registered for each forward (`running`), so it runs after the hooks every transform
+      outside registered for that forward;
     - every layer: a layer of another stage running is a ConfigError (a checkpoint around the
       whole layer loop recomputes every layer, the stage's cut gone)."""
 
@@ -211,14 +214,23 @@ class StageHooks:
     def running(self, stage: int, h_in: torch.Tensor | None, recompute: bool = False) -> Iterator[None]:
         """Stage `stage` runs (its forward, or its backward's recomputes when `recompute`) on `h_in`."""
         prev, self.active = self.active, (stage, h_in, recompute)
+        # the stop hook lives for one forward, registered now: after every hook a transform
+        # outside registered for this forward on the same layer (ZeRO-3's unit hooks release
+        # the layer's gathered weights and arm its re-gather for backward), which must run
+        # before StopForward leaves the forward
+        start, stop = self.plan.bounds[stage]
+        handle = None
+        if not recompute and stage < self.plan.n_stages - 1:
+            handle = self.plan.layers[stop - 1].register_forward_hook(self._stop_here(stage, stop - 1))
         try:
             yield
         finally:
+            if handle is not None:
+                handle.remove()
             self.active = prev
 
     def __enter__(self) -> "StageHooks":
         plan = self.plan
-        last = plan.n_stages - 1
         try:
             for k, layer in enumerate(plan.layers):
                 self._handles.append(layer.register_forward_pre_hook(self._own_stage(k)))
@@ -226,8 +238,6 @@ class StageHooks:
                 if s > 0:
                     self._handles.append(plan.layers[start].register_forward_pre_hook(self._take_received(s),
                                                                                       with_kwargs=True))
-                if s < last:
-                    self._handles.append(plan.layers[stop - 1].register_forward_hook(self._stop_here(s, stop - 1)))
         except BaseException:
             self.__exit__(None, None, None)
             raise

@@ -244,7 +244,11 @@ class TPForwards:
 
     def __enter__(self):
         for mod, fwd in self.items:
-            if fwd is not None:
+            # a module whose tp forward is installed already (an earlier forward of the same
+            # step whose set-up lives until backward: a pipeline's outstanding micro-batches)
+            # keeps it: wrapping it again would split the split module
+            if fwd is not None and not getattr(mod.__dict__.get("forward"), "_dsfn_tp", False):
+                fwd._dsfn_tp = True
                 self.saved.append((mod, mod.__dict__.get("forward")))
                 mod.forward = fwd
         for mod, g in self.groups.items():

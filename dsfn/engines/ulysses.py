@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from dsfn.errors import ConfigError, MeshError
 from dsfn.runtime import collectives as C
@@ -112,6 +112,19 @@ class UlyssesSDPA(TorchFunctionMode):
     def __init__(self, axis: str):
         super().__init__()
         self.axis = axis
+        self._inert = False
+
+    def __enter__(self):
+        # an instance for this axis on the mode stack already (a later forward of the same step,
+        # whose set-up lives until backward: a pipeline's outstanding micro-batches): this one
+        # stays off the stack, else the outer mode would make the inner one's attention
+        # Ulysses twice
+        self._inert = any(isinstance(m, UlyssesSDPA) and m.axis == self.axis
+                          for m in _get_current_function_mode_stack())
+        return self if self._inert else super().__enter__()
+
+    def __exit__(self, *exc):
+        return False if self._inert else super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsfn.functional import ForwardEnded
 from dsfn.placed import Placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import FlatGather, gather_into_buffers
@@ -155,7 +156,8 @@ class UnitGatherer:
 
     def __init__(self, module: nn.Module, params: dict[str, Any], plan: UnitPlan, leaves: tuple,
                  frozen: dict[str, tuple[torch.Tensor, FlatShard]], axis: str, bucket_elems: int, prefetch: int,
-                 due: Any = None, secondary: str | None = None, hierarchy: tuple[str, str] | None = None):
+                 due: Any = None, secondary: str | None = None, hierarchy: tuple[str, str] | None = None,
+                 own_recomputes: bool = False):
         """`plan`: the module's UnitPlan; `leaves`: (names, FlatShards, compute devices) of the
         ZeRO shards among `params`; `frozen`: name -> (piece to gather, its FlatShard); the
         gathers run over `axis` in buckets of `bucket_elems`, `prefetch` units ahead. `due`
@@ -164,9 +166,14 @@ class UnitGatherer:
         `secondary` (ZeRO++ hpZ): an axis of a few ranks (a node's) over which each unit
         gathered in a forward under grad keeps a secondary shard (1/size of the gathered
         unit, copied as the forward's gather is released), so backward re-gathers the unit
-        over that axis alone instead of over `axis`."""
+        over that axis alone instead of over `axis`. `own_recomputes` (a pipeline's micro-batches:
+        several forwards' gatherers alive at once, their hooks kept for recomputes): a unit is
+        installed for a recompute only once this gatherer's own backward re-gathered it (its
+        outputs' gradient hook), so another micro-batch's forward, or its recompute, leaves
+        this gatherer's hooks inert."""
         self.module, self.axis, self.bucket_elems, self.prefetch, self.due = module, axis, bucket_elems, prefetch, due
         self.secondary = secondary
+        self.own_recomputes = own_recomputes
         self.hierarchy = hierarchy        # (cross, local): MiCS's two-stage gather (`hierarchical_all_gather`)
         self._secondary: dict[int, tuple[FlatGather, list[torch.Tensor]]] = {}   # unit -> (gather, pieces)
         names, layouts, homes = leaves
@@ -431,6 +438,9 @@ class UnitGatherer:
         return self
 
     def __exit__(self, *exc):
+        # a forward ended early on purpose (a pipeline stage's end) is complete: the dp ranks
+        # of the stage all end there, so no unit is left to launch for the others' sake
+        ended = exc[0] is None or issubclass(exc[0], ForwardEnded)
         if exc[0] is None:
             self.finish_forward()
         # left by an exception inside the forward: waited for, their storages freed
@@ -442,12 +452,14 @@ class UnitGatherer:
         self._live.clear()
         _gauge_live(self._live)
         self._phase = "backward"
-        if exc[0] is None:
+        if ended:
             self._recompute_hooks_on()
         return False
 
     # -- recompute in backward (activation checkpointing) -------------------------------------------
     def _install_for_recompute(self, ids: list[int]) -> None:
+        if self.own_recomputes:       # only what this gatherer's own backward has reached
+            ids = [i for i in ids if self.unit_of[i] in self._bw]
         for u in sorted({self.unit_of[i] for i in ids}, key=lambda v: self._bw_pos[v]):
             if u not in self._bw:
                 self._gather_for_backward(u)

@@ -288,7 +288,7 @@ class Stage3(ZeroShards):
         due = self.due
         gatherer = UnitGatherer(apply_fn.module, params, plan, leaves, frozen, self.axis,
                                 self.allgather_bucket_size, self.prefetch, due, self.secondary_axis(),
-                                self.hierarchy_axes())
+                                self.hierarchy_axes(), own_recomputes=due is not None and due.rounds is not None)
         if due is not None:           # inside value_and_grad: its backward ends the sequence
             due.gatherers.append(gatherer)
             due.host_units = due.host_units or any(d.type == "cpu" for d in gatherer.homes)

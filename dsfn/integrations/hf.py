@@ -267,7 +267,12 @@ def ulysses_attention(model: nn.Module, axis: str, consecutive: torch.Tensor | N
                           "their chunk), which dsfn's Ulysses attention does not build over the whole sequence; "
                           "it would attend across chunks. Train it without sequence_parallel (tensor_parallel and "
                           "ZeRO work)")
-    saved = [c._attn_implementation_internal for c in configs]
+    saved = before = [c._attn_implementation_internal for c in configs]
+    if _ACTIVE and all(s == NAME for s in saved):
+        # Ulysses is installed already (an earlier forward of the same step, whose set-up lives
+        # until backward: a pipeline's outstanding micro-batches): this forward's context wraps
+        # what that one wraps, not Ulysses itself
+        saved = [_ACTIVE[-1].inner] * len(configs)
     inner = {s if not isinstance(s, dict) else None for s in saved}
     if len(inner) != 1:
         raise ConfigError(f"sequence_parallel: the model's sub-configs use different attention implementations "
@@ -279,7 +284,7 @@ def ulysses_attention(model: nn.Module, axis: str, consecutive: torch.Tensor | N
             c._attn_implementation_internal = NAME
         yield
     finally:
-        for c, s in zip(configs, saved):
+        for c, s in zip(configs, before):
             c._attn_implementation_internal = s
         _ACTIVE.pop()
 

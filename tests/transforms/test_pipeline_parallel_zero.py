@@ -23,7 +23,7 @@ from dsfn.testing import run_on_ranks
 from dsfn.testing.asserts import assert_trees_close
 from dsfn.testing.models import make_tiny_causal_lm, token_batches
 from dsfn.testing.reference import lm_loss, train_step_for
-from dsfn.transforms import clip_grad_norm, pipeline_parallel, shard_zero
+from dsfn.transforms import clip_grad_norm, pipeline_parallel, remat, shard_zero
 
 BATCHES = token_batches(3, 8, 12, 101, seed=3)
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -39,15 +39,18 @@ def _model(family):
     return make_tiny_causal_lm(family, num_hidden_layers=4)
 
 
-def _train(family, opt, stage=None, schedule=None, m=4, clip=None):
+def _train(family, opt, stage=None, schedule=None, m=4, clip=None, recompute=None):
     """3 steps: (losses, logical state, {param: (layout kind, piece numel)}, pp index); with `stage`, at
     pp 2 x dp 2 with shard_zero(stage) around pipeline_parallel(schedule, m)."""
     model = _model(family)
+    if recompute == "hf" and stage is not None:
+        model.gradient_checkpointing_enable()
     apply_fn, params = dsfn.functionalize(model)
     ts = [clip_grad_norm(clip)] if clip else []
     if stage is not None:
         init_mesh(dp=2, pp=2)
         ts += [shard_zero(stage, reduce_bucket_size=BUCKET), pipeline_parallel(schedule, m, model=model)]
+        ts += [remat()] if recompute == "remat" else []
     step = dsfn.compose(*ts)(train_step_for(apply_fn, lm_loss))
     state = step.init_state(params, OPTS[opt]())
     losses = []
@@ -80,6 +83,15 @@ def test_zero2_and_zero3_around_the_pipeline_equal_the_single_process(stage, sch
     _check(run_on_ranks(_train, 4, family, opt, stage, schedule, timeout=240), ref, opt)
 
 
+@pytest.mark.parametrize("recompute,schedule,family", [("remat", "1f1b", "llama"), ("hf", "zbv", "qwen2")])
+def test_zero3_around_a_pipeline_that_recomputes_its_layers(recompute, schedule, family):
+    """remat() inside the pipeline, or the model's own gradient checkpointing: each stage's
+    recompute in backward re-gathers its units (a stage before the last ends its forward early,
+    StopForward, which ZeRO-3 takes as a completed forward: its recompute hooks stay)."""
+    ref = _train(family, "sgd")
+    _check(run_on_ranks(_train, 4, family, "sgd", 3, schedule, recompute=recompute, timeout=240), ref, "sgd")
+
+
 def test_zero3_stores_each_stage_sharded_over_its_dp_ranks_and_clips_the_global_norm():
     """Each parameter lives on its stage's dp ranks as halves (ZeRO-3 over dp 2 of a StageOwned
     piece) and nowhere else; the tied embedding on both ends. Clipping's norm spans both axes."""
@@ -104,3 +116,29 @@ def test_the_layout_names_a_tied_copy_through_zeros_shard():
     assert stage_copies(Nested(tied, FlatShard("dp", (5, 4)))) is tied
     assert stage_copies(StageOwned("pp", (1,), (5, 4))) is None       # one owner: its gradient is whole
     assert stage_copies(FlatShard("dp", (5, 4))) is None
+
+
+def _gathered_bytes(m):
+    """ZeRO-3 (dp 2) around a 1F1B pipeline (pp 2) of m micro-batches: (all-gathered bytes over
+    dp in the second step, the gathered size of this rank's stage: its pieces x dp x 4 bytes)."""
+    from dsfn.runtime.collectives import counters
+    init_mesh(dp=2, pp=2)
+    model = _model("llama")
+    apply_fn, params = dsfn.functionalize(model)
+    step = dsfn.compose(shard_zero(3), pipeline_parallel("1f1b", m, model=model))(train_step_for(apply_fn, lm_loss))
+    state = step.init_state(params, OPTS["sgd"]())
+    state, _ = step(state, BATCHES[0])
+    counters.reset()
+    state, _ = step(state, BATCHES[1])
+    stage_bytes = sum(x.data.numel() for x in state.params.values()) * 2 * 4
+    return counters.bytes("dp", "all_gather"), stage_bytes
+
+
+def test_zero3_gathers_each_micro_batchs_stage_once_in_forward_and_once_in_backward():
+    """The forwards and backwards of several micro-batches are outstanding at once (their units'
+    hooks kept for recomputes): a gatherer acts only for its own micro-batch, so a step gathers
+    the stage's units exactly 2 x m times — no unit of another stage (their pieces are empty), no
+    re-gather by another micro-batch's gatherer."""
+    for m in (2, 4):
+        for gathered, stage_bytes in run_on_ranks(_gathered_bytes, 4, m, timeout=240):
+            assert gathered == 2 * m * stage_bytes, (m, gathered, stage_bytes)
