@@ -9,12 +9,19 @@ autograd:
 - F(s, j): receives stage s-1's activation for micro-batch j (s > 0; a leaf that requires
   grad), runs `forward` — the activation of stage s (s < last, sent on asynchronously) or
   the micro-batch's (scaled) loss (the last stage);
-- BW(s, j), or B(s, j): receives the gradient of stage s's activation from stage s+1 (s <
-  last), back-propagates it (the loss itself on the last stage) into the parameters'
-  `.grad` and the received activation's, and sends that on to stage s-1 (s > 0). W(s, j)
-  is then nothing left to do: the backward was done whole at B (the split of the weight
-  gradient into its own pass is not implemented: zero-bubble's order runs, its saving
-  does not).
+- BW(s, j): receives the gradient of stage s's activation from stage s+1 (s < last),
+  back-propagates it (the loss itself on the last stage) into the parameters' `.grad` and
+  the received activation's, and sends that on to stage s-1 (s > 0);
+- B(s, j) (zero-bubble's split, `dsfn.engines.split_backward`): receives the same gradient
+  and back-propagates it to the received activation alone — the weight branches of the
+  graph do not run — keeping the gradients that arrive where they leave the input's path,
+  and sends the activation's gradient on to stage s-1 as BW does. On the first stage (no
+  received activation) B computes nothing: no stage waits for it;
+- W(s, j): the weight gradients of (s, j) from what its B kept, accumulated into the
+  weights' `.grad` by autograd as the whole backward does; the stage's graph for (s, j) is
+  freed after it. B + W do about one backward's work (each node's input and weight
+  branches run once each). `run_rank(..., weights=...)` names the weights (the leaves the
+  forwards use); a schedule with B and W needs them.
 
 Transfers are point-to-point through torch.distributed on the pipeline axis's ranks: a
 small int64 header (rank count of dims, the dims, the dtype) then the tensor, both with a
@@ -28,8 +35,8 @@ Timeline. Given a list (`run_rank(..., timeline=records)`), one `Slot(action, st
 appended per action, in the rank's order: `time.perf_counter()` (CLOCK_MONOTONIC on Linux,
 one clock for every process of the machine) around the action's compute — the forward, or
 the backward — excluding the time blocked in its receive (idle time, the bubble) and the
-posting of its asynchronous send. W, a no-op here, is recorded with start == end. Without
-a list nothing is timed.
+posting of its asynchronous send; B and W each record their own compute (on the first
+stage B computes nothing and lasts ~0). Without a list nothing is timed.
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from dsfn.engines.pipeline_schedules import Action, Kind, Slot
+from dsfn.engines.split_backward import WeightGrad, WeightIndex, backward_input
 from dsfn.errors import ConfigError
 from dsfn.runtime import collectives as C
 
@@ -104,13 +112,21 @@ class StageLinks:
 
 def run_rank(actions: Sequence[Action], n_stages: int, links: StageLinks,
              forward: Callable[[int, int, torch.Tensor | None], torch.Tensor],
-             timeline: list | None = None) -> list[torch.Tensor]:
+             timeline: list | None = None, weights: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Run this rank's `actions` (module docstring); returns the last stage's loss per
     micro-batch it computed (detached), in micro-batch order. `forward(stage, mb, h_in)`
     returns the stage's activation (a stage before the last) or the scaled loss (the last),
     with autograd recording. `timeline`: when a list, one `Slot` per action is appended to
-    it, in order, timing the action's compute without its receive (module docstring)."""
+    it, in order, timing the action's compute without its receive (module docstring).
+    `weights`: the leaf tensors whose `.grad` the backward fills (every stage's parameters,
+    as the forwards use them); needed when `actions` hold B and W (the split backward)."""
+    split = any(a.kind in (Kind.B, Kind.W) for a in actions)
+    if split and weights is None:
+        raise ConfigError("run_rank: the schedule splits the backward into B and W, which needs the weights "
+                          "(the leaf tensors the forwards use): pass run_rank(..., weights=[...])")
+    index = WeightIndex(weights) if split else None
     held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+    pending: dict[tuple[int, int], WeightGrad] = {}       # B done, W not yet: what W needs
     losses: dict[int, torch.Tensor] = {}
     last = n_stages - 1
     timed = timeline is not None
@@ -132,23 +148,30 @@ def run_rank(actions: Sequence[Action], n_stages: int, links: StageLinks,
             held[key] = (h_in, out)
         elif a.kind in (Kind.BW, Kind.B):
             h_in, out = held.pop(key)
-            if a.stage < last:
-                grad = links.recv(a.stage + 1, a.stage, a.mb, backward=True)
-                if timed:
-                    t0 = time.perf_counter()
+            grad = links.recv(a.stage + 1, a.stage, a.mb, backward=True) if a.stage < last else None
+            if timed:
+                t0 = time.perf_counter()
+            if a.kind == Kind.BW:
                 torch.autograd.backward(out, grad)
             else:
-                if timed:
-                    t0 = time.perf_counter()
-                torch.autograd.backward(out)
+                pending[key] = backward_input(out, grad, h_in, index)
+            del out         # B: the graph is W's now (its upper part, unused by W, is freed here)
             if timed:
                 timeline.append(Slot(a, t0, time.perf_counter()))
             if a.stage > 0:
                 g = h_in.grad if h_in.grad is not None else torch.zeros_like(h_in)
                 links.send(g, a.stage - 1, a.stage - 1, a.mb, backward=True)
-        elif timed:
-            # Kind.W: the weight gradient was computed with the whole backward at B
-            t0 = time.perf_counter()
-            timeline.append(Slot(a, t0, t0))
+        else:       # Kind.W
+            if key not in pending:
+                raise ConfigError(f"run_rank: {a} has no B before it on this rank (or a second W): each B(s, j) "
+                                  "is followed by exactly one W(s, j); check the schedule (check_schedule)")
+            if timed:
+                t0 = time.perf_counter()
+            pending.pop(key).run()
+            if timed:
+                timeline.append(Slot(a, t0, time.perf_counter()))
+    if pending:
+        raise ConfigError(f"run_rank: B ran without its W for (stage, micro-batch) {sorted(pending)}: their weight "
+                          "gradients would be missing; each B(s, j) needs a W(s, j) later on the same rank")
     links.finish()
     return [losses[j] for j in sorted(losses)]

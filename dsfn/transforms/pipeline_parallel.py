@@ -261,7 +261,8 @@ class PipelineParallel(Transform):
         links = StageLinks([rank_of[s] for s in range(n_stages)], m, env.device(), self.axis)
         records: list[Slot] | None = [] if self.record_timeline else None
         with torch.enable_grad(), micro_batches(MicroBatchCounts(m, whole_of)):
-            losses = pipeline_runner.run_rank(schedule[me], n_stages, links, forward, timeline=records)
+            losses = pipeline_runner.run_rank(schedule[me], n_stages, links, forward, timeline=records,
+                                              weights=inputs)
         if records is not None:
             self.timeline = records
         self._last = (me, [f"{a.kind.value}{a.stage}.{a.mb}" for a in schedule[me]], dict(links.boundary_bytes))
