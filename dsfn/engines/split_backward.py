@@ -55,9 +55,11 @@ class WeightIndex:
         self._edges = []
         for w in weights:
             if not (isinstance(w, torch.Tensor) and w.requires_grad and w.grad_fn is None):
-                raise ConfigError("the weights of a split backward are leaf tensors that require grad (the "
-                                  "parameters the forward uses); got "
-                                  f"{type(w).__name__}{'' if not isinstance(w, torch.Tensor) else ' not a leaf'}")
+                what = (type(w).__name__ if not isinstance(w, torch.Tensor) else
+                        "a tensor that does not require grad" if not w.requires_grad else
+                        f"a non-leaf tensor (made by {type(w.grad_fn).__name__})")
+                raise ConfigError(f"the weights of a split backward are leaf tensors that require grad (the "
+                                  f"parameters as the forward uses them), got {what}: pass the leaves")
             edge = get_gradient_edge(w)
             self._edges.append(edge)
             self.by_node[edge.node] = w
