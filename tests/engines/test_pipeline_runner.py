@@ -25,6 +25,7 @@ from dsfn.engines.pipeline_schedules import Action, Kind, build_schedule, zbv
 from dsfn.engines.split_backward import WeightIndex, backward_input
 from dsfn.errors import ConfigError
 from dsfn.models.gpt import GPT, GPTConfig
+from dsfn.runtime import init_mesh
 from dsfn.testing import run_on_ranks
 
 CFG = GPTConfig.preset("tiny", n_layer=4, d_model=64, n_head=2, seq_len=16, tie_embeddings=False)
@@ -222,6 +223,7 @@ def test_zbv_on_one_rank_split_equals_unsplit_bitwise_and_plain_torch():
 
 
 def _ranks_case(m: int):
+    init_mesh(pp=2)
     rank = torch.distributed.get_rank()
     sched = build_schedule("zbv", 2, m)
     rank_of = [0] * 4
@@ -281,3 +283,73 @@ def test_the_weights_must_be_leaves_that_require_grad():
         WeightIndex([w * 2])
     with pytest.raises(ConfigError, match="leaf tensors that require grad"):
         WeightIndex([torch.ones(2)])
+
+
+# ---------------------------------------------------------------------------------------------
+# StageLinks: one message per transfer, receives posted ahead
+# ---------------------------------------------------------------------------------------------
+
+def _count_messages(m: int):
+    """1F1B at p = 2 through run_rank, counting this rank's isend / irecv / blocking recv."""
+    import torch.distributed as dist
+    calls = {"isend": 0, "irecv": 0, "recv": 0}
+    real = {k: getattr(dist, k) for k in calls}
+
+    def counting(k):
+        def f(*a, **kw):
+            calls[k] += 1
+            return real[k](*a, **kw)
+        return f
+    for k in calls:
+        setattr(dist, k, counting(k))
+    try:
+        init_mesh(pp=2)
+        rank = dist.get_rank()
+        sched = build_schedule("1f1b", 2, m)
+        losses, grads = _run(sched[rank], 2, [0, 1], m)
+    finally:
+        for k, f in real.items():
+            setattr(dist, k, f)
+    return calls, grads
+
+
+def test_each_transfer_is_one_message_and_receives_are_posted_ahead():
+    """1F1B, p = 2, m = 4: rank 0 sends m activations plus one header (micro-batch 0's),
+    rank 1 sends m bare gradients; rank 0 posts every gradient's receive ahead (no blocking
+    receive), rank 1 blocks only for micro-batch 0's activation (its header gives the shape)
+    and posts the header's and the other activations' receives. Gradients equal plain torch's."""
+    m = 4
+    _, ref = _reference(2, m)
+    out = run_on_ranks(_count_messages, 2, m, timeout=120)
+    (c0, g0), (c1, g1) = out
+    assert c0 == {"isend": m + 1, "irecv": m, "recv": 0}, c0
+    assert c1 == {"isend": m, "irecv": 1 + (m - 1), "recv": 1}, c1
+    for g in (g0, g1):
+        ours = {n for n, x in g.items() if x is not None}
+        assert ours and _same({n: g[n] for n in ours}, {n: ref[n] for n in ours}, exact=False) == []
+
+
+def _uneven_send():
+    init_mesh(pp=2)            # every rank builds the mesh (the send counters read it)
+    rank = torch.distributed.get_rank()
+    links = StageLinks([0, 1], 2, torch.device("cpu"))
+    if rank == 0:
+        links.send(torch.ones(2, 3), 1, 1, 0, backward=False)
+        try:
+            links.send(torch.ones(1, 3), 1, 1, 1, backward=False)
+            err = "ok"
+        except ConfigError as e:
+            err = str(e)
+        links.finish()
+        return err
+    got = links.recv(0, 1, 0, backward=False)
+    links.finish()
+    return tuple(got.shape)
+
+
+def test_a_micro_batch_of_another_shape_is_a_named_error():
+    """The bare activations of micro-batches > 0 reuse micro-batch 0's header: a different
+    shape is refused on the sending rank, naming both shapes."""
+    err, shape = run_on_ranks(_uneven_send, 2, timeout=60)
+    assert shape == (2, 3)
+    assert "micro-batch 1's activation into stage 1 is (1, 3)" in err and "(2, 3)" in err, err
