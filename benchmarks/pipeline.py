@@ -183,7 +183,8 @@ def print_measured(a: argparse.Namespace) -> None:
     print(f"clock: perf_counter = {clock.implementation} (one clock for the ranks' processes); load average "
           f"before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     print(f"{'schedule':<12} {'p':>2} {'m':>3} {'bubble':>7} {'[min..max]':>15} {'sim':>7} {'sim@meas':>8} "
-          f"{'closed':>7} {'diff pts':>8} {'step ms':>8} {'F ms':>6} {'BW ms':>6} {'W ms':>6}  peak held (records) / sim")
+          f"{'closed':>7} {'diff pts':>8} {'step ms':>8} {'F ms':>6} {'BW ms':>6} {'W ms':>6}  "
+          "peak held (records) / sim")
     res = measured_rows(p, m, a.layers, a.d_model, a.seq, a.rows, a.warmup, a.steps, a.out)
     for r in res:
         closed = "-" if r["closed"] is None else f"{r['closed']:.4f}"
