@@ -9,27 +9,40 @@ autograd:
 - F(s, j): receives stage s-1's activation for micro-batch j (s > 0; a leaf that requires
   grad), runs `forward` — the activation of stage s (s < last, sent on asynchronously) or
   the micro-batch's (scaled) loss (the last stage);
-- BW(s, j), or B(s, j): receives the gradient of stage s's activation from stage s+1 (s <
-  last), back-propagates it (the loss itself on the last stage) into the parameters'
-  `.grad` and the received activation's, and sends that on to stage s-1 (s > 0). W(s, j)
-  is then nothing left to do: the backward was done whole at B (the split of the weight
-  gradient into its own pass is not implemented: zero-bubble's order runs, its saving
-  does not).
+- BW(s, j): receives the gradient of stage s's activation from stage s+1 (s < last),
+  back-propagates it (the loss itself on the last stage) into the parameters' `.grad` and
+  the received activation's, and sends that on to stage s-1 (s > 0);
+- B(s, j) (zero-bubble's split, `dsfn.engines.split_backward`): receives the same gradient
+  and back-propagates it to the received activation alone — the weight branches of the
+  graph do not run — keeping the gradients that arrive where they leave the input's path,
+  and sends the activation's gradient on to stage s-1 as BW does. On the first stage (no
+  received activation) B computes nothing: no stage waits for it;
+- W(s, j): the weight gradients of (s, j) from what its B kept, accumulated into the
+  weights' `.grad` by autograd as the whole backward does; the stage's graph for (s, j) is
+  freed after it. B + W do about one backward's work (each node's input and weight
+  branches run once each). `run_rank(..., weights=...)` names the weights (the leaves the
+  forwards use); a schedule with B and W needs them.
 
-Transfers are point-to-point through torch.distributed on the pipeline axis's ranks: a
-small int64 header (rank count of dims, the dims, the dtype) then the tensor, both with a
-tag unique to (stage, micro-batch, direction), so a rank holding several stages
-(interleaved, ZBV) matches each receive with its send whatever the order. Sends are
-asynchronous and waited for at the end; receives block (the schedule's checker proves
-this order finishes). Imports no transform.
+Transfers are point-to-point through torch.distributed on the pipeline axis's ranks, with
+a tag unique to (stage, micro-batch, direction), so a rank holding several stages
+(interleaved, ZBV) matches each receive with its send whatever the order. Micro-batch 0's
+activation on each boundary is preceded by a small int64 header (its dims and dtype); the
+other micro-batches' activations (the same shape: equal micro-batches) and every gradient
+(shaped as the activation its receiver holds) travel bare, one message each. Sends are
+asynchronous and waited for at the end. Receives are posted ahead (`irecv`): a gradient's
+as soon as its forward has run, micro-batch j+1's activation once j's has arrived, so that
+the data is there when the action comes, instead of a blocking receive that starts the
+transfer only then (gloo's sender waits for the receive to be posted); a receive is waited
+for right before its action (the schedule's checker proves this order finishes). Imports
+no transform.
 
 Timeline. Given a list (`run_rank(..., timeline=records)`), one `Slot(action, start, end)`
 (`dsfn.engines.pipeline_schedules.Slot`; `.kind`, `.stage`, `.mb` name its action) is
 appended per action, in the rank's order: `time.perf_counter()` (CLOCK_MONOTONIC on Linux,
 one clock for every process of the machine) around the action's compute — the forward, or
 the backward — excluding the time blocked in its receive (idle time, the bubble) and the
-posting of its asynchronous send. W, a no-op here, is recorded with start == end. Without
-a list nothing is timed.
+posting of its asynchronous send; B and W each record their own compute (on the first
+stage B computes nothing and lasts ~0). Without a list nothing is timed.
 """
 from __future__ import annotations
 
@@ -42,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from dsfn.engines.pipeline_schedules import Action, Kind, Slot
+from dsfn.engines.split_backward import WeightGrad, WeightIndex, backward_input
 from dsfn.errors import ConfigError
 from dsfn.runtime import collectives as C
 
@@ -53,7 +67,16 @@ _HEADER = 8
 
 class StageLinks:
     """Point-to-point transfers between the stages' ranks. `rank_of[s]`: the global rank
-    holding stage s; `m`: micro-batches (for the tags)."""
+    holding stage s; `m`: micro-batches (for the tags).
+
+    What travels (module docstring): a forward activation of micro-batch 0 carries a
+    header (its dims and dtype) before it; the other micro-batches' activations on that
+    boundary must have the same shape and dtype (the micro-batches are equal slices; a
+    different one is a ConfigError on the sending rank) and travel bare, the receiver
+    using micro-batch 0's header. A gradient travels bare: its receiver holds the
+    activation it is the gradient of (`like`). `post` starts a receive ahead of time
+    (`dist.irecv` into a buffer of the known shape), so the data lands while this rank
+    computes; `recv` then only waits for it."""
 
     def __init__(self, rank_of: Sequence[int], m: int, device: torch.device, axis: str = "pp"):
         self.rank_of, self.m, self.device, self.axis = list(rank_of), m, device, axis
@@ -62,6 +85,9 @@ class StageLinks:
         self.sent_bytes = 0
         self.me = dist.get_rank() if dist.is_initialized() else 0
         self.local: dict[int, torch.Tensor] = {}      # tag -> a tensor this rank sent itself (ZBV's turn)
+        self.shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}   # receiving stage -> mb 0's activation
+        self.sent_shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.posted: dict[int, tuple[Any, torch.Tensor]] = {}     # tag -> (irecv work, its buffer)
 
     def _tag(self, stage: int, mb: int, backward: bool) -> int:
         return (stage * self.m + mb) * 2 + int(backward)
@@ -77,23 +103,75 @@ class StageLinks:
         if dst == self.me:            # both stages on this rank: no transfer
             self.local[tag] = t.clone()
             return
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
-        header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        for x in (header.to(self.device), t):
+        out = [t]
+        if not backward:
+            if mb == 0:
+                self.sent_shapes[stage] = (tuple(t.shape), t.dtype)
+                header = torch.zeros(_HEADER, dtype=torch.int64)
+                header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
+                header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+                out = [header.to(self.device), t]
+            elif self.sent_shapes.get(stage) != (tuple(t.shape), t.dtype):
+                raise ConfigError(f"pipeline_parallel: micro-batch {mb}'s activation into stage {stage} is "
+                                  f"{tuple(t.shape)} {t.dtype}, micro-batch 0's was {self.sent_shapes.get(stage)}: "
+                                  "a stage boundary carries one shape for every micro-batch (cut the batch into "
+                                  "equal micro-batches; a stage's output shape must not depend on the data)")
+        for x in out:
             self.pending.append((dist.isend(x, dst, tag=tag), x))
         self.sent_bytes += t.numel() * t.element_size()
         C.counters.record(self.axis, "send", t.numel() * t.element_size(), None, dst)
 
-    def recv(self, from_stage: int, stage: int, mb: int, backward: bool) -> torch.Tensor:
+    def _known(self, stage: int, mb: int, backward: bool, like: torch.Tensor | None
+               ) -> tuple[tuple[int, ...], torch.dtype] | None:
+        if backward:
+            return (tuple(like.shape), like.dtype) if like is not None else None
+        return self.shapes.get(stage) if mb > 0 else None
+
+    def post(self, from_stage: int, stage: int, mb: int, backward: bool, like: torch.Tensor | None = None) -> None:
+        """Start receiving (from_stage -> stage, mb, direction) now, when it comes from
+        another rank: micro-batch 0's forward header, or a payload whose shape is known
+        (a gradient shaped as `like`, a later micro-batch's activation). Else nothing."""
+        src, tag = self.rank_of[from_stage], self._tag(stage, mb, backward)
+        if src == self.me or tag in self.posted or mb >= self.m:
+            return
+        known = self._known(stage, mb, backward, like)
+        if known is None and (backward or mb > 0):
+            return
+        buf = (torch.empty(_HEADER, dtype=torch.int64, device=self.device) if known is None
+               else torch.empty(known[0], dtype=known[1], device=self.device))
+        self.posted[tag] = (dist.irecv(buf, src, tag=tag), buf)
+
+    def recv(self, from_stage: int, stage: int, mb: int, backward: bool,
+             like: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor (from_stage -> stage, mb, direction); `like`: for a gradient, the
+        activation it is the gradient of (its shape and dtype)."""
         src, tag = self.rank_of[from_stage], self._tag(stage, mb, backward)
         if src == self.me:
             return self.local.pop(tag)
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(header, src, tag=tag)
+        if backward and like is None:
+            raise ConfigError("StageLinks.recv of a gradient needs like= (the activation it is the gradient of)")
+        hit = self.posted.pop(tag, None)
+        if hit is not None:
+            hit[0].wait()
+            if backward or mb > 0:
+                return hit[1]
+            header = hit[1]
+        elif backward or mb > 0:
+            known = self._known(stage, mb, backward, like)
+            if known is None:
+                raise ConfigError(f"StageLinks: micro-batch {mb}'s activation into stage {stage} is received before "
+                                  "micro-batch 0's, whose header gives the shape: run each stage's forwards in "
+                                  "micro-batch order")
+            out = torch.empty(known[0], dtype=known[1], device=self.device)
+            dist.recv(out, src, tag=tag)
+            return out
+        else:
+            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            dist.recv(header, src, tag=tag)
         header = header.cpu()
         ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
-        out = torch.empty(tuple(int(d) for d in header[2:2 + ndim]), dtype=dtype, device=self.device)
+        self.shapes[stage] = (tuple(int(d) for d in header[2:2 + ndim]), dtype)
+        out = torch.empty(self.shapes[stage][0], dtype=dtype, device=self.device)
         dist.recv(out, src, tag=tag)
         return out
 
@@ -101,29 +179,51 @@ class StageLinks:
         for work, _ in self.pending:
             work.wait()
         self.pending = []
+        if self.posted:
+            raise ConfigError(f"StageLinks: {len(self.posted)} receive(s) posted and never used (tags "
+                              f"{sorted(self.posted)}): every posted (stage, micro-batch) must be received")
 
 
 def run_rank(actions: Sequence[Action], n_stages: int, links: StageLinks,
              forward: Callable[[int, int, torch.Tensor | None], torch.Tensor],
-             timeline: list | None = None,
-             backward_scope: Callable[[int, int], Any] | None = None) -> list[torch.Tensor]:
+             timeline: list | None = None, weights: Sequence[torch.Tensor] | None = None,
+             backward_scope: Callable[[int, int, bool], Any] | None = None) -> list[torch.Tensor]:
     """Run this rank's `actions` (module docstring); returns the last stage's loss per
     micro-batch it computed (detached), in micro-batch order. `forward(stage, mb, h_in)`
     returns the stage's activation (a stage before the last) or the scaled loss (the last),
     with autograd recording. `timeline`: when a list, one `Slot` per action is appended to
     it, in order, timing the action's compute without its receive (module docstring).
-    `backward_scope(stage, mb)`: a context manager entered around each BW / B action's
-    backward (the caller's hooks then know whose recomputes run)."""
+    `weights`: the leaf tensors whose `.grad` the backward fills (every stage's parameters,
+    as the forwards use them); needed when `actions` hold B and W (the split backward).
+    `backward_scope(stage, mb, last)`: a context manager entered around each BW, B and W
+    action's backward (the caller's hooks then know whose recomputes run); `last` is True
+    for the micro-batch's last one there (BW, or W)."""
+    split = any(a.kind in (Kind.B, Kind.W) for a in actions)
+    if split and weights is None:
+        raise ConfigError("run_rank: the schedule splits the backward into B and W, which needs the weights "
+                          "(the leaf tensors the forwards use): pass run_rank(..., weights=[...])")
+    index = WeightIndex(weights) if split else None
+
+    def scope(a: Action, last: bool) -> Any:
+        return backward_scope(a.stage, a.mb, last) if backward_scope is not None else contextlib.nullcontext()
     held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+    pending: dict[tuple[int, int], WeightGrad] = {}       # B done, W not yet: what W needs
     losses: dict[int, torch.Tensor] = {}
     last = n_stages - 1
     timed = timeline is not None
+    # receives start ahead of their action, so the data lands while this rank computes:
+    # micro-batch 0's headers now, micro-batch j+1's activation once j's arrived (its shape),
+    # a gradient as soon as the forward it belongs to has run
+    for a in actions:
+        if a.kind == Kind.F and a.stage > 0 and a.mb == 0:
+            links.post(a.stage - 1, a.stage, 0, backward=False)
     for a in actions:
         key = (a.stage, a.mb)
         if a.kind == Kind.F:
             h_in = None
             if a.stage > 0:
                 h_in = links.recv(a.stage - 1, a.stage, a.mb, backward=False).requires_grad_(True)
+                links.post(a.stage - 1, a.stage, a.mb + 1, backward=False)
             if timed:
                 t0 = time.perf_counter()
             out = forward(a.stage, a.mb, h_in)
@@ -131,31 +231,38 @@ def run_rank(actions: Sequence[Action], n_stages: int, links: StageLinks,
                 timeline.append(Slot(a, t0, time.perf_counter()))
             if a.stage < last:
                 links.send(out, a.stage + 1, a.stage + 1, a.mb, backward=False)
+                links.post(a.stage + 1, a.stage, a.mb, backward=True, like=out)
             else:
                 losses[a.mb] = out.detach()
             held[key] = (h_in, out)
         elif a.kind in (Kind.BW, Kind.B):
             h_in, out = held.pop(key)
-            scope = backward_scope(a.stage, a.mb) if backward_scope is not None else contextlib.nullcontext()
-            if a.stage < last:
-                grad = links.recv(a.stage + 1, a.stage, a.mb, backward=True)
-                if timed:
-                    t0 = time.perf_counter()
-                with scope:
+            grad = links.recv(a.stage + 1, a.stage, a.mb, backward=True, like=out) if a.stage < last else None
+            if timed:
+                t0 = time.perf_counter()
+            with scope(a, a.kind == Kind.BW):
+                if a.kind == Kind.BW:
                     torch.autograd.backward(out, grad)
-            else:
-                if timed:
-                    t0 = time.perf_counter()
-                with scope:
-                    torch.autograd.backward(out)
+                else:
+                    pending[key] = backward_input(out, grad, h_in, index)
+            del out         # B: the graph is W's now (its upper part, unused by W, is freed here)
             if timed:
                 timeline.append(Slot(a, t0, time.perf_counter()))
             if a.stage > 0:
                 g = h_in.grad if h_in.grad is not None else torch.zeros_like(h_in)
                 links.send(g, a.stage - 1, a.stage - 1, a.mb, backward=True)
-        elif timed:
-            # Kind.W: the weight gradient was computed with the whole backward at B
-            t0 = time.perf_counter()
-            timeline.append(Slot(a, t0, t0))
+        else:       # Kind.W
+            if key not in pending:
+                raise ConfigError(f"run_rank: {a} has no B before it on this rank (or a second W): each B(s, j) "
+                                  "is followed by exactly one W(s, j); check the schedule (check_schedule)")
+            if timed:
+                t0 = time.perf_counter()
+            with scope(a, True):
+                pending.pop(key).run()
+            if timed:
+                timeline.append(Slot(a, t0, time.perf_counter()))
+    if pending:
+        raise ConfigError(f"run_rank: B ran without its W for (stage, micro-batch) {sorted(pending)}: their weight "
+                          "gradients would be missing; each B(s, j) needs a W(s, j) later on the same rank")
     links.finish()
     return [losses[j] for j in sorted(losses)]

@@ -341,10 +341,10 @@ class PipelineParallel(Transform):
             return out.reshape(()) * inv
 
         @contextlib.contextmanager
-        def backward_scope(stage: int, mb: int):
+        def backward_scope(stage: int, mb: int, last: bool):
             # a recompute in this backward (activation checkpointing) runs stage `stage` on
-            # micro-batch `mb`'s received activation
-            h_in = self._h_in.pop((stage, mb), None)
+            # micro-batch `mb`'s received activation (kept for a split backward's W)
+            h_in = self._h_in.pop((stage, mb), None) if last else self._h_in.get((stage, mb))
             with contextlib.ExitStack() as scope:
                 for _, hooks in list((self._step_hooks or {}).values()):
                     scope.enter_context(hooks.running(stage, h_in, recompute=True))
@@ -360,7 +360,7 @@ class PipelineParallel(Transform):
         try:
             with torch.enable_grad(), micro_batches(MicroBatchCounts(m, whole_of)), backward_lifetime():
                 losses = pipeline_runner.run_rank(schedule[me], n_stages, links, forward, timeline=records,
-                                                  backward_scope=backward_scope)
+                                                  weights=inputs, backward_scope=backward_scope)
         finally:
             self._step_hooks, self._h_in = None, {}
         if records is not None:
