@@ -187,7 +187,8 @@ class StageLinks:
 def run_rank(actions: Sequence[Action], n_stages: int, links: StageLinks,
              forward: Callable[[int, int, torch.Tensor | None], torch.Tensor],
              timeline: list | None = None, weights: Sequence[torch.Tensor] | None = None,
-             backward_scope: Callable[[int, int, bool], Any] | None = None) -> list[torch.Tensor]:
+             backward_scope: Callable[[int, int, bool], Any] | None = None,
+             split_backward: Callable[[int, int], bool] | None = None) -> list[torch.Tensor]:
     """Run this rank's `actions` (module docstring); returns the last stage's loss per
     micro-batch it computed (detached), in micro-batch order. `forward(stage, mb, h_in)`
     returns the stage's activation (a stage before the last) or the scaled loss (the last),
@@ -197,8 +198,12 @@ def run_rank(actions: Sequence[Action], n_stages: int, links: StageLinks,
     as the forwards use them); needed when `actions` hold B and W (the split backward).
     `backward_scope(stage, mb, last)`: a context manager entered around each BW, B and W
     action's backward (the caller's hooks then know whose recomputes run); `last` is True
-    for the micro-batch's last one there (BW, or W)."""
+    for the micro-batch's last one there (BW, or W). `split_backward(stage, mb)` False: that
+    B runs the whole backward and its W nothing (the order runs, the split does not) — for
+    layers recomputed in backward (activation checkpointing), which W would recompute again,
+    once per group of weights; None: every B and W split."""
     split = any(a.kind in (Kind.B, Kind.W) for a in actions)
+    whole_at_b: set[tuple[int, int]] = set()          # B ran the whole backward: W has nothing to do
     if split and weights is None:
         raise ConfigError("run_rank: the schedule splits the backward into B and W, which needs the weights "
                           "(the leaf tensors the forwards use): pass run_rank(..., weights=[...])")
@@ -240,8 +245,11 @@ def run_rank(actions: Sequence[Action], n_stages: int, links: StageLinks,
             grad = links.recv(a.stage + 1, a.stage, a.mb, backward=True, like=out) if a.stage < last else None
             if timed:
                 t0 = time.perf_counter()
-            with scope(a, a.kind == Kind.BW):
-                if a.kind == Kind.BW:
+            whole = a.kind == Kind.BW or (split_backward is not None and not split_backward(a.stage, a.mb))
+            if whole and a.kind == Kind.B:
+                whole_at_b.add(key)
+            with scope(a, whole):
+                if whole:
                     torch.autograd.backward(out, grad)
                 else:
                     pending[key] = backward_input(out, grad, h_in, index)
@@ -251,6 +259,11 @@ def run_rank(actions: Sequence[Action], n_stages: int, links: StageLinks,
             if a.stage > 0:
                 g = h_in.grad if h_in.grad is not None else torch.zeros_like(h_in)
                 links.send(g, a.stage - 1, a.stage - 1, a.mb, backward=True)
+        elif key in whole_at_b:     # Kind.W, its backward done whole at B
+            whole_at_b.discard(key)
+            if timed:
+                t0 = time.perf_counter()
+                timeline.append(Slot(a, t0, t0))
         else:       # Kind.W
             if key not in pending:
                 raise ConfigError(f"run_rank: {a} has no B before it on this rank (or a second W): each B(s, j) "

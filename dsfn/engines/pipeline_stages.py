@@ -181,6 +181,17 @@ class _LikeReceived(nn.Module):
         return torch.zeros_like(self.like)
 
 
+def in_checkpoint() -> bool:
+    """Whether the code running now is inside a non-reentrant `torch.utils.checkpoint` region
+    (its saved-tensor hooks are the innermost ones): what it saves is recomputed in backward.
+    Reads torch's private hook stack; False where that is not available."""
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+    return bool(hooks) and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
+
+
 class StageHooks:
     """The hooks on a plan's layers for one training step: a context manager (registered on
     enter, removed on exit, also when the step raises), steered by `running(stage, h_in,
@@ -207,6 +218,9 @@ class StageHooks:
     def __init__(self, plan: StagePlan):
         self.plan = plan
         self.active: tuple[int, torch.Tensor | None, bool] | None = None     # (stage, h_in, recompute)
+        # a layer of the stage ran inside a checkpoint in a forward (a model's own
+        # `checkpoint(layer, h)`): its backward will recompute it; the caller reads and resets it
+        self.saw_checkpoint = False
         self._handles: list = []
         self._stage_of = {k: s for s, (a, b) in enumerate(plan.bounds) for k in range(a, b)}
 
@@ -253,6 +267,8 @@ class StageHooks:
     def _own_stage(self, k: int):
         def pre(mod, args):
             active = self.active
+            if active is not None and not active[2] and not self.saw_checkpoint and in_checkpoint():
+                self.saw_checkpoint = True
             if active is not None and self._stage_of[k] != active[0]:
                 what = "a recompute in backward" if active[2] else "the forward"
                 raise ConfigError(f"pipeline_parallel: layer {k} of {self.plan.layers_path} (stage "

@@ -336,9 +336,22 @@ class PipelineParallel(Transform):
                 return done.value
             finally:
                 self._running = None
+                for _, hooks in (self._step_hooks or {}).values():
+                    if hooks.saw_checkpoint:
+                        recomputed.add((stage, mb))
+                        hooks.saw_checkpoint = False
             if not isinstance(out, torch.Tensor) or out.numel() != 1:
                 raise ConfigError("pipeline_parallel: the differentiated function must return a scalar loss")
             return out.reshape(()) * inv
+
+        # zero-bubble's W would recompute checkpointed layers again: a micro-batch whose stage
+        # recomputes (remat, the model's checkpointing, or its own checkpoint calls seen by the
+        # stage's hooks) runs its backward whole at B
+        recomputes = self._recomputes()
+        recomputed: set[tuple[int, int]] = set()
+
+        def split_backward(stage: int, mb: int) -> bool:
+            return not recomputes and (stage, mb) not in recomputed
 
         @contextlib.contextmanager
         def backward_scope(stage: int, mb: int, last: bool):
@@ -360,7 +373,8 @@ class PipelineParallel(Transform):
         try:
             with torch.enable_grad(), micro_batches(MicroBatchCounts(m, whole_of)), backward_lifetime():
                 losses = pipeline_runner.run_rank(schedule[me], n_stages, links, forward, timeline=records,
-                                                  weights=inputs, backward_scope=backward_scope)
+                                                  weights=inputs, backward_scope=backward_scope,
+                                                  split_backward=split_backward)
         finally:
             self._step_hooks, self._h_in = None, {}
         if records is not None:
@@ -387,6 +401,16 @@ class PipelineParallel(Transform):
                     full = C.all_reduce_(full, self.axis, "sum")
                     grads[k] = full if so.holds() else g
         return value, tree.unflatten(spec, grads)
+
+    def _recomputes(self) -> bool:
+        """Whether the stages' layers are recomputed in backward (remat in the stack, or the
+        model's own gradient checkpointing): zero-bubble's W would recompute them again, so
+        its split is not used then (`run_rank(split_backward=...)`)."""
+        if stack_facts(self).whole.has_role("remat"):
+            return True
+        model = self.model
+        return model is not None and any(getattr(m, "gradient_checkpointing", False) is True
+                                         for m in model.modules())
 
     # -- forward --------------------------------------------------------------------------------
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
