@@ -17,10 +17,11 @@ Keys and defaults are DeepSpeed 0.19's (`deepspeed/runtime/config.py`, `zero/con
 | `zero_optimization.stage` s (default 0) | `shard_zero(s, reduce_bucket_size, allgather_bucket_size (s >= 1), param_persistence_threshold (s = 3))` (DeepSpeed's defaults 5e8, 5e8, 1e5 for stage 3) |
 | `zero_optimization.mics_shard_size: k` (> 0, stage 3) | `shard_zero(3, shard_group=k, cross_node=True)` (MiCS: state sharded over blocks of k ranks, replicated across them) |
 | `zero_optimization.zero_hpz_partition_size: k` (> 1, stage 3) | `shard_zero(3, hpz=min(k, dp))` (ZeRO++ hpZ) |
-| `tensor_parallel.autotp_size: N` (> 1) | `tensor_parallel("auto", model=model)`, mesh tp = N |
+| `tensor_parallel.autotp_size: N` (> 1) | `tensor_parallel("auto", model=model)`, mesh tp = N (with a pipeline: inside it) |
 | `activation_checkpointing.cpu_checkpointing` / `partition_activations` | `remat(offload="cpu")` / `remat(partition_activations=True)` |
 | `gradient_accumulation_steps: n` (> 1) | `accumulate(n)` (without a pipeline) |
 | `pipeline.stages: P` (> 1) | `pipeline_parallel("1f1b", microbatches=gradient_accumulation_steps, model=model)` innermost, mesh pp = P; no `accumulate` (the pipeline's micro-batches are the accumulation) |
+| `pipeline.activation_checkpoint_interval: 1` | `remat()` (each layer of a stage checkpointed); > 1 is listed (dsfn does not checkpoint groups of layers) |
 | `pipeline.partition` "uniform" / absent or "best" / "parameters" / "type:regex" | the even split by layer count / the same / `split=` balancing each stage's parameter count (embeddings counted on the first stage, final norm and head on the last) / `split=` balancing the layers whose class name matches |
 | `offload_optimizer.device` cpu / nvme (+ `offload_param` on the same device) | `offload(device, params=, path=nvme_path, pin_memory=, overlap=super_offload, cores=cpuadam_cores_perc)` |
 | `bf16.enabled` / `fp16.enabled` | `mixed_precision(torch.bfloat16 / torch.float16, reduce_dtype=communication_data_type)` |
@@ -54,10 +55,12 @@ builds `pipeline_parallel("1f1b", microbatches=gradient_accumulation_steps, mode
 absent, "auto" (DeepSpeed's default) or 1 is no pipeline: the other pipeline keys then do
 nothing and are named in the warning. ZeRO stage 2/3 with a pipeline, which DeepSpeed's
 pipeline engine refuses, is mapped: `shard_zero(2|3)` around it (each micro-batch's backward
-a round of gradient buckets). With a pipeline: `activation_checkpoint_interval`
-> 0 is listed (checkpointing inside a stage is not supported yet), and so are `sequence_parallel_size` /
-`autotp_size` > 1, `activation_checkpointing` remat, and fewer accumulation steps than
-stages (dsfn's 1F1B needs m >= P); `pipe_partitioned` / `grad_partitioned` (partitioned
+a round of gradient buckets); `sequence_parallel_size` > 1 keeps `sequence_parallel()`
+outermost and `autotp_size` > 1 puts `tensor_parallel("auto")` inside the pipeline (each
+stage split over its tp group); `activation_checkpoint_interval: 1` is `remat()` (each layer
+of a stage checkpointed; DeepSpeed's `activation_checkpointing` options, when given, shape
+that remat), a larger interval (groups of layers) is listed, and so are fewer accumulation
+steps than stages (dsfn's 1F1B needs m >= P); `pipe_partitioned` / `grad_partitioned` (partitioned
 p2p of tensor-parallel activations: communication only, and DeepSpeed applies them only
 under model parallelism), `use_reentrant` and `seed_layers` (DeepSpeed's engine takes it
 from PipelineModule, and dsfn trains the parameters the model already holds) are accepted
@@ -544,7 +547,7 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
 
     sp = _int("sequence_parallel_size", cfg.pop("sequence_parallel_size", 1) or 1)
     tp = _tensor_parallel(cfg.pop("tensor_parallel", None), c)
-    pp, partition = _pipeline(cfg.pop("pipeline", None), c)
+    pp, partition, interval = _pipeline(cfg.pop("pipeline", None), c)
     if world_size % (pp * sp * tp):
         what = f"pipeline.stages ({pp}) x " if pp > 1 else ""
         raise ConfigError(f"ds_config: world size {world_size} is not divisible by {what}sequence_parallel_size "
@@ -650,10 +653,8 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
                           "default is 1.0)")
     tx = _optimizer(cfg.pop("optimizer", None), cfg.pop("scheduler", None), model, c)
     remat_t = _activation_checkpointing(cfg.pop("activation_checkpointing", None), c)
-    if pp > 1 and remat_t:
-        c.no("activation_checkpointing", "cpu_checkpointing / partition_activations with pipeline.stages > 1: remat "
-             "does not compose with pipeline_parallel yet; set them false (the same numbers, more activation "
-             "memory), or drop the pipeline section")
+    if pp > 1 and interval == 1 and not remat_t:     # every layer of each stage checkpointed
+        remat_t = [_make("pipeline.activation_checkpoint_interval", T.remat)]
     ckpt, ckpt_t = _checkpointing(cfg, c, checkpoint_dir, save_every)
     _top_rest(cfg, c)
 
@@ -669,10 +670,10 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
     if sp > 1:
         stack.append(T.sequence_parallel())
     stack.append(_make("zero_optimization", T.shard_zero, stage, **zero_kw))
-    if tp > 1:
-        if model is None:
-            raise ConfigError("ds_config tensor_parallel.autotp_size > 1 needs the model: "
-                              "from_ds_config(config, model=model)")
+    if tp > 1 and model is None:
+        raise ConfigError("ds_config tensor_parallel.autotp_size > 1 needs the model: "
+                          "from_ds_config(config, model=model)")
+    if tp > 1 and pp == 1:
         stack.append(T.tensor_parallel("auto", model=model))
     stack += remat_t
     if gas > 1 and pp == 1:
@@ -687,6 +688,8 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
                               "from_ds_config(config, model=model)")
         split = _pipeline_split(model, pp, partition)
         stack.append(_make("pipeline", T.pipeline_parallel, "1f1b", microbatches=gas, model=model, split=split))
+        if tp > 1:      # inside the pipeline: each stage's parameters split over its tp group
+            stack.append(T.tensor_parallel("auto", model=model))
     return DsConfig(tuple(stack), tx, tb, mb, gas, world_size, {"pp": pp, "dp": dp, "sp": sp, "tp": tp}, ckpt,
                     tuple(k for k, _ in c.ignored), raw, resolved)
 
@@ -696,11 +699,11 @@ _PIPE_COMM = {"pipe_partitioned": "partitioned p2p of tensor-parallel activation
               "grad_partitioned": "partitioned p2p of tensor-parallel activation gradients"}
 
 
-def _pipeline(block: Any, c: _Collect) -> tuple[int, str]:
-    """(pp size, partition method) from the `pipeline` section (module docstring); its
+def _pipeline(block: Any, c: _Collect) -> tuple[int, str, int]:
+    """(pp size, partition method, activation_checkpoint_interval) from the `pipeline` section (module docstring); its
     keys are popped and each one checked, listed or named as ignored."""
     if block is None:
-        return 1, "uniform"
+        return 1, "uniform", 0
     b = _block("pipeline", block)
     stages = b.pop("stages", "auto")
     if stages is None or (isinstance(stages, str) and stages == "auto"):
@@ -715,7 +718,7 @@ def _pipeline(block: Any, c: _Collect) -> tuple[int, str]:
             c.ignore("pipeline", f"{sorted(b)} with no pipeline.stages > 1: DeepSpeed takes the stage count from "
                      "PipelineModule(num_stages=); set pipeline.stages to it for pipeline_parallel (without it the "
                      "accumulation steps run as accumulate(n): the same numbers)")
-        return 1, "uniform"
+        return 1, "uniform", 0
     partition = b.pop("partition", "best")
     if not isinstance(partition, str):
         raise ConfigError(f"ds_config pipeline.partition={partition!r}: 'uniform', 'parameters' or 'type:<regex>'")
@@ -730,14 +733,14 @@ def _pipeline(block: Any, c: _Collect) -> tuple[int, str]:
         c.no("pipeline.partition", f"{partition!r}: dsfn cuts the model's decoder layers 'uniform' (by count), by "
              "'parameters' or by 'type:<regex>' (DeepSpeed's 'profile' is not implemented there either)")
     interval = _int("pipeline.activation_checkpoint_interval", b.pop("activation_checkpoint_interval", 0))
-    if interval > 0:
-        c.no("pipeline.activation_checkpoint_interval", f"{interval}: activation checkpointing inside a pipeline "
-             "stage is not supported yet (pipeline_parallel refuses the model's own gradient checkpointing); set 0 "
-             "(the same numbers, more activation memory)")
+    if interval > 1:
+        c.no("pipeline.activation_checkpoint_interval", f"{interval}: DeepSpeed checkpoints groups of {interval} "
+             "layers; dsfn's remat() checkpoints each layer of a stage: set 1 (every layer; the same numbers) or 0")
     if "use_reentrant" in b:
         _bool("pipeline.use_reentrant", b.pop("use_reentrant"))
-        c.ignore("pipeline.use_reentrant", "it picks the checkpoint function of activation_checkpoint_interval, "
-                 "which is off")
+        c.ignore("pipeline.use_reentrant", "it picks the checkpoint function; dsfn's remat is non-reentrant (the "
+                 "same numbers)" if interval else "it picks the checkpoint function of "
+                 "activation_checkpoint_interval, which is off")
     for k, what in _PIPE_COMM.items():
         if k in b:
             _bool(f"pipeline.{k}", b.pop(k))
@@ -749,7 +752,7 @@ def _pipeline(block: Any, c: _Collect) -> tuple[int, str]:
     for k in b:
         c.no(f"pipeline.{k}", "not a DeepSpeed 0.19 pipeline key (stages, partition, seed_layers, "
              "activation_checkpoint_interval, pipe_partitioned, grad_partitioned, use_reentrant)")
-    return pp, partition
+    return pp, partition, interval
 
 
 def _pipeline_limits(pp: int, gas: int, sp: int, tp: int, c: _Collect) -> None:
@@ -758,12 +761,6 @@ def _pipeline_limits(pp: int, gas: int, sp: int, tp: int, c: _Collect) -> None:
         c.no("gradient_accumulation_steps", f"{gas} with pipeline.stages {pp}: the accumulation steps are the "
              f"pipeline's micro-batches, and dsfn's 1F1B needs at least one per stage; set it >= {pp} (and "
              "train_batch_size to match)")
-    if sp > 1:
-        c.no("sequence_parallel_size", f"{sp} with pipeline.stages {pp}: sequence parallelism inside a pipeline "
-             "stage is not supported yet; keep one of the two")
-    if tp > 1:
-        c.no("tensor_parallel.autotp_size", f"{tp} with pipeline.stages {pp}: tensor parallelism inside a pipeline "
-             "stage is not supported yet; keep one of the two")
 
 
 def _pipeline_split(model: Any, pp: int, partition: str) -> list[int] | None:

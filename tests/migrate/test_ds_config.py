@@ -224,7 +224,7 @@ def test_example_configs_train_like_the_hand_written_stack(tmp_path):
 
 def test_unsupported_keys_are_listed_in_one_error():
     cfg = {**copy.deepcopy(ZERO2_FP16), "amp": {"enabled": True},
-           "pipeline": {"stages": 2, "activation_checkpoint_interval": 1}, "gradient_allreduce_op": "sum"}
+           "pipeline": {"stages": 2, "activation_checkpoint_interval": 3}, "gradient_allreduce_op": "sum"}
     cfg["zero_optimization"].update(zero_quantized_gradients=True, zero_hpz_partition_size=8)
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "ratio": 0.3}
     cfg["optimizer"]["params"]["torch_adam"] = True
@@ -232,11 +232,10 @@ def test_unsupported_keys_are_listed_in_one_error():
     with pytest.raises(ConfigError) as e:
         from_ds_config(cfg, world_size=4)
     assert str(e.value) == (
-        "ds_config has 8 setting(s) dsfn does not reproduce; remove them (or change them as noted) and call "
+        "ds_config has 7 setting(s) dsfn does not reproduce; remove them (or change them as noted) and call "
         "from_ds_config again:\n"
-        "  - pipeline.activation_checkpoint_interval: 1: activation checkpointing inside a pipeline stage is not "
-        "supported yet (pipeline_parallel refuses the model's own gradient checkpointing); set 0 (the same numbers, "
-        "more activation memory)\n"
+        "  - pipeline.activation_checkpoint_interval: 3: DeepSpeed checkpoints groups of 3 layers; dsfn's remat() "
+        "checkpoints each layer of a stage: set 1 (every layer; the same numbers) or 0\n"
         "  - gradient_accumulation_steps: 1 with pipeline.stages 2: the accumulation steps are the pipeline's "
         "micro-batches, and dsfn's 1F1B needs at least one per stage; set it >= 2 (and train_batch_size to match)\n"
         "  - zero_optimization.offload_optimizer.ratio: partial (Twin-Flow) offload: dsfn offloads all of the "
@@ -244,8 +243,6 @@ def test_unsupported_keys_are_listed_in_one_error():
         "  - zero_optimization.zero_hpz_partition_size: DeepSpeed reads it only at ZeRO stage 3; set stage 3 (then "
         "it is shard_zero(3, hpz=2)), or remove it\n"
         "  - zero_optimization.zero_quantized_gradients: ZeRO++ quantized communication\n"
-        "  - zero_optimization.stage: 2 with pipeline.stages 2: ZeRO-2/3 reduce gradients while backward runs, and "
-        "a pipeline runs many backwards per step (DeepSpeed's pipeline engine refuses them too); use stage 0 or 1\n"
         "  - amp: use bf16/fp16 (dsfn's mixed_precision) instead\n"
         "  - gradient_allreduce_op: 'sum': dsfn averages gradients over data parallel (DeepSpeed's 'mean')")
     # negative control: without those keys the same config is accepted

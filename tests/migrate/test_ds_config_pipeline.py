@@ -8,9 +8,10 @@
   balancing each stage's parameter count, "type:<regex>" -> `split=` balancing the matching
   layers;
 - `pipe_partitioned` / `grad_partitioned` / `use_reentrant` / `seed_layers: true`: named in
-  the warning; `activation_checkpoint_interval` > 0, sp / tp, remat, fewer accumulation steps
-  than stages: a ConfigError naming the key and the fix; ZeRO-2/3 (which DeepSpeed's pipeline
-  engine refuses) map to shard_zero(2|3) around the pipeline.
+  the warning; `activation_checkpoint_interval` > 1, fewer accumulation steps than stages: a
+  ConfigError naming the key and the fix; ZeRO-2/3 (which DeepSpeed's pipeline engine refuses)
+  map to shard_zero(2|3) around the pipeline, sp / tp to sequence_parallel outermost and
+  tensor_parallel inside it, interval 1 and the activation_checkpointing options to remat.
 
 A config with a pipeline section trains at pp 2 like the hand-written
 `compose(pipeline_parallel("1f1b", 4, model=model))` stack.
@@ -64,6 +65,14 @@ def test_stages_map_to_pipeline_parallel_over_pp():
     clipped, _ = _cfg(gradient_clipping=1.0, bf16={"enabled": True}, zero_optimization={"stage": 1})
     assert [t.name for t in clipped.transforms] == ["shard_zero", "mixed_precision", "clip_grad_norm",
                                                    "pipeline_parallel"]
+    # sequence parallel outermost, tensor parallel inside the pipeline, remat for interval 1
+    got, _ = _cfg({"stages": 2, "activation_checkpoint_interval": 1}, world=16, sequence_parallel_size=2,
+                  tensor_parallel={"autotp_size": 2})
+    assert [t.name for t in got.transforms] == ["sequence_parallel", "shard_zero", "remat", "pipeline_parallel",
+                                                "tensor_parallel"]
+    assert got.mesh == {"pp": 2, "dp": 2, "sp": 2, "tp": 2}
+    got, _ = _cfg(activation_checkpointing={"cpu_checkpointing": True})        # DeepSpeed's options shape remat
+    assert [(t.name, getattr(t, "offload", None)) for t in got.transforms if t.name == "remat"] == [("remat", "cpu")]
     for stage in (2, 3):        # DeepSpeed's pipeline engine refuses these; dsfn runs them
         zero, _ = _cfg(zero_optimization={"stage": stage})
         assert [(t.name, getattr(t, "stage", None)) for t in zero.transforms] == [("shard_zero", stage),
@@ -126,14 +135,9 @@ def test_communication_and_seed_keys_are_named_in_the_warning():
 
 
 @pytest.mark.parametrize("cfg, match", [
-    ({"pipeline": {"stages": 2, "activation_checkpoint_interval": 1}},
-     r"pipeline.activation_checkpoint_interval: 1: activation checkpointing inside a pipeline stage is not "
-     r"supported yet.*set 0"),
+    ({"pipeline": {"stages": 2, "activation_checkpoint_interval": 2}},
+     r"pipeline.activation_checkpoint_interval: 2: DeepSpeed checkpoints groups of 2 layers.*set 1"),
     ({"gradient_accumulation_steps": 1}, r"gradient_accumulation_steps: 1 with pipeline.stages 2: .*set it >= 2"),
-    ({"sequence_parallel_size": 2}, r"sequence_parallel_size: 2 with pipeline.stages 2: .*keep one of the two"),
-    ({"tensor_parallel": {"autotp_size": 2}}, r"tensor_parallel.autotp_size: 2 with pipeline.stages 2"),
-    ({"activation_checkpointing": {"partition_activations": True}},
-     r"activation_checkpointing: .*remat does not compose with pipeline_parallel yet; set them false"),
     ({"pipeline": {"stages": 2, "partition": "profile"}}, r"pipeline.partition: 'profile': .*'uniform'"),
     ({"pipeline": {"stages": 2, "partition": "type:Mlp"}},
      r"pipeline.partition='type:Mlp': no layer .*LlamaDecoderLayer.*use 'uniform'"),
