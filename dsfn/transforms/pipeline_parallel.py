@@ -69,7 +69,11 @@ of stage s takes j's received activation (several micro-batches are outstanding 
 end, also when it raises. Checkpoint the layers or modules inside them: remat of a module
 holding the layer list (`remat(modules=["model"])`), or a checkpoint around the whole layer
 loop, would recompute every layer without the stage's cut — a ConfigError.
-`estimate_memory` models the recomputed layers' smaller activations.
+`estimate_memory` models the recomputed layers' smaller activations. Zero-bubble's split
+backward (B now, W later: `dsfn.engines.split_backward`) would recompute a checkpointed
+stage again in W, once per group of weights: a micro-batch whose stage recomputes (remat in
+the stack, the model's gradient checkpointing, or a layer seen running inside a torch
+checkpoint in its forward) runs its backward whole at B, its W then empty.
 
 Timeline. `pipeline_parallel(..., record_timeline=True)` times every action of this rank's
 schedule in each step: `transform.timeline` then holds the last step's records, one
