@@ -15,26 +15,20 @@ from hypothesis import given, settings, strategies as st
 import dsfn
 from dsfn.engines.pipeline_schedules import Kind, build_schedule
 from dsfn.errors import ConfigError, StackError
-from dsfn.models.gpt import GPT, GPTConfig
 from dsfn.runtime import current_mesh, init_mesh
 from dsfn.state.layout import Placed, StageOwned
 from dsfn.testing import run_on_ranks
 from dsfn.testing.asserts import assert_trees_close
 from dsfn.testing.models import make_mlp, make_tiny_causal_lm, token_batches
+from dsfn.testing.pipelines import PIPELINE_OPTS, assert_runs_equal, pipeline_model
 from dsfn.testing.reference import lm_loss, train_step_for
 from dsfn.transforms import accumulate, clip_grad_norm, data_parallel, mixed_precision, pipeline_parallel, shard_zero
 
 BATCHES = token_batches(3, 8, 12, 101, seed=1)
-FP32 = dict(rtol=1e-5, atol=1e-6)
-OPTS = {"sgd": lambda: dsfn.optim.sgd(0.1, momentum=0.9),
-        "adamw": lambda: dsfn.optim.adamw(3e-3, eps=1e-4, weight_decay=0.1),
-        "muon": lambda: dsfn.optim.muon(lr=0.02, adam_lr=3e-3, adam_eps=1e-4, weight_decay=0.1, allow_no_muon=True)}
+OPTS = PIPELINE_OPTS
 
 
-def _model(family):
-    if family == "gpt":
-        return GPT(GPTConfig.preset("tiny", n_layer=4))
-    return make_tiny_causal_lm(family, num_hidden_layers=4)
+_model = pipeline_model
 
 
 def _train(family, opt, outer=(), mesh=None, schedule=None, m=4, **pp):
@@ -56,12 +50,7 @@ def _train(family, opt, outer=(), mesh=None, schedule=None, m=4, **pp):
     return losses, {"params": g.params, "opt_state": g.opt_state}, owners
 
 
-def _check(results, ref, opt):
-    for losses, state, _ in results:
-        assert torch.allclose(torch.tensor(losses), torch.tensor(ref[0]), **FP32), (losses, ref[0])
-        compared = state if opt == "sgd" else {"params": state["params"]}
-        expected = ref[1] if opt == "sgd" else {"params": ref[1]["params"]}
-        assert_trees_close(compared, expected, **FP32)
+_check = assert_runs_equal
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zbv"])

@@ -20,27 +20,23 @@ import torch
 import dsfn
 from dsfn.engines.pipeline_runner import StageLinks
 from dsfn.errors import StackError, UnplacedStateError
-from dsfn.models.gpt import GPT, GPTConfig, tp_plan
+from dsfn.models.gpt import tp_plan
 from dsfn.runtime import current_mesh, init_mesh
 from dsfn.state.layout import DimShard, Nested, PackedDimShard, Placed, StageOwned, is_placed
 from dsfn.testing import assert_trees_equal, run_on_ranks
 from dsfn.testing.asserts import assert_trees_close
-from dsfn.testing.models import make_tiny_causal_lm, token_batches
+from dsfn.testing.models import token_batches
+from dsfn.testing.pipelines import FP32, PIPELINE_OPTS, pipeline_model
 from dsfn.testing.reference import lm_loss
 from dsfn.transforms import (async_checkpoint, clip_grad_norm, pipeline_parallel, sequence_parallel, shard_zero,
                              tensor_parallel)
 
 BATCHES = token_batches(3, 8, 12, 101, seed=1)
-FP32 = dict(rtol=1e-5, atol=1e-6)
-OPTS = {"sgd": lambda: dsfn.optim.sgd(0.1, momentum=0.9),
-        "adamw": lambda: dsfn.optim.adamw(3e-3, eps=1e-4, weight_decay=0.1),
-        "muon": lambda: dsfn.optim.muon(lr=0.02, adam_lr=3e-3, adam_eps=1e-4, weight_decay=0.1, allow_no_muon=True)}
+OPTS = PIPELINE_OPTS
 
 
 def _model(family):
-    if family == "gpt":
-        return GPT(GPTConfig.preset("tiny", n_layer=4, vocab_size=101))
-    return make_tiny_causal_lm(family, num_hidden_layers=4)
+    return pipeline_model(family, vocab_size=101)
 
 
 def _tp(model, family):

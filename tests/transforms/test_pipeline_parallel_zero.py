@@ -13,30 +13,22 @@ fp32 tolerance; Muon and AdamW through the losses and parameters.
 import math
 
 import pytest
-import torch
 
 import dsfn
-from dsfn.models.gpt import GPT, GPTConfig
 from dsfn.runtime import current_mesh, init_mesh
 from dsfn.state.layout import FlatShard, Nested, Placed, StageOwned
 from dsfn.testing import run_on_ranks
-from dsfn.testing.asserts import assert_trees_close
-from dsfn.testing.models import make_tiny_causal_lm, token_batches
+from dsfn.testing.models import token_batches
+from dsfn.testing.pipelines import PIPELINE_OPTS, assert_runs_equal, pipeline_model
 from dsfn.testing.reference import lm_loss, train_step_for
 from dsfn.transforms import clip_grad_norm, pipeline_parallel, remat, shard_zero
 
 BATCHES = token_batches(3, 8, 12, 101, seed=3)
-FP32 = dict(rtol=1e-5, atol=1e-6)
-OPTS = {"sgd": lambda: dsfn.optim.sgd(0.1, momentum=0.9),
-        "adamw": lambda: dsfn.optim.adamw(3e-3, eps=1e-4, weight_decay=0.1),
-        "muon": lambda: dsfn.optim.muon(lr=0.02, adam_lr=3e-3, adam_eps=1e-4, weight_decay=0.1, allow_no_muon=True)}
+OPTS = PIPELINE_OPTS
 BUCKET = 3000
 
 
-def _model(family):
-    if family == "gpt":
-        return GPT(GPTConfig.preset("tiny", n_layer=4))
-    return make_tiny_causal_lm(family, num_hidden_layers=4)
+_model = pipeline_model
 
 
 def _train(family, opt, stage=None, schedule=None, m=4, clip=None, recompute=None):
@@ -64,12 +56,7 @@ def _train(family, opt, stage=None, schedule=None, m=4, clip=None, recompute=Non
     return losses, {"params": g.params, "opt_state": g.opt_state}, pieces, pp
 
 
-def _check(results, ref, opt):
-    for losses, state, *_ in results:
-        assert torch.allclose(torch.tensor(losses), torch.tensor(ref[0]), **FP32), (losses, ref[0])
-        compared = state if opt == "sgd" else {"params": state["params"]}
-        expected = ref[1] if opt == "sgd" else {"params": ref[1]["params"]}
-        assert_trees_close(compared, expected, **FP32)
+_check = assert_runs_equal
 
 
 @pytest.mark.parametrize("stage,schedule,family,opt", [
