@@ -129,3 +129,27 @@ def test_zero3_gathers_each_micro_batchs_stage_once_in_forward_and_once_in_backw
     for m in (2, 4):
         for gathered, stage_bytes in run_on_ranks(_gathered_bytes, 4, m, timeout=240):
             assert gathered == 2 * m * stage_bytes, (m, gathered, stage_bytes)
+
+
+def _train_hybrid(family):
+    """pp 2 x dp 4 (world 8) with hybrid ZeRO-3 around the pipeline: each stage's state sharded
+    over groups of 2 of its dp ranks, copies across the 2 groups; 3 steps' losses and state."""
+    model = _model(family)
+    apply_fn, params = dsfn.functionalize(model)
+    init_mesh(dp=4, pp=2)
+    step = dsfn.compose(shard_zero(3, shard_group=2, reduce_bucket_size=BUCKET),
+                        pipeline_parallel("1f1b", 2, model=model))(train_step_for(apply_fn, lm_loss))
+    state = step.init_state(params, OPTS["sgd"]())
+    losses = []
+    for b in BATCHES:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    g = step.gather(state)
+    return losses, {"params": g.params, "opt_state": g.opt_state}
+
+
+def test_hybrid_zero3_around_the_pipeline_equals_the_single_process():
+    """HSDP (shards over groups of 2 dp ranks, copies across the groups) around a pp-2 pipeline
+    at world 8: each bucket's shards are all-reduced across the groups once per step."""
+    ref = _train("llama", "sgd")
+    _check(run_on_ranks(_train_hybrid, 8, "llama", timeout=300), ref, "sgd")
