@@ -45,6 +45,7 @@ backward's work together); the "W ms" column is zbv's median W per whole stage.
 from __future__ import annotations
 
 import argparse
+import re
 import os
 import sys
 import time
@@ -104,12 +105,21 @@ def _rank_timelines(name: str, m: int, layers: int, d_model: int, seq: int, rows
     pp = pipeline_parallel(name, m, model=model, record_timeline=True)
     step = dsfn.compose(pp)(train_step_for(apply_fn, lm_loss))
     state = step.init_state(params, dsfn.optim.sgd(0.01))
+    from dsfn.runtime.collectives import counters
     out = []
-    for k, b in enumerate(token_batches(warmup + steps, m * rows, seq, cfg.vocab_size, seed=1)):
+    batches = token_batches(warmup + steps, m * rows, seq, cfg.vocab_size, seed=1)
+    for k, b in enumerate(batches):
+        counters.reset()
         state, _ = step(state, b)
         if k >= warmup:
             out.append(list(pp.timeline))
-    return out
+    # the bytes this rank sent in the last step, counted at the torch.distributed calls, and the
+    # bytes per stage boundary `explain` states (its note: "stage a->b: N B")
+    sent = counters.bytes("pp", "send")
+    note = step.explain(state, batches[-1]).stack[0]
+    stated = {(int(a), int(b)): int(n.replace(",", "")) for a, b, n in re.findall(r"stage (\d+)->(\d+): ([\d,]+) B",
+                                                                                  note)}
+    return out, sent, stated
 
 
 def _peak_held(records: list[Slot], v: int) -> float:
@@ -129,8 +139,16 @@ def measured_rows(p: int, m: int, layers: int, d_model: int, seq: int, rows: int
     result = []
     for name in NAMES:
         sched = build_schedule(name, p, m, 2)
-        per_rank = run_on_ranks(_rank_timelines, p, name, m, layers, d_model, seq, rows, warmup, steps,
-                                timeout=1800)
+        ran = run_on_ranks(_rank_timelines, p, name, m, layers, d_model, seq, rows, warmup, steps, timeout=1800)
+        per_rank = [r[0] for r in ran]
+        # send/recv bytes per step: counted at the sends, stated by explain (its boundaries between
+        # two ranks; a boundary inside a rank moves nothing), and the closed form: each such
+        # boundary carries every micro-batch's activation forward and its gradient back
+        rank_of = {a.stage: a.rank for acts in sched for a in acts}
+        counted = sum(r[1] for r in ran)
+        stated = sum(n for r in ran for (a, b), n in r[2].items() if rank_of[a] != rank_of[b])
+        crossing = sum(1 for s_ in range(len(rank_of) - 1) if rank_of[s_] != rank_of[s_ + 1])
+        closed_bytes = crossing * 2 * m * rows * seq * d_model * 4
         bubbles, spans = [], []
         for t in range(steps):
             recs = [per_rank[r][t] for r in range(p)]
@@ -168,7 +186,8 @@ def measured_rows(p: int, m: int, layers: int, d_model: int, seq: int, rows: int
                            step_ms=1e3 * statistics.median(spans), t_f_ms=1e3 * t_f, t_b_ms=1e3 * t_b,
                            t_w_ms=None if t_w is None else 1e3 * t_w,
                            peaks=[_peak_held(per_rank[r][0], sched.v) for r in range(p)],
-                           sim_peaks=list(sim.peak_activations), png=png))
+                           sim_peaks=list(sim.peak_activations), png=png, counted=counted, stated=stated,
+                           closed_bytes=closed_bytes))
     return result
 
 
@@ -207,6 +226,10 @@ def print_measured(a: argparse.Namespace) -> None:
     for name in ("interleaved", "zbv"):
         below = by[name]["bubble"] < one["bubble"]
         print(f"{name} measured {by[name]['bubble']:.4f} {'<' if below else '>='} 1F1B's {one['bubble']:.4f}")
+    for r in res:
+        same = r["counted"] == r["stated"] == r["closed_bytes"]
+        print(f"{r['name']} send/recv bytes per step: counted at the sends {r['counted']:,}, stated by explain "
+              f"{r['stated']:,}, closed form {r['closed_bytes']:,} ({'equal' if same else 'DIFFER'})")
     print(f"measured timelines: {a.out}/pipeline_measured_<schedule>_p{p}_m{m}.png (time in units of the "
           f"measured F of a whole stage)")
 
