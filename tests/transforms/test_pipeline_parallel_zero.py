@@ -44,16 +44,22 @@ def _train(family, opt, stage=None, schedule=None, m=4, clip=None, recompute=Non
         ts += [shard_zero(stage, reduce_bucket_size=BUCKET), pipeline_parallel(schedule, m, model=model)]
         ts += [remat()] if recompute == "remat" else []
     step = dsfn.compose(*ts)(train_step_for(apply_fn, lm_loss))
+    losses, logical, state = _three_steps(step, params, opt)
+    pieces = {k: (type(x.layout).__name__, x.data.numel()) if isinstance(x, Placed) else ("tensor", x.numel())
+              for k, x in state.params.items()}
+    pp = current_mesh().local_rank("pp") if stage is not None else 0
+    return losses, logical, pieces, pp
+
+
+def _three_steps(step, params, opt):
+    """(losses, logical {"params", "opt_state"}, the placed state) of 3 steps of `step`."""
     state = step.init_state(params, OPTS[opt]())
     losses = []
     for b in BATCHES:
         state, metrics = step(state, b)
         losses.append(float(metrics["loss"]))
-    pieces = {k: (type(x.layout).__name__, x.data.numel()) if isinstance(x, Placed) else ("tensor", x.numel())
-              for k, x in state.params.items()}
     g = step.gather(state)
-    pp = current_mesh().local_rank("pp") if stage is not None else 0
-    return losses, {"params": g.params, "opt_state": g.opt_state}, pieces, pp
+    return losses, {"params": g.params, "opt_state": g.opt_state}, state
 
 
 _check = assert_runs_equal
@@ -139,13 +145,7 @@ def _train_hybrid(family):
     init_mesh(dp=4, pp=2)
     step = dsfn.compose(shard_zero(3, shard_group=2, reduce_bucket_size=BUCKET),
                         pipeline_parallel("1f1b", 2, model=model))(train_step_for(apply_fn, lm_loss))
-    state = step.init_state(params, OPTS["sgd"]())
-    losses = []
-    for b in BATCHES:
-        state, metrics = step(state, b)
-        losses.append(float(metrics["loss"]))
-    g = step.gather(state)
-    return losses, {"params": g.params, "opt_state": g.opt_state}
+    return _three_steps(step, params, "sgd")[:2]
 
 
 def test_hybrid_zero3_around_the_pipeline_equals_the_single_process():
@@ -153,3 +153,22 @@ def test_hybrid_zero3_around_the_pipeline_equals_the_single_process():
     at world 8: each bucket's shards are all-reduced across the groups once per step."""
     ref = _train("llama", "sgd")
     _check(run_on_ranks(_train_hybrid, 8, "llama", timeout=300), ref, "sgd")
+
+
+def _train_zero3_pp_tp(family):
+    """dp 2 x pp 2 x tp 2 (world 8): ZeRO-3 around the pipeline, tensor parallel inside each
+    stage (each stage's tp pieces sharded over its dp ranks); 3 steps' losses and state."""
+    from dsfn.transforms import tensor_parallel
+    model = _model(family)
+    apply_fn, params = dsfn.functionalize(model)
+    init_mesh(dp=2, pp=2, tp=2)
+    step = dsfn.compose(shard_zero(3, reduce_bucket_size=BUCKET), pipeline_parallel("1f1b", 2, model=model),
+                        tensor_parallel("auto", model=model))(train_step_for(apply_fn, lm_loss))
+    return _three_steps(step, params, "sgd")[:2]
+
+
+def test_zero3_around_a_pipeline_with_tensor_parallel_stages_equals_the_single_process():
+    """Every axis > 1: the tied embedding's tp pieces summed over the first and last stage by
+    ZeRO (a non-owner's zeros shaped as an owner's tp piece's shard)."""
+    ref = _train("llama", "sgd")
+    _check(run_on_ranks(_train_zero3_pp_tp, 8, "llama", timeout=300), ref, "sgd")
