@@ -108,6 +108,18 @@ def _no_update():
     return _update(lambda old, new, tree: old)
 
 
+def _last_stage_skips_update():
+    """On the pipeline's last stage the update is not applied: its parameters (and optimizer
+    state) stay as they were while the other stages step — the stages out of step."""
+    def skip(old, new, tree):
+        from dsfn.runtime.mesh import current_mesh
+        mesh = current_mesh()
+        if "pp" in mesh.axes and mesh.size("pp") > 1 and mesh.local_rank("pp") == mesh.size("pp") - 1:
+            return old
+        return new
+    return _update(skip)
+
+
 def _update_scaled():
     def scaled(old, new, tree):
         def mix(p, q):
@@ -200,6 +212,9 @@ MUTATIONS: dict[str, Mutation] = {m.name: m for m in [
              ("tests/transforms/test_zero_hybrid.py",)),
     Mutation("pipeline_drops_microbatch", "the pipeline drops one micro-batch's gradient (and loss)",
              _pipeline_drops_microbatch, lambda c: _K().pipelined(c.stack), ("tests/transforms/test_pipeline_parallel.py",)),
+    Mutation("pipeline_stage_out_of_step", "the pipeline's last stage skips its update (the stages out of step)",
+             _last_stage_skips_update, lambda c: _K().pipelined(c.stack),
+             ("tests/transforms/test_pipeline_parallel.py",), ranks_only=True),
     Mutation("no_update", "the optimizer update switched off in the ranks", _no_update, lambda c: True,
              ("tests/transforms/test_data_parallel.py",), ranks_only=True),
     Mutation("zero_grads", "all gradients zeroed (in the ranks)", _zero_grads, lambda c: True,

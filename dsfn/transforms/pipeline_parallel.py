@@ -475,6 +475,7 @@ def pipeline_parallel(*args: Any, **kwargs: Any) -> PipelineParallel:
     `split`: layer counts per stage (uneven splits; default even); `layers`: the path of the
     model's ModuleList of blocks when it cannot be found; `virtual`: stages per rank of the
     interleaved schedule (default 2); `record_timeline`: time each action of this rank's
-    schedule, the last step's records in `.timeline` (module docstring). Needs `init_mesh(pp=P, ...)` on more than one rank.
+    schedule, the last step's records in `.timeline` (module docstring). Needs
+    `init_mesh(pp=P, ...)` on more than one rank.
     """
     return make_transform(PipelineParallel, "pipeline_parallel", args, kwargs)
