@@ -335,6 +335,10 @@ STACKS: dict[str, StackSpec] = {
     "zero1+pp+tp": StackSpec(lambda m, s, d: [_T().shard_zero(1), _T().pipeline_parallel("1f1b", 2, model=m),
                                               _tp(m, s)],
                              mesh=lambda w: {"dp": w // 4, "pp": 2, "tp": 2}, worlds=(8,)),
+    # sequence parallel (Ulysses) outside the pipeline: each sp rank's sequence slice crosses the
+    # stage boundary to the same sp rank of the next stage
+    "sp+pp": StackSpec(lambda m, s, d: [_T().sequence_parallel(), _T().pipeline_parallel("1f1b", 2, model=m)],
+                       mesh=lambda w: {"sp": 2, "pp": w // 2}, worlds=(4,)),
     "hsdp3+tp": StackSpec(lambda m, s, d: [_T().shard_zero(3, shard_group="node"), _tp(m, s)],
                           mesh=lambda w: {"dp": w // 2, "tp": 2}, worlds=(8,), nodes=2),
 }
