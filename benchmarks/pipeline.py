@@ -215,7 +215,7 @@ def print_measured(a: argparse.Namespace) -> None:
               f"{' '.join(f'{x:g}' for x in r['peaks'])} / "
               f"{' '.join(f'{x:g}' for x in r['sim_peaks'])}")
     load = os.getloadavg()
-    busy_machine = max(load) > (os.cpu_count() or 1)
+    busy_machine = load[0] > (os.cpu_count() or 1)      # the last minute's: the run's own
     print(f"load average after: {' '.join(f'{x:.1f}' for x in load)}"
           + (" (above the core count: other processes shared the cores; the busy times and the gaps carry "
              "their noise)" if busy_machine else ""))
