@@ -216,7 +216,10 @@ class ZeroShards:
         replicated = [k for k, (_, x) in enumerate(with_path) if self._outside_reducer(x)]
         plan = dict(named=named, devices=devices, paths=[p for p, _ in with_path], replicated=replicated,
                     layouts=[None if k in replicated else self.shard_layout(x) for k, (_, x) in enumerate(with_path)],
-                    spec=spec)
+                    spec=spec,
+                    # leaves held as copies by several pipeline stages (a tied embedding): summed after
+                    copies=[k for k, (_, x) in enumerate(with_path)
+                            if isinstance(x, Placed) and stage_copies(x.layout) is not None])
         self._grad_plan_cache = (spec, key, plan)
         return plan
 
@@ -255,28 +258,26 @@ class ZeroShards:
                 out.append(Placed(reduced[k], g.layout) if isinstance(g, Placed) else reduced[k])
                 continue
             out.append(Placed(shards[path], layout))   # zeros where this rank's loss did not reach it
-        if self.stage >= 2:
-            out = self.sum_stage_copies(out)
+        if self.stage >= 2 and plan["copies"]:
+            out = self.sum_stage_copies(out, plan["copies"])
         return tree.unflatten(plan["spec"], out)
 
     def owner_grad_numel(self, numel: int) -> int:
         """Elements of the reduced gradient an owner of a `numel`-element leaf holds: its shard."""
         return -(-numel // current_mesh().size(self.axis))
 
-    def sum_stage_copies(self, grads: list[Any]) -> list[Any]:
+    def sum_stage_copies(self, grads: list[Any], which: list[int]) -> list[Any]:
         """Gradients of leaves held by several pipeline stages (`stage_copies`: a tied
         embedding and head) summed over their stages, so the copies take the same update.
         Stages 2-3 take the gradients over inside backward (taps, unit gathers), before a
-        pipeline inside could sum them; so it is done here, on the reduced pieces: every
+        pipeline inside could sum them; so it is done here, on the reduced pieces of the leaves
+        `which` (indices into `grads`, found once per structure by `grad_plan`): every
         rank along the stages' axis joins one all-reduce per axis, a non-owner with zeros of
         an owner's size (the owners' pieces are alike: the same dp coordinate)."""
         todo: dict[tuple[str, torch.dtype], list[int]] = {}
-        for k, g in enumerate(grads):
-            copies = stage_copies(g.layout) if isinstance(g, Placed) else None
-            if copies is not None:
-                todo.setdefault((copies.axis, g.data.dtype), []).append(k)
-        if not todo:
-            return grads
+        for k in which:                 # the grad plan's `copies`
+            g = grads[k]
+            todo.setdefault((stage_copies(g.layout).axis, g.data.dtype), []).append(k)
         out = list(grads)
         for (axis, _), ks in todo.items():
             parts = []
