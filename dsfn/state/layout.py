@@ -608,17 +608,27 @@ def stage_copies(layout: Any) -> StageOwned | None:
     return layout if isinstance(layout, StageOwned) and len(layout.owners) > 1 else None
 
 
+def stage_split(layout: Any) -> tuple[StageOwned | None, Any]:
+    """(the StageOwned, the layout inside the stage or None) of a leaf's layout: `StageOwned`
+    itself, or `Nested(StageOwned, inner)` (the stage's tensor split further inside the stage,
+    e.g. tensor_parallel's DimShard); (None, None) for any other layout."""
+    if isinstance(layout, StageOwned):
+        return layout, None
+    if isinstance(layout, Nested) and isinstance(layout.inner, StageOwned):
+        return layout.inner, layout.outer
+    return None, None
+
+
 def stage_piece_shape(layout: Any) -> tuple[int, ...]:
     """The shape of an owner's piece of a leaf laid out by stages, seen from any rank along
     the stages' axis: `StageOwned`'s whole tensor, or for `Nested(StageOwned, X)` (the stage's
     tensor split further inside the stage: tensor_parallel's DimShard) this rank's piece of X
     (X's axes lie inside a stage, so a non-owner's coordinates give an owner's piece)."""
-    if isinstance(layout, Nested) and isinstance(layout.inner, StageOwned):
-        return tuple(layout.outer.local_shape())
-    if isinstance(layout, StageOwned):
-        return tuple(layout.shape)
-    raise LayoutError(f"stage_piece_shape: {layout!r} is not a stage's layout (StageOwned, or Nested with a "
-                      "StageOwned inside)")
+    owned, inner = stage_split(layout)
+    if owned is None:
+        raise LayoutError(f"stage_piece_shape: {layout!r} is not a stage's layout (StageOwned, or Nested with a "
+                          "StageOwned inside)")
+    return tuple(inner.local_shape()) if inner is not None else tuple(owned.shape)
 
 
 def shard_further(x: Any, make: Any) -> Placed:

@@ -108,7 +108,7 @@ from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
-from dsfn.state.layout import Nested, StageOwned, mirrored_param
+from dsfn.state.layout import Nested, StageOwned, mirrored_param, stage_piece_shape, stage_split
 from dsfn.transforms.core import Transform, make_transform, with_role
 from dsfn.transforms.facts import StackFacts, stack_facts
 
@@ -248,7 +248,7 @@ class PipelineParallel(Transform):
             return state
         params = dict(tree.leaves_with_path(state.params, is_leaf=is_placed))
         for path, x in params.items():
-            if isinstance(x, Placed) and (self.axis in x.layout.axes() or _stage_owned(x.layout)[0] is not None):
+            if isinstance(x, Placed) and (self.axis in x.layout.axes() or stage_split(x.layout)[0] is not None):
                 raise ConfigError(f"pipeline_parallel: parameter {path!r} is already laid out over the pipeline axis "
                                   f"{self.axis!r} ({x.layout}); place the state once, with one pipeline_parallel")
         owners = self._owners(list(params), p)
@@ -291,7 +291,7 @@ class PipelineParallel(Transform):
         passed: list[tuple[int, Any]] = []        # (leaf index, what the transforms inside see)
         wrap: dict[int, StageOwned] = {}
         for k, x in enumerate(pieces):
-            so, inner = _stage_owned(x.layout) if isinstance(x, Placed) else (None, None)
+            so, inner = stage_split(x.layout) if isinstance(x, Placed) else (None, None)
             if so is None or so.axis != self.axis:
                 passed.append((k, x))
             elif not so.holds():
@@ -397,11 +397,10 @@ class PipelineParallel(Transform):
         # leaves): it sums them then (`dsfn.state.layout.stage_copies`)
         if not any(d["zero_stage"] >= 2 for d in stack_facts(self).outside(self).with_role("zero")):
             for k, x in enumerate(placed):
-                so, inner = _stage_owned(x.layout) if isinstance(x, Placed) else (None, None)
+                so = stage_split(x.layout)[0] if isinstance(x, Placed) else None
                 if so is not None and len(so.owners) > 1:
                     g = grads[k]
-                    shape = inner.local_shape() if inner is not None else so.shape
-                    full = g if g.numel() else torch.zeros(shape, dtype=g.dtype, device=g.device)
+                    full = g if g.numel() else torch.zeros(stage_piece_shape(x.layout), dtype=g.dtype, device=g.device)
                     full = C.all_reduce_(full, self.axis, "sum")
                     grads[k] = full if so.holds() else g
         return value, tree.unflatten(spec, grads)
@@ -444,17 +443,6 @@ class PipelineParallel(Transform):
             hooks = held[1]
         with install, mean, running_stage(plan, stage, h_in, hooks):
             return call_next(apply_fn, params, args, kwargs)
-
-
-def _stage_owned(layout: Any) -> tuple[StageOwned | None, Any]:
-    """(the StageOwned, the layout inside the stage or None) of a leaf's layout: `StageOwned`
-    itself, or `Nested(StageOwned, inner)` (a stage's piece split further inside the stage,
-    e.g. tensor_parallel's DimShard); (None, None) for any other layout."""
-    if isinstance(layout, StageOwned):
-        return layout, None
-    if isinstance(layout, Nested) and isinstance(layout.inner, StageOwned):
-        return layout.inner, layout.outer
-    return None, None
 
 
 def _on_stage(x: Any, owned: StageOwned) -> Placed:
