@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_checks.sh --fetch-wheels   # here, once: wheels of what the GPU image lacks
 #   bash benchmarks/gpu_checks.sh --dry-run        # here: the CPU-checkable parts, and the plan
-#   bash benchmarks/gpu_checks.sh                  # on the GPU machine (benchmarks/wheels travels with the tree)
+#   bash benchmarks/gpu_checks.sh                  # on the GPU machine (carry benchmarks/wheels there)
 #
 # Sections (each logs to $LOGS/<name>.log and prints PASS/FAIL lines):
 #   (a) ops      tests/ops on CUDA with compiled Triton (DSFN_TEST_DEVICE=cuda TRITON_INTERPRET=0;
@@ -37,19 +37,19 @@
 #   bash benchmarks/gpu_checks.sh --sections e2e,kernels,group,compile,ops,index,nccl   # the checks (460 s)
 #
 # DeepSpeed: its sdist and the wheels it needs that the GPU image lacks (pydantic, pydantic-core,
-# annotated-types, typing-inspection, typing-extensions, hjson) are committed in benchmarks/wheels;
-# where `import deepspeed` fails, the run installs them into the private --target folder
-# (DS_BUILD_OPS=0, ~20 s).
+# annotated-types, typing-inspection, typing-extensions, hjson) are fetched into benchmarks/wheels
+# by `--fetch-wheels`; where `import deepspeed` fails, the run installs them into the private
+# --target folder (DS_BUILD_OPS=0, ~20 s).
 #
 # Wheels: the GPU machine reaches no package index, and its image lacks optree (dsfn needs
 # it; pytest, hypothesis, pytest-xdist, einops, numpy are there). `--fetch-wheels` runs
 # `pip download` here for CPython 3.12 / manylinux x86_64 (the image's Python) into
-# benchmarks/wheels/. The optree wheel there is committed (0.5 MiB), so it travels with the
-# working tree to the device machine with no `carry`; fetch again only to change versions
-# (a fetched wheel not yet committed travels too: untracked files that git does not ignore
-# are copied). On the GPU machine the script installs the wheels of the
-# modules that are missing into a private --target folder (nothing system-wide) and puts it
-# on PYTHONPATH. DSFN_WHEELS="optree other==1.2" overrides what is fetched.
+# benchmarks/wheels/ (optree and DeepSpeed's dependencies at the versions installed here, and
+# DeepSpeed's sdist), which git ignores: no binary enters the repository's history. Name it in
+# the device run's `carry` (carry: ["benchmarks/wheels"]) so it travels with the tree. On the
+# GPU machine the script installs the wheels of the modules that are missing into a private
+# --target folder (nothing system-wide) and puts it on PYTHONPATH. DSFN_WHEELS="optree
+# other==1.2" overrides what is fetched.
 #
 # Exit status: 0 when every section passed; the logs are in $OUT (the device runner's output
 # folder) or $TMPDIR/dsfn_gpu_checks.
@@ -129,9 +129,11 @@ EOF
 if [ "$MODE" = fetch ]; then
     PY="$(pick_python any)" || { echo "gpu_checks: no Python with torch here"; exit 2; }
     PKGS="${DSFN_WHEELS:-}"
-    if [ -z "$PKGS" ]; then       # optree at the version this checkout is developed with
-        V="$("$PY" -c 'import importlib.metadata as m; print(m.version("optree"))' 2>/dev/null)"
-        PKGS="optree${V:+==$V}"
+    if [ -z "$PKGS" ]; then       # optree and DeepSpeed's wheels at the versions this checkout is developed with
+        for name in optree pydantic pydantic-core annotated-types typing-inspection typing-extensions hjson; do
+            V="$("$PY" -c "import importlib.metadata as m; print(m.version('$name'))" 2>/dev/null)"
+            PKGS="$PKGS $name${V:+==$V}"
+        done
     fi
     mkdir -p "$WHEELS"
     echo "== fetching wheels for CPython 3.12 manylinux x86_64 into $WHEELS: $PKGS"
@@ -139,8 +141,13 @@ if [ "$MODE" = fetch ]; then
     "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 -d "$WHEELS" $PKGS || exit 1
+    DSV="$("$PY" -c 'import importlib.metadata as m; print(m.version("deepspeed"))' 2>/dev/null)"
+    if [ -n "$DSV" ]; then      # DeepSpeed as an sdist: its ops are not built on the GPU machine either
+        "$PY" -m pip download --no-deps --no-binary=:all: -d "$WHEELS" "deepspeed==$DSV" \
+            || echo "gpu_checks: DeepSpeed's sdist was not fetched; its rows will say so"
+    fi
     ls -l "$WHEELS"
-    echo "== benchmarks/wheels travels with the working tree (commit a changed wheel)"
+    echo "== benchmarks/wheels is git-ignored: carry it to the device run (carry: [\"benchmarks/wheels\"])"
     exit 0
 fi
 

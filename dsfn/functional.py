@@ -50,6 +50,7 @@ import contextlib
 import functools
 import threading
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -69,6 +70,29 @@ class ForwardEnded(Exception):
     """Ends a forward early on purpose, carrying its result (a pipeline stage's last layer: the
     activation to send on). What a forward set up for backward treats it as a forward that
     completed (ZeRO-3 keeps its units' hooks for the recomputes), not as a failure."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The event of the "micro_batch" primitive: micro-batch `index` (of `count`) begins its
+    `phase` ("forward" or "backward"). `interleaved`: backwards of earlier micro-batches may
+    still come after this forward (a pipeline's schedule; accumulate runs each forward after
+    the previous backward). Whoever runs micro-batches binds it (`micro_batch_begins`); a
+    transform that keeps per-micro-batch state (ZeRO's rounds of gradient buckets) handles it."""
+
+    index: int
+    phase: str
+    count: int
+    interleaved: bool = False
+
+
+def micro_batch_begins(event: MicroBatch) -> None:
+    """Bind the "micro_batch" primitive (default: nothing)."""
+    bind("micro_batch", _no_handler, event)
+
+
+def _no_handler(event: MicroBatch) -> None:
+    return None
 
 
 class ApplyFn:

@@ -4,7 +4,7 @@
 `Replicas(axis, bucket_bytes)` does the work; the transforms decide when:
 
 - `broadcast(state)`: every tensor leaf from the axis's rank 0 (replicas start equal);
-- `value_and_grad(call_next, ..., facts, overlap)`: gradients all-reduced (mean) in
+- `begin_reduction(params, facts, overlap)` (`ReplicaReduction`): gradients all-reduced (mean) in
   buckets. With `overlap`, a tap on every parameter hands its gradient to an
   `OverlappedAllReduce` as backward makes it (DDP's overlap); else one bucketed
   all-reduce after backward (accumulation inside: once per step). Gradients travel in the
@@ -58,27 +58,10 @@ class Replicas:
         synced = iter(all_reduce_buckets(tensors, self.axis, self.bucket_bytes, op=None))
         return tree.unflatten(spec, [next(synced) if real(x) else x for x in leaves])
 
-    def value_and_grad(self, call_next, fn, params, args, kwargs, has_aux, facts: Any, overlap: bool):
-        """`call_next(...)` with the gradients averaged over the axis (module docstring)."""
-        if self.size() == 1:
-            return call_next(fn, params, args, kwargs, has_aux)
-        if not overlap:
-            value, grads = call_next(fn, params, args, kwargs, has_aux)
-            leaves, spec = tree.flatten(grads)
-            return value, tree.unflatten(spec, reduce_grads(leaves, self.axis, self.bucket_bytes, "avg", facts))
-        dtype = facts.grad_wire_dtype      # gradients travel in the stack's wire dtype
-        leaves = registration_order(params)
-        reducer = B.OverlappedAllReduce(self.axis, self.bucket_bytes, "avg",
-                                        [(p, _grad_like(x, dtype)) for p, x in leaves],
-                                        {p: (x.data if isinstance(x, Placed) else x).device for p, x in leaves})
-        sink = reducer.add if dtype is None else (lambda key, g: reducer.add(key, g.to(dtype)))
-        value, grads = call_next(tap_gradients(fn, sink), params, args, kwargs, has_aux)
-        reduced = reducer.finish()      # every parameter, zeros where this rank's loss did not reach it
-
-        def take(path: str, g: Any) -> Any:
-            t = facts.from_wire(reduced[path], (g.data if isinstance(g, Placed) else g).dtype)
-            return Placed(t, g.layout) if isinstance(g, Placed) else t
-        return value, tree.map_with_path(take, grads, is_leaf=is_placed)
+    def begin_reduction(self, params: Any, facts: Any, overlap: bool) -> "ReplicaReduction":
+        """One value_and_grad's gradient averaging over the axis (module docstring): the caller
+        differentiates `red.differentiated(fn)` and hands the gradients to `red.finish`."""
+        return ReplicaReduction(self, params, facts, overlap)
 
     def split(self, batch: Any) -> Any:
         """This rank's rows of the global batch (`split_batch`)."""
@@ -192,3 +175,43 @@ def average_metrics(metrics: dict[str, torch.Tensor], axis: str) -> dict[str, to
     vec = C.all_reduce_(vec, axis, "avg")
     return {k: vec[i].to(metrics[k].dtype if metrics[k].is_floating_point() else torch.float64)
             for i, k in enumerate(keys)}
+
+
+class ReplicaReduction:
+    """The gradients of one value_and_grad averaged over a `Replicas` axis. With `overlap`, a
+    tap on every parameter hands its gradient to an `OverlappedAllReduce` as backward makes
+    it (DDP's overlap); else one bucketed all-reduce after backward. Gradients travel in the
+    stack's wire dtype (`facts.grad_wire_dtype`) and come back as the stack says
+    (`facts.from_wire`). At axis size 1 both verbs are the identity."""
+
+    def __init__(self, replicas: Replicas, params: Any, facts: Any, overlap: bool):
+        self.replicas, self.facts, self.overlap = replicas, facts, overlap
+        self.reducer = None
+        if replicas.size() == 1 or not overlap:
+            return
+        dtype = facts.grad_wire_dtype      # gradients travel in the stack's wire dtype
+        leaves = registration_order(params)
+        self.reducer = B.OverlappedAllReduce(replicas.axis, replicas.bucket_bytes, "avg",
+                                             [(p, _grad_like(x, dtype)) for p, x in leaves],
+                                             {p: (x.data if isinstance(x, Placed) else x).device for p, x in leaves})
+        reducer = self.reducer
+        self.sink = reducer.add if dtype is None else (lambda key, g: reducer.add(key, g.to(dtype)))
+
+    def differentiated(self, fn: Any) -> Any:
+        """`fn` as the gradient computation must see it (tapped when overlapping)."""
+        return fn if self.reducer is None else tap_gradients(fn, self.sink)
+
+    def finish(self, grads: Any) -> Any:
+        """The averaged gradients (zeros where this rank's loss did not reach a parameter)."""
+        replicas, facts = self.replicas, self.facts
+        if replicas.size() == 1:
+            return grads
+        if self.reducer is None:
+            leaves, spec = tree.flatten(grads)
+            return tree.unflatten(spec, reduce_grads(leaves, replicas.axis, replicas.bucket_bytes, "avg", facts))
+        reduced = self.reducer.finish()      # every parameter, zeros where this rank's loss did not reach it
+
+        def take(path: str, g: Any) -> Any:
+            t = facts.from_wire(reduced[path], (g.data if isinstance(g, Placed) else g).dtype)
+            return Placed(t, g.layout) if isinstance(g, Placed) else t
+        return tree.map_with_path(take, grads, is_leaf=is_placed)

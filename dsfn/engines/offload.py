@@ -333,35 +333,61 @@ class HostUpdate:
                         params, is_leaf=is_placed)
 
     # -- the update ------------------------------------------------------------------------------
-    def apply_gradients(self, call_next: Any, state: Any, grads: Any) -> Any:
-        """The update on the host: `call_next` (the inner stack, then the optimizer) runs on the
-        host view of `state` with host gradients; the new state is stored where the old one
-        lives (the input state is never written) and the parameters go back to their device."""
+    def begin_update(self, state: Any, grads: Any) -> "HostUpdateRun":
+        """The update's first half: `state`'s host view and the gradients on the host (module
+        docstring). The caller runs the inner stack on `run.state`, `run.grads` inside
+        `run.kernels()` and hands the result to `run.finish(new)`, which stores the new state
+        where the old one lives (the input state is never written) and sends the parameters
+        back to their device."""
+        return HostUpdateRun(self, state, grads)
+
+
+class HostUpdateRun:
+    """One host update (`HostUpdate.begin_update`): lifecycle `kernels()` around the inner
+    update, then `finish(new)`."""
+
+    def __init__(self, host: HostUpdate, state: Any, grads: Any):
+        self.host, self.old_state = host, state
         old, spec = tree.flatten(state.opt_state, is_leaf=is_placed)
-        offl = [k for k, x in enumerate(old) if isinstance(x, Placed) and isinstance(x.layout, Offloaded)]
+        self.old, self.spec = old, spec
+        self.offl = offl = [k for k, x in enumerate(old) if isinstance(x, Placed) and isinstance(x.layout, Offloaded)]
         # pre-allocate the new state's file first: a full disk fails before anything is computed
-        dst = None
-        if self.device == "nvme" and offl:
-            dst = self.store.alloc([(tuple(old[k].data.shape), old[k].data.dtype) for k in offl])
-        host_view = self.host_view(old)
+        self.dst = None
+        if host.device == "nvme" and offl:
+            self.dst = host.store.alloc([(tuple(old[k].data.shape), old[k].data.dtype) for k in offl])
+        self.host_view = host_view = host.host_view(old)
         host_opt = tree.unflatten(spec, host_view)
-        p_leaves, p_spec = tree.flatten(state.params, is_leaf=is_placed)
-        homes = [data_of(x).device for x in p_leaves]
+        p_leaves, self.p_spec = tree.flatten(state.params, is_leaf=is_placed)
+        self.p_leaves = p_leaves
+        self.homes = [data_of(x).device for x in p_leaves]
         params = state.params
-        if self.params:      # offloaded parameter shards: the inner stack sees their host view
-            params = self.params_view(params)
-        session = self.session
+        if host.params:      # offloaded parameter shards: the inner stack sees their host view
+            params = host.params_view(params)
+        self.session = session = host.session
         if session is not None:
             session.drain()           # the buckets' host work (and their gradients' host copies)
         if not isinstance(state.opt_state, MasterState):    # the optimizer reads the parameters
-            host_grads, params = self.trees_to_host(grads, params)
+            host_grads, params = host.trees_to_host(grads, params)
         else:
-            host_grads, = self.trees_to_host(grads)
-        plan = None
-        if self.device == "nvme" and offl:     # stream the update into the new file, sub-group by sub-group
-            plan = NvmePlan({id(data_of(host_view[k])): d for k, d in zip(offl, dst)}, self.subgroup_bytes)
-        with dispatch.host_update(self.host_kernel, session, plan, self.cores):   # AdamW on the host: C++ kernel
-            new = call_next(state.replace(params=params, opt_state=host_opt), host_grads)
+            host_grads, = host.trees_to_host(grads)
+        self.params = params
+        self.state = state.replace(params=params, opt_state=host_opt)
+        self.grads = host_grads
+
+    def kernels(self) -> Any:
+        """The host kernels' context for the inner update (AdamW on the host: the C++ kernel;
+        under NVMe the update streams into the new file, sub-group by sub-group)."""
+        host, plan = self.host, None
+        if host.device == "nvme" and self.offl:
+            plan = NvmePlan({id(data_of(self.host_view[k])): d for k, d in zip(self.offl, self.dst)},
+                            host.subgroup_bytes)
+        return dispatch.host_update(host.host_kernel, self.session, plan, host.cores)
+
+    def finish(self, new: Any) -> Any:
+        """The inner update's result stored where the old state lives, parameters on their device."""
+        host, state, old, spec, offl = self.host, self.old_state, self.old, self.spec, self.offl
+        params, p_leaves, p_spec, homes, session = self.params, self.p_leaves, self.p_spec, self.homes, self.session
+        host_view, dst = self.host_view, self.dst
         # parameters back where they came from
         if new.params is params:
             new_params = state.params
@@ -371,14 +397,14 @@ class HostUpdate:
                       for o in p_leaves]
             back = [x if lay is not None else move(x, d) for x, lay, d in zip(n_leaves, offl_p, homes)]
             # offloaded parameter shards stay where they live (host memory, or a new file)
-            new_params = self.offload_params(tree.unflatten(p_spec, back), offl_p)
+            new_params = host.offload_params(tree.unflatten(p_spec, back), offl_p)
         # optimizer state back into its offloaded layout
         n_opt, n_spec = tree.flatten(new.opt_state, is_leaf=is_placed)
         if n_spec != spec:
             raise StackError("offload: the optimizer returned a state of another structure than it was given")
         out = list(n_opt)
         changed = [k for k in offl if data_of(n_opt[k]) is not data_of(host_view[k])]
-        if self.device == "nvme":
+        if host.device == "nvme":
             dsts = dict(zip(offl, dst))
             group, size = [], 0
             for k in changed:
@@ -387,7 +413,7 @@ class HostUpdate:
                     d.copy_(data_of(n_opt[k]))  # pages may be resident again: the inner stack read it)
                 group.append(d)
                 size += d.numel() * d.element_size()
-                if size >= self.subgroup_bytes:
+                if size >= host.subgroup_bytes:
                     nvme.release(group)
                     group, size = [], 0
             nvme.release(group)
@@ -396,7 +422,7 @@ class HostUpdate:
         stored: dict[int, torch.Tensor] = {}
         for k in offl:
             if k in changed:
-                t = dsts[k] if self.device == "nvme" else self.to_host(data_of(n_opt[k]))
+                t = dsts[k] if host.device == "nvme" else host.to_host(data_of(n_opt[k]))
                 stored[id(data_of(n_opt[k]))] = t
                 out[k] = Placed(t, old[k].layout)
             else:

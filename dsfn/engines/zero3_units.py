@@ -157,7 +157,7 @@ class UnitGatherer:
     def __init__(self, module: nn.Module, params: dict[str, Any], plan: UnitPlan, leaves: tuple,
                  frozen: dict[str, tuple[torch.Tensor, FlatShard]], axis: str, bucket_elems: int, prefetch: int,
                  due: Any = None, secondary: str | None = None, hierarchy: tuple[str, str] | None = None,
-                 own_recomputes: bool = False):
+                 concurrent: bool = False):
         """`plan`: the module's UnitPlan; `leaves`: (names, FlatShards, compute devices) of the
         ZeRO shards among `params`; `frozen`: name -> (piece to gather, its FlatShard); the
         gathers run over `axis` in buckets of `bucket_elems`, `prefetch` units ahead. `due`
@@ -166,14 +166,14 @@ class UnitGatherer:
         `secondary` (ZeRO++ hpZ): an axis of a few ranks (a node's) over which each unit
         gathered in a forward under grad keeps a secondary shard (1/size of the gathered
         unit, copied as the forward's gather is released), so backward re-gathers the unit
-        over that axis alone instead of over `axis`. `own_recomputes` (a pipeline's micro-batches:
+        over that axis alone instead of over `axis`. `concurrent` (interleaved micro-batches:
         several forwards' gatherers alive at once, their hooks kept for recomputes): a unit is
         installed for a recompute only once this gatherer's own backward re-gathered it (its
         outputs' gradient hook), so another micro-batch's forward, or its recompute, leaves
         this gatherer's hooks inert."""
         self.module, self.axis, self.bucket_elems, self.prefetch, self.due = module, axis, bucket_elems, prefetch, due
         self.secondary = secondary
-        self.own_recomputes = own_recomputes
+        self.concurrent = concurrent
         self.hierarchy = hierarchy        # (cross, local): MiCS's two-stage gather (`hierarchical_all_gather`)
         self._secondary: dict[int, tuple[FlatGather, list[torch.Tensor]]] = {}   # unit -> (gather, pieces)
         names, layouts, homes = leaves
@@ -458,7 +458,7 @@ class UnitGatherer:
 
     # -- recompute in backward (activation checkpointing) -------------------------------------------
     def _install_for_recompute(self, ids: list[int]) -> None:
-        if self.own_recomputes:       # only what this gatherer's own backward has reached
+        if self.concurrent:       # only what this gatherer's own backward has reached
             ids = [i for i in ids if self.unit_of[i] in self._bw]
         for u in sorted({self.unit_of[i] for i in ids}, key=lambda v: self._bw_pos[v]):
             if u not in self._bw:

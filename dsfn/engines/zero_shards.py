@@ -14,6 +14,7 @@ Imports no transform.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,12 +27,12 @@ from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.engines.shard_groups import split_axes
 from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
-from dsfn.runtime.flat import BufferPool, ShardReducer, all_gather_full, map_whole
+from dsfn.runtime.flat import BufferPool, ShardReducer, all_gather_full
 from dsfn.runtime.mesh import current_mesh, grad_channel
 from dsfn.state.layout import (FlatShard, Layout, Nested, Offloaded, mirrored_param, shard_further, stage_copies,
                                stage_piece_shape)
 
-__all__ = ["BackwardRounds", "ZeroShards", "compute_device", "inner_piece", "logical_shape", "zero_layout"]
+__all__ = ["GradientRounds", "WholeJob", "ZeroOptions", "ZeroShards", "compute_device", "inner_piece", "logical_shape", "zero_layout"]
 
 
 def compute_device(x: Any) -> torch.device:
@@ -73,19 +74,46 @@ def bucket_ready(items: list[tuple[str, torch.Tensor]]) -> None:
     bind("grad_bucket_ready", lambda items: None, items)
 
 
-class BackwardRounds:
-    """Rounds of a ShardReducer opened by backwards, not forwards: under a pipeline inside,
-    the forwards and backwards of the micro-batches interleave (1F1B runs F1 before B0),
-    so "each forward is a round" would close a round before its gradients came. Each
-    micro-batch's backward is one whole action of the pipeline's schedule, and every dp
-    rank of a stage runs the same schedule: the first gradient of a new owner (one
-    forward's sink) closes the previous owner's round (`close(previous)`, e.g. ZeRO-3's
-    `GradientsDue.end_backward`, first) and opens the next, at the same point on every
-    dp rank."""
+@dataclass(frozen=True)
+class ZeroOptions:
+    """ZeRO's options as the engines read them (fixed at construction; `shard_zero` checks
+    them). Counts of elements, as DeepSpeed's config keys are; `units`: module patterns of
+    stage 3's units (None: every ModuleList's children); `shard_group` / `hpz`: a number of
+    dp ranks or "node" (hybrid sharding, ZeRO++'s hpZ)."""
+
+    axis: str
+    stage: int
+    reduce_bucket_size: int
+    allgather_bucket_size: int
+    param_persistence_threshold: int = 0
+    units: tuple[str, ...] | None = None
+    prefetch: int = 1
+    shard_group: Any = None
+    cross_node: bool = False
+    hpz: Any = None
+    hierarchical_gather: bool = False
+
+
+class GradientRounds:
+    """The rounds of a ShardReducer, one per micro-batch of a step.
+
+    Micro-batches that run one after another (accumulate: each forward follows the previous
+    one's backward) close the previous round as the next forward begins. Micro-batches whose
+    forwards and backwards interleave — a "micro_batch" event with `interleaved` says so
+    (`hear`): a 1F1B order runs F1 before B0 — take a round per backward instead: the first
+    gradient of another forward's owner (`enter`) closes the previous owner's round
+    (`close(previous)`, e.g. ZeRO-3's `GradientsDue.end_backward`, first) and opens the
+    next. Every dp rank runs the same order, so the rounds switch at the same point on each."""
 
     def __init__(self, reducer: ShardReducer, close: Any = None):
         self.reducer, self.close = reducer, close
         self.owner: Any = None
+        self.interleaved = False
+
+    def hear(self, event: Any) -> None:
+        """A "micro_batch" event (`dsfn.functional.MicroBatch`) of the running value_and_grad."""
+        if event.interleaved:
+            self.interleaved = True
 
     def enter(self, owner: Any) -> None:
         """A gradient of `owner`'s backward is about to reach the reducer."""
@@ -100,18 +128,20 @@ class BackwardRounds:
 class ZeroShards:
     """The flat-shard machinery of ZeRO stages 1-3 over `axis` (module docstring)."""
 
-    def __init__(self, axis: str, stage: int, reduce_bucket_size: int, allgather_bucket_size: int,
-                 shard_group: Any = None, cross_node: bool = False):
-        self.dp_axis, self.stage = axis, stage
+    def __init__(self, options: ZeroOptions):
+        self.options = options
+        self.dp_axis, self.stage = options.axis, options.stage
         # hybrid sharding: state sharded over groups of `shard_group` dp ranks ("node" or an
         # int), replicated across them (`dsfn.engines.shard_groups`); None: the whole dp axis
-        self.shard_group, self.cross_node = shard_group, cross_node
+        self.shard_group, self.cross_node = options.shard_group, options.cross_node
         self._axes_on: tuple | None = None      # (mesh, shard axis, replicate axis)
-        self.reduce_bucket_size = reduce_bucket_size
-        self.allgather_bucket_size = allgather_bucket_size
+        self.reduce_bucket_size = options.reduce_bucket_size
+        self.allgather_bucket_size = options.allgather_bucket_size
         self._grad_plan_cache: tuple | None = None
         # gradient buckets and shards, the same blocks every step
         self.grad_pool = BufferPool(keep=ShardReducer.MAX_INFLIGHT + 1)
+
+    active: Any = None      # the running value_and_grad's reduction (`begin_reduction`), else None
 
     # -- axes -----------------------------------------------------------------------------------
     def shard_axes(self) -> tuple[str, str | None]:
@@ -320,33 +350,15 @@ class ZeroShards:
             out[k] = t
         return out
 
-    def map_whole(self, call_next, fn, pieces):
-        """Whole-tensor functions of ZeRO shards (Muon): each tensor is rebuilt and mapped once,
-        on an owner rank (`dsfn.runtime.flat.map_whole`); a shard of a tensor-parallel piece is
-        rebuilt to that piece, which the transforms inside (tensor parallel) turn into the
-        whole. Every rank of a tp group owns the same tensors, so their inner collectives
-        match."""
+    def whole_job(self, pieces: list[Any]) -> "WholeJob | None":
+        """What the "map_whole" primitive does with ZeRO's shards among `pieces` (Muon's
+        whole-matrix functions), or None when none is ZeRO's over its axis: each such tensor is
+        rebuilt and mapped once, on an owner rank (`dsfn.runtime.flat.map_whole` over
+        `job.axis`); a shard of a tensor-parallel piece is rebuilt to that piece, which the
+        transforms inside (tensor parallel) turn into the whole. Every rank of a tp group owns
+        the same tensors, so their inner collectives match."""
         ours = [k for k, x in enumerate(pieces) if self.mine(x) and zero_layout(x.layout).axis == self.axis]
-        if not ours:
-            return call_next(fn, pieces)
-        out = list(pieces)
-        rest = [k for k in range(len(pieces)) if k not in set(ours)]
-
-        def whole(j: int, piece: torch.Tensor) -> torch.Tensor:
-            x = pieces[ours[j]]
-            res = call_next(lambda _i, w: fn(ours[j], w), [inner_piece(x, piece)])[0]
-            return data_of(res)
-        shards = [x.data for x in (pieces[k] for k in ours)]
-        home = {s.device for s in shards}
-        dev = next(iter(home)) if len(home) == 1 else torch.device("cpu")
-        new = map_whole(whole, [s.to(dev) for s in shards], [zero_layout(pieces[k].layout).shape for k in ours],
-                        self.axis)
-        for k, t in zip(ours, new):
-            out[k] = Placed(t.to(pieces[k].data.device), pieces[k].layout)
-        if rest:
-            for k, r in zip(rest, call_next(lambda j, w: fn(rest[j], w), [pieces[k] for k in rest])):
-                out[k] = r
-        return out
+        return WholeJob(pieces, ours, self.axis) if ours else None
 
     def reduce_leaves(self, partials: list[torch.Tensor], pending: list[tuple[str, ...]], op: str):
         """The `reduce_leaves` primitive for leaves split over a hybrid shard axis: combined over
@@ -358,8 +370,37 @@ class ZeroShards:
     def place_constants(self, frozen: dict[str, Any]) -> dict[str, Any]:
         return frozen
 
-    def apply_module(self, call_next, apply_fn, params, args, kwargs, compute_dtype: torch.dtype | None):
-        return call_next(apply_fn, params, args, kwargs)
+    def begin_forward(self, apply_fn: Any, params: dict[str, Any], compute_dtype: torch.dtype | None) -> Any:
+        """A forward's set-up (stage 3: its units gathered just in time), or None: nothing to do."""
+        return None
 
-    def init_optimizer(self, call_next, state):
-        return call_next(state)
+    def optimizer_view(self, state: Any) -> Any:
+        """The state the optimizer makes its state for (stages 1-2: shards of the parameters)."""
+        return state
+
+
+class WholeJob:
+    """ZeRO's part of one "map_whole" call (`ZeroShards.whole_job`): `ours` (indices into
+    `pieces` of ZeRO's shards), their `shards` on one device and logical `shapes` for
+    `dsfn.runtime.flat.map_whole` over `axis`; `inner(j, piece)` is the rebuilt tensor j as
+    the transforms inside see it; `placed(new)` lays the results out as the pieces were;
+    `rest`: the other indices, for the transforms inside."""
+
+    def __init__(self, pieces: list[Any], ours: list[int], axis: str):
+        self.pieces, self.ours, self.axis = pieces, ours, axis
+        self.rest = [k for k in range(len(pieces)) if k not in set(ours)]
+        shards = [pieces[k].data for k in ours]
+        home = {s.device for s in shards}
+        dev = next(iter(home)) if len(home) == 1 else torch.device("cpu")
+        self.shards = [s.to(dev) for s in shards]
+        self.shapes = [zero_layout(pieces[k].layout).shape for k in ours]
+
+    def inner(self, j: int, piece: torch.Tensor) -> Any:
+        return inner_piece(self.pieces[self.ours[j]], piece)
+
+    def placed(self, new: list[torch.Tensor]) -> list[Any]:
+        """`pieces` with ZeRO's replaced by the results (this rank's shards of them)."""
+        out = list(self.pieces)
+        for k, t in zip(self.ours, new):
+            out[k] = Placed(t.to(self.pieces[k].data.device), self.pieces[k].layout)
+        return out

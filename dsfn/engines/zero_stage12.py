@@ -18,11 +18,11 @@ from typing import Any
 
 from dsfn import tree
 from dsfn.engines.data_parallel import tap_gradients
-from dsfn.engines.zero_shards import BackwardRounds, ZeroShards, zero_layout
+from dsfn.engines.zero_shards import GradientRounds, ZeroShards, zero_layout
 from dsfn.placed import data_of, is_placed
 from dsfn.state.layout import inner_view
 
-__all__ = ["Stage12"]
+__all__ = ["Stage12", "Stage12Reduction", "Stage12Update"]
 
 
 class Stage12(ZeroShards):
@@ -35,59 +35,98 @@ class Stage12(ZeroShards):
     def unplaced(self, state: Any) -> str | None:
         return self.unplaced_opt_state(state)
 
-    active = None           # the reducer of the value_and_grad running now (a nested call uses it)
+    def begin_reduction(self, params: Any, facts: Any, hears: bool) -> "Stage12Reduction":
+        """One value_and_grad's gradients reduced into shards (module docstring); `hears`: a
+        transform inside hears reduced buckets (offload's overlapped host update)."""
+        return Stage12Reduction(self, params, facts, hears)
 
-    def value_and_grad(self, call_next, fn, params, args, kwargs, has_aux, facts: Any, hears: bool,
-                       pipelined: bool = False):
-        """`pipelined`: a pipeline inside runs the forwards and the backwards of its
-        micro-batches interleaved (1F1B), so a round of buckets is a backward, opened by
-        its first gradient (`BackwardRounds`), not a forward."""
-        outer = self.active
-        if outer is not None:           # nested call: the outermost call reduces
-            return call_next(tap_gradients(fn, _sink(outer)) if self.stage == 2 else fn, params, args, kwargs, has_aux)
-        plan = self.grad_plan(params)
-        reducer = self.active = self.reducer(plan, facts, hears, self.axis)
-        try:
-            if self.stage == 2 and pipelined:     # a round per micro-batch's backward
-                fn = _backward_rounds(fn, BackwardRounds(reducer))
-            elif self.stage == 2:       # buckets reduce-scattered during backward; a round per forward
-                fn = _rounds(tap_gradients(fn, _sink(reducer)), reducer)
-            value, grads = call_next(fn, params, args, kwargs, has_aux)
-        finally:
-            self.active = None
-        if self.stage == 1:             # everything after backward, in order
+    def begin_update(self, state: Any, grads: Any) -> "Stage12Update":
+        """The update on shards: the optimizer runs on `run.state` / `run.grads`, and
+        `run.finish(new)` all-gathers the updated shards into full parameters."""
+        return Stage12Update(self, state, grads)
+
+    def optimizer_view(self, state: Any) -> Any:
+        """The optimizer state is made for what the update will see: shards."""
+        return state.replace(params=tree.map(self.as_shard, state.params, is_leaf=is_placed))
+
+
+class Stage12Reduction:
+    """The gradient reduction of one value_and_grad (lifecycle: `differentiated(fn)` is what
+    autograd runs, `finish(grads)` the reduced shards, `close()`; a context manager). Stage 1
+    reduce-scatters every gradient after backward; stage 2 taps each parameter so its
+    gradient is queued as backward makes it, a round of buckets per micro-batch
+    (`GradientRounds`). A nested value_and_grad hands its gradients to the outermost one's."""
+
+    def __init__(self, engine: Stage12, params: Any, facts: Any, hears: bool):
+        self.engine, self.facts = engine, facts
+        self.outer = engine.active
+        if self.outer is not None:      # nested call: the outermost call reduces
+            return
+        self.plan = engine.grad_plan(params)
+        self.reducer = engine.reducer(self.plan, facts, hears, engine.axis)
+        self.rounds = GradientRounds(self.reducer)
+        engine.active = self
+
+    def __enter__(self) -> "Stage12Reduction":
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        if self.outer is None:
+            self.engine.active = None
+        return False
+
+    def hear(self, event: Any) -> None:
+        """A "micro_batch" event of this value_and_grad (its micro-batches interleave or not)."""
+        if self.outer is None:
+            self.rounds.hear(event)
+
+    def differentiated(self, fn: Any) -> Any:
+        if self.engine.stage != 2:
+            return fn
+        if self.outer is not None:
+            return tap_gradients(fn, _sink(self.outer.reducer))
+        reducer, rounds = self.reducer, self.rounds
+        tapped = tap_gradients(fn, _sink(reducer))
+
+        def each_forward(params, *args, **kwargs):
+            if rounds.interleaved:      # a round per backward, opened by its first gradient
+                owner = object()
+
+                def sink(path, grad):
+                    if grad.numel() or path in reducer.plan:
+                        rounds.enter(owner)
+                        reducer.add(path, grad)
+                return tap_gradients(fn, sink)(params, *args, **kwargs)
+            reducer.new_round()         # one after another: this forward closes the previous round
+            return tapped(params, *args, **kwargs)
+        return each_forward
+
+    def finish(self, grads: Any) -> Any:
+        if self.outer is not None:
+            return grads
+        plan, reducer = self.plan, self.reducer
+        if self.engine.stage == 1:      # everything after backward, in order
             whole = set(plan["replicated"])
             for k, (path, g) in enumerate(zip(plan["paths"], tree.leaves(grads, is_leaf=is_placed))):
                 if k not in whole:
                     reducer.add(path, data_of(g))
-        return value, self.finish_reduction(reducer, plan, grads, facts)
+        return self.engine.finish_reduction(reducer, plan, grads, self.facts)
 
-    def apply_gradients(self, call_next, state, grads):
-        grads = tree.map(self.as_shard, grads, is_leaf=is_placed)
-        olds = [data_of(x) for x in tree.leaves(state.params, is_leaf=is_placed)]
-        shards = tree.map(self.as_shard, state.params, is_leaf=is_placed)
-        new = call_next(state.replace(params=shards), grads)
+
+class Stage12Update:
+    """One update on shards (`Stage12.begin_update`)."""
+
+    def __init__(self, engine: Stage12, state: Any, grads: Any):
+        self.engine = engine
+        self.grads = tree.map(engine.as_shard, grads, is_leaf=is_placed)
+        self.olds = [data_of(x) for x in tree.leaves(state.params, is_leaf=is_placed)]
+        self.state = state.replace(params=tree.map(engine.as_shard, state.params, is_leaf=is_placed))
+
+    def finish(self, new: Any) -> Any:
         leaves, spec = tree.flatten(new.params, is_leaf=is_placed)
-        full = self.gather_updated([x.data for x in leaves], [zero_layout(x.layout).shape for x in leaves], olds)
+        full = self.engine.gather_updated([x.data for x in leaves], [zero_layout(x.layout).shape for x in leaves],
+                                          self.olds)
         return new.replace(params=tree.unflatten(spec, [inner_view(x, f) for x, f in zip(leaves, full)]))
-
-    def init_optimizer(self, call_next, state):
-        """The optimizer state is made for what the update will see: shards."""
-        return call_next(state.replace(params=tree.map(self.as_shard, state.params, is_leaf=is_placed)))
-
-
-def _backward_rounds(fn, rounds: BackwardRounds):
-    """`fn` whose calls (a pipeline's forwards of its micro-batches) each tap the parameters
-    with a sink of their own: the first gradient of a call's backward opens a new round."""
-    def wrapped(params, *args, **kwargs):
-        owner = object()
-
-        def sink(path, grad):
-            if grad.numel() or path in rounds.reducer.plan:
-                rounds.enter(owner)
-                rounds.reducer.add(path, grad)
-        return tap_gradients(fn, sink)(params, *args, **kwargs)
-    return wrapped
 
 
 def _sink(reducer):
@@ -97,12 +136,3 @@ def _sink(reducer):
         if grad.numel() or path in reducer.plan:
             reducer.add(path, grad)
     return add
-
-
-def _rounds(fn, reducer):
-    """`fn` that, at each call after the first (each forward of the step: a micro-batch),
-    first closes the previous one's buckets."""
-    def wrapped(*args, **kwargs):
-        reducer.new_round()
-        return fn(*args, **kwargs)
-    return wrapped

@@ -19,7 +19,7 @@ Imports no transform; `dsfn.transforms.zero` picks this engine for stage 3.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from dsfn.aliasing import may_alias
 from dsfn.effects import bind
 from dsfn.engines.shard_groups import split_axes
 from dsfn.engines.zero3_units import UnitGatherer, UnitPlan
-from dsfn.engines.zero_shards import BackwardRounds, ZeroShards, compute_device, zero_layout
+from dsfn.engines.zero_shards import GradientRounds, ZeroOptions, ZeroShards, compute_device, zero_layout
 from dsfn.functional import until_backward
 from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import env
@@ -38,7 +38,7 @@ from dsfn.runtime.mesh import current_mesh, grad_channel
 from dsfn.state.init import store_constants
 from dsfn.state.layout import FlatShard
 
-__all__ = ["GradientsDue", "Stage3"]
+__all__ = ["GradientsDue", "Stage3", "Stage3Reduction", "Stage3Update", "UnitForward"]
 
 
 class GradientsDue:
@@ -47,9 +47,9 @@ class GradientsDue:
     summed here and handed to the reducer once, as one key per round, when the last one
     arrives (or at backward's end, `flush`)."""
 
-    def __init__(self, reducer: Any, rounds: BackwardRounds | None = None):
+    def __init__(self, reducer: Any, rounds: GradientRounds | None = None):
         self.reducer = reducer
-        self.rounds = rounds                     # a pipeline inside: this forward's backward is a round
+        self.rounds = rounds                     # interleaved micro-batches: this forward's backward is a round
         self.expect: dict[str, list] = {}        # key -> [gradients still due, their sum]
         self.gatherers: list[UnitGatherer] = []  # this round's forwards, for backward's end
         self.host_units = False                  # a unit was gathered into host memory
@@ -98,18 +98,15 @@ class GradientsDue:
 class Stage3(ZeroShards):
     """Stage 3 over `axis` (module docstring)."""
 
-    def __init__(self, axis: str, reduce_bucket_size: int, allgather_bucket_size: int,
-                 param_persistence_threshold: int, units: Sequence[str] | None, prefetch: int,
-                 shard_group: Any = None, cross_node: bool = False, hpz: Any = None,
-                 hierarchical_gather: bool = False):
-        super().__init__(axis, 3, reduce_bucket_size, allgather_bucket_size, shard_group, cross_node)
+    def __init__(self, options: ZeroOptions):
+        super().__init__(options)
         # ZeRO++ hpZ: a secondary shard of each gathered unit over groups of `hpz` dp ranks
         # ("node" or an int): backward re-gathers inside the group (`UnitGatherer`)
-        self.hpz = hpz
+        self.hpz = options.hpz
         # MiCS's hierarchical gather: a shard group spanning nodes gathers across nodes, then inside
-        self.hierarchical_gather = hierarchical_gather
-        self.param_persistence_threshold = param_persistence_threshold
-        self.units, self.prefetch = units, prefetch
+        self.hierarchical_gather = options.hierarchical_gather
+        self.param_persistence_threshold = options.param_persistence_threshold
+        self.units, self.prefetch = options.units, options.prefetch
         self.due: GradientsDue | None = None         # the running value_and_grad's sink
         self._views: dict[int, tuple] = {}           # id(apply_fn) -> (apply_fn, key, view, cast)
         # (module, parameter names) -> (module, UnitPlan): what is the same every step, the
@@ -178,48 +175,14 @@ class Stage3(ZeroShards):
         return None
 
     # -- gradients ------------------------------------------------------------------------------
-    def value_and_grad(self, call_next, fn, params, args, kwargs, has_aux, facts: Any, hears: bool,
-                       pipelined: bool = False):
-        """`pipelined`: a pipeline inside interleaves its micro-batches' forwards and
-        backwards (1F1B): each forward gets a sink of its own, and a round of buckets is a
-        backward (`BackwardRounds`) instead of a forward."""
-        if self.due is not None:        # nested call: the outermost call reduces
-            return call_next(fn, params, args, kwargs, has_aux)
-        plan = self.grad_plan(params)
-        due = self.due = GradientsDue(self.reducer(plan, facts, hears, grad_channel(self.axis)))
-        sinks = [due]
-        try:
-            if pipelined:
-                rounds = BackwardRounds(due.reducer, close=GradientsDue.end_backward)
+    def begin_reduction(self, params: Any, facts: Any, hears: bool) -> "Stage3Reduction":
+        """One value_and_grad's gradients reduced into shards as each unit's arrive (module
+        docstring); `hears`: a transform inside hears reduced buckets."""
+        return Stage3Reduction(self, params, facts, hears)
 
-                def each_forward(*a, **k):   # a micro-batch's forward: a sink of its own
-                    mine = GradientsDue(due.reducer, rounds)
-                    sinks.append(mine)
-                    self.due = mine          # its units' gatherers report to it
-                    try:
-                        return fn(*a, **k)
-                    finally:
-                        self.due = due
-            else:
-                def each_forward(*a, **k):   # a micro-batch: the previous one's backward closes first
-                    due.end_backward()
-                    due.reducer.new_round()
-                    return fn(*a, **k)
-            value, grads = call_next(each_forward, params, args, kwargs, has_aux)
-            for sink in sinks:               # the last round's, then what no gradient ever reached
-                sink.end_backward()
-            if any(sink.host_units for sink in sinks) and may_alias():
-                # every unit is released: a donated step gives the heap's holes back
-                # (env.trim_host_heap; on a GPU the units churn device memory instead)
-                env.trim_host_heap()
-        finally:
-            self.due = None
-        return value, self.finish_reduction(due.reducer, plan, grads, facts)
-
-    def apply_gradients(self, call_next, state, grads):
+    def begin_update(self, state: Any, grads: Any) -> "Stage3Update":
         """Gradients follow their parameter's layout (persistent ones stay whole)."""
-        grads = tree.map(lambda g, p: self.as_shard(g) if self.mine(p) else g, grads, state.params, is_leaf=is_placed)
-        return call_next(state, grads)
+        return Stage3Update(self, state, grads)
 
     # -- frozen parameters ----------------------------------------------------------------------
     def place_constants(self, frozen: dict[str, Any]) -> dict[str, Any]:
@@ -276,23 +239,115 @@ class Stage3(ZeroShards):
             hit = self.plans[key] = (module, UnitPlan(module, names, frozen, self.units))
         return hit[1]
 
-    def apply_module(self, call_next, apply_fn, params, args, kwargs, compute_dtype: torch.dtype | None):
-        """The forward with every unit gathered just in time (module docstring)."""
+    def begin_forward(self, apply_fn: Any, params: dict[str, Any], compute_dtype: torch.dtype | None
+                      ) -> "UnitForward | None":
+        """The forward's set-up with every unit gathered just in time (module docstring), or None
+        when nothing of this forward is sharded. Run the module as `run.apply_fn(run.params, ...)`
+        inside `with run:`."""
         if current_mesh().size(self.axis) > 1:
             self.shard_frozen(apply_fn)
         view, frozen = self.frozen_view(apply_fn, compute_dtype)
         if not frozen and not any(self.mine(v) for v in params.values()):
-            return call_next(apply_fn, params, args, kwargs)
+            return None
         leaves = self.shard_leaves(params)
         plan = self.unit_plan(apply_fn.module, leaves[0], tuple(frozen))
         due = self.due
         gatherer = UnitGatherer(apply_fn.module, params, plan, leaves, frozen, self.axis,
                                 self.allgather_bucket_size, self.prefetch, due, self.secondary_axis(),
-                                self.hierarchy_axes(), own_recomputes=due is not None and due.rounds is not None)
+                                self.hierarchy_axes(), concurrent=due is not None and due.rounds is not None)
         if due is not None:           # inside value_and_grad: its backward ends the sequence
             due.gatherers.append(gatherer)
             due.host_units = due.host_units or any(d.type == "cpu" for d in gatherer.homes)
-        # unit hooks stay until backward is over, so a recompute (activation checkpointing)
-        # re-gathers its unit in backward's fixed order
-        with until_backward(gatherer.module_hooks()), gatherer:
-            return call_next(view, gatherer.call_params, args, kwargs)
+        return UnitForward(view, gatherer)
+
+
+class UnitForward:
+    """One forward of a module under ZeRO-3 (`Stage3.begin_forward`): `apply_fn` (its frozen
+    pieces as plain tensors) and `params` to call it with; entering installs the units'
+    hooks, which stay until backward is over, so a recompute (activation checkpointing)
+    re-gathers its unit in backward's fixed order."""
+
+    def __init__(self, apply_fn: Any, gatherer: UnitGatherer):
+        self.apply_fn, self.gatherer, self.params = apply_fn, gatherer, gatherer.call_params
+        self._scope = contextlib.ExitStack()
+
+    def __enter__(self) -> "UnitForward":
+        self._scope.enter_context(until_backward(self.gatherer.module_hooks()))
+        self._scope.enter_context(self.gatherer)
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        return self._scope.__exit__(*exc)
+
+
+class Stage3Reduction:
+    """The gradient reduction of one value_and_grad under ZeRO-3 (lifecycle as
+    `Stage12Reduction`'s). Each forward's units report their gradients to a `GradientsDue`
+    sink; micro-batches that interleave (`hear`) get a sink per forward and a round per
+    backward (`GradientRounds`). A nested value_and_grad is reduced by the outermost one."""
+
+    def __init__(self, engine: Stage3, params: Any, facts: Any, hears: bool):
+        self.engine, self.facts = engine, facts
+        self.nested = engine.due is not None
+        if self.nested:
+            return
+        self.plan = engine.grad_plan(params)
+        self.due = engine.due = GradientsDue(engine.reducer(self.plan, facts, hears, grad_channel(engine.axis)))
+        self.sinks = [self.due]
+        engine.active = self
+        self.rounds = GradientRounds(self.due.reducer, close=GradientsDue.end_backward)
+
+    def __enter__(self) -> "Stage3Reduction":
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        if not self.nested:
+            self.engine.due = self.engine.active = None
+        return False
+
+    def hear(self, event: Any) -> None:
+        if not self.nested:
+            self.rounds.hear(event)
+
+    def differentiated(self, fn: Any) -> Any:
+        if self.nested:
+            return fn
+        engine, due, sinks, rounds = self.engine, self.due, self.sinks, self.rounds
+
+        def each_forward(*a, **k):
+            if rounds.interleaved:       # a micro-batch's forward: a sink of its own
+                mine = GradientsDue(due.reducer, rounds)
+                sinks.append(mine)
+                engine.due = mine        # its units' gatherers report to it
+                try:
+                    return fn(*a, **k)
+                finally:
+                    engine.due = due
+            due.end_backward()           # one after another: the previous one's backward closes first
+            due.reducer.new_round()
+            return fn(*a, **k)
+        return each_forward
+
+    def finish(self, grads: Any) -> Any:
+        if self.nested:
+            return grads
+        for sink in self.sinks:          # the last round's, then what no gradient ever reached
+            sink.end_backward()
+        if any(sink.host_units for sink in self.sinks) and may_alias():
+            # every unit is released: a donated step gives the heap's holes back
+            # (env.trim_host_heap; on a GPU the units churn device memory instead)
+            env.trim_host_heap()
+        return self.engine.finish_reduction(self.due.reducer, self.plan, grads, self.facts)
+
+
+class Stage3Update:
+    """One update under ZeRO-3: gradients follow their parameter's layout (persistent ones
+    stay whole); nothing is gathered after it."""
+
+    def __init__(self, engine: Stage3, state: Any, grads: Any):
+        self.state = state
+        self.grads = tree.map(lambda g, p: engine.as_shard(g) if engine.mine(p) else g, grads, state.params,
+                              is_leaf=is_placed)
+
+    def finish(self, new: Any) -> Any:
+        return new

@@ -1,7 +1,7 @@
 """`accumulate(n)`: gradient accumulation over n micro-batches, one optimizer step.
 
 Handles the gradient primitive: the batch arguments' leading dimension is split into n
-equal micro-batches, the differentiated function runs once per micro-batch with its
+equal micro-batches (each announced through the "micro_batch" primitive as its forward begins), the differentiated function runs once per micro-batch with its
 loss multiplied by 1/n (the only place the loss is scaled for accumulation), and the
 gradients and values are summed — the mean over the whole batch. Any reduction a
 transform further out does inside backward (ZeRO-2/3 reduce-scatter) therefore happens
@@ -28,6 +28,7 @@ from dsfn import tree
 from dsfn.adapters import MicroBatchCounts, adapter_for, micro_batches
 from dsfn.engines.micro_batches import slice_micro_batches
 from dsfn.errors import ConfigError
+from dsfn.functional import MicroBatch, micro_batch_begins
 from dsfn.transforms.core import Transform, make_transform
 
 
@@ -51,7 +52,8 @@ class Accumulate(Transform):
             return (out[0] * inv, out[1]) if has_aux else out * inv
         total_v, total_g, auxes = None, None, []
         with micro_batches(MicroBatchCounts(self.n, whole_of)):
-            for a, k in micro:
+            for j, (a, k) in enumerate(micro):
+                micro_batch_begins(MicroBatch(j, "forward", self.n))
                 value, grads = call_next(scaled, params, a, k, has_aux)
                 if has_aux:
                     value, aux = value

@@ -198,6 +198,7 @@ class Step:
             notes = [getattr(t, "explain_note", t.describe)() for t in self.stack]
         out = Explanation(notes, leaves, comm, dict(C.gauge_max))
         out.links = links
+        out.handlers = handler_order(self.stack)
         from dsfn.estimate import explain_estimate     # dsfn.estimate_memory for this stack, beside the leaves
         out.estimate = explain_estimate(self.stack, state, batch)
         return out
@@ -214,11 +215,14 @@ class Explanation:
     dtype, bytes), `collectives` {(axis, op): (calls, bytes)} per step, `links` {(axis, op):
     (intra-node bytes of this rank, inter-node bytes of its node)} per step
     (`dsfn.runtime.links`; totals `intra_bytes`, `inter_bytes`), runtime `gauges`,
-    `estimate` (`dsfn.estimate.MemoryEstimate` of the stack, or None)."""
+    `estimate` (`dsfn.estimate.MemoryEstimate` of the stack, or None), `handlers` {primitive:
+    [transform names, outermost first]} (`handler_order`)."""
 
     def __init__(self, stack: list[str], leaves: list[tuple], collectives: dict, gauges: dict):
         self.stack, self.leaves, self.collectives, self.gauges = stack, leaves, collectives, gauges
         self.estimate = None
+        # primitive -> the transforms that handle it, outermost first (the order `bind` runs them)
+        self.handlers: dict[str, list[str]] = {}
         self.links: dict[tuple[str, str], tuple[float, float]] = {}
 
     @property
@@ -237,6 +241,10 @@ class Explanation:
 
     def __str__(self) -> str:
         lines = ["stack (outermost first):"] + [f"  {n}" for n in self.stack] or ["  (no transforms)"]
+        if self.handlers:
+            lines.append("handlers per primitive (outermost first):")
+            for prim, names in self.handlers.items():
+                lines.append(f"  {prim:18s} {' -> '.join(names)}")
         lines.append(f"state on this rank: {self.state_bytes / 2**20:.2f} MiB in {len(self.leaves)} tensors")
         for path, layout, shape, dtype, nbytes in self.leaves:
             lines.append(f"  {path:50s} {str(dtype).replace('torch.', ''):9s} {str(shape):16s} {layout}")
@@ -257,6 +265,19 @@ class Explanation:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def handler_order(stack: Sequence[Any]) -> dict[str, list[str]]:
+    """{primitive: [the names of `stack`'s transforms that handle it, outermost first]}, for
+    every primitive some transform of the stack handles: the order in which `bind` runs their
+    `handle_<primitive>` methods (a transform without one is passed over), primitives sorted
+    by name."""
+    order: dict[str, list[str]] = {}
+    for t in stack:
+        for attr in dir(type(t)):
+            if attr.startswith("handle_") and callable(getattr(t, attr, None)):
+                order.setdefault(attr[len("handle_"):], []).append(t.name)
+    return dict(sorted(order.items()))
 
 
 def compose(*transforms: Any, donate: bool = False) -> Callable[[StepFn], Step]:

@@ -16,6 +16,7 @@ change. Each primitive has a default meaning (what a single process does); while
 | "map_whole"        | (fn, pieces)                               | fn on whole tensors          |
 | "grad_bucket_ready"| ([(key, reduced gradient shard), ...])     | nothing (a reducer's sink)   |
 | "grad_unscale"     | ()                                         | None (nothing left to undo)  |
+| "micro_batch"      | (event: dsfn.functional.MicroBatch)        | nothing (an announcement)    |
 
 "reduce_leaves" and "map_whole" are how code inside the step (an optimizer, a mask, a user's function) asks
 for a value of the *whole* (`dsfn.logical`): the transforms owning a leaf's mesh axes
@@ -24,7 +25,9 @@ is how a reducer's buckets reach another transform: ZeRO binds it as each bucket
 reduced shards completes (when a transform inside publishes `hears_grad_buckets`), and
 offload's overlapped host update handles it. "grad_unscale" is the factor the gradients handed
 to "apply_gradients" still carry (a loss scale left for an inner clip to fold into its multiply):
-loss_scale answers it, clip_grad_norm asks.
+loss_scale answers it, clip_grad_norm asks. "micro_batch" announces that micro-batch j's forward
+or backward begins: accumulate and the pipeline bind it, ZeRO hears from it whether the
+micro-batches interleave (its rounds of gradient buckets are then backwards, not forwards).
 
 A transform handles primitive P by defining `handle_P(self, call_next, *args)`; it may
 change the arguments, call `call_next(*args)` (the transforms further in, and finally

@@ -81,7 +81,9 @@ class DataParallel(Transform):
         facts = stack_facts(self)
         # with accumulation inside, reduce once at the end rather than per micro-batch
         overlap = not facts.inside(self).has_role("accumulate")
-        return self._replicas.value_and_grad(call_next, fn, params, args, kwargs, has_aux, facts, overlap)
+        reduction = self._replicas.begin_reduction(params, facts, overlap)
+        value, grads = call_next(reduction.differentiated(fn), params, args, kwargs, has_aux)
+        return value, reduction.finish(grads)
 
     def handle_reduce_metrics(self, call_next, metrics):
         return call_next(self._replicas.average_metrics(metrics))

@@ -299,7 +299,10 @@ class Offload(Transform):
     def handle_apply_gradients(self, call_next, state, grads):
         """The update runs on the host, where the state lives (module docstring; the machinery:
         `dsfn.engines.offload.HostUpdate`)."""
-        return self._host.apply_gradients(call_next, state, grads)
+        run = self._host.begin_update(state, grads)
+        with run.kernels():
+            new = call_next(run.state, run.grads)
+        return run.finish(new)
 
     def _reducer_feeds(self) -> bool:
         """Whether an enclosing ZeRO's `ShardReducer` reports this step's buckets (dp size > 1,

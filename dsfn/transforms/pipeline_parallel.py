@@ -24,11 +24,13 @@ Composes, outside it, with `data_parallel` / `shard_zero(1|2|3)` over "dp" (they
 batch over dp first; the pipeline cuts each rank's rows into micro-batches) and with
 `clip_grad_norm`, `loss_scale`, `mixed_precision` placed outside. Under ZeRO-2/3 each
 micro-batch's backward is a round of gradient buckets, reduce-scattered over the stage's dp
-ranks while the schedule goes on (`dsfn.engines.zero_shards.BackwardRounds`); ZeRO-3 stores
+ranks while the schedule goes on: each micro-batch's forward and backward is announced
+through the "micro_batch" primitive as interleaved, and ZeRO's rounds follow the backwards
+(`dsfn.engines.zero_shards.GradientRounds`); ZeRO-3 stores
 each stage's parameters as FlatShards over its dp ranks (1/(pp*dp) of the model per rank)
 and gathers the units this rank's stage runs; those reductions take the gradients over
-inside backward, so ZeRO, not the pipeline, sums a tied parameter's copies over pp
-(`dsfn.state.layout.stage_copies`). `accumulate(k)` outside multiplies: each step runs k
+inside backward (the fact `takes_grads_in_backward` they publish), so ZeRO, not the
+pipeline, sums a tied parameter's copies over pp (`dsfn.state.layout.stage_copies`). `accumulate(k)` outside multiplies: each step runs k
 pipeline flushes of `microbatches` micro-batches (k*M in all, each 1/(k*M) of the batch);
 the pipeline's own micro-batches are DeepSpeed's accumulation steps, so `accumulate` is
 rarely wanted. A transform that handles
@@ -103,7 +105,7 @@ from dsfn.engines.pipeline_stages import StageHooks, StagePlan, StopForward, lay
     running_stage
 from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.errors import ConfigError, StackError
-from dsfn.functional import backward_lifetime, until_backward
+from dsfn.functional import MicroBatch, backward_lifetime, micro_batch_begins, until_backward
 from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime import env
@@ -333,6 +335,7 @@ class PipelineParallel(Transform):
         def forward(stage: int, mb: int, h_in: torch.Tensor | None) -> torch.Tensor:
             self._running = (stage, h_in, n_stages)
             self._h_in[(stage, mb)] = h_in
+            micro_batch_begins(MicroBatch(mb, "forward", m, interleaved=True))
             try:
                 a, k = micro[mb]
                 out = fn(tree_in, *a, **k)
@@ -362,6 +365,7 @@ class PipelineParallel(Transform):
             # a recompute in this backward (activation checkpointing) runs stage `stage` on
             # micro-batch `mb`'s received activation (kept for a split backward's W)
             h_in = self._h_in.pop((stage, mb), None) if last else self._h_in.get((stage, mb))
+            micro_batch_begins(MicroBatch(mb, "backward", m, interleaved=True))
             with contextlib.ExitStack() as scope:
                 for _, hooks in list((self._step_hooks or {}).values()):
                     scope.enter_context(hooks.running(stage, h_in, recompute=True))
@@ -395,7 +399,7 @@ class PipelineParallel(Transform):
         # tensor_parallel's: the same piece on every owner, summed alike) — here, unless a
         # ZeRO-2/3 outside takes the gradients over in backward (they never reach these
         # leaves): it sums them then (`dsfn.state.layout.stage_copies`)
-        if not any(d["zero_stage"] >= 2 for d in stack_facts(self).outside(self).with_role("zero")):
+        if not any(stack_facts(self).outside(self).all("takes_grads_in_backward")):
             for k, x in enumerate(placed):
                 so = stage_split(x.layout)[0] if isinstance(x, Placed) else None
                 if so is not None and len(so.owners) > 1:

@@ -96,10 +96,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from dsfn.engines.data_parallel import Replicas
 from dsfn.engines.zero_stage12 import Stage12
+from dsfn.engines.zero_shards import ZeroOptions
 from dsfn.engines.zero_stage3 import Stage3
 from dsfn.errors import ConfigError, StackError
+from dsfn.placed import data_of
+from dsfn.runtime.flat import map_whole
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.train_state import never_placed
 from dsfn.transforms.core import Transform, make_transform, with_role
@@ -156,7 +161,10 @@ class ShardZero(Transform):
     def facts(self) -> dict[str, Any]:
         return {"dp_axis": self.axis, "zero_stage": self.stage, "reduce_bucket_size": self.reduce_bucket_size,
                 "zero_single_rank": self._shard_single_rank, "zero_shard_group": self.shard_group,
-                "zero_hpz": self.hpz}
+                "zero_hpz": self.hpz,
+                # stages 2-3 take each gradient over as backward makes it (taps, unit gathers):
+                # a transform inside never sees them at its own leaves
+                "takes_grads_in_backward": self.stage >= 2}
 
     def explain_note(self) -> str:
         mesh = current_mesh()
@@ -214,14 +222,23 @@ class ShardZero(Transform):
         facts = stack_facts(self)
         engine = self._in_effect()
         if engine is None:     # data parallel's reduction (once, after backward, with accumulation inside)
-            return self._replicas.value_and_grad(call_next, fn, params, args, kwargs, has_aux, facts,
-                                                 overlap=not facts.inside(self).has_role("accumulate"))
+            reduction = self._replicas.begin_reduction(params, facts,
+                                                       overlap=not facts.inside(self).has_role("accumulate"))
+            value, grads = call_next(reduction.differentiated(fn), params, args, kwargs, has_aux)
+            return value, reduction.finish(grads)
         # a transform inside that hears reduced buckets (offload's overlapped host update)
         hears = facts.inside(self).first("hears_grad_buckets", False)
-        # a pipeline inside interleaves its micro-batches' forwards and backwards: a round of
-        # gradient buckets is then a backward, not a forward
-        pipelined = facts.inside(self).has_role("pipeline")
-        return engine.value_and_grad(call_next, fn, params, args, kwargs, has_aux, facts, hears, pipelined)
+        with engine.begin_reduction(params, facts, hears) as reduction:
+            value, grads = call_next(reduction.differentiated(fn), params, args, kwargs, has_aux)
+            return value, reduction.finish(grads)
+
+    def handle_micro_batch(self, call_next, event):
+        """Micro-batch j's forward or backward begins: the running reduction hears whether the
+        micro-batches interleave (then a round of buckets is a backward, not a forward)."""
+        engine = self._in_effect()
+        if engine is not None and engine.active is not None:
+            engine.active.hear(event)
+        return call_next(event)
 
     # -- the replicated parts: data parallel's machinery --------------------------------------------
     def wrap_step(self, fn):
@@ -250,18 +267,31 @@ class ShardZero(Transform):
     # -- update -----------------------------------------------------------------------------------
     def handle_apply_gradients(self, call_next, state, grads):
         engine = self._in_effect()
-        return call_next(state, grads) if engine is None else engine.apply_gradients(call_next, state, grads)
+        if engine is None:
+            return call_next(state, grads)
+        run = engine.begin_update(state, grads)
+        return run.finish(call_next(run.state, run.grads))
 
     def handle_map_whole(self, call_next, fn, pieces):
         """Whole-tensor functions of ZeRO shards (Muon): rebuilt and mapped once, on an owner rank."""
-        if self._engine is None:
+        job = None if self._engine is None else self._engine.whole_job(pieces)
+        if job is None:
             return call_next(fn, pieces)
-        return self._engine.map_whole(call_next, fn, pieces)
+
+        def whole(j: int, piece: torch.Tensor) -> torch.Tensor:
+            k = job.ours[j]
+            return data_of(call_next(lambda _i, w: fn(k, w), [job.inner(j, piece)])[0])
+        out = job.placed(map_whole(whole, job.shards, job.shapes, job.axis))
+        rest = job.rest
+        if rest:
+            for k, r in zip(rest, call_next(lambda j, w: fn(rest[j], w), [pieces[k] for k in rest])):
+                out[k] = r
+        return out
 
     def handle_init_optimizer(self, call_next, state):
         """The optimizer state is made for what the update will see (stages 1-2: shards)."""
         engine = self._in_effect()
-        return call_next(state) if engine is None else engine.init_optimizer(call_next, state)
+        return call_next(state if engine is None else engine.optimizer_view(state))
 
     # -- forward ----------------------------------------------------------------------------------
     def handle_place_constants(self, call_next, frozen):
@@ -278,18 +308,21 @@ class ShardZero(Transform):
                 return call_next(apply_fn, params, args, kwargs)
             # frozen parameters are gathered in the compute dtype of a mixed precision inside
             dtype = stack_facts(self).inside(self).first("compute_dtype")
-            return engine.apply_module(call_next, apply_fn, params, args, kwargs, dtype)
+            run = engine.begin_forward(apply_fn, params, dtype)
+            if run is None:
+                return call_next(apply_fn, params, args, kwargs)
+            with run:
+                return call_next(run.apply_fn, run.params, args, kwargs)
 
 
 def _engine_for(zero: ShardZero) -> Any:
-    """The engine of `zero`'s stage: None (stage 0), Stage12 or Stage3."""
+    """The engine of `zero`'s stage: None (stage 0), Stage12 or Stage3, given one frozen options object."""
     if zero.stage == 0:
         return None
-    if zero.stage in (1, 2):
-        return Stage12(zero.axis, zero.stage, zero.reduce_bucket_size, zero.allgather_bucket_size, zero.shard_group,
-                       zero.cross_node)
-    return Stage3(zero.axis, zero.reduce_bucket_size, zero.allgather_bucket_size, zero.param_persistence_threshold,
-                  zero.units, zero.prefetch, zero.shard_group, zero.cross_node, zero.hpz, zero.hierarchical_gather)
+    options = ZeroOptions(zero.axis, zero.stage, zero.reduce_bucket_size, zero.allgather_bucket_size,
+                          zero.param_persistence_threshold, zero.units, zero.prefetch, zero.shard_group,
+                          zero.cross_node, zero.hpz, zero.hierarchical_gather)
+    return Stage12(options) if zero.stage in (1, 2) else Stage3(options)
 
 
 def shard_zero(*args: Any, **kwargs: Any) -> ShardZero:

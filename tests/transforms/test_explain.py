@@ -38,3 +38,28 @@ def test_explain_counts_equal_a_real_step_and_show_layouts():
 def test_explain_says_zero_is_identity_on_a_single_rank():
     comm, real, layouts, text, notes = _explain(2)
     assert comm == {} and "identity" in notes[0]
+
+
+def test_explain_lists_each_primitives_handlers_outermost_first():
+    """The order `bind` runs handlers in, per primitive: the stack's order, a transform without
+    a handler passed over; "micro_batch" is handled by ZeRO (its rounds), not by the others."""
+    from dsfn.transforms import accumulate, clip_grad_norm, mixed_precision
+    init_mesh()
+    apply_fn, params = dsfn.functionalize(make_mlp([4, 6, 2], 0))
+
+    def train_step(state, batch):
+        loss, grads = dsfn.value_and_grad(
+            lambda p, b: torch.nn.functional.mse_loss(apply_fn(p, b["x"]).float(), b["y"]))(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+    step = dsfn.compose(shard_zero(2), mixed_precision(), clip_grad_norm(1.0), accumulate(2))(train_step)
+    ex = step.explain(step.place(dsfn.TrainState.create(params, dsfn.optim.sgd(0.1))),
+                      regression_batches(1, 4, 4, 2)[0])
+    assert ex.handlers["value_and_grad"] == ["shard_zero", "mixed_precision", "accumulate"]
+    assert ex.handlers["apply_gradients"][:2] == ["shard_zero", "mixed_precision"]
+    assert "clip_grad_norm" in ex.handlers["apply_gradients"]
+    assert ex.handlers["micro_batch"] == ["shard_zero"]
+    assert "micro_batch" in str(ex) and "shard_zero -> mixed_precision -> accumulate" in str(ex)
+    # the same order as a reversed stack gives reversed (the stack decides, not registration)
+    from dsfn.transforms.compose import handler_order
+    assert handler_order(list(reversed(step.stack)))["value_and_grad"] == ["accumulate", "mixed_precision",
+                                                                            "shard_zero"]
