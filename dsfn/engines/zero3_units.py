@@ -186,6 +186,7 @@ class UnitGatherer:
         # where each gathered weight must be (offload(params=True) keeps shards on the host)
         self.homes = homes + [piece.device for piece, _ in frozen.values()]
         self.call_params = {n: (v.data if isinstance(v, Placed) else v) for n, v in params.items()}
+        self.view: Any = None     # the apply_fn to run the module with (ZeRO-3's `begin_forward` sets it)
         # a unit is gathered into flat buffers (`FlatGather.slabs`); its weights are views of them
         self._full: dict[int, torch.Tensor] = {}              # index -> gathered weight, in use
         self._pending: dict[int, FlatGather] = {}             # unit -> in-flight gather

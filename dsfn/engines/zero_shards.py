@@ -374,6 +374,10 @@ class ZeroShards:
         """A forward's set-up (stage 3: its units gathered just in time), or None: nothing to do."""
         return None
 
+    # the stage's gradient reduction of one value_and_grad: `Reduction(engine, fn, params,
+    # facts, hears)`, a lifecycle object (`.fn`, `hear`, `finish`, `close`); set by each stage
+    Reduction: Any = None
+
     def optimizer_view(self, state: Any) -> Any:
         """The state the optimizer makes its state for (stages 1-2: shards of the parameters)."""
         return state

@@ -22,7 +22,7 @@ from dsfn.engines.zero_shards import GradientRounds, ZeroShards, zero_layout
 from dsfn.placed import data_of, is_placed
 from dsfn.state.layout import inner_view
 
-__all__ = ["Stage12", "Stage12Reduction", "Stage12Update"]
+__all__ = ["Stage12", "Stage12Reduction"]
 
 
 class Stage12(ZeroShards):
@@ -35,15 +35,17 @@ class Stage12(ZeroShards):
     def unplaced(self, state: Any) -> str | None:
         return self.unplaced_opt_state(state)
 
-    def begin_reduction(self, params: Any, facts: Any, hears: bool) -> "Stage12Reduction":
-        """One value_and_grad's gradients reduced into shards (module docstring); `hears`: a
-        transform inside hears reduced buckets (offload's overlapped host update)."""
-        return Stage12Reduction(self, params, facts, hears)
+    def begin_update(self, state: Any, grads: Any) -> tuple[Any, Any, Any]:
+        """(state, gradients, finish) of the update on shards: the optimizer runs on shards,
+        and `finish(new)` all-gathers the updated shards into full parameters."""
+        olds = [data_of(x) for x in tree.leaves(state.params, is_leaf=is_placed)]
 
-    def begin_update(self, state: Any, grads: Any) -> "Stage12Update":
-        """The update on shards: the optimizer runs on `run.state` / `run.grads`, and
-        `run.finish(new)` all-gathers the updated shards into full parameters."""
-        return Stage12Update(self, state, grads)
+        def finish(new: Any) -> Any:
+            leaves, spec = tree.flatten(new.params, is_leaf=is_placed)
+            full = self.gather_updated([x.data for x in leaves], [zero_layout(x.layout).shape for x in leaves], olds)
+            return new.replace(params=tree.unflatten(spec, [inner_view(x, f) for x, f in zip(leaves, full)]))
+        return (state.replace(params=tree.map(self.as_shard, state.params, is_leaf=is_placed)),
+                tree.map(self.as_shard, grads, is_leaf=is_placed), finish)
 
     def optimizer_view(self, state: Any) -> Any:
         """The optimizer state is made for what the update will see: shards."""
@@ -51,41 +53,26 @@ class Stage12(ZeroShards):
 
 
 class Stage12Reduction:
-    """The gradient reduction of one value_and_grad (lifecycle: `differentiated(fn)` is what
-    autograd runs, `finish(grads)` the reduced shards, `close()`; a context manager). Stage 1
-    reduce-scatters every gradient after backward; stage 2 taps each parameter so its
-    gradient is queued as backward makes it, a round of buckets per micro-batch
-    (`GradientRounds`). A nested value_and_grad hands its gradients to the outermost one's."""
+    """The gradient reduction of one value_and_grad (`Stage12.Reduction(engine, fn, params,
+    facts, hears)`; lifecycle: autograd runs `.fn`, `finish(grads)` gives the reduced shards
+    and ends it, `close()` ends it after an error). Stage 1 reduce-scatters every gradient
+    after backward; stage 2 taps each parameter so its gradient is queued as backward makes
+    it, a round of buckets per micro-batch (`GradientRounds`). A nested value_and_grad hands
+    its gradients to the outermost one's."""
 
-    def __init__(self, engine: Stage12, params: Any, facts: Any, hears: bool):
-        self.engine, self.facts = engine, facts
+    def __init__(self, engine: Stage12, fn: Any, params: Any, facts: Any, hears: bool):
+        self.engine, self.facts, self.fn = engine, facts, fn
         self.outer = engine.active
         if self.outer is not None:      # nested call: the outermost call reduces
+            if engine.stage == 2:
+                self.fn = tap_gradients(fn, _sink(self.outer.reducer))
             return
         self.plan = engine.grad_plan(params)
-        self.reducer = engine.reducer(self.plan, facts, hears, engine.axis)
-        self.rounds = GradientRounds(self.reducer)
+        self.reducer = reducer = engine.reducer(self.plan, facts, hears, engine.axis)
+        self.rounds = rounds = GradientRounds(reducer)
         engine.active = self
-
-    def __enter__(self) -> "Stage12Reduction":
-        return self
-
-    def __exit__(self, *exc: Any) -> bool:
-        if self.outer is None:
-            self.engine.active = None
-        return False
-
-    def hear(self, event: Any) -> None:
-        """A "micro_batch" event of this value_and_grad (its micro-batches interleave or not)."""
-        if self.outer is None:
-            self.rounds.hear(event)
-
-    def differentiated(self, fn: Any) -> Any:
-        if self.engine.stage != 2:
-            return fn
-        if self.outer is not None:
-            return tap_gradients(fn, _sink(self.outer.reducer))
-        reducer, rounds = self.reducer, self.rounds
+        if engine.stage != 2:
+            return
         tapped = tap_gradients(fn, _sink(reducer))
 
         def each_forward(params, *args, **kwargs):
@@ -99,11 +86,21 @@ class Stage12Reduction:
                 return tap_gradients(fn, sink)(params, *args, **kwargs)
             reducer.new_round()         # one after another: this forward closes the previous round
             return tapped(params, *args, **kwargs)
-        return each_forward
+        self.fn = each_forward
+
+    def close(self) -> None:
+        if self.outer is None:
+            self.engine.active = None
+
+    def hear(self, event: Any) -> None:
+        """A "micro_batch" event of this value_and_grad (its micro-batches interleave or not)."""
+        if self.outer is None:
+            self.rounds.hear(event)
 
     def finish(self, grads: Any) -> Any:
         if self.outer is not None:
             return grads
+        self.engine.active = None
         plan, reducer = self.plan, self.reducer
         if self.engine.stage == 1:      # everything after backward, in order
             whole = set(plan["replicated"])
@@ -113,20 +110,7 @@ class Stage12Reduction:
         return self.engine.finish_reduction(reducer, plan, grads, self.facts)
 
 
-class Stage12Update:
-    """One update on shards (`Stage12.begin_update`)."""
-
-    def __init__(self, engine: Stage12, state: Any, grads: Any):
-        self.engine = engine
-        self.grads = tree.map(engine.as_shard, grads, is_leaf=is_placed)
-        self.olds = [data_of(x) for x in tree.leaves(state.params, is_leaf=is_placed)]
-        self.state = state.replace(params=tree.map(engine.as_shard, state.params, is_leaf=is_placed))
-
-    def finish(self, new: Any) -> Any:
-        leaves, spec = tree.flatten(new.params, is_leaf=is_placed)
-        full = self.engine.gather_updated([x.data for x in leaves], [zero_layout(x.layout).shape for x in leaves],
-                                          self.olds)
-        return new.replace(params=tree.unflatten(spec, [inner_view(x, f) for x, f in zip(leaves, full)]))
+Stage12.Reduction = Stage12Reduction
 
 
 def _sink(reducer):

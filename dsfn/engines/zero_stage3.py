@@ -19,7 +19,6 @@ Imports no transform; `dsfn.transforms.zero` picks this engine for stage 3.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -31,14 +30,13 @@ from dsfn.effects import bind
 from dsfn.engines.shard_groups import split_axes
 from dsfn.engines.zero3_units import UnitGatherer, UnitPlan
 from dsfn.engines.zero_shards import GradientRounds, ZeroOptions, ZeroShards, compute_device, zero_layout
-from dsfn.functional import until_backward
 from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh, grad_channel
 from dsfn.state.init import store_constants
 from dsfn.state.layout import FlatShard
 
-__all__ = ["GradientsDue", "Stage3", "Stage3Reduction", "Stage3Update", "UnitForward"]
+__all__ = ["GradientsDue", "Stage3", "Stage3Reduction"]
 
 
 class GradientsDue:
@@ -175,14 +173,11 @@ class Stage3(ZeroShards):
         return None
 
     # -- gradients ------------------------------------------------------------------------------
-    def begin_reduction(self, params: Any, facts: Any, hears: bool) -> "Stage3Reduction":
-        """One value_and_grad's gradients reduced into shards as each unit's arrive (module
-        docstring); `hears`: a transform inside hears reduced buckets."""
-        return Stage3Reduction(self, params, facts, hears)
-
-    def begin_update(self, state: Any, grads: Any) -> "Stage3Update":
-        """Gradients follow their parameter's layout (persistent ones stay whole)."""
-        return Stage3Update(self, state, grads)
+    def begin_update(self, state: Any, grads: Any) -> tuple[Any, Any, Any]:
+        """(state, gradients, finish) for the optimizer: gradients follow their parameter's
+        layout (persistent ones stay whole); `finish` None: nothing to do after the update."""
+        grads = tree.map(lambda g, p: self.as_shard(g) if self.mine(p) else g, grads, state.params, is_leaf=is_placed)
+        return state, grads, None
 
     # -- frozen parameters ----------------------------------------------------------------------
     def place_constants(self, frozen: dict[str, Any]) -> dict[str, Any]:
@@ -240,10 +235,12 @@ class Stage3(ZeroShards):
         return hit[1]
 
     def begin_forward(self, apply_fn: Any, params: dict[str, Any], compute_dtype: torch.dtype | None
-                      ) -> "UnitForward | None":
-        """The forward's set-up with every unit gathered just in time (module docstring), or None
-        when nothing of this forward is sharded. Run the module as `run.apply_fn(run.params, ...)`
-        inside `with run:`."""
+                      ) -> UnitGatherer | None:
+        """The forward's set-up with every unit gathered just in time (module docstring): a
+        `UnitGatherer`, or None when nothing of this forward is sharded. Run the module as
+        `g.view(g.call_params, ...)` inside `with until_backward(g.module_hooks()), g:` (the
+        units' hooks stay until backward is over, so a recompute re-gathers its unit in
+        backward's fixed order)."""
         if current_mesh().size(self.axis) > 1:
             self.shard_frozen(apply_fn)
         view, frozen = self.frozen_view(apply_fn, compute_dtype)
@@ -258,61 +255,28 @@ class Stage3(ZeroShards):
         if due is not None:           # inside value_and_grad: its backward ends the sequence
             due.gatherers.append(gatherer)
             due.host_units = due.host_units or any(d.type == "cpu" for d in gatherer.homes)
-        return UnitForward(view, gatherer)
-
-
-class UnitForward:
-    """One forward of a module under ZeRO-3 (`Stage3.begin_forward`): `apply_fn` (its frozen
-    pieces as plain tensors) and `params` to call it with; entering installs the units'
-    hooks, which stay until backward is over, so a recompute (activation checkpointing)
-    re-gathers its unit in backward's fixed order."""
-
-    def __init__(self, apply_fn: Any, gatherer: UnitGatherer):
-        self.apply_fn, self.gatherer, self.params = apply_fn, gatherer, gatherer.call_params
-        self._scope = contextlib.ExitStack()
-
-    def __enter__(self) -> "UnitForward":
-        self._scope.enter_context(until_backward(self.gatherer.module_hooks()))
-        self._scope.enter_context(self.gatherer)
-        return self
-
-    def __exit__(self, *exc: Any) -> bool:
-        return self._scope.__exit__(*exc)
+        gatherer.view = view
+        return gatherer
 
 
 class Stage3Reduction:
-    """The gradient reduction of one value_and_grad under ZeRO-3 (lifecycle as
-    `Stage12Reduction`'s). Each forward's units report their gradients to a `GradientsDue`
-    sink; micro-batches that interleave (`hear`) get a sink per forward and a round per
-    backward (`GradientRounds`). A nested value_and_grad is reduced by the outermost one."""
+    """The gradient reduction of one value_and_grad under ZeRO-3 (`Stage3.Reduction(engine,
+    fn, params, facts, hears)`; lifecycle: autograd runs `.fn`, `finish(grads)` gives the
+    reduced shards and ends it, `close()` ends it after an error). Each forward's units
+    report their gradients to a `GradientsDue` sink; micro-batches that interleave (`hear`)
+    get a sink per forward and a round per backward (`GradientRounds`). A nested
+    value_and_grad is reduced by the outermost one."""
 
-    def __init__(self, engine: Stage3, params: Any, facts: Any, hears: bool):
-        self.engine, self.facts = engine, facts
+    def __init__(self, engine: Stage3, fn: Any, params: Any, facts: Any, hears: bool):
+        self.engine, self.facts, self.fn = engine, facts, fn
         self.nested = engine.due is not None
         if self.nested:
             return
         self.plan = engine.grad_plan(params)
-        self.due = engine.due = GradientsDue(engine.reducer(self.plan, facts, hears, grad_channel(engine.axis)))
-        self.sinks = [self.due]
+        self.due = due = engine.due = GradientsDue(engine.reducer(self.plan, facts, hears, grad_channel(engine.axis)))
+        self.sinks = sinks = [due]
         engine.active = self
-        self.rounds = GradientRounds(self.due.reducer, close=GradientsDue.end_backward)
-
-    def __enter__(self) -> "Stage3Reduction":
-        return self
-
-    def __exit__(self, *exc: Any) -> bool:
-        if not self.nested:
-            self.engine.due = self.engine.active = None
-        return False
-
-    def hear(self, event: Any) -> None:
-        if not self.nested:
-            self.rounds.hear(event)
-
-    def differentiated(self, fn: Any) -> Any:
-        if self.nested:
-            return fn
-        engine, due, sinks, rounds = self.engine, self.due, self.sinks, self.rounds
+        self.rounds = rounds = GradientRounds(due.reducer, close=GradientsDue.end_backward)
 
         def each_forward(*a, **k):
             if rounds.interleaved:       # a micro-batch's forward: a sink of its own
@@ -326,28 +290,29 @@ class Stage3Reduction:
             due.end_backward()           # one after another: the previous one's backward closes first
             due.reducer.new_round()
             return fn(*a, **k)
-        return each_forward
+        self.fn = each_forward
+
+    def close(self) -> None:
+        if not self.nested:
+            self.engine.due = self.engine.active = None
+
+    def hear(self, event: Any) -> None:
+        if not self.nested:
+            self.rounds.hear(event)
 
     def finish(self, grads: Any) -> Any:
         if self.nested:
             return grads
-        for sink in self.sinks:          # the last round's, then what no gradient ever reached
-            sink.end_backward()
-        if any(sink.host_units for sink in self.sinks) and may_alias():
-            # every unit is released: a donated step gives the heap's holes back
-            # (env.trim_host_heap; on a GPU the units churn device memory instead)
-            env.trim_host_heap()
+        try:
+            for sink in self.sinks:          # the last round's, then what no gradient ever reached
+                sink.end_backward()
+            if any(sink.host_units for sink in self.sinks) and may_alias():
+                # every unit is released: a donated step gives the heap's holes back
+                # (env.trim_host_heap; on a GPU the units churn device memory instead)
+                env.trim_host_heap()
+        finally:
+            self.engine.due = self.engine.active = None
         return self.engine.finish_reduction(self.due.reducer, self.plan, grads, self.facts)
 
 
-class Stage3Update:
-    """One update under ZeRO-3: gradients follow their parameter's layout (persistent ones
-    stay whole); nothing is gathered after it."""
-
-    def __init__(self, engine: Stage3, state: Any, grads: Any):
-        self.state = state
-        self.grads = tree.map(lambda g, p: engine.as_shard(g) if engine.mine(p) else g, grads, state.params,
-                              is_leaf=is_placed)
-
-    def finish(self, new: Any) -> Any:
-        return new
+Stage3.Reduction = Stage3Reduction

@@ -103,6 +103,7 @@ from dsfn.engines.zero_stage12 import Stage12
 from dsfn.engines.zero_shards import ZeroOptions
 from dsfn.engines.zero_stage3 import Stage3
 from dsfn.errors import ConfigError, StackError
+from dsfn.functional import until_backward
 from dsfn.placed import data_of
 from dsfn.runtime.flat import map_whole
 from dsfn.runtime.mesh import current_mesh
@@ -228,9 +229,13 @@ class ShardZero(Transform):
             return value, reduction.finish(grads)
         # a transform inside that hears reduced buckets (offload's overlapped host update)
         hears = facts.inside(self).first("hears_grad_buckets", False)
-        with engine.begin_reduction(params, facts, hears) as reduction:
-            value, grads = call_next(reduction.differentiated(fn), params, args, kwargs, has_aux)
-            return value, reduction.finish(grads)
+        reduction = engine.Reduction(engine, fn, params, facts, hears)
+        try:
+            value, grads = call_next(reduction.fn, params, args, kwargs, has_aux)
+        except BaseException:
+            reduction.close()
+            raise
+        return value, reduction.finish(grads)
 
     def handle_micro_batch(self, call_next, event):
         """Micro-batch j's forward or backward begins: the running reduction hears whether the
@@ -269,8 +274,9 @@ class ShardZero(Transform):
         engine = self._in_effect()
         if engine is None:
             return call_next(state, grads)
-        run = engine.begin_update(state, grads)
-        return run.finish(call_next(run.state, run.grads))
+        state, grads, finish = engine.begin_update(state, grads)
+        new = call_next(state, grads)
+        return new if finish is None else finish(new)
 
     def handle_map_whole(self, call_next, fn, pieces):
         """Whole-tensor functions of ZeRO shards (Muon): rebuilt and mapped once, on an owner rank."""
@@ -308,11 +314,12 @@ class ShardZero(Transform):
                 return call_next(apply_fn, params, args, kwargs)
             # frozen parameters are gathered in the compute dtype of a mixed precision inside
             dtype = stack_facts(self).inside(self).first("compute_dtype")
-            run = engine.begin_forward(apply_fn, params, dtype)
-            if run is None:
+            units = engine.begin_forward(apply_fn, params, dtype)
+            if units is None:
                 return call_next(apply_fn, params, args, kwargs)
-            with run:
-                return call_next(run.apply_fn, run.params, args, kwargs)
+            # the units' hooks stay until backward is over: a recompute re-gathers its unit
+            with until_backward(units.module_hooks()), units:
+                return call_next(units.view, units.call_params, args, kwargs)
 
 
 def _engine_for(zero: ShardZero) -> Any:
