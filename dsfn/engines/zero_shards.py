@@ -29,7 +29,8 @@ from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import BufferPool, ShardReducer, all_gather_full
 from dsfn.runtime.mesh import current_mesh, grad_channel
-from dsfn.state.layout import (FlatShard, Layout, Nested, Offloaded, mirrored_param, shard_further, stage_copies,
+from dsfn.state.layout import (FlatShard, Layout, Nested, Offloaded, map_with_mirrors, mirrored_param, shard_further,
+                               stage_copies,
                                stage_piece_shape)
 
 __all__ = ["GradientRounds", "WholeJob", "ZeroOptions", "ZeroShards", "compute_device", "inner_piece", "logical_shape", "zero_layout"]
@@ -197,16 +198,11 @@ class ZeroShards:
     def shard_mirrors(self, state: Any, params: dict[str, Any], whole: Any = None) -> Any:
         """`state` with every optimizer-state leaf that mirrors a parameter of `params` (path ->
         the parameter as it was before placing: same shape, a path ending with the parameter's:
-        Adam's `mu.<name>`, `master.<name>`) as this rank's shard, unless `whole(parameter)`."""
-        shapes = {name: logical_shape(p) for name, p in params.items()}
-
-        def shard_mirror(path: str, x: Any) -> Any:
-            is_tensor = isinstance(x, (torch.Tensor, Placed))
-            owner = mirrored_param(path, logical_shape(x) if is_tensor else None, shapes)
-            if owner is None or (whole is not None and whole(params[owner])):
-                return x
-            return self.as_shard(x)
-        return state.replace(opt_state=tree.map_with_path(shard_mirror, state.opt_state, is_leaf=is_placed))
+        Adam's `mu.<name>`, `master.<name>`) as this rank's shard, unless `whole(parameter)`
+        (`dsfn.state.layout.map_with_mirrors`: a parameter and its mirrors take one layout)."""
+        def shard_mirror(owner: str, x: Any) -> Any:
+            return x if whole is not None and whole(params[owner]) else self.as_shard(x)
+        return map_with_mirrors(state, shard_mirror, params=False)
 
     def unplaced_opt_state(self, state: Any) -> str | None:
         """A whole tensor where a mirror's shard belongs (the first leaf decides)."""

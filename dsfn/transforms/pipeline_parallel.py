@@ -110,7 +110,7 @@ from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
-from dsfn.state.layout import Nested, StageOwned, mirrored_param, stage_piece_shape, stage_split
+from dsfn.state.layout import Nested, StageOwned, map_with_mirrors, stage_piece_shape, stage_split
 from dsfn.transforms.core import Transform, make_transform, with_role
 from dsfn.transforms.facts import StackFacts, stack_facts
 
@@ -257,18 +257,11 @@ class PipelineParallel(Transform):
         shapes = {n: tuple(x.layout.shape if isinstance(x, Placed) else x.shape) for n, x in params.items()}
         layouts = {n: StageOwned(self.axis, owners[n], shapes[n]) for n in params}
 
-        def own(path: str, x: Any) -> Any:
-            name = path if path in layouts else None
-            if name is None and isinstance(x, (torch.Tensor, Placed)):
-                # Adam's mu.<name>, master.<name> (a tensor_parallel piece inside: its logical shape)
-                name = mirrored_param(path, tuple(x.layout.shape if isinstance(x, Placed) else x.shape), shapes)
-            if name is None or not isinstance(x, (torch.Tensor, Placed)):
-                return x
-            return _on_stage(x, layouts[name])
-        new_params = tree.map_with_path(own, state.params, is_leaf=is_placed)
-        opt = getattr(state, "opt_state", None)
-        new_opt = tree.map_with_path(own, opt, is_leaf=is_placed) if opt is not None else opt
-        return state.replace(params=new_params, opt_state=new_opt)
+        def own(owner: str, x: Any) -> Any:
+            # a parameter, or its mirror (Adam's mu.<name>, master.<name>; a tensor_parallel piece
+            # inside: by its logical shape): one layout for both
+            return _on_stage(x, layouts[owner]) if isinstance(x, (torch.Tensor, Placed)) else x
+        return map_with_mirrors(state, own)
 
     def unplaced(self, state: Any) -> str | None:
         if current_mesh().size(self.axis) == 1 or not hasattr(state, "params"):

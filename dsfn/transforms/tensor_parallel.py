@@ -101,7 +101,7 @@ from dsfn.functional import until_backward
 from dsfn.errors import ConfigError, StackError
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import (DimShard, GroupDimShard, Layout, Offloaded, PackedDimShard, Placed, Replicated,
-                               mirrored_param, place)
+                               map_with_mirrors, place)
 from dsfn.transforms.core import Transform, make_transform, with_role
 from dsfn.transforms.facts import stack_facts
 from dsfn.engines.grad_stats import reduce_over_axis
@@ -272,13 +272,8 @@ class TensorParallel(Transform):
         # frozen parameters are constants, split by the plan too (handle_place_constants)
         frozen = {n: tuple(p.shape) for n, p in self._module.named_parameters() if not p.requires_grad}
         layouts = self.param_layouts({**frozen, **shapes})
-        params = tree.map_with_path(lambda path, x: place(x, layouts[path]) if path in layouts else x, state.params)
-
-        def mirror(path: str, x: Any) -> Any:
-            owner = mirrored_param(path, tuple(x.shape) if isinstance(x, torch.Tensor) else None, shapes)
-            return place(x, layouts[owner]) if owner in layouts else x
-        opt_state = state.opt_state if state.opt_state is None else tree.map_with_path(mirror, state.opt_state)
-        return state.replace(params=params, opt_state=opt_state)
+        # a parameter and its optimizer-state mirrors take one layout
+        return map_with_mirrors(state, lambda owner, x: place(x, layouts[owner]) if owner in layouts else x)
 
     # -- frozen parameters ------------------------------------------------------------------------
     def handle_place_constants(self, call_next, frozen):
