@@ -51,7 +51,7 @@ import functools
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.utils.checkpoint
@@ -63,7 +63,7 @@ from dsfn import tree
 from dsfn.errors import ConfigError, LeafTypeError
 from torch.nn.utils.stateless import _reparametrize_module
 
-from dsfn.effects import bind
+from dsfn.effects import active_stack, bind
 
 
 class ForwardEnded(Exception):
@@ -288,7 +288,7 @@ def _checked_call(apply_fn: ApplyFn, params: dict, buffers: dict, foreign: dict,
     # (torch.utils.checkpoint, HF's gradient checkpointing) then sees them, not its own
     with until_backward(_reparametrize_module(apply_fn.module, tensors, tie_weights=True, strict=False)), \
             until_backward(_non_reentrant_checkpointing(apply_fn.module)), \
-            until_backward(_recompute_under_forward_modes()):
+            until_backward(_recompute_under_forward_modes()), unit_events_for(apply_fn.module):
         out = apply_fn.module(*args, **kwargs)
     changed = [n for n, t in watched.items() if before[n] is not None and _version_of(t) != before[n]]
     if changed:
@@ -394,6 +394,123 @@ def functionalize(module: nn.Module, release: bool = False) -> tuple[ApplyFn, di
             if p.requires_grad:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     return ApplyFn(module, constants, tuple(params), buffers, frozen=tuple(frozen)), params
+
+
+# ---------------------------------------------------------------------------------------------
+# layer events: the "run_unit" primitive
+
+_unit_scope = threading.local()
+_graph_task_id = torch._C._current_graph_task_id      # -1 outside autograd's backward (C: no Python frame)
+
+
+def _innermost_unit_handler(module: nn.Module, phase: str, value: Any, recompute: bool) -> Any:
+    """The default meaning of "run_unit": nothing changes (the value goes on as it is)."""
+    return value
+
+
+class UnitEvents:
+    """The one installer of layer events: a forward pre-hook and a forward hook on each of
+    `units` (modules, each once), which bind the "run_unit" primitive through `handlers` (the
+    stack's `handle_run_unit` methods, outermost first) as each unit is about to run or has
+    just run:
+
+        handle_run_unit(call_next, module, phase, value, recompute) -> value
+
+    - phase "pre": `value` is `(args, kwargs)` of the call; a handler may return other ones
+      (a pipeline stage's first layer takes the received activation);
+    - phase "post": `value` is the unit's output; a handler may return another, or raise
+      (`ForwardEnded`: a pipeline stage's last layer ends the forward there);
+    - `recompute`: the call runs inside autograd's backward (an activation checkpoint's
+      recompute).
+
+    A handler does its work before `call_next` to act outermost-first (ZeRO-3 gathers in
+    "pre" and releases in "post" before an inner pipeline's stop), after it to act
+    innermost-first. The chain is built once (`functools.partial`), so an event costs the two
+    hooks and one call per handler. A context manager: the hooks live from `__enter__` to
+    `__exit__` (a Step owns them for the whole step: `unit_events_scope`)."""
+
+    def __init__(self, units: Sequence[nn.Module], handlers: Sequence[Callable[..., Any]]):
+        seen: dict[int, nn.Module] = {}
+        for m in units:
+            seen.setdefault(id(m), m)
+        self.units = list(seen.values())
+        chain: Callable[..., Any] = _innermost_unit_handler
+        for handler in reversed(list(handlers)):
+            chain = functools.partial(handler, chain)
+        self.chain = chain
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "UnitEvents":
+        chain = self.chain
+
+        def pre(mod, args, kwargs):
+            value = (args, kwargs)
+            new = chain(mod, "pre", value, _graph_task_id() != -1)
+            return None if new is value else new
+
+        def post(mod, args, out):
+            new = chain(mod, "post", out, _graph_task_id() != -1)
+            return None if new is out else new
+        try:
+            for m in self.units:
+                self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+                self._handles.append(m.register_forward_hook(post))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        return False
+
+
+@contextlib.contextmanager
+def unit_events_scope() -> Iterator[None]:
+    """Opened by a Step around one step: the layer events installed by its forwards
+    (`unit_events_for`) stay until the step ends (its backward and recomputes included), one
+    installer per module, and are removed then, also when the step raises."""
+    prev = getattr(_unit_scope, "installed", None)
+    installed: dict[int, tuple[nn.Module, UnitEvents]] = {}
+    _unit_scope.installed = installed
+    try:
+        yield
+    finally:
+        _unit_scope.installed = prev
+        for _, events in installed.values():
+            events.__exit__(None, None, None)
+
+
+def unit_events_for(module: nn.Module) -> Any:
+    """What a forward of `module` needs for its layer events: a context manager. The running
+    stack's transforms that handle "run_unit" name the modules they want events of (the
+    "units_of" primitive: each adds its own to the tuple); none: nothing is installed. Inside a
+    Step, installed at the step's first forward of `module` and kept for the step; outside one
+    (a bare stack), for this forward and its backward (`until_backward`)."""
+    installed = getattr(_unit_scope, "installed", None)
+    if installed is not None:
+        hit = installed.get(id(module))
+        if hit is not None and hit[0] is module:
+            return contextlib.nullcontext()
+    handlers = [t.handle_run_unit for t in active_stack() if hasattr(t, "handle_run_unit")]
+    if not handlers:
+        return contextlib.nullcontext()
+    units = bind("units_of", _no_units, module)
+    if not units:
+        return contextlib.nullcontext()
+    events = UnitEvents(units, handlers)
+    if installed is None:
+        return until_backward(events)
+    events.__enter__()
+    installed[id(module)] = (module, events)
+    return contextlib.nullcontext()
+
+
+def _no_units(module: nn.Module) -> tuple:
+    """The default of "units_of": no module wants layer events."""
+    return ()
 
 
 # ---------------------------------------------------------------------------------------------

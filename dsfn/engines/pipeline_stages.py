@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -193,25 +194,28 @@ def in_checkpoint() -> bool:
 
 
 class StageHooks:
-    """The hooks on a plan's layers for one training step: a context manager (registered on
-    enter, removed on exit, also when the step raises), steered by `running(stage, h_in,
-    recompute)`, which says which stage runs and on which received activation.
+    """What steers a plan's layers for one training step, as verbs of the layer events
+    (the "run_unit" primitive, `dsfn.functional.UnitEvents`): `before(module, args, kwargs)`
+    as a unit is about to run, `after(module, out)` once it has run, for the modules of
+    `units()` (the layers, the layer list's parent and the parents of the modules before it).
+    Steered by `running(stage, h_in, recompute)`, which says which stage runs and on which
+    received activation.
 
-    They stay registered from a step's first forward to the end of its last backward, because
-    a recompute in backward (activation checkpointing) re-runs a layer's forward: through the
-    layer's hooks when the checkpoint wraps the layer's `__call__` (a model's own loop calling
+    They are heard from a step's first forward to the end of its last backward, because a
+    recompute in backward (activation checkpointing) re-runs a layer's forward: through the
+    layer's events when the checkpoint wraps the layer's `__call__` (a model's own loop calling
     `checkpoint(layer, h)`, Hugging Face before transformers 5), past them when it wraps
-    `forward` (`remat`, Hugging Face 5: the checkpoint then saved the input the hooks gave it).
-    While `running` is not set they do nothing; while it names another stage, its hooks do
-    nothing either (a rank holds several stages under interleaved / ZBV). Per layer:
+    `forward` (`remat`, Hugging Face 5: the checkpoint then saved the input they gave it).
+    While `running` is not set they do nothing; while it names another stage, neither do they
+    (a rank holds several stages under interleaved / ZBV). Per layer:
 
     - the first layer of a stage s > 0 takes `h_in` as its hidden states — in a recompute the
       `h_in` of the micro-batch whose backward runs (the runner says which), so each of the
       micro-batches outstanding at once (1F1B holds up to p) recomputes from its own input;
     - the last layer of a stage before the last raises `StopForward(h)` in a forward, and
-      returns its output in a recompute (the checkpoint needs the recomputed values): that hook
-      is registered for each forward (`running`), so it runs after the hooks every transform
-      outside registered for that forward;
+      returns its output in a recompute (the checkpoint needs the recomputed values); the
+      transforms outside the pipeline in the stack heard the layer's post event first
+      (ZeRO-3 released its weights and armed their re-gather for backward);
     - every layer: a layer of another stage running is a ConfigError (a checkpoint around the
       whole layer loop recomputes every layer, the stage's cut gone)."""
 
@@ -221,103 +225,83 @@ class StageHooks:
         # a layer of the stage ran inside a checkpoint in a forward (a model's own
         # `checkpoint(layer, h)`): its backward will recompute it; the caller reads and resets it
         self.saw_checkpoint = False
-        self._handles: list = []
         self._stage_of = {k: s for s, (a, b) in enumerate(plan.bounds) for k in range(a, b)}
+        self._layer = {id(m): k for k, m in enumerate(plan.layers)}
+        self._first_of = {plan.bounds[s][0]: s for s in range(1, plan.n_stages)}
+        self._stop_at: int | None = None            # the layer whose output ends this forward
+        self._on_forward: dict[int, Any] = {}       # id(parent) -> this forward's cut (`running_stage`)
+
+    def units(self) -> list[nn.Module]:
+        """The modules whose layer events these verbs read: the layers, then the layer list's
+        parent and the parents of the modules before it (a forward's cut is made there)."""
+        parents = [self.plan.parent] + [p for p, _ in self.plan.before]
+        return list(self.plan.layers) + parents
 
     @contextlib.contextmanager
     def running(self, stage: int, h_in: torch.Tensor | None, recompute: bool = False) -> Iterator[None]:
         """Stage `stage` runs (its forward, or its backward's recomputes when `recompute`) on `h_in`."""
-        prev, self.active = self.active, (stage, h_in, recompute)
-        # the stop hook lives for one forward, registered now: after every hook a transform
-        # outside registered for this forward on the same layer (ZeRO-3's unit hooks release
-        # the layer's gathered weights and arm its re-gather for backward), which must run
-        # before StopForward leaves the forward
+        prev = self.active, self._stop_at
+        self.active = (stage, h_in, recompute)
         start, stop = self.plan.bounds[stage]
-        handle = None
-        if not recompute and stage < self.plan.n_stages - 1:
-            handle = self.plan.layers[stop - 1].register_forward_hook(self._stop_here(stage, stop - 1))
+        self._stop_at = stop - 1 if not recompute and stage < self.plan.n_stages - 1 else None
         try:
             yield
         finally:
-            if handle is not None:
-                handle.remove()
-            self.active = prev
+            self.active, self._stop_at = prev
 
-    def __enter__(self) -> "StageHooks":
-        plan = self.plan
-        try:
-            for k, layer in enumerate(plan.layers):
-                self._handles.append(layer.register_forward_pre_hook(self._own_stage(k)))
-            for s, (start, stop) in enumerate(plan.bounds):
-                if s > 0:
-                    self._handles.append(plan.layers[start].register_forward_pre_hook(self._take_received(s),
-                                                                                      with_kwargs=True))
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """`module` is about to run: new (args, kwargs) for a stage's first layer (it takes the
+        received activation), else None; the cut of this forward made at a parent."""
+        cut = self._on_forward.get(id(module))
+        if cut is not None:
+            cut(module)
+        k = self._layer.get(id(module))
+        if k is None:
+            return None
+        active = self.active
+        if active is not None and not active[2] and not self.saw_checkpoint and in_checkpoint():
+            self.saw_checkpoint = True
+        if active is not None and self._stage_of[k] != active[0]:
+            what = "a recompute in backward" if active[2] else "the forward"
+            raise ConfigError(f"pipeline_parallel: layer {k} of {self.plan.layers_path} (stage "
+                              f"{self._stage_of[k]}) ran in {what} of stage {active[0]}: the model runs its "
+                              "layers other than one after the other from the list (a checkpoint around the "
+                              "whole layer loop, or a layer called outside it). Checkpoint the layers one by "
+                              "one (remat() or model.gradient_checkpointing_enable()), or name the list of "
+                              "blocks run in sequence: pipeline_parallel(..., layers='path.to.ModuleList')")
+        if active is None or self._first_of.get(k) != active[0]:
+            return None
+        h_in = active[1]
+        if args:
+            return (h_in,) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": h_in}
 
-    def __exit__(self, *exc) -> bool:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self.active = None
-        return False
+    def after(self, module: nn.Module, out: Any) -> None:
+        """`module` has run: the last layer of a forward's stage before the last raises
+        `StopForward` with the activation to send on (a recompute returns its output)."""
+        k = self._layer.get(id(module))
+        if k is None or k != self._stop_at:
+            return
+        h = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, (tuple, list)) else None
+        if not isinstance(h, torch.Tensor):
+            raise ConfigError(f"pipeline_parallel: layer {k} of {self.plan.layers_path} returned "
+                              f"{type(out).__name__}, not a tensor (or a tuple starting with one): the activation "
+                              "to send to the next stage cannot be found")
+        raise StopForward(h)
 
-    def _own_stage(self, k: int):
-        def pre(mod, args):
-            active = self.active
-            if active is not None and not active[2] and not self.saw_checkpoint and in_checkpoint():
-                self.saw_checkpoint = True
-            if active is not None and self._stage_of[k] != active[0]:
-                what = "a recompute in backward" if active[2] else "the forward"
-                raise ConfigError(f"pipeline_parallel: layer {k} of {self.plan.layers_path} (stage "
-                                  f"{self._stage_of[k]}) ran in {what} of stage {active[0]}: the model runs its "
-                                  "layers other than one after the other from the list (a checkpoint around the "
-                                  "whole layer loop, or a layer called outside it). Checkpoint the layers one by "
-                                  "one (remat() or model.gradient_checkpointing_enable()), or name the list of "
-                                  "blocks run in sequence: pipeline_parallel(..., layers='path.to.ModuleList')")
-        return pre
-
-    def _take_received(self, s: int):
-        def pre(mod, args, kwargs):
-            active = self.active
-            if active is None or active[0] != s:
-                return None
-            h_in = active[1]
-            if args:
-                return (h_in,) + tuple(args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": h_in}
-        return pre
-
-    def _stop_here(self, s: int, k: int):
-        def post(mod, args, out):
-            active = self.active
-            if active is None or active[0] != s or active[2]:       # a recompute returns its output
-                return None
-            h = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, (tuple, list)) else None
-            if not isinstance(h, torch.Tensor):
-                raise ConfigError(f"pipeline_parallel: layer {k} of {self.plan.layers_path} returned "
-                                  f"{type(out).__name__}, not a tensor (or a tuple starting with one): the activation "
-                                  "to send to the next stage cannot be found")
-            raise StopForward(h)
-        return post
+    def close(self) -> None:
+        """The step is over: nothing runs any more."""
+        self.active, self._stop_at, self._on_forward = None, None, {}
 
 
 @contextlib.contextmanager
-def running_stage(plan: StagePlan, stage: int, h_in: torch.Tensor | None,
-                  hooks: StageHooks | None = None) -> Iterator[None]:
+def running_stage(plan: StagePlan, stage: int, h_in: torch.Tensor | None, hooks: StageHooks) -> Iterator[None]:
     """Make the model's next forward run stage `stage` only (module docstring). `h_in`: the
     activation received from the previous stage (None on the first). `hooks`: the step's
-    `StageHooks` of `plan` (entered by the caller, kept for the recomputes in backward); None:
-    hooks of this forward's own, removed at its end (no recompute can use them)."""
-    if hooks is None:
-        with StageHooks(plan) as own, running_stage(plan, stage, h_in, own):
-            yield
-        return
+    `StageHooks` of `plan`, whose verbs the layer events of the step call (kept for the
+    recomputes in backward)."""
     start, stop = plan.bounds[stage]
     swaps: list[tuple[nn.Module, str, nn.Module]] = []
-    handles = []
 
     def swap(parent: nn.Module, attr: str, new: nn.Module) -> None:
         swaps.append((parent, attr, parent._modules[attr]))
@@ -331,7 +315,7 @@ def running_stage(plan: StagePlan, stage: int, h_in: torch.Tensor | None,
     parents.setdefault(id(plan.parent), (plan.parent, []))[1].append(("layers", plan.attr))
 
     def on_forward(todo):
-        def pre(mod, args):
+        def cut(mod):
             _refuse_checkpointed_holders(plan)
             for kind, attr in todo:
                 if any(p is mod and a == attr for p, a, _ in swaps):
@@ -340,15 +324,14 @@ def running_stage(plan: StagePlan, stage: int, h_in: torch.Tensor | None,
                     swap(mod, attr, _LikeReceived(h_in))
                 else:
                     swap(mod, attr, nn.ModuleList(plan.layers[start:stop]))
-        return pre
+        return cut
+    prev = hooks._on_forward
+    hooks._on_forward = {key: on_forward(todo) for key, (_, todo) in parents.items()}
     try:
-        for parent, todo in parents.values():
-            handles.append(parent.register_forward_pre_hook(on_forward(todo)))
         with hooks.running(stage, h_in):
             yield
     finally:
-        for h in handles:
-            h.remove()
+        hooks._on_forward = prev
         for parent, attr, original in reversed(swaps):
             parent._modules[attr] = original
 

@@ -3,12 +3,12 @@ unshard / reshard / pre_forward / post_backward).
 
 A `UnitGatherer` serves one forward of a module whose parameters are ZeRO-3 shards:
 
-- pre_forward (`_pre`, a unit's forward pre-hook): the unit is unsharded — its shards
+- pre_forward (`unit_pre`, the unit's "run_unit" pre event): the unit is unsharded — its shards
   all-gathered straight into the unit's kept storages (`UnitStorage`, one flat buffer per
   bucket, the weights views of it; `dsfn.runtime.flat.gather_into_buffers`) — and the next
   `prefetch` units are launched; its trainable weights enter autograd as one node
   (`_GatherUnit`);
-- post_forward (`_post`): the unit is resharded — its storages' memory freed (resized to 0),
+- post_forward (`unit_post`, its post event): the unit is resharded — its storages' memory freed (resized to 0),
   the tensor objects kept — and a gradient hook on its outputs is registered;
 - pre_backward (`_before_backward`): the unit is gathered again into the same storages just
   before its backward, so what autograd saved sees the weights again;
@@ -217,8 +217,12 @@ class UnitGatherer:
         # one bucketed all-gather per unit, into pooled buffers; async so the next unit's
         # gather overlaps compute
         self._pending[u] = self._gather_async(u)
-        self._live.add(u)
-        _gauge_live(self._live)
+        live = self._live
+        live.add(u)
+        n = len(live) - (0 in live)        # the gauge "zero3.live_units", inline (once per unit)
+        _GAUGES["zero3.live_units"] = n
+        if n > _GAUGE_MAX.get("zero3.live_units", -1):
+            _GAUGE_MAX["zero3.live_units"] = n
 
     def _on_home(self, i: int) -> torch.Tensor:
         """Shard i on its compute device (a host shard is copied there non-blocking), so the
@@ -235,7 +239,10 @@ class UnitGatherer:
     def _drop_skipped(self, before: int) -> None:
         """Units launched ahead of `before` that this rank never ran: wait for their gathers
         (the ranks that run them need the collective) and free them."""
-        for v in [v for v in self._pending if 0 < v < before]:
+        skipped = [v for v in self._pending if 0 < v < before]
+        if not skipped:       # (the usual case: the gauge is unchanged)
+            return
+        for v in skipped:
             self._release(v, self._pending.pop(v))
             self._live.discard(v)
         _gauge_live(self._live)
@@ -277,46 +284,52 @@ class UnitGatherer:
     def shard_shape(self, i: int) -> tuple[int, ...]:
         return tuple(self.shards[i].shape)
 
-    def _pre(self, u: int):
-        def hook(mod, args):
-            if self._phase == "backward":      # a recompute of the unit (activation checkpointing)
-                self._install_for_recompute(self.unit_params[u])
-                return
-            self._materialize(u)
-            self._launch_upto(u + self.prefetch)   # prefetch: overlaps this unit's compute
-            ids = self.unit_params[u]
-            trainable = [i for i in ids if i not in self.frozen]
-            if torch.is_grad_enabled() and self.due is not None:
-                names = self.names
-                self.due.gathers_made([names[i] for i in trainable])
-            # one autograd node for the unit's trainable weights (one Python call forward and
-            # backward per unit, not per tensor); frozen weights take no part in autograd
-            fulls = dict(zip(trainable, _GatherUnit.apply(self, tuple(trainable),
-                                                          *(self.shards[i] for i in trainable))))
-            for i in ids:
-                full = fulls.get(i)
-                if full is None:
-                    full = self.full(i)
-                for owner, attr in self.slots[i]:
-                    owner._parameters[attr] = full
-        return hook
+    def unit_pre(self, u: int) -> None:
+        """Unit u is about to run (its "run_unit" pre event): gathered, the next `prefetch`
+        launched; in backward (a recompute of the unit: activation checkpointing) its
+        re-gathered weights are installed instead."""
+        if self._phase == "backward":      # a recompute of the unit (activation checkpointing)
+            self._install_for_recompute(self.unit_params[u])
+            return
+        self._materialize(u)
+        self._launch_upto(u + self.prefetch)   # prefetch: overlaps this unit's compute
+        ids = self.unit_params[u]
+        trainable = [i for i in ids if i not in self.frozen]
+        if torch.is_grad_enabled() and self.due is not None:
+            names = self.names
+            self.due.gathers_made([names[i] for i in trainable])
+        # one autograd node for the unit's trainable weights (one Python call forward and
+        # backward per unit, not per tensor); frozen weights take no part in autograd
+        fulls = dict(zip(trainable, _GatherUnit.apply(self, tuple(trainable),
+                                                      *(self.shards[i] for i in trainable))))
+        for i in ids:
+            full = fulls.get(i)
+            if full is None:
+                full = self._full[i]
+            for owner, attr in self.slots[i]:
+                owner._parameters[attr] = full
 
-    def _post(self, u: int):
-        def hook(mod, args, out):
-            if self._phase == "backward":
-                self._restore(self.unit_params[u])
-                return
-            for i in self.unit_params[u]:
-                self._full.pop(i, None)
-                for owner, attr in self.slots[i]:
-                    owner._parameters[attr] = self.shards[i]
-            handle = self._fw.pop(u, None)
-            if handle is not None:
-                self._release(u, handle)
-                self._before_backward(u, out)
-            self._live.discard(u)
-            _gauge_live(self._live)
-        return hook
+    def unit_post(self, u: int, out: Any) -> None:
+        """Unit u has run (its "run_unit" post event; `out` its output): resharded, its
+        re-gather for backward armed on `out`; after a recompute its shards go back."""
+        if self._phase == "backward":
+            self._restore(self.unit_params[u])
+            return
+        for i in self.unit_params[u]:
+            self._full.pop(i, None)
+            for owner, attr in self.slots[i]:
+                owner._parameters[attr] = self.shards[i]
+        handle = self._fw.pop(u, None)
+        if handle is not None:
+            self._release(u, handle)
+            self._before_backward(u, out)
+        live = self._live
+        live.discard(u)
+        # the gauge "zero3.live_units" (collectives.gauge), inline: this runs once per unit
+        n = len(live) - (0 in live)
+        _GAUGES["zero3.live_units"] = n
+        if n > _GAUGE_MAX.get("zero3.live_units", -1):
+            _GAUGE_MAX["zero3.live_units"] = n
 
     def _before_backward(self, u: int, out: Any) -> None:
         """Re-gather unit u just before its backward: when the first gradient of its outputs
@@ -421,17 +434,24 @@ class UnitGatherer:
 
     # -- context -----------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def module_hooks(self):
-        """The units' forward hooks, kept until backward is over; from the forward's end, the
-        hooks that install re-gathered weights for a recompute (`_recompute_hooks_on`)."""
-        hooks = []
+    def listening(self, registry: dict[int, list]):
+        """This gatherer hears its units' layer events until backward is over: `registry` (id
+        of a unit module -> [(gatherer, unit index)], the engine's, read by ZeRO's "run_unit"
+        handler) holds it meanwhile; from the forward's end, the hooks that install re-gathered
+        weights for a recompute (`_recompute_hooks_on`)."""
+        entries = []
         for u, m in enumerate(self.units):
-            hooks.append(m.register_forward_pre_hook(self._pre(u)))
-            hooks.append(m.register_forward_hook(self._post(u)))
+            runs = registry.setdefault(id(m), [])
+            runs.append((self, u))
+            entries.append((id(m), runs))
         try:
             yield self
         finally:
-            for h in hooks + self._recompute_hooks:
+            for u, (key, runs) in enumerate(entries):
+                runs.remove((self, u))
+                if not runs and registry.get(key) is runs:
+                    del registry[key]
+            for h in self._recompute_hooks:
                 h.remove()
             self._recompute_hooks = []
 
@@ -579,3 +599,7 @@ def _gauge_secondary(kept: dict[int, tuple[Any, list[torch.Tensor]]]) -> None:
 def _gauge_live(live: set[int]) -> None:
     """Gathered units other than the root (unit 0, live for the whole forward)."""
     C.gauge("zero3.live_units", len(live - {0}))
+
+
+# the runtime's gauges (`collectives.gauge`'s dicts), updated inline on the per-unit path
+_GAUGES, _GAUGE_MAX = C.gauges, C.gauge_max

@@ -30,8 +30,7 @@ from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import BufferPool, ShardReducer, all_gather_full
 from dsfn.runtime.mesh import current_mesh, grad_channel
 from dsfn.state.layout import (FlatShard, Layout, Nested, Offloaded, map_with_mirrors, mirrored_param, shard_further,
-                               stage_copies,
-                               stage_piece_shape)
+                               stage_copies, stage_piece_shape, sum_stage_copies)
 
 __all__ = ["GradientRounds", "WholeJob", "ZeroOptions", "ZeroShards", "compute_device", "inner_piece", "logical_shape", "zero_layout"]
 
@@ -141,6 +140,9 @@ class ZeroShards:
         self._grad_plan_cache: tuple | None = None
         # gradient buckets and shards, the same blocks every step
         self.grad_pool = BufferPool(keep=ShardReducer.MAX_INFLIGHT + 1)
+        # id(unit module) -> [(gatherer, unit index)]: stage 3's gatherers hearing that module's
+        # layer events now (a forward's, until its backward is over; several under a pipeline)
+        self.live_units: dict[int, list] = {}
 
     active: Any = None      # the running value_and_grad's reduction (`begin_reduction`), else None
 
@@ -285,43 +287,29 @@ class ZeroShards:
                 continue
             out.append(Placed(shards[path], layout))   # zeros where this rank's loss did not reach it
         if self.stage >= 2 and plan["copies"]:
-            out = self.sum_stage_copies(out, plan["copies"])
+            out = self.sum_copies(out, plan["copies"])
         return tree.unflatten(plan["spec"], out)
 
     def owner_grad_numel(self, numel: int) -> int:
         """Elements of the reduced gradient an owner of a `numel`-element leaf holds: its shard."""
         return -(-numel // current_mesh().size(self.axis))
 
-    def sum_stage_copies(self, grads: list[Any], which: list[int]) -> list[Any]:
-        """Gradients of leaves held by several pipeline stages (`stage_copies`: a tied
-        embedding and head) summed over their stages, so the copies take the same update.
-        Stages 2-3 take the gradients over inside backward (taps, unit gathers), before a
-        pipeline inside could sum them; so it is done here, on the reduced pieces of the leaves
-        `which` (indices into `grads`, found once per structure by `grad_plan`): every
-        rank along the stages' axis joins one all-reduce per axis, a non-owner with zeros of
-        an owner's size (the owners' pieces are alike: the same dp coordinate)."""
-        todo: dict[tuple[str, torch.dtype], list[int]] = {}
-        for k in which:                 # the grad plan's `copies`
-            g = grads[k]
-            todo.setdefault((stage_copies(g.layout).axis, g.data.dtype), []).append(k)
+    def sum_copies(self, grads: list[Any], which: list[int]) -> list[Any]:
+        """Gradients of the leaves `which` (indices into `grads`, found once per structure by
+        `grad_plan`) that several holders keep as copies (`stage_copies` of their layout: a
+        tied embedding and head) summed over the holders (`dsfn.state.layout.sum_stage_copies`),
+        so the copies take the same update. Stages 2-3 take the gradients over inside
+        backward, before whoever holds the copies could sum them; a non-holder joins with
+        zeros of a holder's reduced piece."""
+        parts = [grads[k].data for k in which]
+        copies = [stage_copies(grads[k].layout) for k in which]
+        # (a non-holder's 0-element leaf stays outside ZeRO: its layout is the stage's)
+        numel = [0 if c.holds() else self.owner_grad_numel(math.prod(stage_piece_shape(grads[k].layout)))
+                 for k, c in zip(which, copies)]
         out = list(grads)
-        for (axis, _), ks in todo.items():
-            parts = []
-            for k in ks:
-                g, copies = grads[k], stage_copies(grads[k].layout)
-                if copies.holds():
-                    parts.append(g.data.reshape(-1))
-                else:           # (a 0-element leaf here stays outside ZeRO: its layout is the stage's)
-                    owner_numel = math.prod(stage_piece_shape(g.layout))
-                    parts.append(torch.zeros(self.owner_grad_numel(owner_numel), dtype=g.data.dtype,
-                                             device=g.data.device))
-            flat = C.all_reduce_(torch.cat(parts), axis, "sum")
-            at = 0
-            for k, part in zip(ks, parts):
-                g = grads[k]
-                if stage_copies(g.layout).holds():
-                    out[k] = Placed(flat[at:at + part.numel()].view_as(g.data).clone(), g.layout)
-                at += part.numel()
+        for k, summed in zip(which, sum_stage_copies(parts, copies, numel)):
+            if summed is not grads[k].data:
+                out[k] = Placed(summed, grads[k].layout)
         return out
 
     # -- update ---------------------------------------------------------------------------------

@@ -227,6 +227,10 @@ class Stage3(ZeroShards):
         self._leaves_cache = (key, list(params), out)
         return out
 
+    def units_of(self, module: nn.Module) -> list[nn.Module]:
+        """The modules of `module`'s unit plans (the root and its units), for the layer events."""
+        return [m for mod, plan in self.plans.values() if mod is module for m in plan.units]
+
     def unit_plan(self, module: nn.Module, names: tuple[str, ...], frozen: tuple[str, ...]) -> UnitPlan:
         key = (id(module), names, frozen)
         hit = self.plans.get(key)
@@ -238,9 +242,9 @@ class Stage3(ZeroShards):
                       ) -> UnitGatherer | None:
         """The forward's set-up with every unit gathered just in time (module docstring): a
         `UnitGatherer`, or None when nothing of this forward is sharded. Run the module as
-        `g.view(g.call_params, ...)` inside `with until_backward(g.module_hooks()), g:` (the
-        units' hooks stay until backward is over, so a recompute re-gathers its unit in
-        backward's fixed order)."""
+        `g.view(g.call_params, ...)` inside `with until_backward(g.listening(engine.live_units)),
+        g:` (it hears its units' layer events until backward is over, so a recompute
+        re-gathers its unit in backward's fixed order)."""
         if current_mesh().size(self.axis) > 1:
             self.shard_frozen(apply_fn)
         view, frozen = self.frozen_view(apply_fn, compute_dtype)

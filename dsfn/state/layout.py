@@ -668,26 +668,3 @@ def mirrored_param(path: str, shape: tuple[int, ...] | None, param_shapes: dict[
         if s is not None and tuple(s) == tuple(shape):
             return name
     return None
-
-
-def map_with_mirrors(state: Any, fn: Any, params: bool = True) -> Any:
-    """`state` with `fn(owner, leaf) -> new leaf` applied to every parameter (`owner`: its own
-    path) and to every optimizer-state leaf that mirrors one (`owner`: the parameter's path,
-    by `mirrored_param` on the leaves' logical shapes as they are before this call), so a
-    parameter and its mirrors always take one layout. With `params=False` only the mirrors
-    are mapped. Leaves that mirror nothing (step counts, scalars) are left as they are."""
-    shapes = {p: _logical_shape_of(x) for p, x in tree.leaves_with_path(state.params, is_leaf=is_placed)}
-
-    def mirror(path: str, x: Any) -> Any:
-        if not isinstance(x, (torch.Tensor, Placed)):
-            return x
-        owner = mirrored_param(path, _logical_shape_of(x), shapes)
-        return x if owner is None else fn(owner, x)
-    new_params = tree.map_with_path(fn, state.params, is_leaf=is_placed) if params else state.params
-    opt = getattr(state, "opt_state", None)
-    new_opt = tree.map_with_path(mirror, opt, is_leaf=is_placed) if opt is not None else opt
-    return state.replace(params=new_params, opt_state=new_opt)
-
-
-def _logical_shape_of(x: Any) -> tuple[int, ...]:
-    return tuple(x.layout.shape) if isinstance(x, Placed) else tuple(x.shape)

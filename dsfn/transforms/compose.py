@@ -31,7 +31,7 @@ import torch
 
 from dsfn import tree
 from dsfn.errors import LeafTypeError, StackError, UnplacedStateError
-from dsfn.functional import buffer_scope
+from dsfn.functional import buffer_scope, unit_events_scope
 from dsfn.runtime import env
 from dsfn.runtime.mesh import ensure_ready
 from dsfn.state import donation
@@ -147,7 +147,8 @@ class Step:
             donation.settle_readers()      # background readers of the old buffers (async checkpoints)
         new_state = None
         try:
-            with activate(self.stack, self.facts), donation.donating(donate):
+            # the layer events ("run_unit") of the step's forwards live for the whole step
+            with activate(self.stack, self.facts), donation.donating(donate), unit_events_scope():
                 new_state, metrics = self._wrapped(state, batch)
                 metrics = bind("reduce_metrics", lambda m: m, _metrics_to_tensors(metrics))
         finally:

@@ -64,7 +64,8 @@ micro-batch's backward, with the same gradients. For that, what a forward sets u
 the step's last backward, not just the micro-batch's forward: this transform opens the step's
 backward lifetime (`dsfn.functional.backward_lifetime`, as value_and_grad's default does), so
 the step's parameters stay bound to the module and remat's checkpointed forwards stay
-installed; the stages' hooks (`pipeline_stages.StageHooks`) stay registered for the step, and
+installed; the stages' verbs (`pipeline_stages.StageHooks`) hear the layer events ("run_unit")
+for the step, and
 `run_rank`'s `backward_scope` tells them whose backward runs, so a recompute of micro-batch j
 of stage s takes j's received activation (several micro-batches are outstanding at once:
 1F1B holds up to p) and never stops at the stage's end. Everything is undone at the step's
@@ -88,6 +89,7 @@ stays None); `benchmarks/pipeline.py` measures the bubble with it.
 from __future__ import annotations
 
 import contextlib
+import math
 import fnmatch
 from collections.abc import Sequence
 from typing import Any
@@ -105,12 +107,13 @@ from dsfn.engines.pipeline_stages import StageHooks, StagePlan, StopForward, lay
     running_stage
 from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.errors import ConfigError, StackError
-from dsfn.functional import MicroBatch, backward_lifetime, micro_batch_begins, until_backward
+from dsfn.functional import MicroBatch, backward_lifetime, micro_batch_begins
 from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
-from dsfn.state.layout import Nested, StageOwned, map_with_mirrors, stage_piece_shape, stage_split
+from dsfn.state.layout import (Nested, StageOwned, map_with_mirrors, stage_copies, stage_piece_shape, stage_split,
+                               sum_stage_copies)
 from dsfn.transforms.core import Transform, make_transform, with_role
 from dsfn.transforms.facts import StackFacts, stack_facts
 
@@ -156,6 +159,7 @@ class PipelineParallel(Transform):
         # during a step: id(module) -> its StageHooks (kept until the step's last backward), and
         # the received activation of each (stage, micro-batch) whose backward is still to run
         self._step_hooks: dict[int, tuple[nn.Module, StageHooks]] | None = None
+        self._unit_hooks: dict[int, StageHooks] = {}     # id(unit module) -> the StageHooks reading its events
         self._h_in: dict[tuple[int, int], torch.Tensor | None] = {}
         if model is not None:       # a model whose layers cannot be found fails here, not at the first step
             plan_stages(model, [n for n, _ in model.named_parameters()], 1, None, layers)
@@ -370,14 +374,16 @@ class PipelineParallel(Transform):
         # what each forward sets up for the model — the step's parameters bound to it, remat's
         # checkpointed forwards, the stages' hooks — stays until the last backward, whose
         # recomputes need it; closed (everything undone) also when the step raises
-        self._step_hooks, self._h_in = {}, {}
+        self._step_hooks, self._h_in, self._unit_hooks = {}, {}, {}
         try:
             with torch.enable_grad(), micro_batches(MicroBatchCounts(m, whole_of)), backward_lifetime():
                 losses = pipeline_runner.run_rank(schedule[me], n_stages, links, forward, timeline=records,
                                                   weights=inputs, backward_scope=backward_scope,
                                                   split_backward=split_backward)
         finally:
-            self._step_hooks, self._h_in = None, {}
+            for _, hooks in self._step_hooks.values():
+                hooks.close()
+            self._step_hooks, self._h_in, self._unit_hooks = None, {}, {}
         if records is not None:
             self.timeline = records
         self._last = (me, [f"{a.kind.value}{a.stage}.{a.mb}" for a in schedule[me]], dict(links.boundary_bytes))
@@ -393,13 +399,13 @@ class PipelineParallel(Transform):
         # ZeRO-2/3 outside takes the gradients over in backward (they never reach these
         # leaves): it sums them then (`dsfn.state.layout.stage_copies`)
         if not any(stack_facts(self).outside(self).all("takes_grads_in_backward")):
-            for k, x in enumerate(placed):
-                so = stage_split(x.layout)[0] if isinstance(x, Placed) else None
-                if so is not None and len(so.owners) > 1:
-                    g = grads[k]
-                    full = g if g.numel() else torch.zeros(stage_piece_shape(x.layout), dtype=g.dtype, device=g.device)
-                    full = C.all_reduce_(full, self.axis, "sum")
-                    grads[k] = full if so.holds() else g
+            tied = [k for k, x in enumerate(placed) if isinstance(x, Placed) and stage_copies(x.layout) is not None]
+            if tied:
+                summed = sum_stage_copies([grads[k] for k in tied], [stage_copies(placed[k].layout) for k in tied],
+                                          [0 if stage_copies(placed[k].layout).holds() else
+                                           math.prod(stage_piece_shape(placed[k].layout)) for k in tied])
+                for k, g in zip(tied, summed):
+                    grads[k] = g
         return value, tree.unflatten(spec, grads)
 
     def _recomputes(self) -> bool:
@@ -413,6 +419,25 @@ class PipelineParallel(Transform):
                                          for m in model.modules())
 
     # -- forward --------------------------------------------------------------------------------
+    def handle_units_of(self, call_next, module):
+        """The modules whose layer events the stages need (`StageHooks.units`)."""
+        found = call_next(module)
+        held = (self._step_hooks or {}).get(id(module))
+        return found if held is None or held[0] is not module else found + tuple(held[1].units())
+
+    def handle_run_unit(self, call_next, module, phase, value, recompute):
+        """A layer about to run (its stage's first takes the received activation) or just run
+        (its stage's last ends the forward: StopForward, after the transforms outside heard it)."""
+        hooks = self._unit_hooks.get(id(module))
+        if hooks is not None:
+            if phase == "pre":
+                new = hooks.before(module, *value)
+                if new is not None:
+                    value = new
+            else:
+                hooks.after(module, value)
+        return call_next(module, phase, value, recompute)
+
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
         running = self._running
         if running is None:            # a forward outside the gradient (evaluation): the whole model
@@ -427,18 +452,18 @@ class PipelineParallel(Transform):
         # mean over the micro-batches, as under accumulate (its adapter, dsfn.adapters)
         adapter = adapter_for(module) if self.microbatches > 1 else None
         mean = adapter.token_mean_over(module, [], args, kwargs) if adapter is not None else contextlib.nullcontext()
-        held = self._step_hooks.get(id(module)) if self._step_hooks is not None else None
-        install = contextlib.nullcontext()
+        held = self._step_hooks.get(id(module))
         if held is None or held[0] is not module:
-            # the stages' hooks for the rest of the step (until_backward: the recomputes in
-            # backward run them too), installed at the step's first forward of this module
+            # the stages' verbs for the rest of the step, installed at its first forward of this
+            # module: the layer events of the forwards and of the recomputes in backward reach
+            # them through this transform's "run_unit" handler
             hooks = StageHooks(plan)
-            install = until_backward(hooks)
-            if self._step_hooks is not None:
-                self._step_hooks[id(module)] = (module, hooks)
+            self._step_hooks[id(module)] = (module, hooks)
+            for m in hooks.units():
+                self._unit_hooks[id(m)] = hooks
         else:
             hooks = held[1]
-        with install, mean, running_stage(plan, stage, h_in, hooks):
+        with mean, running_stage(plan, stage, h_in, hooks):
             return call_next(apply_fn, params, args, kwargs)
 
 

@@ -317,9 +317,31 @@ class ShardZero(Transform):
             units = engine.begin_forward(apply_fn, params, dtype)
             if units is None:
                 return call_next(apply_fn, params, args, kwargs)
-            # the units' hooks stay until backward is over: a recompute re-gathers its unit
-            with until_backward(units.module_hooks()), units:
+            # the gatherer hears its units' layer events until backward is over: a recompute
+            # re-gathers its unit
+            with until_backward(units.listening(engine.live_units)), units:
                 return call_next(units.view, units.call_params, args, kwargs)
+
+    def handle_units_of(self, call_next, module):
+        """The modules whose layer events ZeRO-3 needs: its units of `module` (the root too)."""
+        found = call_next(module)
+        engine = self._in_effect()
+        return found if engine is None or self.stage < 3 else found + tuple(engine.units_of(module))
+
+    def handle_run_unit(self, call_next, module, phase, value, recompute):
+        """A unit about to run ("pre": gathered just in time) or just run ("post": released, its
+        backward re-gather armed), for every live gatherer of it — before the transforms inside
+        act (a pipeline stage's last layer ends the forward after the release)."""
+        engine = self._engine
+        runs = engine.live_units.get(id(module)) if engine is not None else None
+        if runs:
+            if phase == "pre":
+                for gatherer, u in runs:
+                    gatherer.unit_pre(u)
+            else:
+                for gatherer, u in runs:
+                    gatherer.unit_post(u, value)
+        return call_next(module, phase, value, recompute)
 
 
 def _engine_for(zero: ShardZero) -> Any:

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 import dsfn
 from dsfn.engines.pipeline_schedules import build_schedule
 from dsfn.engines.pipeline_stages import StageHooks, StopForward, plan_stages, running_stage
+from dsfn.functional import UnitEvents
 from dsfn.errors import ConfigError, StackError
 from dsfn.functional import in_backward
 from dsfn.runtime import init_mesh
@@ -245,13 +246,35 @@ def test_nothing_is_left_on_the_model_when_a_step_raises_in_a_recompute():
 # the stage hooks themselves (one process)
 # ---------------------------------------------------------------------------------------------
 
+class _Stages:
+    """The stage verbs heard through the layer events, as pipeline_parallel's "run_unit"
+    handler hears them (the engine alone, without the transform)."""
+
+    def __init__(self, hooks):
+        self.hooks = hooks
+
+    def handle_run_unit(self, call_next, module, phase, value, recompute):
+        if phase == "pre":
+            value = self.hooks.before(module, *value) or value
+        else:
+            self.hooks.after(module, value)
+        return call_next(module, phase, value, recompute)
+
+
+def _heard(plan):
+    """A StageHooks of `plan` and the installer that brings it its layers' events."""
+    hooks = StageHooks(plan)
+    return hooks, UnitEvents(hooks.units(), [_Stages(hooks).handle_run_unit])
+
+
 def test_stage_hooks_take_the_named_microbatch_input_and_never_stop_a_recompute():
     model = LoopCheckpointed(ckpt=False)
     plan = plan_stages(model, [n for n, _ in model.named_parameters()], 2)
     x = torch.randn(2, 3, 32)
     h_a, h_b = torch.randn(2, 3, 32), torch.randn(2, 3, 32)
     first1, last0 = model.layers[2], model.layers[1]
-    with StageHooks(plan) as hooks:
+    hooks, events = _heard(plan)
+    with events:
         with hooks.running(1, h_a, recompute=True):
             assert torch.equal(first1(x), first1.forward(h_a))        # takes the named h_in, not x
         with hooks.running(1, h_b, recompute=True):
@@ -309,7 +332,8 @@ def test_a_checkpoint_around_the_whole_layer_loop_is_a_named_error_in_its_recomp
     plan = plan_stages(model, [n for n, _ in model.named_parameters()], 2)
     ids = BATCHES[0]["input_ids"][:2]
     h_in = torch.randn(2, ids.shape[1], 32, requires_grad=True)
-    with StageHooks(plan) as hooks:
+    hooks, events = _heard(plan)
+    with events:
         with running_stage(plan, 1, h_in, hooks):
             loss = model(ids).sum()
         with hooks.running(1, h_in, recompute=True), \
