@@ -11,7 +11,7 @@ Pipeline parallel (pp 2, and pp 2 x dp 2 with shard_zero(1) outside): params and
 bytes equal the measured leaves of each rank exactly (GPT; a tiny Llama whose tied embedding
 lives on both ends); the negative control, every parameter on every rank, misses. The
 activation peak in micro-batches is the schedule simulator's (1F1B: p - rank, GPipe: m);
-the activation bytes are a model (dsfn.estimate's docstring), checked against that model
+the activation bytes are a model (docs/estimate.md), checked against that model
 by hand, not measured.
 """
 import math

@@ -156,7 +156,7 @@ class ShardZero(Transform):
     def facts(self) -> dict[str, Any]:
         return {"dp_axis": self.axis, "zero_stage": self.stage, "reduce_bucket_size": self.reduce_bucket_size,
                 "zero_single_rank": self._shard_single_rank, "zero_shard_group": self.shard_group,
-                "zero_hpz": self.hpz}
+                "zero_hpz": self.hpz, "allgather_bucket_size": self.allgather_bucket_size, "zero_units": self.units}
 
     def explain_note(self) -> str:
         mesh = current_mesh()
