@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import threading
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch.distributed as dist
@@ -299,19 +300,21 @@ class Mesh:
 
 
 _current: Mesh | None = None
-_virtual: list[Mesh] = []       # `on_virtual_mesh`'s meshes, innermost last
+_virtual = threading.local()    # .meshes: `on_virtual_mesh`'s, innermost last (this thread's only)
 
 
 @contextlib.contextmanager
 def on_virtual_mesh(mesh: Mesh) -> Iterator[Mesh]:
-    """`current_mesh()` is the virtual `mesh` (`Mesh.virtual`) inside this block."""
+    """`current_mesh()` is the virtual `mesh` (`Mesh.virtual`) inside this block, in this
+    thread (another thread, e.g. an async checkpoint's writer, keeps the process mesh)."""
     if not mesh.is_virtual:
         raise MeshError("on_virtual_mesh takes a Mesh.virtual(...) mesh")
-    _virtual.append(mesh)
+    stack = _virtual.__dict__.setdefault("meshes", [])
+    stack.append(mesh)
     try:
         yield mesh
     finally:
-        _virtual.pop()
+        stack.pop()
 
 
 def init_mesh(**axes: int) -> Mesh:
@@ -333,8 +336,9 @@ def current_mesh() -> Mesh:
     (`env.ensure_distributed`), so the default mesh spans every rank.
     """
     global _current
-    if _virtual:
-        return _virtual[-1]
+    virtual = getattr(_virtual, "meshes", None)
+    if virtual:
+        return virtual[-1]
     env.ensure_distributed()
     if _current is None or _current.rank != env.rank() or math.prod(_current.axes.values()) != env.world_size():
         _current = Mesh()
