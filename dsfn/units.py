@@ -10,7 +10,7 @@ from torch import nn
 
 from dsfn.errors import ConfigError
 
-__all__ = ["find_units"]
+__all__ = ["find_units", "unit_sizes"]
 
 
 def find_units(module: nn.Module, patterns: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
@@ -34,3 +34,17 @@ def find_units(module: nn.Module, patterns: Sequence[str] | None) -> list[tuple[
     # drop units nested in other units: the outer one gathers everything inside it
     names = [n for n, _ in units]
     return [(n, m) for n, m in units if not any(n != o and n.startswith(o + ".") for o in names)]
+
+
+def unit_sizes(module: nn.Module, patterns: Sequence[str] | None, names: set[str]) -> tuple[int, int]:
+    """(elements of the largest unit, elements outside every unit: the root unit's) of the
+    parameters `names` of `module`, over `find_units(module, patterns)` (ZeRO-3's units)."""
+    inside, largest = set(), 0
+    for uname, m in find_units(module, patterns):
+        n = 0
+        for pname, p in m.named_parameters(prefix=uname):
+            if pname in names and pname not in inside:
+                inside.add(pname)
+                n += p.numel()
+        largest = max(largest, n)
+    return largest, sum(p.numel() for n, p in module.named_parameters() if n in names and n not in inside)

@@ -11,7 +11,7 @@ Pipeline parallel (pp 2, and pp 2 x dp 2 with shard_zero(1) outside): params and
 bytes equal the measured leaves of each rank exactly (GPT; a tiny Llama whose tied embedding
 lives on both ends); the negative control, every parameter on every rank, misses. The
 activation peak in micro-batches is the schedule simulator's (1F1B: p - rank, GPipe: m);
-the activation bytes are a model (dsfn.estimate's docstring), checked against that model
+the activation bytes are a model (docs/estimate.md), checked against that model
 by hand, not measured.
 """
 import math
@@ -318,3 +318,97 @@ def test_pipeline_estimate_needs_the_model_and_a_rank_in_range():
     assert est.activations == 0 and "pass batch=(rows, seq_len)" in str(est) and est.peak_microbatches == 1
     with pytest.raises(dsfn.errors.ConfigError, match="do not split into 1 dp rank x 3 micro-batches"):
         estimate_memory(meta, [pipeline_parallel("gpipe", 3, model=meta)], 2, batch=(8, 16))
+
+
+# -- the estimate is the stack's own placement of a meta state on a virtual mesh -----------------
+def _placed_vs_estimate(names):
+    """On each rank of world 2: per stack, (the state fields of step.place's state, of
+    step.init_state's, the estimate's)."""
+    from dsfn.estimate import state_fields
+    from dsfn.state.layout import leaf_records
+    out = {}
+    for name in names:
+        tp = 2 if "tp" in name else 1
+        init_mesh(dp=2 // tp, tp=tp)
+        torch.manual_seed(0)
+        model = GPT(CONF)
+        apply_fn, params = dsfn.functionalize(model)
+        tx = dsfn.optim.adamw(1e-3)
+        step = dsfn.compose(*STACKS[name](model))(train_step_for(apply_fn, lm_loss))
+        placed = state_fields(leaf_records(step.place(dsfn.TrainState.create(params, tx))))
+        fresh = state_fields(leaf_records(step.init_state(params, tx)))
+        with torch.device("meta"):
+            meta = GPT(CONF)
+        est = estimate_memory(meta, STACKS[name](meta), 2, tx=tx, tp=tp)
+        out[name] = (placed, fresh, {k: getattr(est, k) for k in FIELDS})
+    return out
+
+
+def test_estimate_equals_the_placed_and_the_initialised_state_at_world_2():
+    """Exactly (not within 5%): the estimate's state fields are the bytes of the leaves that
+    `step.place` and `step.init_state` make on each rank."""
+    for res in run_on_ranks(_placed_vs_estimate, 2, list(STACKS), timeout=300):
+        for name, (placed, fresh, est) in res.items():
+            assert sum(placed.values()) > 0 and est == placed == fresh, (name, est, placed, fresh)
+
+
+def test_virtual_mesh_has_sizes_and_ranks_and_no_group():
+    from dsfn.errors import MeshError
+    from dsfn.runtime import collectives as C
+    from dsfn.runtime.mesh import Mesh, current_mesh, on_virtual_mesh
+    from dsfn.runtime.topology import Topology
+    mesh = Mesh.virtual({"dp": 4, "tp": 2}, {"dp": 1, "tp": 1}, Topology(2, 4))
+    assert (mesh.rank, mesh.size("dp"), mesh.local_rank("tp"), mesh.ranks("dp")) == (3, 4, 1, [1, 3, 5, 7])
+    assert mesh.group("dp") is None and mesh.ranks_on_node("dp") == 2
+    assert mesh.split("dp", 2) == ("dp_shard", "dp_replicate") and mesh.group("dp_shard") is None
+    with on_virtual_mesh(mesh):
+        assert current_mesh() is mesh
+        with pytest.raises(MeshError, match="virtual mesh"):
+            C.all_reduce_(torch.ones(2), "dp", "sum")
+    assert current_mesh() is not mesh
+
+
+# names a transform's options or its identity: what the estimate must not read of a transform
+_TRANSFORM_ATTRS = {"stage", "axis", "reduce_bucket_size", "allgather_bucket_size", "param_persistence_threshold",
+                    "units", "shard_group", "hpz", "cross_node", "param_dtype", "master_dtype", "reduce_dtype",
+                    "device", "params", "policy", "modules", "offload", "partition_activations", "schedule",
+                    "microbatches", "virtual", "split", "layers", "model", "bucket_mb", "name", "_module",
+                    "_engine", "_replicas", "active", "wire_dtype"}
+# the estimate's own objects whose attributes it reads (its MemoryEstimate, a stage plan, a schedule action)
+_OWN = {"self", "est", "e", "state", "Mesh", "plan", "act", "config", "mesh", "topo", "p", "x", "t", "z", "a", "torch", "math", "tree"}
+
+
+def _reads_of_transforms(source: str) -> list[str]:
+    """What a module's source does that only a second model of the transforms would: import a
+    transform module (but the facts), compare a `.name`, or read a transform attribute (an
+    attribute named like a transform option, of anything but the estimate's own objects)."""
+    import ast
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dsfn.transforms") \
+                and node.module != "dsfn.transforms.facts":
+            bad.append(f"imports {node.module}")
+        elif isinstance(node, ast.Compare) and any(isinstance(x, ast.Attribute) and x.attr == "name"
+                                                   for x in [node.left, *node.comparators]):
+            bad.append(f"compares .name (line {node.lineno})")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr") \
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in \
+                _TRANSFORM_ATTRS:
+            bad.append(f"{node.func.id}(..., {node.args[1].value!r}) (line {node.lineno})")
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr in _TRANSFORM_ATTRS \
+                and not (isinstance(node.value, ast.Name) and node.value.id in _OWN):
+            bad.append(f"reads .{node.attr} (line {node.lineno})")
+    return bad
+
+
+def test_the_estimate_finds_no_transform_by_name_and_reads_none_of_their_attributes():
+    """dsfn.estimate (and its activation model) meets the transforms only through their
+    `place` and published facts. Negative control: the old estimate's ways are caught."""
+    import pathlib
+    root = pathlib.Path(dsfn.__file__).parent
+    for module in ("estimate.py", "estimate_activations.py", "estimate_explain.py", "estimate_deepspeed.py"):
+        assert _reads_of_transforms((root / module).read_text()) == [], module
+    old = ("from dsfn.transforms.zero import ShardZero\n"
+           "zero = next(t for t in stack if t.name == 'shard_zero')\n"
+           "stage = zero.stage\nrb = getattr(zero, 'reduce_bucket_size', None)\n")
+    assert len(_reads_of_transforms(old)) == 4, _reads_of_transforms(old)

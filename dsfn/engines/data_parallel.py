@@ -49,8 +49,9 @@ class Replicas:
 
     def broadcast(self, state: Any) -> Any:
         """Every tensor leaf of `state` as dp rank 0 has it (meta tensors — layouts first,
-        values later: dsfn.state.init — hold nothing to broadcast)."""
-        if self.size() == 1:
+        values later: dsfn.state.init — hold nothing to broadcast; on a virtual mesh, whose
+        state is made on meta by `dsfn.estimate`, nothing is: every rank's copy is alike)."""
+        if self.size() == 1 or current_mesh().is_virtual:
             return state
         leaves, spec = tree.flatten(state)
         real = lambda x: isinstance(x, torch.Tensor) and not x.is_meta

@@ -303,13 +303,17 @@ class HostUpdate:
     def offload(self, leaves: list, layouts: list) -> list:
         """`leaves` with each leaf whose `layouts` entry is not None stored (host memory, or a new
         file) as `Placed(piece, layout)`; the others as they are."""
-        picks = [k for k, lay in enumerate(layouts) if lay is not None]
+        out, picks = list(leaves), []
+        for k, lay in enumerate(layouts):
+            if lay is not None and data_of(leaves[k]).is_meta:    # a meta piece (layouts only: dsfn.estimate)
+                out[k] = Placed(data_of(leaves[k]), lay)            # holds nothing to move
+            elif lay is not None:
+                picks.append(k)
         pieces = [data_of(leaves[k]) for k in picks]
         if self.device == "nvme":
             stored = self.store.store(pieces, self.subgroup_bytes) if pieces else []
         else:
             stored = [self.to_host(t) for t in pieces]
-        out = list(leaves)
         for k, t in zip(picks, stored):
             out[k] = Placed(t, layouts[k])
         return out

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dsfn.errors import ShapeError
+from dsfn.errors import MeshError, ShapeError
 from dsfn.runtime import env
 from dsfn.runtime.links import group_links, link_bytes
 from dsfn.runtime.mesh import Mesh, current_mesh
@@ -143,7 +143,11 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _mesh(mesh: Mesh | None) -> Mesh:
-    return mesh if mesh is not None else current_mesh()
+    m = mesh if mesh is not None else current_mesh()
+    if m.is_virtual:        # no process group: a call would reach the default group, or hang
+        raise MeshError(f"a collective on a virtual mesh ({m.axes}; Mesh.virtual): it has no process group, so "
+                        "nothing can be communicated over it")
+    return m
 
 
 def _done(result: torch.Tensor, async_op: bool):

@@ -19,9 +19,11 @@ on more than one rank is an error (`ensure_ready`), never a silent size-1 axis.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
-from typing import Any, Mapping, Sequence
+import threading
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch.distributed as dist
 
@@ -76,6 +78,29 @@ class Mesh:
             self._build_groups()
         else:
             self._ranks = {a: [0] for a in self.axes}
+
+    is_virtual = False
+
+    @classmethod
+    def virtual(cls, axes: Mapping[str, int], coords: Mapping[str, int] | None = None,
+                topology: Topology | None = None) -> "Mesh":
+        """A mesh of `axes` (sizes, in this order) as the rank at `coords` (default: index 0
+        on every axis) of a world of their product sees it, laid out on `topology` (default:
+        one node): sizes, ranks and groups' ranks, but no process group — nothing can be
+        communicated over it (`dsfn.estimate` places meta states on it; `split` makes no group)."""
+        self = cls.__new__(cls)
+        self.named = tuple(axes)
+        self.axes = dict(axes)
+        for name in DEFAULT_AXES:
+            self.axes.setdefault(name, 1)
+        world = math.prod(self.axes.values())
+        self.rank = self._rank_of({a: (coords or {}).get(a, 0) for a in self.axes})
+        self.coords = self._coords_of(self.rank)
+        self.topology = topology or Topology(1, world, "one node (a virtual mesh)")
+        self.is_virtual = True
+        self._groups, self.splits, self._sub, self._sub_groups, self._split_names = {}, {}, {}, {}, {}
+        self._ranks = {a: next(g for g in self.axis_groups(a) if self.rank in g) for a in self.axes}
+        return self
 
     def _coords_of(self, rank: int) -> dict[str, int]:
         coords, rest = {}, rank
@@ -144,7 +169,7 @@ class Mesh:
         return shard, replicate
 
     def _add_group(self, name: str, ranks: list[int]) -> None:
-        if len(ranks) == 1 or not env.is_distributed():
+        if len(ranks) == 1 or not env.is_distributed() or self.is_virtual:
             group = channel = None
         else:
             group, channel = dist.new_group(ranks), dist.new_group(ranks)
@@ -275,6 +300,21 @@ class Mesh:
 
 
 _current: Mesh | None = None
+_virtual = threading.local()    # .meshes: `on_virtual_mesh`'s, innermost last (this thread's only)
+
+
+@contextlib.contextmanager
+def on_virtual_mesh(mesh: Mesh) -> Iterator[Mesh]:
+    """`current_mesh()` is the virtual `mesh` (`Mesh.virtual`) inside this block, in this
+    thread (another thread, e.g. an async checkpoint's writer, keeps the process mesh)."""
+    if not mesh.is_virtual:
+        raise MeshError("on_virtual_mesh takes a Mesh.virtual(...) mesh")
+    stack = _virtual.__dict__.setdefault("meshes", [])
+    stack.append(mesh)
+    try:
+        yield mesh
+    finally:
+        stack.pop()
 
 
 def init_mesh(**axes: int) -> Mesh:
@@ -296,6 +336,9 @@ def current_mesh() -> Mesh:
     (`env.ensure_distributed`), so the default mesh spans every rank.
     """
     global _current
+    virtual = getattr(_virtual, "meshes", None)
+    if virtual:
+        return virtual[-1]
     env.ensure_distributed()
     if _current is None or _current.rank != env.rank() or math.prod(_current.axes.values()) != env.world_size():
         _current = Mesh()

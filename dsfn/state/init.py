@@ -50,7 +50,7 @@ from dsfn.runtime.mesh import current_mesh, ensure_ready
 from dsfn.state.layout import Placed, Replicated, is_placed, mirrored_param
 from dsfn.state.train_state import TrainState, mark_placed
 
-__all__ = ["Initializer", "SafetensorsSource", "hf_checkpoint", "init_sharded", "store_constants"]
+__all__ = ["Initializer", "SafetensorsSource", "hf_checkpoint", "init_sharded", "place_state", "store_constants"]
 
 Runs = Sequence[tuple[int, int]]     # (logical start, length) in the row-major flattened tensor
 
@@ -221,6 +221,21 @@ def _to_device(state: Any, filled: set[int], device: torch.device) -> Any:
             t = t.to(device)
             leaves[k] = Placed(t, x.layout) if isinstance(x, Placed) else t
     return tree.unflatten(spec, leaves)
+
+
+def place_state(stack: Sequence[Any], facts: Any, state: Any) -> Any:
+    """`state` placed by `stack` (with its StackFacts `facts`): each transform's `place`,
+    innermost first, then the `place_after`s (layouts that wrap the finished ones: offload).
+    `Step.place`'s work on whatever mesh is current: `dsfn.estimate` places a meta state on
+    a virtual mesh with it (meta leaves hold nothing to broadcast or move)."""
+    with activate(stack, facts):
+        for t in reversed(stack):
+            state = t.place(state)
+        for t in reversed(stack):
+            after = getattr(t, "place_after", None)
+            if after is not None:
+                state = after(state)
+    return state
 
 
 def init_sharded(step: Any, params: dict[str, torch.Tensor], tx: Any, *, source: Any,

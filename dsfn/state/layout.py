@@ -575,6 +575,18 @@ def layout_of(x: Any) -> Layout:
     return x.layout if isinstance(x, Placed) else Replicated(tuple(x.shape) if isinstance(x, torch.Tensor) else ())
 
 
+def leaf_records(state: Any) -> list[tuple[str, Layout, tuple[int, ...], torch.dtype, int]]:
+    """(path, layout, local shape, dtype, bytes) of every tensor leaf of `state`, the pieces
+    this rank holds (`Step.explain`'s leaves; a meta piece counts the bytes it stands for:
+    `dsfn.estimate` reads a meta state placed on a virtual mesh with it)."""
+    out = []
+    for path, x in tree.leaves_with_path(state, is_leaf=is_placed):
+        t = x.data if isinstance(x, Placed) else x
+        if isinstance(t, torch.Tensor):
+            out.append((path, layout_of(x), tuple(t.shape), t.dtype, t.numel() * t.element_size()))
+    return out
+
+
 def place(full: torch.Tensor, layout: Layout, mesh: Mesh | None = None) -> Any:
     """Logical tensor -> this rank's physical leaf (a plain tensor when replicated)."""
     if isinstance(layout, Replicated):

@@ -36,6 +36,7 @@ from dsfn.runtime import env
 from dsfn.runtime.mesh import ensure_ready
 from dsfn.state import donation
 from dsfn.state.layout import gather_tree
+from dsfn.state.init import place_state
 from dsfn.state.train_state import mark_placed
 from dsfn.effects import activate, bind
 from dsfn.transforms.facts import StackFacts
@@ -85,14 +86,7 @@ class Step:
         donation.check_live(state, "step.place(state)")
         ensure_ready(self.stack)     # under torchrun: init the process group; mesh axes exist
         env.check_state_device(_computed_on(getattr(state, "params", state)), "the state's params")
-        with activate(self.stack, self.facts):
-            for t in reversed(self.stack):
-                state = t.place(state)
-            for t in reversed(self.stack):   # layouts that wrap the finished ones (offload)
-                after = getattr(t, "place_after", None)
-                if after is not None:
-                    state = after(state)
-        return mark_placed(state)
+        return mark_placed(place_state(self.stack, self.facts, state))
 
     def init_state(self, params: Any, tx: Any, seed: int = 0, extra: dict | None = None,
                    buffers: dict | None = None) -> Any:
@@ -171,7 +165,7 @@ class Step:
         """
         ensure_ready(self.stack)
         from dsfn.runtime import collectives as C
-        from dsfn.state.layout import Placed, is_placed, layout_of
+        from dsfn.state.layout import Placed, layout_of, leaf_records
         before = C.counters.snapshot()
         C.reset_gauges()
         from dsfn.functional import recording_apply_fns
@@ -185,11 +179,7 @@ class Step:
             if calls:
                 comm[key] = (calls, nbytes)
                 links[key] = (v.intra - b.intra, v.inter - b.inter)
-        leaves = []
-        for path, x in tree.leaves_with_path(state, is_leaf=is_placed):
-            t = x.data if isinstance(x, Placed) else x
-            if isinstance(t, torch.Tensor):
-                leaves.append((path, layout_of(x), tuple(t.shape), t.dtype, t.numel() * t.element_size()))
+        leaves = leaf_records(state)
         for fn in seen.values():     # frozen parameters, non-persistent buffers: not state, still held here
             for name, x in fn.constants.items():
                 t = x.data if isinstance(x, Placed) else x
@@ -199,8 +189,12 @@ class Step:
             notes = [getattr(t, "explain_note", t.describe)() for t in self.stack]
         out = Explanation(notes, leaves, comm, dict(C.gauge_max))
         out.links = links
+<<<<<<< HEAD
         out.handlers = handler_order(self.stack)
         from dsfn.estimate import explain_estimate     # dsfn.estimate_memory for this stack, beside the leaves
+=======
+        from dsfn.estimate_explain import explain_estimate     # dsfn.estimate_memory for this stack, beside the leaves
+>>>>>>> wt-estimate
         out.estimate = explain_estimate(self.stack, state, batch)
         return out
 
@@ -261,7 +255,7 @@ class Explanation:
         for k, v in sorted(self.gauges.items()):
             lines.append(f"peak {k}: {v}")
         if getattr(self, "estimate", None) is not None:
-            from dsfn.estimate import estimate_vs_measured
+            from dsfn.estimate_explain import estimate_vs_measured
             lines.append(estimate_vs_measured(self.estimate, self))
         return "\n".join(lines)
 

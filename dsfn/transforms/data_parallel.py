@@ -54,7 +54,7 @@ class DataParallel(Transform):
         self._replicas = Replicas(axis, int(self.bucket_mb * 2**20))
 
     def facts(self) -> dict[str, Any]:
-        return {"dp_axis": self.axis}
+        return {"dp_axis": self.axis, "dp_bucket_bytes": int(self.bucket_mb * 2**20)}
 
     def place(self, state: Any) -> Any:
         return self._replicas.broadcast(state)

@@ -163,7 +163,8 @@ class Offload(Transform):
 
     def facts(self) -> dict[str, Any]:
         return {"offload": self.device, "hears_grad_buckets": self.overlap,    # + how the host update runs:
-                "host_kernel": self.host_kernel, "host_cores": self.cores}     # (zenflow's host path follows it)
+                "host_kernel": self.host_kernel, "host_cores": self.cores,     # (zenflow's host path follows it)
+                "offload_params": self.params}
 
     # -- stack rules -------------------------------------------------------------------------
     def check_stack(self, stack, index):

@@ -198,7 +198,10 @@ class PipelineParallel(Transform):
                                  f"repeated blocks) or remat(modules=['{path}.*'])")
 
     def facts(self) -> dict[str, Any]:
-        return {"pp_axis": self.axis, "pipeline_microbatches": self.microbatches}
+        return {"pp_axis": self.axis, "pipeline_microbatches": self.microbatches,
+                # how it cuts and schedules (dsfn.estimate re-cuts with the same engine functions)
+                "pipeline_schedule": self.schedule, "pipeline_virtual": self.virtual, "pipeline_split": self.split,
+                "pipeline_layers": self.layers, "pipeline_model": self.model}
 
     def explain_note(self) -> str:
         p = current_mesh().size(self.axis)

@@ -169,7 +169,8 @@ class Remat(Transform):
     def facts(self) -> dict[str, Any]:
         # the module-name patterns checkpointed (None: the model's repeated blocks); a
         # pipeline refuses patterns naming a module that holds the layers it cuts
-        return {"remat_modules": self.modules}
+        return {"remat_modules": self.modules, "remat_policy": self.policy, "remat_offload": self.offload,
+                "remat_partition_activations": self.partition_activations}
 
     @property
     def _tp_axis(self) -> str | None:

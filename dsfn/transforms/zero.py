@@ -162,7 +162,7 @@ class ShardZero(Transform):
     def facts(self) -> dict[str, Any]:
         return {"dp_axis": self.axis, "zero_stage": self.stage, "reduce_bucket_size": self.reduce_bucket_size,
                 "zero_single_rank": self._shard_single_rank, "zero_shard_group": self.shard_group,
-                "zero_hpz": self.hpz,
+                "zero_hpz": self.hpz, "allgather_bucket_size": self.allgather_bucket_size, "zero_units": self.units,
                 # stages 2-3 take each gradient over as backward makes it (taps, unit gathers):
                 # a transform inside never sees them at its own leaves
                 "takes_grads_in_backward": self.stage >= 2}
