@@ -680,3 +680,51 @@ def mirrored_param(path: str, shape: tuple[int, ...] | None, param_shapes: dict[
         if s is not None and tuple(s) == tuple(shape):
             return name
     return None
+
+
+def map_with_mirrors(state: Any, fn: Any, params: bool = True) -> Any:
+    """`state` with `fn(owner, leaf) -> new leaf` applied to every parameter (`owner`: its own
+    path) and to every optimizer-state leaf that mirrors one (`owner`: the parameter's path,
+    by `mirrored_param` on the leaves' logical shapes as they are before this call), so a
+    parameter and its mirrors always take one layout. With `params=False` only the mirrors
+    are mapped. Leaves that mirror nothing (step counts, scalars) are left as they are."""
+    shapes = {p: _logical_shape_of(x) for p, x in tree.leaves_with_path(state.params, is_leaf=is_placed)}
+
+    def mirror(path: str, x: Any) -> Any:
+        if not isinstance(x, (torch.Tensor, Placed)):
+            return x
+        owner = mirrored_param(path, _logical_shape_of(x), shapes)
+        return x if owner is None else fn(owner, x)
+    new_params = tree.map_with_path(fn, state.params, is_leaf=is_placed) if params else state.params
+    opt = getattr(state, "opt_state", None)
+    new_opt = tree.map_with_path(mirror, opt, is_leaf=is_placed) if opt is not None else opt
+    return state.replace(params=new_params, opt_state=new_opt)
+
+
+def _logical_shape_of(x: Any) -> tuple[int, ...]:
+    return tuple(x.layout.shape) if isinstance(x, Placed) else tuple(x.shape)
+
+
+def sum_stage_copies(parts: list[torch.Tensor], copies: list[StageOwned],
+                     owner_numel: list[int]) -> list[torch.Tensor]:
+    """The one sum of a tied leaf's gradient parts over the stages that hold copies of it (a
+    tied embedding and head: `stage_copies`), so every copy takes the same update. `parts[k]`:
+    this rank's gradient of leaf k (an owner's part, or a non-owner's empty tensor),
+    `copies[k]` its StageOwned, `owner_numel[k]` the elements of an owner's part (a non-owner
+    joins with that many zeros: the owners' parts are alike, the same coordinates inside the
+    stage). Every rank along each copies' axis joins one all-reduce per (axis, dtype), in the
+    order given; an owner gets the sum in its part's shape, a non-owner its part back."""
+    todo: dict[tuple[str, torch.dtype], list[int]] = {}
+    for k, (part, owned) in enumerate(zip(parts, copies)):
+        todo.setdefault((owned.axis, part.dtype), []).append(k)
+    out = list(parts)
+    for (axis, dtype), ks in todo.items():
+        flat_parts = [parts[k].reshape(-1) if copies[k].holds() else
+                      torch.zeros(owner_numel[k], dtype=dtype, device=parts[k].device) for k in ks]
+        flat = C.all_reduce_(torch.cat(flat_parts), axis, "sum")
+        at = 0
+        for k, part in zip(ks, flat_parts):
+            if copies[k].holds():
+                out[k] = flat[at:at + part.numel()].view_as(parts[k]).clone()
+            at += part.numel()
+    return out

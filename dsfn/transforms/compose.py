@@ -189,12 +189,8 @@ class Step:
             notes = [getattr(t, "explain_note", t.describe)() for t in self.stack]
         out = Explanation(notes, leaves, comm, dict(C.gauge_max))
         out.links = links
-<<<<<<< HEAD
         out.handlers = handler_order(self.stack)
-        from dsfn.estimate import explain_estimate     # dsfn.estimate_memory for this stack, beside the leaves
-=======
         from dsfn.estimate_explain import explain_estimate     # dsfn.estimate_memory for this stack, beside the leaves
->>>>>>> wt-estimate
         out.estimate = explain_estimate(self.stack, state, batch)
         return out
 
