@@ -17,6 +17,8 @@ change. Each primitive has a default meaning (what a single process does); while
 | "grad_bucket_ready"| ([(key, reduced gradient shard), ...])     | nothing (a reducer's sink)   |
 | "grad_unscale"     | ()                                         | None (nothing left to undo)  |
 | "micro_batch"      | (event: dsfn.functional.MicroBatch)        | nothing (an announcement)    |
+| "run_unit"         | (module, phase, value, recompute)          | the value as it is           |
+| "units_of"         | (module)                                   | () (no unit wants events)    |
 
 "reduce_leaves" and "map_whole" are how code inside the step (an optimizer, a mask, a user's function) asks
 for a value of the *whole* (`dsfn.logical`): the transforms owning a leaf's mesh axes
@@ -28,6 +30,11 @@ to "apply_gradients" still carry (a loss scale left for an inner clip to fold in
 loss_scale answers it, clip_grad_norm asks. "micro_batch" announces that micro-batch j's forward
 or backward begins: accumulate and the pipeline bind it, ZeRO hears from it whether the
 micro-batches interleave (its rounds of gradient buckets are then backwards, not forwards).
+"run_unit" is a layer event: one installer (`dsfn.functional.UnitEvents`, owned by the Step for
+the whole step) hooks each unit that a transform names through "units_of", and binds it as the
+unit is about to run (phase "pre", value `(args, kwargs)`) and has run ("post", value its
+output), `recompute` True inside backward. Handlers run in stack order, so ZeRO-3's gather and
+release come before an inner pipeline stage's steering and stop, whatever the registration order.
 
 A transform handles primitive P by defining `handle_P(self, call_next, *args)`; it may
 change the arguments, call `call_next(*args)` (the transforms further in, and finally
