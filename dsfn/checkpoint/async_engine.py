@@ -43,8 +43,8 @@ import time
 import weakref
 from typing import Any
 
-from dsfn.checkpoint.errors import CheckpointError
 from dsfn.checkpoint.host_cache import HostCache, StagedEvent, StageReport
+from dsfn.errors import CheckpointError
 
 __all__ = ["AsyncSaver"]
 

@@ -23,8 +23,8 @@ import torch
 
 from dsfn.checkpoint import format as F
 from dsfn.checkpoint import reader as R
-from dsfn.checkpoint import sfio
-from dsfn.checkpoint.errors import CheckpointError
+from dsfn.errors import CheckpointError
+from dsfn.runtime import sfio
 
 __all__ = ["MASTER_PREFIX", "convert", "export", "export_state", "parse_dtype"]
 

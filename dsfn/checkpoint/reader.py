@@ -19,9 +19,9 @@ import torch
 
 from dsfn import tree
 from dsfn.checkpoint import format as F
-from dsfn.checkpoint import rng, sfio
-from dsfn.checkpoint.errors import CheckpointError
-from dsfn.runtime import env
+from dsfn.checkpoint import rng
+from dsfn.errors import CheckpointError
+from dsfn.runtime import env, sfio
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import Layout, MeshCoords, Placed, Replicated, is_placed
 

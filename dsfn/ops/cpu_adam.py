@@ -58,9 +58,9 @@ from pathlib import Path
 
 import torch
 
+from dsfn.checks import check_real
 from dsfn.errors import ConfigError, LeafTypeError, ShapeError
 from dsfn.ops.adamw import check_adam_operands
-from dsfn.optim._foreach import check_real
 
 __all__ = ["BACKENDS", "cpu_adam_backend", "cpu_adam_threads", "cpu_adamw_", "cpu_adamw_multi_"]
 

@@ -89,7 +89,7 @@ class Initializer:
 class SafetensorsSource:
     """A Hugging Face checkpoint directory: `model.safetensors`, or shards listed by
     `model.safetensors.index.json`. Reads only the requested runs, each with one positioned
-    read of exactly its bytes (`dsfn.checkpoint.sfio.File.read_into`); `bytes_read` counts
+    read of exactly its bytes (`dsfn.runtime.sfio.File.read_into`); `bytes_read` counts
     them. (safetensors' own `safe_open(..., "pt").get_slice` is not used: its torch backend
     loads the whole file into memory, `UntypedStorage.from_file(shared=False)`, before slicing.)"""
 
@@ -117,7 +117,7 @@ class SafetensorsSource:
     def _handle(self, file: str):
         h = self._open.get(file)
         if h is None:
-            from dsfn.checkpoint.sfio import File
+            from dsfn.runtime.sfio import File
             h = self._open[file] = File(file, verify=False)
         return h
 
