@@ -255,7 +255,7 @@ def init_sharded(step: Any, params: dict[str, torch.Tensor], tx: Any, *, source:
         return mirrored_param(path, shape, shapes)    # mixed precision's master copies
 
     state = TrainState.create(params, tx, seed=seed, extra=extra, init_optimizer=False, buffers=buffers)
-    afters = [a for a in (getattr(t, "place_after", None) for t in reversed(step.stack)) if a is not None]
+    afters = [t.place_after for t in reversed(step.stack) if t.place_after is not None]
     # under offload the pieces are made in host memory (pinned for a CUDA device) and stay
     # there when offload keeps them: the device never holds the offloaded state, not even
     # while it is made; pieces offload leaves alone move to the device one at a time
