@@ -18,7 +18,7 @@ import os
 import sys
 
 from dsfn.checkpoint import format as F
-from dsfn.checkpoint.errors import CheckpointError
+from dsfn.errors import CheckpointError
 
 
 def _human(n: int) -> str:

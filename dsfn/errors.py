@@ -42,6 +42,11 @@ class LeafTypeError(DsfnError, TypeError):
     """A pytree leaf of the wrong kind (e.g. a Python float where a tensor is required)."""
 
 
+class CheckpointError(DsfnError, RuntimeError):
+    """A checkpoint that cannot be written or read: missing/uncommitted directory, a corrupt
+    or missing file, a manifest of an unknown version, or a leaf that does not fit `like`."""
+
+
 class DistributedError(DsfnError, RuntimeError):
     """The process group is missing or misconfigured."""
 

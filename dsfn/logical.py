@@ -40,7 +40,7 @@ import torch
 from dsfn import tree
 from dsfn.effects import active_stack, bind
 from dsfn.errors import LayoutError
-from dsfn.state.layout import Placed, is_placed
+from dsfn.placed import Placed, is_placed
 
 __all__ = ["global_norm", "leaves", "leaves_with_path", "like", "local", "logical_shape", "logical_view",
            "map_whole", "reduce_leaves", "split_axes"]

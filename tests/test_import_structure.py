@@ -4,6 +4,9 @@ Every `import` counts: function-level ones and those under `if TYPE_CHECKING:` t
 lazy or type-only import cannot hide a circle. The rules (docs/architecture.md):
 
 - no import circles anywhere in dsfn (module level; a package's `__init__` aside);
+- no import loops between folders: each subpackage of dsfn (state, checkpoint, ops, ...) and
+  each top-level module (`dsfn/logical.py`, ...) is one node, and the graph of what imports
+  what among them (package `__init__`s included) has no cycle;
 - engines (machinery) import no transform (policy);
 - a transform module imports no other transform module but the mechanism's own
   (`core`, `compose`, `facts`): transforms meet through primitives and stack facts;
@@ -14,7 +17,10 @@ lazy or type-only import cannot hide a circle. The rules (docs/architecture.md):
 - the effects mechanism is the bottom layer (imports nothing of dsfn);
 - the shipped rank runner (`dsfn.testing.ranks`) does not import the mutation tooling;
 - a leading underscore means "this module only": no dsfn-private name is imported across
-  modules.
+  modules, nor read as an attribute of another dsfn module (`reader._helper(...)`, where
+  `reader` names an imported dsfn module);
+- `Transform` declares every hook a Step and the stack facts call (`compose.HOOKS`), and
+  compose, facts and core call them directly (no `getattr(t, "hook", default)` probing).
 
 Each rule is checked on the whole package; `test_the_checks_see_what_they_forbid` shows
 each check fails on a graph that breaks it (the negative controls).
@@ -114,8 +120,117 @@ def private_imports(modules: dict[str, pathlib.Path] = MODULES) -> list[str]:
     return out
 
 
+def _module_of(imported: str) -> str | None:
+    """The dsfn module an imported dotted name lives in (the longest known prefix)."""
+    m = imported
+    while m not in MODULES and "." in m:
+        m = m.rpartition(".")[0]
+    return m if m in MODULES else None
+
+
+def folder_of(module: str) -> str:
+    """A module's node in the folder graph: its subpackage of dsfn (`dsfn.state`), or the
+    top-level module itself (`dsfn.logical`; `dsfn` for the package's own `__init__`)."""
+    return ".".join(module.split(".")[:2])
+
+
+def folder_graph(modules: dict[str, pathlib.Path] = MODULES) -> dict[tuple[str, str], list[str]]:
+    """(folder A, folder B) -> the imports behind that edge ("module imports name"), for every
+    import in the source (function-level and TYPE_CHECKING ones too, `__init__`s included)."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for m, p in modules.items():
+        for mod, name in _imports(p, m):
+            if mod != "dsfn" and not mod.startswith("dsfn."):
+                continue
+            target = _module_of(mod) or mod
+            a, b = folder_of(m), folder_of(target)
+            if a != b:
+                out.setdefault((a, b), []).append(f"{m} imports {mod}{'.' + name if name else ''}")
+    return out
+
+
+def folder_cycles(edges: dict[tuple[str, str], list[str]]) -> list[str]:
+    """Each folder-level import loop (one per strongly connected component of the folder
+    graph): one cycle through it, then every import between its folders."""
+    g: dict[str, set[str]] = {}
+    for a, b in edges:
+        g.setdefault(a, set()).add(b)
+    out = []
+    for comp in circles(g):
+        inside = set(comp)
+        start = comp[0]
+        # the shortest way back to `start` inside the component (breadth first)
+        prev, frontier, back = {start: None}, [start], None
+        while frontier and back is None:
+            nxt = []
+            for v in frontier:
+                for w in sorted(g[v] & inside):
+                    if w == start:
+                        back = v
+                        break
+                    if w not in prev:
+                        prev[w] = v
+                        nxt.append(w)
+                if back is not None:
+                    break
+            frontier = nxt
+        path = [back]
+        while prev[path[-1]] is not None:
+            path.append(prev[path[-1]])
+        path = path[::-1] + [start]
+        inner = sorted((a, b) for a, b in edges if a in inside and b in inside)
+        hops = [f"  {a} -> {b}: " + "; ".join(edges[(a, b)][:3]) + (" ..." if len(edges[(a, b)]) > 3 else "")
+                for a, b in inner]
+        out.append(" -> ".join(path) + " (the loop's folders: " + ", ".join(comp) + "; the imports between them:)\n"
+                   + "\n".join(hops))
+    return out
+
+
+def private_attributes(modules: dict[str, pathlib.Path] = MODULES) -> list[str]:
+    """`module._name` where `module` is a name bound to another imported dsfn module
+    (`from dsfn.checkpoint import reader` ... `reader._assemble`; `import dsfn.x as x`;
+    dotted chains such as `dsfn.ops.cpu_adam._SOURCE`), anywhere in the source."""
+    out = []
+    for m, p in modules.items():
+        pkg = m if p.stem == "__init__" else m.rpartition(".")[0]
+        source = ast.parse(p.read_text())
+        bound: dict[str, str] = {}
+        for node in ast.walk(source):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                for a in node.names:
+                    if f"{base}.{a.name}" in MODULES:
+                        bound[a.asname or a.name] = f"{base}.{a.name}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in MODULES:
+                        bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+
+        def module_named(n: ast.expr) -> str | None:
+            if isinstance(n, ast.Name):
+                return bound.get(n.id)
+            if isinstance(n, ast.Attribute):
+                base = module_named(n.value)
+                return f"{base}.{n.attr}" if base and f"{base}.{n.attr}" in MODULES else None
+            return None
+        for node in ast.walk(source):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                mod = module_named(node.value)
+                if mod is not None and mod != m:
+                    out.append(f"{m}:{node.lineno}: {mod}.{node.attr}")
+    return sorted(out)
+
+
 def test_no_import_circles():
     assert circles(graph()) == []
+
+
+def test_no_import_loops_between_folders():
+    loops = folder_cycles(folder_graph())
+    assert not loops, "import loops between folders:\n" + "\n".join(loops)
 
 
 MECHANISM = {"dsfn.transforms.core", "dsfn.transforms.compose", "dsfn.transforms.facts"}
@@ -159,6 +274,62 @@ def test_no_private_name_is_imported_across_modules():
     assert private_imports() == []
 
 
+def test_no_private_attribute_of_another_module_is_read():
+    assert private_attributes() == []
+
+
+HOOK_CALLERS = ("transforms/compose.py", "transforms/facts.py", "transforms/core.py")
+
+
+def hooks_called(path: pathlib.Path) -> tuple[set[str], list[str]]:
+    """What `path` reads off the transforms of a stack: the attributes of each loop variable
+    over something named `...stack...` (`for t in self.stack`, `for i, t in enumerate(stack)`,
+    comprehensions too), `handle_<primitive>` and dunders aside; and each `getattr` / `hasattr` probe of
+    such a variable for a literal name ("file:line: getattr(t, 'name')")."""
+    called, probes = set(), []
+    source = ast.parse(path.read_text())
+
+    def names(target: ast.expr) -> set[str]:
+        return {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+
+    def over_stack(it: ast.expr) -> bool:
+        return "stack" in ast.unparse(it)
+    scopes = []
+    for node in ast.walk(source):
+        if isinstance(node, (ast.For, ast.AsyncFor)) and over_stack(node.iter):
+            scopes.append((names(node.target), node.body))
+        elif isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            for gen in node.generators:
+                if over_stack(gen.iter):
+                    scopes.append((names(gen.target), [node]))
+    for vars_, body in scopes:
+        for stmt in body:
+            for n in ast.walk(stmt):
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in vars_ \
+                        and not n.attr.startswith(("handle_", "__")):
+                    called.add(n.attr)
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "hasattr") \
+                        and n.args and isinstance(n.args[0], ast.Name) and n.args[0].id in vars_ \
+                        and len(n.args) > 1 and isinstance(n.args[1], ast.Constant) \
+                        and not str(n.args[1].value).startswith(("handle_", "__")):
+                    probes.append(f"{path.name}:{n.lineno}: {n.func.id}({n.args[0].id}, {n.args[1].value!r})")
+    return called, probes
+
+
+def test_transform_declares_every_hook_compose_calls():
+    from dsfn.transforms.compose import HOOKS
+    from dsfn.transforms.core import Transform
+    called, probes = set(), []
+    for rel in HOOK_CALLERS:
+        c, p = hooks_called(ROOT / rel)
+        called |= c
+        probes += p
+    assert {"place", "place_after", "explain_note", "facts", "roles"} <= called, called   # the scan sees them
+    assert sorted(h for h in called | set(HOOKS) if not hasattr(Transform, h)) == []
+    assert probes == []                      # declared hooks are called, not probed for
+    assert called <= set(HOOKS), sorted(called - set(HOOKS))    # is_transform checks them all
+
+
 def test_the_checks_see_what_they_forbid(tmp_path):
     """Negative controls: each check, on a graph (or source) that breaks its rule, reports it."""
     g = graph()
@@ -171,3 +342,21 @@ def test_the_checks_see_what_they_forbid(tmp_path):
                     "def f():\n    from dsfn.runtime.mesh import _current\n")
     assert private_imports({"dsfn.lazy": lazy}) == ["dsfn.lazy: from dsfn.optim.masks import _x",
                                                     "dsfn.lazy: from dsfn.runtime.mesh import _current"]
+    # a folder loop made by one function-level back-import (runtime -> state -> runtime)
+    back = tmp_path / "back.py"
+    back.write_text("def f():\n    from dsfn.state.layout import FlatShard\n")
+    loops = folder_cycles(folder_graph({**MODULES, "dsfn.runtime.back": back}))
+    assert len(loops) == 1 and loops[0].startswith("dsfn.runtime -> dsfn.state -> dsfn.runtime") \
+        and "dsfn.runtime.back imports dsfn.state.layout.FlatShard" in loops[0], loops
+    # a private attribute of another module, reached through a bound module and a dotted chain
+    peek = tmp_path / "peek.py"
+    peek.write_text("import dsfn\nfrom dsfn.checkpoint import writer as W\n"
+                    "def f():\n    from dsfn.ops import cpu_adam\n    return W._x, cpu_adam._y, dsfn.runtime.mesh._z\n")
+    assert private_attributes({"dsfn.peek": peek}) == ["dsfn.peek:5: dsfn.checkpoint.writer._x",
+                                                       "dsfn.peek:5: dsfn.ops.cpu_adam._y",
+                                                       "dsfn.peek:5: dsfn.runtime.mesh._z"]
+    # a hook probed for instead of called
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(stack):\n    for t in stack:\n        getattr(t, 'place_later', None)\n"
+                     "    return [t.explain_later() for t in stack]\n")
+    assert hooks_called(probe) == ({"explain_later"}, ["probe.py:3: getattr(t, 'place_later')"])

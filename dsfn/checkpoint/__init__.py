@@ -6,7 +6,6 @@ safetensors files; any layout loads any checkpoint by reading the slices it need
 """
 from dsfn.checkpoint.async_engine import AsyncSaver
 from dsfn.checkpoint.host_cache import HostCache
-from dsfn.checkpoint.errors import CheckpointError
 from dsfn.checkpoint.export import convert, export, export_state
 from dsfn.checkpoint.format import (
            FORMAT_VERSION,
@@ -17,6 +16,7 @@ from dsfn.checkpoint.format import (
 )
 from dsfn.checkpoint.reader import load, verify
 from dsfn.checkpoint.writer import save
+from dsfn.errors import CheckpointError
 
 __all__ = ["FORMAT_VERSION", "AsyncSaver", "CheckpointError", "HostCache", "Manifest", "convert", "export", "export_state",
            "latest_step", "load", "read_manifest", "resolve", "save", "verify"]

@@ -43,8 +43,8 @@ import time
 import weakref
 from typing import Any
 
-from dsfn.checkpoint.errors import CheckpointError
 from dsfn.checkpoint.host_cache import HostCache, StagedEvent, StageReport
+from dsfn.errors import CheckpointError
 
 __all__ = ["AsyncSaver"]
 
@@ -92,7 +92,7 @@ class AsyncSaver:
         from dsfn.checkpoint import rng, writer
         from dsfn.runtime.mesh import current_mesh
         if user_data is not None:
-            writer._check_json(user_data, "user_data")     # a bad value fails here, not in the background
+            writer.check_json(user_data, "user_data")     # a bad value fails here, not in the background
         # the generators as they are at this step boundary, not when the thread gets to them
         kwargs: dict[str, Any] = {"step": step, "keep": keep, "user_data": user_data, "rng_state": rng.capture()}
         if timeout_s is not None:

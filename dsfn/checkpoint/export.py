@@ -2,7 +2,7 @@
 committed checkpoint (the `zero_to_fp32` job, without ever holding the whole state).
 
 Streaming: tensors are rebuilt one at a time from the slices stored in the per-rank files
-(`reader._assemble` with a `full` region reads each stored slice straight into the output
+(`reader.assemble` with a `full` region reads each stored slice straight into the output
 buffer), written, and dropped before the next is rebuilt. The safetensors output is
 written by a streaming writer (`sfio.Writer`: the header is computed up front from the
 manifest's shapes and dtypes), so the host memory peak of `export(format="hf")` and of
@@ -23,8 +23,8 @@ import torch
 
 from dsfn.checkpoint import format as F
 from dsfn.checkpoint import reader as R
-from dsfn.checkpoint import sfio
-from dsfn.checkpoint.errors import CheckpointError
+from dsfn.errors import CheckpointError
+from dsfn.runtime import sfio
 
 __all__ = ["MASTER_PREFIX", "convert", "export", "export_state", "parse_dtype"]
 
@@ -66,14 +66,14 @@ def _select(manifest: F.Manifest, prefix: str, prefer_master: bool) -> list[tupl
     return sorted(out)
 
 
-def _rebuild(manifest: F.Manifest, reader: R._Reader, path: str) -> torch.Tensor:
+def _rebuild(manifest: F.Manifest, reader: R.Reader, path: str) -> torch.Tensor:
     """The full logical tensor of leaf `path`, read one stored slice at a time."""
     desc = manifest.leaves[path]
     for s in desc["slices"]:
         if s["file"] not in manifest.files:
             raise CheckpointError(f"leaf {path!r} names file {s['file']!r}, which the manifest does not list")
     shape = tuple(int(d) for d in desc["shape"])
-    return R._assemble(path, desc, F.Region("full"), shape, F.dtype_from_name(desc["dtype"]), reader)
+    return R.assemble(path, desc, F.Region("full"), shape, F.dtype_from_name(desc["dtype"]), reader)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -130,7 +130,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike, format: str = "hf",
                                 if p.startswith(BUFFERS_PREFIX) and "value" not in d])
     out = os.path.abspath(os.fspath(out))
     os.makedirs(out, exist_ok=True)
-    reader = R._Reader(manifest, verify)
+    reader = R.Reader(manifest, verify)
     try:
         if fmt == "hf":
             final = os.path.join(out, "model.safetensors")
@@ -254,7 +254,7 @@ class _FlatGatherer:
 
 
 def _stream_safetensors(final: str, entries, items: Iterable[tuple[str, str]], manifest: F.Manifest,
-                        reader: R._Reader, dt: torch.dtype | None, metadata: dict | None) -> dict:
+                        reader: R.Reader, dt: torch.dtype | None, metadata: dict | None) -> dict:
     """Write `final` atomically; returns its checksum record (`sfio`)."""
     tmp = _tmp_name(final)
     w = sfio.Writer(tmp, entries, metadata)
@@ -273,7 +273,7 @@ def _stream_safetensors(final: str, entries, items: Iterable[tuple[str, str]], m
     return record
 
 
-def _export_torch(final: str, names, manifest: F.Manifest, reader: R._Reader, dt: torch.dtype | None) -> None:
+def _export_torch(final: str, names, manifest: F.Manifest, reader: R.Reader, dt: torch.dtype | None) -> None:
     tmp = _tmp_name(final)
     scratch = tempfile.mkdtemp(prefix=".tmp_export_", dir=os.path.dirname(final))
     try:
@@ -335,7 +335,7 @@ def convert(path: str | os.PathLike, out: str | os.PathLike, verify: bool = True
         if tensor_leaves:
             entries = [(p, F.dtype_from_name(raw["leaves"][p]["dtype"]), tuple(raw["leaves"][p]["shape"]))
                        for p in tensor_leaves]
-            reader = R._Reader(manifest, verify)
+            reader = R.Reader(manifest, verify)
             try:
                 record = _stream_safetensors(
                     os.path.join(tmp, fname), entries, ((p, p) for p in tensor_leaves), manifest, reader, None,
@@ -351,8 +351,8 @@ def convert(path: str | os.PathLike, out: str | os.PathLike, verify: bool = True
         F.write_json_durably(os.path.join(tmp, F.MANIFEST), new)
         F.fsync_dir(tmp)
         final = os.path.join(root, stepname)
-        W._commit(tmp, final, root)
-        W._write_latest(root, stepname)
+        W.commit(tmp, final, root)
+        W.write_latest(root, stepname)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

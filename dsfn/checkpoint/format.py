@@ -50,8 +50,7 @@ from typing import Any
 
 import torch
 
-from dsfn.checkpoint.errors import CheckpointError
-from dsfn.errors import DsfnError
+from dsfn.errors import CheckpointError, DsfnError
 from dsfn.state.layout import (
     DimShard,
     FlatShard,

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from dsfn import tree
-from dsfn.checkpoint.errors import CheckpointError
+from dsfn.errors import CheckpointError
 
 __all__ = ["CAPTURE_POLICIES", "HostCache", "StageReport"]
 

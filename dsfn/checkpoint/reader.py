@@ -19,9 +19,9 @@ import torch
 
 from dsfn import tree
 from dsfn.checkpoint import format as F
-from dsfn.checkpoint import rng, sfio
-from dsfn.checkpoint.errors import CheckpointError
-from dsfn.runtime import env
+from dsfn.checkpoint import rng
+from dsfn.errors import CheckpointError
+from dsfn.runtime import env, sfio
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import Layout, MeshCoords, Placed, Replicated, is_placed
 
@@ -94,7 +94,7 @@ def load(path: str | os.PathLike, like: Any, strict: bool = True, verify: bool =
                                     for s in saved[leaf]["slices"]}
                          | ({rng_entry["file"]} if rng_entry else set()))
 
-    reader = _Reader(manifest, verify)
+    reader = Reader(manifest, verify)
     try:
         out = []
         for leaf, x, region, shape in plans:
@@ -102,7 +102,7 @@ def load(path: str | os.PathLike, like: Any, strict: bool = True, verify: bool =
                 out.append(saved[leaf]["value"])
                 continue
             piece = x.data if isinstance(x, Placed) else x
-            buf = _assemble(leaf, saved[leaf], region, shape, piece.dtype, reader)
+            buf = assemble(leaf, saved[leaf], region, shape, piece.dtype, reader)
             buf = buf.to(piece.device)
             adopt = getattr(x.layout, "adopt", None) if isinstance(x, Placed) else None
             if adopt is not None:      # e.g. offload("nvme"): the piece goes into the layout's own file
@@ -168,7 +168,7 @@ def _check_files_present(manifest: F.Manifest, names: set[str]) -> None:
                                   f"{info['bytes']}: it was truncated or replaced; load an older step")
 
 
-class _Reader:
+class Reader:
     """Opens each file once (checking it exists with its recorded size, and its header);
     verified partial reads."""
 
@@ -343,8 +343,8 @@ def _target_buffer(region: F.Region, shape: tuple[int, ...], dtype: torch.dtype)
     return torch.empty(shape, dtype=dtype)
 
 
-def _assemble(path: str, desc: dict, region: F.Region, shape: tuple[int, ...], dtype: torch.dtype,
-              reader: _Reader) -> torch.Tensor:
+def assemble(path: str, desc: dict, region: F.Region, shape: tuple[int, ...], dtype: torch.dtype,
+             reader: Reader) -> torch.Tensor:
     """This rank's piece of leaf `path` (its `region`), read run by run from the stored
     slices straight into the result: no staging copies, peak = the result."""
     buf = _target_buffer(region, shape, dtype)
@@ -377,7 +377,7 @@ def _assemble(path: str, desc: dict, region: F.Region, shape: tuple[int, ...], d
 
 
 # -- per-rank generator states --------------------------------------------------------------------
-def read_rng(manifest: F.Manifest, reader: _Reader, rank: int) -> dict[str, torch.Tensor] | None:
+def read_rng(manifest: F.Manifest, reader: Reader, rank: int) -> dict[str, torch.Tensor] | None:
     """The generator states rank `rank` saved (None if the checkpoint has none for it)."""
     entry = (manifest.raw.get("rng") or {}).get(str(rank))
     if entry is None:

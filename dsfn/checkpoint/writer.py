@@ -13,7 +13,7 @@ Protocol (collective over every rank when torch.distributed is initialised):
 3. the ranks' slice tables and statuses are gathered on the checkpoint group; if any rank
    failed, every rank raises and nothing is committed;
 4. rank 0 writes `manifest.json` (fsync), fsyncs the directory, renames it to
-   `DIR/step_N` (`_commit`), fsyncs `DIR`, then replaces `DIR/latest` atomically and
+   `DIR/step_N` (`commit`), fsyncs `DIR`, then replaces `DIR/latest` atomically and
    applies retention (`keep`); its status is broadcast, so every rank returns only after
    the commit (or raises if it failed).
 
@@ -36,9 +36,9 @@ import torch.distributed as dist
 
 from dsfn import tree
 from dsfn.checkpoint import format as F
-from dsfn.checkpoint import rng, sfio
-from dsfn.checkpoint.errors import CheckpointError
-from dsfn.runtime import env
+from dsfn.checkpoint import rng
+from dsfn.errors import CheckpointError
+from dsfn.runtime import env, sfio
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import Placed, Replicated, is_placed
 
@@ -101,7 +101,7 @@ def _save(directory: str | os.PathLike, state: Any, step: int | None, keep: int 
         step = int(s.data if isinstance(s, Placed) else s)
     step = int(step)
     if user_data is not None:
-        _check_json(user_data, "user_data")
+        check_json(user_data, "user_data")
     group = checkpoint_group(timeout_s)
     rank, world = env.rank(), env.world_size()
     tmp = os.path.join(root, F.TMP_PREFIX + F.step_dirname(step))
@@ -141,8 +141,8 @@ def _save(directory: str | os.PathLike, state: Any, step: int | None, keep: int 
             manifest = _build_manifest(step, world, reports, user_data, state)
             F.write_json_durably(os.path.join(tmp, F.MANIFEST), manifest)
             F.fsync_dir(tmp)
-            _commit(tmp, final, root)
-            _write_latest(root, F.step_dirname(step))
+            commit(tmp, final, root)
+            write_latest(root, F.step_dirname(step))
             if keep is not None:
                 apply_retention(root, keep)
         except Exception as e:  # noqa: BLE001 (every rank must learn of it)
@@ -173,7 +173,7 @@ def _write_rank_file(tmp: str, state: Any, rank: int, rng_state: dict[str, torch
         elif isinstance(x, torch.Tensor):
             layout, piece = Replicated(tuple(x.shape)), x
         else:
-            _check_json(x, f"leaf {path!r}")
+            check_json(x, f"leaf {path!r}")
             values[path] = x
             continue
         if not isinstance(piece, torch.Tensor):
@@ -245,7 +245,7 @@ def _build_manifest(step: int, world: int, reports: list[dict], user_data: Any, 
                          "paths": [p for p, _ in tree.leaves_with_path(state, is_leaf=is_placed)]}}
 
 
-def _commit(tmp: str, final: str, root: str) -> None:
+def commit(tmp: str, final: str, root: str) -> None:
     """Make the checkpoint visible: rename the finished temporary directory, fsync the parent."""
     if os.path.exists(final):      # re-saving a step: move the old one aside, then drop it
         old = os.path.join(root, F.TMP_PREFIX + "replaced_" + os.path.basename(final))
@@ -259,7 +259,8 @@ def _commit(tmp: str, final: str, root: str) -> None:
     F.fsync_dir(root)
 
 
-def _write_latest(root: str, name: str) -> None:
+def write_latest(root: str, name: str) -> None:
+    """Point `root/latest` at step directory `name`, atomically (a replaced temporary file)."""
     tmp = os.path.join(root, F.TMP_PREFIX + F.LATEST)
     with open(tmp, "w") as f:
         f.write(name + "\n")
@@ -326,7 +327,8 @@ def _agree_on(err: str | None, group, what: str) -> str | None:
     return box[0]
 
 
-def _check_json(x: Any, what: str) -> None:
+def check_json(x: Any, what: str) -> None:
+    """CheckpointError unless `x` (`what`, for the message) is JSON-serialisable."""
     try:
         json.dumps(x)
     except (TypeError, ValueError) as e:

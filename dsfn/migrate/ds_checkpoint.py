@@ -50,8 +50,7 @@ from typing import Any
 import torch
 
 from dsfn import tree
-from dsfn.checkpoint.errors import CheckpointError
-from dsfn.errors import ConfigError
+from dsfn.errors import CheckpointError, ConfigError
 
 __all__ = ["DeepSpeedCheckpoint", "convert_deepspeed", "load_deepspeed", "read_deepspeed"]
 

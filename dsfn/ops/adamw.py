@@ -51,9 +51,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from dsfn.checks import check_real
 from dsfn.errors import ConfigError, LeafTypeError, ShapeError
 from dsfn.ops import dispatch
-from dsfn.optim._foreach import check_real
 
 __all__ = ["DEFAULT_BLOCK", "AdamWUpdate", "adamw_coefficients", "adamw_update", "adamw_update_multi", "adamw_update_torch",
            "adamw_update_triton"]

@@ -58,15 +58,15 @@ from pathlib import Path
 
 import torch
 
+from dsfn.checks import check_real
 from dsfn.errors import ConfigError, LeafTypeError, ShapeError
 from dsfn.ops.adamw import check_adam_operands
-from dsfn.optim._foreach import check_real
 
 __all__ = ["BACKENDS", "cpu_adam_backend", "cpu_adam_threads", "cpu_adamw_", "cpu_adamw_multi_"]
 
 BACKENDS = ("auto", "cpp", "foreach")
 ENV = "DSFN_CPU_ADAM"
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_adam.cpp"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_adam.cpp"
 _EXT_NAME = "dsfn_cpu_adam"
 _ABI_VERSION = 1
 _CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
@@ -85,7 +85,7 @@ _built = False
 
 def _build() -> ctypes.CDLL:
     from torch.utils import cpp_extension
-    path = cpp_extension.load(name=_EXT_NAME, sources=[str(_SOURCE)], extra_cflags=list(_CFLAGS),
+    path = cpp_extension.load(name=_EXT_NAME, sources=[str(SOURCE)], extra_cflags=list(_CFLAGS),
                               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     lib = ctypes.CDLL(str(path))
     lib.dsfn_cpu_adam_abi_version.restype = ctypes.c_int32
@@ -127,7 +127,7 @@ def _resolve(backend: str | None) -> str:
     if lib is not None:
         return "cpp"
     if choice == "cpp":
-        raise ConfigError(f"cpu_adamw: the C++ host AdamW ({_SOURCE}) could not be built ({_build_error}); "
+        raise ConfigError(f"cpu_adamw: the C++ host AdamW ({SOURCE}) could not be built ({_build_error}); "
                           f"install a C++ compiler with OpenMP and ninja, or use {ENV}=foreach")
     _warn_fallback()
     return "foreach"

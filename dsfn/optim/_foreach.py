@@ -1,4 +1,5 @@
-"""Private helpers: validation of hyper-parameters and foreach arithmetic over leaf lists.
+"""Private helpers: validation of an optimizer's betas and foreach arithmetic over leaf lists
+(scalar checks live in `dsfn.checks`, below the ops and optimizers that both use them).
 
 All arithmetic goes through `torch._foreach_*` over the whole list of leaves (one call per
 op); out-of-place ops produce the new tensors, and in-place ops are applied only to those
@@ -6,35 +7,12 @@ fresh tensors.
 """
 from __future__ import annotations
 
-import math
-from numbers import Real
 from typing import Any
 
 import torch
 
+from dsfn.checks import check_real
 from dsfn.errors import ConfigError
-
-
-def check_real(name: str, value: Any, *, lo: float | None = None, hi: float | None = None,
-               lo_open: bool = False, hi_open: bool = False, hint: str = "") -> float:
-    """`value` as a float, or ConfigError if it is not a finite real number within the bounds."""
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
-        raise ConfigError(f"{name}={value!r}: expected a finite number{hint}")
-    v = float(value)
-    if lo is not None and (v <= lo if lo_open else v < lo):
-        raise ConfigError(f"{name}={value!r}: must be {'>' if lo_open else '>='} {lo}{hint}")
-    if hi is not None and (v >= hi if hi_open else v > hi):
-        raise ConfigError(f"{name}={value!r}: must be {'<' if hi_open else '<='} {hi}{hint}")
-    return v
-
-
-def check_int(name: str, value: Any, *, lo: int | None = None, hint: str = "") -> int:
-    """`value` as an int, or ConfigError if it is not an integer >= lo."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}={value!r}: expected an integer{hint}")
-    if lo is not None and value < lo:
-        raise ConfigError(f"{name}={value!r}: must be >= {lo}{hint}")
-    return int(value)
 
 
 def check_betas(betas: Any, who: str) -> tuple[float, float]:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dsfn.checks import check_real
 from dsfn.errors import ConfigError
-from dsfn.optim._foreach import check_betas, check_real
+from dsfn.optim._foreach import check_betas
 from dsfn.optim.base import GradientTransformation, chain, identity
 from dsfn.optim.transform import (LearningRate, adam_step, add_decayed_weights, check_learning_rate, scale,
                                   scale_by_learning_rate, trace)

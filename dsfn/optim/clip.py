@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from dsfn import logical, tree
-from dsfn.optim._foreach import check_real, mul_scalar
+from dsfn.checks import check_real
+from dsfn.optim._foreach import mul_scalar
 from dsfn.optim.base import EmptyState, GradientTransformation, PyTree, tensor_leaves
 
 

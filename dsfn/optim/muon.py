@@ -96,8 +96,9 @@ from typing import Any
 import torch
 
 from dsfn import logical, tree
+from dsfn.checks import check_int, check_real
 from dsfn.errors import ConfigError, LeafTypeError
-from dsfn.optim._foreach import check_betas, check_int, check_real, mul_scalar
+from dsfn.optim._foreach import check_betas, mul_scalar
 from dsfn.optim.base import GradientTransformation, PyTree, tensor_leaves, zero_count
 from dsfn.optim.masks import Mask, as_bool, evaluate_mask
 from dsfn.optim.transform import (

@@ -51,8 +51,8 @@ from typing import Any, Mapping
 
 import torch
 
+from dsfn.checks import check_int, check_real
 from dsfn.errors import ConfigError
-from dsfn.optim._foreach import check_int, check_real
 
 __all__ = ["LRRangeTest", "OneCycle", "Schedule", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "constant",
            "from_config", "linear"]

@@ -27,8 +27,9 @@ from typing import Any, NamedTuple, Union
 import torch
 
 from dsfn import tree
+from dsfn.checks import check_real
 from dsfn.errors import ConfigError, LeafTypeError
-from dsfn.optim._foreach import check_real, mul_scalar
+from dsfn.optim._foreach import mul_scalar
 from dsfn.optim.base import (
     EmptyState,
     GradientTransformation,

@@ -89,7 +89,7 @@ class Initializer:
 class SafetensorsSource:
     """A Hugging Face checkpoint directory: `model.safetensors`, or shards listed by
     `model.safetensors.index.json`. Reads only the requested runs, each with one positioned
-    read of exactly its bytes (`dsfn.checkpoint.sfio.File.read_into`); `bytes_read` counts
+    read of exactly its bytes (`dsfn.runtime.sfio.File.read_into`); `bytes_read` counts
     them. (safetensors' own `safe_open(..., "pt").get_slice` is not used: its torch backend
     loads the whole file into memory, `UntypedStorage.from_file(shared=False)`, before slicing.)"""
 
@@ -117,7 +117,7 @@ class SafetensorsSource:
     def _handle(self, file: str):
         h = self._open.get(file)
         if h is None:
-            from dsfn.checkpoint.sfio import File
+            from dsfn.runtime.sfio import File
             h = self._open[file] = File(file, verify=False)
         return h
 
@@ -232,9 +232,8 @@ def place_state(stack: Sequence[Any], facts: Any, state: Any) -> Any:
         for t in reversed(stack):
             state = t.place(state)
         for t in reversed(stack):
-            after = getattr(t, "place_after", None)
-            if after is not None:
-                state = after(state)
+            if t.place_after is not None:     # (Transform declares it: None means none)
+                state = t.place_after(state)
     return state
 
 
@@ -270,7 +269,7 @@ def init_sharded(step: Any, params: dict[str, torch.Tensor], tx: Any, *, source:
         return mirrored_param(path, shape, shapes)    # mixed precision's master copies
 
     state = TrainState.create(params, tx, seed=seed, extra=extra, init_optimizer=False, buffers=buffers)
-    afters = [a for a in (getattr(t, "place_after", None) for t in reversed(step.stack)) if a is not None]
+    afters = [t.place_after for t in reversed(step.stack) if t.place_after is not None]
     # under offload the pieces are made in host memory (pinned for a CUDA device) and stay
     # there when offload keeps them: the device never holds the offloaded state, not even
     # while it is made; pieces offload leaves alone move to the device one at a time

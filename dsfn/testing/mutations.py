@@ -144,14 +144,14 @@ def _ckpt_drops_moments():
     """Loading fills every optimizer moment (a >= 1-dim floating leaf of opt_state, master
     weights aside) with zeros: a resumed run restarts its momentum / Adam moments."""
     from dsfn.checkpoint import reader
-    orig = reader._assemble
+    orig = reader.assemble
 
     def assemble(leaf, desc, region, shape, dtype, rd):
         buf = orig(leaf, desc, region, shape, dtype, rd)
         if leaf.startswith("opt_state.") and ".master" not in leaf and len(shape) >= 1 and dtype.is_floating_point:
             return torch.zeros_like(buf)
         return buf
-    return mock.patch.object(reader, "_assemble", assemble)
+    return mock.patch.object(reader, "assemble", assemble)
 
 
 def _host_adamw_no_wd():

@@ -56,7 +56,7 @@ def is_built(name: str) -> bool:
         return False
     if name == "cpu_adam":
         from dsfn.ops import cpu_adam
-        return os.path.getmtime(path) >= os.path.getmtime(cpu_adam._SOURCE)
+        return os.path.getmtime(path) >= os.path.getmtime(cpu_adam.SOURCE)
     return True
 
 

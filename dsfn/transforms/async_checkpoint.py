@@ -49,8 +49,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dsfn.checkpoint.errors import CheckpointError
-from dsfn.errors import ConfigError
+from dsfn.errors import CheckpointError, ConfigError
 from dsfn.transforms.core import Transform, make_transform
 
 ENGINES = ("async", "sync")

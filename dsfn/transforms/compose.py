@@ -43,6 +43,13 @@ from dsfn.transforms.facts import StackFacts
 
 StepFn = Callable[[Any, Any], tuple[Any, dict]]
 
+# what a Step (and the stack facts) call on a transform, beside its `handle_<primitive>`
+# handlers (found by dsfn.effects): each is declared on dsfn.transforms.core.Transform with
+# a default that means "nothing", so it is called, never probed for
+HOOK_METHODS = ("check_stack", "facts", "place", "gather", "unplaced", "wrap_step", "explain_note", "describe")
+HOOK_ATTRIBUTES = ("name", "unique", "roles", "place_after")
+HOOKS = HOOK_METHODS + HOOK_ATTRIBUTES
+
 
 class Step:
     """A train step with a stack of transforms around it."""
@@ -186,7 +193,7 @@ class Step:
                 leaves.append((f"constants.{name}", layout_of(x), tuple(t.shape), t.dtype,
                                t.numel() * t.element_size()))
         with activate(self.stack, self.facts):
-            notes = [getattr(t, "explain_note", t.describe)() for t in self.stack]
+            notes = [t.explain_note() for t in self.stack]
         out = Explanation(notes, leaves, comm, dict(C.gauge_max))
         out.links = links
         out.handlers = handler_order(self.stack)
@@ -358,10 +365,10 @@ def _computed_on(params: Any) -> list[torch.Tensor]:
 
 
 def is_transform(t: Any) -> bool:
-    """Whether `t` keeps the transform protocol (`dsfn.transforms.core.Transform`'s methods
-    a Step calls; checked by shape, so this module stays below the protocol's)."""
-    return all(callable(getattr(t, m, None)) for m in ("check_stack", "place", "gather", "unplaced", "wrap_step")) \
-        and isinstance(getattr(t, "name", None), str)
+    """Whether `t` keeps the transform protocol (`HOOKS`: what a Step calls, as declared by
+    `dsfn.transforms.core.Transform`; checked by shape, so this module stays below the protocol's)."""
+    return all(callable(getattr(t, m, None)) for m in HOOK_METHODS) \
+        and all(hasattr(t, a) for a in HOOK_ATTRIBUTES) and isinstance(getattr(t, "name", None), str)
 
 
 def check_stack(stack: Sequence[Any]) -> tuple[Any, ...]:
@@ -374,7 +381,7 @@ def check_stack(stack: Sequence[Any]) -> tuple[Any, ...]:
             raise StackError(f"compose() takes dsfn transforms; argument {i} is {t!r}.{hint}")
     seen: dict[type, int] = {}
     for i, t in enumerate(stack):
-        if getattr(t, "unique", True) and type(t) in seen:
+        if t.unique and type(t) in seen:
             raise StackError(f"{t.name} appears twice in the stack (positions {seen[type(t)]} and {i}); "
                              f"use it once")
         seen.setdefault(type(t), i)

@@ -65,13 +65,17 @@ class Transform:
     validated by `make_transform`), and override what they need:
     - `check_stack(stack, index)`: raise StackError if the stack cannot work;
     - `place(state)`: logical state -> this rank's physical state (run innermost first);
+    - `place_after`: a second placement pass, after every transform's `place` (None: none);
     - `gather(state)`: undo structural changes of `place` after the layouts on the
       leaves were gathered (run outermost first);
     - `unplaced(state)`: say what shows `place` never ran on a state (see its docstring);
     - `wrap_step(fn)`: a step function around `fn` (same signature);
     - `handle_<primitive>(call_next, *args)`: see the module docstring;
-    - `speculative_grad(state)`: see its docstring (offload's overlapped host update).
+    - `speculative_grad(state)`: see its docstring (offload's overlapped host update);
+    - `explain_note()`: this transform's line in `Step.explain` (default: `describe()`).
     `unique = True` (the default) forbids two transforms of the same class in a stack.
+    Every hook a Step or the stack facts call is declared here with a default that means
+    "nothing" (`dsfn.transforms.compose.HOOKS`), so callers call it, never probe for it.
     """
 
     name: ClassVar[str] = "transform"
@@ -94,6 +98,12 @@ class Transform:
 
     def place(self, state: Any) -> Any:
         return state
+
+    place_after: Callable[[Any], Any] | None = None
+    """None (the default: nothing to do), or a method `place_after(state) -> state` that runs
+    after every transform's `place`, outermost last (`Step.place`, `Step.init_state`): layouts
+    that wrap the finished ones (offload moves the placed pieces to host memory or NVMe
+    files). A transform that has one makes `init_state` build the pieces in host memory."""
 
     def gather(self, state: Any) -> Any:
         return state
@@ -118,6 +128,11 @@ class Transform:
         that leaves gradients alone returns the identity."""
         return None
 
+    def explain_note(self) -> str:
+        """This transform's line in `Step.explain()`'s stack (what it does here, e.g. the axis
+        size it shards over). The default is `describe()`: its name and options."""
+        return self.describe()
+
     def describe(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{self.name}({opts})"
@@ -132,7 +147,7 @@ class Transform:
 
 def with_role(stack: Sequence[Transform], role: str) -> list[Transform]:
     """The transforms of `stack` (in order) that declare `role` in their `roles`."""
-    return [t for t in stack if role in getattr(t, "roles", ())]
+    return [t for t in stack if role in t.roles]
 
 
 def make_transform(cls: type[Transform], factory_name: str, args: tuple, kwargs: dict) -> Transform:

@@ -67,8 +67,8 @@ class StackFacts:
     def __init__(self, stack: Sequence[Any]):
         decl, at = [], {}
         for i, t in enumerate(stack):
-            own = dict(t.facts()) if hasattr(t, "facts") else {}
-            own.update(name=getattr(t, "name", type(t).__name__), roles=frozenset(getattr(t, "roles", ())))
+            own = dict(t.facts())
+            own.update(name=t.name, roles=frozenset(t.roles))
             decl.append(MappingProxyType(own))
             at.setdefault(id(t), i)
         object.__setattr__(self, "_decl", tuple(decl))

@@ -296,7 +296,7 @@ def test_disk_full_midway_through_a_file_fails_that_save_and_keeps_the_previous(
     """ENOSPC after part of the rank file reached the disk: the background save fails loudly,
     `latest` still names the previous step, which verifies and loads; the next save removes
     the torn temporary directory."""
-    from dsfn.checkpoint import sfio
+    from dsfn.runtime import sfio
     real = sfio._write_all
     calls = {"n": 0, "fail": False}
 

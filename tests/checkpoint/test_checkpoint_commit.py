@@ -57,7 +57,7 @@ def test_crash_before_rename_leaves_previous_checkpoint(tmp_path, monkeypatch):
 
     def crash(*a, **k):
         raise OSError("simulated crash between writing the files and the rename")
-    monkeypatch.setattr(save_mod, "_commit", crash)
+    monkeypatch.setattr(save_mod, "commit", crash)
     with pytest.raises(ck.CheckpointError, match="simulated crash"):
         ck.save(tmp_path, s2)
     assert ck.latest_step(tmp_path) == 1
@@ -77,7 +77,7 @@ def test_crash_after_rename_before_latest_still_loads_newest_committed(tmp_path,
     s1 = _train(step, like, 1)
     ck.save(tmp_path, s1)
     s2 = _train(step, s1, 1, seed=5)
-    monkeypatch.setattr(save_mod, "_write_latest", lambda *a: (_ for _ in ()).throw(OSError("crash")))
+    monkeypatch.setattr(save_mod, "write_latest", lambda *a: (_ for _ in ()).throw(OSError("crash")))
     with pytest.raises(ck.CheckpointError):
         ck.save(tmp_path, s2)
     # `latest` still names step 1, which is committed and loads
@@ -163,8 +163,8 @@ def test_missing_or_truncated_file_fails_before_anything_is_read(tmp_path, monke
     out = ck.save(tmp_path, _train(step, like, 1))
     f = os.path.join(out, "rank_00000.safetensors")
     opened = []
-    real_get = reader._Reader.get
-    monkeypatch.setattr(reader._Reader, "get", lambda self, name: opened.append(name) or real_get(self, name))
+    real_get = reader.Reader.get
+    monkeypatch.setattr(reader.Reader, "get", lambda self, name: opened.append(name) or real_get(self, name))
     before = [t.clone() for t in tree.leaves(like) if isinstance(t, torch.Tensor)]
     rng_before = torch.get_rng_state()
     with open(f, "r+b") as fh:

@@ -134,18 +134,18 @@ def _files_opened(root):
     init_mesh()
     like = _placed({k: torch.zeros(s) for k, s in SHAPES.items()}, "flat")
     opened = set()
-    real = reader._Reader.get
+    real = reader.Reader.get
 
     def get(self, name):
         opened.add(name)
         return real(self, name)
-    reader._Reader.get = get
+    reader.Reader.get = get
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ck.load(root, like)
     finally:
-        reader._Reader.get = real
+        reader.Reader.get = real
     return sorted(opened)
 
 

@@ -14,9 +14,8 @@ from dsfn import checkpoint as ck
 from dsfn import tree
 from dsfn.checkpoint import writer as save_mod
 from dsfn.checkpoint.async_engine import AsyncSaver
-from dsfn.checkpoint.errors import CheckpointError
 from dsfn.checkpoint.host_cache import ALIGN, HostCache
-from dsfn.errors import ConfigError
+from dsfn.errors import CheckpointError, ConfigError
 from dsfn.testing.models import make_mlp, regression_batches
 from dsfn.testing.reference import train_step_for
 from dsfn.transforms import async_checkpoint

@@ -22,7 +22,7 @@ import torch
 import dsfn
 from dsfn import checkpoint as ck
 from dsfn import tree
-from dsfn.checkpoint.sfio import File
+from dsfn.runtime.sfio import File
 from dsfn.runtime import init_mesh
 from dsfn.state.layout import Placed, is_placed
 from dsfn.testing import assert_trees_close, run_on_ranks

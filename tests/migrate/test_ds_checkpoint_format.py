@@ -18,8 +18,7 @@ import pytest
 import torch
 
 import dsfn
-from dsfn.checkpoint.errors import CheckpointError
-from dsfn.errors import ConfigError
+from dsfn.errors import CheckpointError, ConfigError
 from dsfn.migrate import load_deepspeed, read_deepspeed
 
 SHAPES = [{"a.weight": (5, 3), "a.bias": (5,)}, {"b.weight": (2, 5), "b.bias": (2,)}]   # two param groups

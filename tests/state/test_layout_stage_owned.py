@@ -16,10 +16,9 @@ import torch
 
 from dsfn import checkpoint as ck
 from dsfn import tree
-from dsfn.checkpoint.errors import CheckpointError
 from dsfn.checkpoint.format import layout_from_json, layout_to_json, read_manifest
 from dsfn.effects import activate
-from dsfn.errors import LayoutError, ShapeError
+from dsfn.errors import CheckpointError, LayoutError, ShapeError
 from dsfn.logical import global_norm
 from dsfn.runtime import collectives as C
 from dsfn.runtime import init_mesh

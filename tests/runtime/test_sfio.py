@@ -1,4 +1,4 @@
-"""`dsfn.checkpoint.sfio`: files are standard safetensors; any element range reads back
+"""`dsfn.runtime.sfio`: files are standard safetensors; any element range reads back
 exactly; a flipped byte is caught by exactly the reads that cover its checksum block."""
 import os
 
@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsfn.checkpoint import CheckpointError, sfio
+from dsfn.errors import CheckpointError
+from dsfn.runtime import sfio
 
 BLOCK = 64          # small blocks: every tensor spans several
 

@@ -1,5 +1,7 @@
 """safetensors files written straight from tensor memory and read straight into target
-buffers, with per-block crc32 checksums (the I/O layer of dsfn checkpoints).
+buffers, with per-block crc32 checksums (the I/O layer of dsfn checkpoints, on the
+runtime floor so that the state floor's `init_sharded` reads Hugging Face files with it
+without importing `dsfn.checkpoint`).
 
 The files are plain safetensors (an 8-byte little-endian header length, a JSON header
 padded with spaces to a multiple of 8, then the tensors' bytes), so any safetensors
@@ -39,7 +41,7 @@ from typing import Any
 
 import torch
 
-from dsfn.checkpoint.errors import CheckpointError
+from dsfn.errors import CheckpointError
 
 BLOCK_SIZE = 1 << 20
 MAX_HEADER = 100 << 20
