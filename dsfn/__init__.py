@@ -13,6 +13,7 @@ from dsfn.transforms import compose
 
 from dsfn import integrations, optim, runtime, transforms  # noqa: E402,F401  (after the core names)
 from dsfn.estimate import estimate_memory  # noqa: E402
+import dsfn.estimate_explain  # noqa: E402,F401  (registers explain's memory view)
 from dsfn.migrate import from_ds_config  # noqa: E402
 
 

@@ -9,6 +9,7 @@ import torch
 
 from dsfn import tree
 from dsfn.estimate import MemoryEstimate, estimate_memory, measured_state_bytes
+from dsfn.transforms.compose import ESTIMATE_VIEW
 from dsfn.estimate_activations import activation_detail, human_bytes, pipeline_line
 
 __all__ = ["estimate_vs_measured", "explain_estimate"]
@@ -69,3 +70,6 @@ def estimate_vs_measured(est: MemoryEstimate, explanation: Any) -> str:
         lines.append(f"  {'activations':13s} {human_bytes(est.activations)} | (transient, not measured; "
                      f"{activation_detail(est)})")
     return "\n".join(lines)
+
+
+ESTIMATE_VIEW.update(estimate=explain_estimate, compare=estimate_vs_measured)

@@ -197,8 +197,9 @@ class Step:
         out = Explanation(notes, leaves, comm, dict(C.gauge_max))
         out.links = links
         out.handlers = handler_order(self.stack)
-        from dsfn.estimate_explain import explain_estimate     # dsfn.estimate_memory for this stack, beside the leaves
-        out.estimate = explain_estimate(self.stack, state, batch)
+        # dsfn.estimate_memory for this stack, beside the leaves (registered by dsfn.estimate_explain)
+        view = ESTIMATE_VIEW.get("estimate")
+        out.estimate = view(self.stack, state, batch) if view is not None else None
         return out
 
     def __repr__(self) -> str:
@@ -206,6 +207,14 @@ class Step:
         for t in reversed(self.stack):
             inner = f"{t.describe()}({inner})"
         return f"Step[{inner}]"
+
+
+# what `Step.explain` shows beside a rank's leaves: the memory estimate of its stack
+# ("estimate": (stack, state, batch) -> MemoryEstimate | None) and the comparison with the
+# measured bytes ("compare": (estimate, explanation) -> str). The estimate lives above the
+# transforms (it reads their facts), so it registers itself here (`dsfn.estimate_explain`,
+# imported by `import dsfn`) instead of being imported by them.
+ESTIMATE_VIEW: dict[str, Callable[..., Any]] = {}
 
 
 class Explanation:
@@ -257,9 +266,8 @@ class Explanation:
                          f"{self.inter_bytes:,.0f} B inter-node (per node)")
         for k, v in sorted(self.gauges.items()):
             lines.append(f"peak {k}: {v}")
-        if getattr(self, "estimate", None) is not None:
-            from dsfn.estimate_explain import estimate_vs_measured
-            lines.append(estimate_vs_measured(self.estimate, self))
+        if getattr(self, "estimate", None) is not None and "compare" in ESTIMATE_VIEW:
+            lines.append(ESTIMATE_VIEW["compare"](self.estimate, self))
         return "\n".join(lines)
 
     __repr__ = __str__
