@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from dsfn import tree
 from dsfn.aliasing import may_alias
