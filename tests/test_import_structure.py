@@ -14,7 +14,8 @@ lazy or type-only import cannot hide a circle. The rules (docs/architecture.md):
   reached through `dsfn.adapters`);
 - optimizers import neither the runtime, the transforms nor the state floor;
 - the state floor imports no transform;
-- the effects mechanism is the bottom layer (imports nothing of dsfn);
+- the effects mechanism is the bottom layer (imports nothing of dsfn), and the identity
+  cache imports nothing of dsfn but `dsfn.errors`;
 - the shipped rank runner (`dsfn.testing.ranks`) does not import the mutation tooling;
 - a leading underscore means "this module only": no dsfn-private name is imported across
   modules, nor read as an attribute of another dsfn module (`reader._helper(...)`, where
@@ -264,6 +265,12 @@ def test_the_state_floor_imports_no_transform():
 
 def test_the_effects_mechanism_is_the_bottom_layer():
     assert [i for i, _ in _imports(ROOT / "effects.py") if i.startswith("dsfn")] == []
+
+
+def test_the_identity_cache_is_mechanism():
+    """dsfn.identity_cache (the caches of per-structure work) sits on the mechanism floor:
+    it imports nothing of dsfn but its errors."""
+    assert [i for i, _ in _imports(ROOT / "identity_cache.py") if i.startswith("dsfn") and i != "dsfn.errors"] == []
 
 
 def test_the_rank_runner_does_not_import_the_mutation_tooling():

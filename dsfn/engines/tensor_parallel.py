@@ -18,6 +18,7 @@ from torch import nn
 from dsfn import tree
 from dsfn.engines.tp_plan import Packed, SharedKV
 from dsfn.errors import ConfigError, DistributedError
+from dsfn.identity_cache import KeyedCache
 from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
 
@@ -215,13 +216,11 @@ class _SharedCopy:
     def __init__(self, axis: str, wire: Any = None):
         self.axis = axis
         self.wire = wire          # the stack's facts when its gradients travel in another dtype, else None
-        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(x) -> x's copy; x held alive with it, so its id is not reused meanwhile
+        self.copies = KeyedCache()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        hit = self.copies.get(id(x))
-        if hit is None or hit[0] is not x:      # keep x alive with its copy: ids are not reused meanwhile
-            hit = self.copies[id(x)] = (x, _CopyToTP.apply(x, self.axis))
-        return hit[1]
+        return self.copies.get(id(x), (x,), lambda: _CopyToTP.apply(x, self.axis))
 
 
 class TPForwards:

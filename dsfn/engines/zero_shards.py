@@ -25,6 +25,7 @@ from dsfn.effects import bind
 from dsfn.engines.data_parallel import reduce_grads, registration_order
 from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.engines.shard_groups import split_axes
+from dsfn.identity_cache import IdentityCache
 from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import BufferPool, ShardReducer, all_gather_full
@@ -134,10 +135,10 @@ class ZeroShards:
         # hybrid sharding: state sharded over groups of `shard_group` dp ranks ("node" or an
         # int), replicated across them (`dsfn.engines.shard_groups`); None: the whole dp axis
         self.shard_group, self.cross_node = options.shard_group, options.cross_node
-        self._axes_on: tuple | None = None      # (mesh, shard axis, replicate axis)
+        self._axes_on = IdentityCache()         # mesh -> (shard axis, replicate axis); holds the mesh
         self.reduce_bucket_size = options.reduce_bucket_size
         self.allgather_bucket_size = options.allgather_bucket_size
-        self._grad_plan_cache: tuple | None = None
+        self._grad_plans = IdentityCache()      # (tree spec, leaf layouts) -> grad_plan's plan
         # gradient buckets and shards, the same blocks every step
         self.grad_pool = BufferPool(keep=ShardReducer.MAX_INFLIGHT + 1)
         # id(unit module) -> [(gatherer, unit index)]: stage 3's gatherers hearing that module's
@@ -154,13 +155,9 @@ class ZeroShards:
         if self.shard_group is None:        # flat: no mesh lookup (this runs per leaf in places)
             return self.dp_axis, None
         mesh = current_mesh()
-        hit = self._axes_on
-        if hit is not None and hit[0] is mesh:
-            return hit[1], hit[2]
-        axes = split_axes(mesh, self.dp_axis, self.shard_group, self.cross_node,
-                          f"shard_zero({self.stage}, shard_group={self.shard_group!r})")
-        self._axes_on = (mesh, *axes)
-        return axes
+        return self._axes_on.get((mesh,), lambda: split_axes(
+            mesh, self.dp_axis, self.shard_group, self.cross_node,
+            f"shard_zero({self.stage}, shard_group={self.shard_group!r})"))
 
     @property
     def axis(self) -> str:
@@ -229,9 +226,9 @@ class ZeroShards:
         first, so a hit costs no Python call per leaf)."""
         leaves, spec = tree.flatten(params, is_leaf=is_placed)
         key = [x.layout if type(x) is Placed else (x.shape, x.dtype, x.device) for x in leaves]
-        hit = self._grad_plan_cache
-        if hit is not None and hit[0] == spec and hit[1] == key:
-            return hit[2]
+        return self._grad_plans.get((), lambda: self._make_grad_plan(params, spec), (spec, key))
+
+    def _make_grad_plan(self, params: Any, spec: Any) -> dict[str, Any]:
         # the keys that may reach the reducer (whole ones are all-reduced); the full gradient's shape
         named, devices = [], {}
         for path, x in registration_order(params):
@@ -248,7 +245,6 @@ class ZeroShards:
                     # leaves held as copies by several pipeline stages (a tied embedding): summed after
                     copies=[k for k, (_, x) in enumerate(with_path)
                             if isinstance(x, Placed) and stage_copies(x.layout) is not None])
-        self._grad_plan_cache = (spec, key, plan)
         return plan
 
     def _outside_reducer(self, x: Any) -> bool:

@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from dsfn import tree
 from dsfn.aliasing import may_alias
@@ -30,6 +29,7 @@ from dsfn.effects import bind
 from dsfn.engines.shard_groups import split_axes
 from dsfn.engines.zero3_units import UnitGatherer, UnitPlan
 from dsfn.engines.zero_shards import GradientRounds, ZeroOptions, ZeroShards, compute_device, zero_layout
+from dsfn.identity_cache import IdentityCache, KeyedCache
 from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh, grad_channel
@@ -106,11 +106,14 @@ class Stage3(ZeroShards):
         self.param_persistence_threshold = options.param_persistence_threshold
         self.units, self.prefetch = options.units, options.prefetch
         self.due: GradientsDue | None = None         # the running value_and_grad's sink
-        self._views: dict[int, tuple] = {}           # id(apply_fn) -> (apply_fn, key, view, cast)
-        # (module, parameter names) -> (module, UnitPlan): what is the same every step, the
-        # units' gather storages included
-        self.plans: dict[tuple, tuple[nn.Module, UnitPlan]] = {}
-        self._leaves_cache: tuple | None = None
+        # id(apply_fn) -> (view, cast) per apply_fn (held alive) and its constants' ids and dtype
+        self._views = KeyedCache()
+        # (module, parameter names, frozen names) -> UnitPlan (the module held alive): what is
+        # the same every step, the units' gather storages included
+        self.plans = KeyedCache()
+        self._leaves = IdentityCache()               # (leaf layouts, names) -> shard_leaves' answer
+        self._secondary_on = IdentityCache()         # mesh -> hpZ's secondary axis; holds the mesh
+        self._hierarchy_on = IdentityCache()         # mesh -> MiCS's (cross, local) axes; holds the mesh
 
     def secondary_axis(self) -> str | None:
         """hpZ's secondary group axis ("dp_shard" of the split), or None (no hpZ, or a group
@@ -118,13 +121,11 @@ class Stage3(ZeroShards):
         if self.hpz is None:
             return None
         mesh = current_mesh()
-        hit = self._secondary_on
-        if hit is None or hit[0] is not mesh:
-            axis, replicate = split_axes(mesh, self.dp_axis, self.hpz, False, f"shard_zero(3, hpz={self.hpz!r})")
-            hit = self._secondary_on = (mesh, None if replicate is None else axis)
-        return hit[1]
+        return self._secondary_on.get((mesh,), lambda: self._make_secondary_axis(mesh))
 
-    _secondary_on: tuple | None = None
+    def _make_secondary_axis(self, mesh: Any) -> str | None:
+        axis, replicate = split_axes(mesh, self.dp_axis, self.hpz, False, f"shard_zero(3, hpz={self.hpz!r})")
+        return None if replicate is None else axis
 
     def hierarchy_axes(self) -> tuple[str, str] | None:
         """(cross, local) axes of the shard group's two-stage gather (MiCS's hierarchical
@@ -132,18 +133,15 @@ class Stage3(ZeroShards):
         if not self.hierarchical_gather:
             return None
         mesh = current_mesh()
-        hit = self._hierarchy_on
-        if hit is None or hit[0] is not mesh:
-            shard = self.axis
-            local = mesh.ranks_on_node(shard)
-            axes = None
-            if local < mesh.size(shard):
-                local_axis, cross_axis = mesh.split(shard, local, names=(f"{shard}_local", f"{shard}_cross"))
-                axes = (cross_axis, local_axis)
-            hit = self._hierarchy_on = (mesh, axes)
-        return hit[1]
+        return self._hierarchy_on.get((mesh,), lambda: self._make_hierarchy_axes(mesh))
 
-    _hierarchy_on: tuple | None = None
+    def _make_hierarchy_axes(self, mesh: Any) -> tuple[str, str] | None:
+        shard = self.axis
+        local = mesh.ranks_on_node(shard)
+        if local < mesh.size(shard):
+            local_axis, cross_axis = mesh.split(shard, local, names=(f"{shard}_local", f"{shard}_cross"))
+            return cross_axis, local_axis
+        return None
 
     def owner_grad_numel(self, numel: int) -> int:
         """A sharded leaf's owner holds a shard of its gradient; a persistent one the whole."""
@@ -197,12 +195,8 @@ class Stage3(ZeroShards):
     def frozen_view(self, apply_fn: Any, dtype: torch.dtype | None
                     ) -> tuple[Any, dict[str, tuple[torch.Tensor, FlatShard]]]:
         """(an ApplyFn whose constants are plain tensors — a sharded frozen parameter's local
-        piece —, {name: (the piece to gather, in `dtype` when given; its FlatShard)});
-        cached per apply_fn and dtype."""
-        key = (tuple(map(id, apply_fn.constants.values())), dtype)
-        hit = self._views.get(id(apply_fn))
-        if hit is not None and hit[0] is apply_fn and hit[1] == key:
-            return hit[2], hit[3]
+        piece —, {name: (the piece to gather, in `dtype` when given; its FlatShard)}).
+        `begin_forward` caches it per apply_fn (held alive), its constants and dtype."""
         from dsfn.functional import ApplyFn
         pieces = {n: v.data for n, v in apply_fn.constants.items() if self.mine(v)}
         cast = {n: (t.to(dtype) if dtype is not None and t.is_floating_point() else t,
@@ -210,33 +204,20 @@ class Stage3(ZeroShards):
         consts = {n: data_of(v) for n, v in apply_fn.constants.items()}
         view = ApplyFn(apply_fn.module, consts, apply_fn.param_names, apply_fn.buffers, apply_fn.buffer_dtype,
                        frozen=apply_fn.frozen)
-        self._views[id(apply_fn)] = (apply_fn, key, view, cast)
         return view, cast
 
     # -- units ----------------------------------------------------------------------------------
     def shard_leaves(self, params: dict[str, Any]) -> tuple[tuple[str, ...], list[FlatShard], list[torch.device]]:
         """(names of ZeRO's shards among `params`, their FlatShards, their compute devices).
-        Depends only on the names and the leaves' layouts, which a step hands on to the next
-        (the same objects: a list comparison checks identity first, no Python call per leaf)."""
-        key = [v.layout if type(v) is Placed else None for v in params.values()]
-        hit = self._leaves_cache
-        if hit is not None and hit[0] == key and hit[1] == list(params):
-            return hit[2]
+        Depends only on the names and the leaves' layouts, which a step hands on to the next:
+        `begin_forward` caches it on them (the same objects: a list comparison checks
+        identity first, no Python call per leaf)."""
         names = tuple(n for n, v in params.items() if self.mine(v))
-        out = (names, [zero_layout(params[n].layout) for n in names], [compute_device(params[n]) for n in names])
-        self._leaves_cache = (key, list(params), out)
-        return out
+        return names, [zero_layout(params[n].layout) for n in names], [compute_device(params[n]) for n in names]
 
     def units_of(self, module: nn.Module) -> list[nn.Module]:
-        """The modules of `module`'s unit plans (the root and its units), for the layer events."""
-        return [m for mod, plan in self.plans.values() if mod is module for m in plan.units]
-
-    def unit_plan(self, module: nn.Module, names: tuple[str, ...], frozen: tuple[str, ...]) -> UnitPlan:
-        key = (id(module), names, frozen)
-        hit = self.plans.get(key)
-        if hit is None or hit[0] is not module:
-            hit = self.plans[key] = (module, UnitPlan(module, names, frozen, self.units))
-        return hit[1]
+        """The modules of `module`'s unit plans (the root, unit 0, and its units), for the layer events."""
+        return [m for plan in self.plans.values() if plan.units[0] is module for m in plan.units]
 
     def begin_forward(self, apply_fn: Any, params: dict[str, Any], compute_dtype: torch.dtype | None
                       ) -> UnitGatherer | None:
@@ -244,14 +225,19 @@ class Stage3(ZeroShards):
         `UnitGatherer`, or None when nothing of this forward is sharded. Run the module as
         `g.view(g.call_params, ...)` inside `with until_backward(g.listening(engine.live_units)),
         g:` (it hears its units' layer events until backward is over, so a recompute
-        re-gathers its unit in backward's fixed order)."""
+        re-gathers its unit in backward's fixed order). What stays the same step after step is
+        cached here, each a hit in one call: the frozen view, the shard leaves, the unit plan."""
         if current_mesh().size(self.axis) > 1:
             self.shard_frozen(apply_fn)
-        view, frozen = self.frozen_view(apply_fn, compute_dtype)
+        view, frozen = self._views.get(id(apply_fn), (apply_fn,), lambda: self.frozen_view(apply_fn, compute_dtype),
+                                       (tuple(map(id, apply_fn.constants.values())), compute_dtype))
         if not frozen and not any(self.mine(v) for v in params.values()):
             return None
-        leaves = self.shard_leaves(params)
-        plan = self.unit_plan(apply_fn.module, leaves[0], tuple(frozen))
+        leaves = self._leaves.get((), lambda: self.shard_leaves(params),
+                                  ([v.layout if type(v) is Placed else None for v in params.values()], list(params)))
+        module, names, frozen_names = apply_fn.module, leaves[0], tuple(frozen)
+        plan = self.plans.get((id(module), names, frozen_names), (module,),
+                              lambda: UnitPlan(module, names, frozen_names, self.units))
         due = self.due
         gatherer = UnitGatherer(apply_fn.module, params, plan, leaves, frozen, self.axis,
                                 self.allgather_bucket_size, self.prefetch, due, self.secondary_axis(),

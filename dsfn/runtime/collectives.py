@@ -20,7 +20,6 @@ metrics) are staged through the device and the result comes back to the host.
 """
 from __future__ import annotations
 
-import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
@@ -28,7 +27,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dsfn.errors import MeshError, ShapeError
+from dsfn.errors import ShapeError
+from dsfn.identity_cache import KeyedCache
 from dsfn.runtime import env
 from dsfn.runtime.links import group_links, link_bytes
 from dsfn.runtime.mesh import Mesh, current_mesh
@@ -45,13 +45,19 @@ class OpCount:
     inter: float = 0.0
 
 
+def _link_factors(op: str, axis: str, m: Mesh) -> tuple[float, float]:
+    unit = link_bytes(op, 1, group_links(m.ranks(axis), m.topology, m.rank))
+    return unit.intra, unit.inter
+
+
 class CommCounters:
     """Counts collectives per (axis, op). `snapshot()` copies, `reset()` zeroes."""
 
     def __init__(self) -> None:
         self._counts: dict[tuple[str, str], OpCount] = defaultdict(OpCount)
-        # (axis, op) -> (mesh, intra factor, inter factor): the link split per counted byte
-        self._factors: dict[tuple[str, str], tuple[weakref.ref, float, float]] = {}
+        # (axis, op) -> (intra factor, inter factor), the link split per counted byte, on a mesh
+        # held by weak reference
+        self._factors = KeyedCache(weak=True)
 
     def record(self, axis: str, op: str, nbytes: int, mesh: Mesh | None = None, src: int | None = None) -> None:
         """Count one call of `op` along `axis` (a gradient channel "x/grads" counts as x)
@@ -70,12 +76,9 @@ class CommCounters:
             c.intra += split.intra
             c.inter += split.inter
             return
-        f = self._factors.get(key)
-        if f is None or f[0]() is not m:
-            unit = link_bytes(op, 1, group_links(m.ranks(axis), m.topology, m.rank))
-            f = self._factors[key] = (weakref.ref(m), unit.intra, unit.inter)
-        c.intra += nbytes * f[1]
-        c.inter += nbytes * f[2]
+        f = self._factors.get(key, (m,), lambda: _link_factors(op, axis, m))
+        c.intra += nbytes * f[0]
+        c.inter += nbytes * f[1]
 
     def snapshot(self) -> dict[tuple[str, str], OpCount]:
         return {k: OpCount(v.calls, v.bytes, v.intra, v.inter) for k, v in self._counts.items()}
@@ -142,14 +145,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _mesh(mesh: Mesh | None) -> Mesh:
-    m = mesh if mesh is not None else current_mesh()
-    if m.is_virtual:        # no process group: a call would reach the default group, or hang
-        raise MeshError(f"a collective on a virtual mesh ({m.axes}; Mesh.virtual): it has no process group, so "
-                        "nothing can be communicated over it")
-    return m
-
-
 def _done(result: torch.Tensor, async_op: bool):
     return Pending(None, result) if async_op else result
 
@@ -180,7 +175,7 @@ def _result(work, out: torch.Tensor, home: torch.device, async_op: bool, target:
 def all_reduce_(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | None = None,
                 async_op: bool = False):
     """In-place all-reduce of `t` along `axis` (op: sum | avg | max | min)."""
-    m = _mesh(mesh)
+    m = mesh if mesh is not None else current_mesh()      # inline: once per collective
     if m.size(axis) == 1:
         return _done(t, async_op)
     counters.record(axis, "all_reduce", _nbytes(t), m)
@@ -192,14 +187,14 @@ def all_reduce_(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | Non
 def all_reduce(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | None = None,
                async_op: bool = False):
     """All-reduce into a new tensor; `t` is left unchanged."""
-    if _mesh(mesh).size(axis) == 1:
+    if (mesh if mesh is not None else current_mesh()).size(axis) == 1:
         return _done(t, async_op)
     return all_reduce_(t.clone(), axis, op, mesh=mesh, async_op=async_op)
 
 
 def all_gather(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None, async_op: bool = False):
     """Concatenate every rank's `t` along dim 0: shape [size * t.shape[0], ...]."""
-    m = _mesh(mesh)
+    m = mesh if mesh is not None else current_mesh()      # inline: once per collective
     n = m.size(axis)
     if n == 1:
         return _done(t, async_op)
@@ -237,7 +232,7 @@ def all_gather_into_(outs: list[torch.Tensor], ts: list[torch.Tensor], axis: str
     tensors travel as one coalesced all-gather (one grouped kernel, one Python call into
     torch, whatever their number), as DeepSpeed's and FSDP1's coalesced gathers. Returns
     `outs` (a `Pending` of it with `async_op`)."""
-    m = _mesh(mesh)
+    m = mesh if mesh is not None else current_mesh()      # inline: once per collective
     n = m.size(axis)
     for o, t in zip(outs, ts):
         if not o.is_contiguous() or o.numel() != n * t.numel() or o.dtype != t.dtype:
@@ -290,7 +285,7 @@ def reduce_scatter(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | 
     gloo's reduce-scatter clones its input and all-reduces the clone, so there the
     all-reduce runs on `t` itself instead, with no input-sized temporary (same bytes moved
     and counted)."""
-    m = _mesh(mesh)
+    m = mesh if mesh is not None else current_mesh()      # inline: once per collective
     n = m.size(axis)
     if n == 1:
         if out is not None:
@@ -322,7 +317,7 @@ def reduce_scatter(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | 
 
 def all_to_all(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None, async_op: bool = False):
     """Split dim 0 into `size` chunks, send chunk i to rank i, concatenate what arrives."""
-    m = _mesh(mesh)
+    m = mesh if mesh is not None else current_mesh()      # inline: once per collective
     n = m.size(axis)
     if n == 1:
         return _done(t, async_op)
@@ -337,7 +332,7 @@ def all_to_all(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None, async_op
 def broadcast_(t: torch.Tensor, axis: str, src: int = 0, *, mesh: Mesh | None = None,
                async_op: bool = False):
     """In-place broadcast from the rank at index `src` along `axis`."""
-    m = _mesh(mesh)
+    m = mesh if mesh is not None else current_mesh()      # inline: once per collective
     if m.size(axis) == 1:
         return _done(t, async_op)
     counters.record(axis, "broadcast", _nbytes(t), m, m.ranks(axis)[src])
@@ -352,7 +347,7 @@ def each_piece(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None):
     broadcast from that rank (valid until the next one). A collective every rank must run
     to the end. Holds one piece besides `t`, where an all-gather holds all of them: for
     rebuilding a tensor whose pieces do not lie consecutively (a split along dim 1)."""
-    m = _mesh(mesh)
+    m = mesh if mesh is not None else current_mesh()      # inline: once per collective
     me, buf = m.local_rank(axis), None
     t = t.contiguous()
     for r in range(m.size(axis)):
@@ -366,7 +361,7 @@ def each_piece(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None):
 
 
 def barrier(axis: str | None = None, *, mesh: Mesh | None = None) -> None:
-    m = _mesh(mesh)
+    m = mesh if mesh is not None else current_mesh()      # inline: once per collective
     if axis is None:
         if dist.is_available() and dist.is_initialized():
             dist.barrier()

@@ -249,6 +249,9 @@ class Mesh:
         """The process group along `axis` holding this rank (None for a size-1 axis); for
         `grad_channel(axis)`, a second group over the same ranks."""
         self._check_axis(axis)
+        if self.is_virtual:     # no process group: a collective would reach the default group, or hang
+            raise MeshError(f"a collective on a virtual mesh ({self.axes}; Mesh.virtual): it has no process group, "
+                            "so nothing can be communicated over it")
         return self._groups.get(axis)
 
     def ranks(self, axis: str) -> list[int]:

@@ -36,6 +36,7 @@ import torch
 
 from dsfn import tree
 from dsfn.errors import ConfigError, StackError
+from dsfn.identity_cache import IdentityCache
 from dsfn.ops.cast import cast_tensors
 from dsfn.state import donation
 from dsfn.state.master import MasterState  # noqa: F401  (re-exported: the state of this transform)
@@ -61,6 +62,8 @@ class MixedPrecision(Transform):
         self.master_dtype = master_dtype
         self.cast_inputs = bool(cast_inputs)
         self.buffer_dtype = buffer_dtype
+        # (apply_fn, its constants dict) -> the cast ApplyFn, for the last apply_fn (held alive)
+        self._cast_cache = IdentityCache()
 
     @property
     def active(self) -> bool:
@@ -129,12 +132,10 @@ class MixedPrecision(Transform):
         dtype (module docstring) unless `buffer_dtype` is set."""
         if not self.active and self.buffer_dtype is None:
             return call_next(apply_fn, params, args, kwargs)
-        return call_next(self._cast_constants(apply_fn), params, args, kwargs)
+        cast = self._cast_cache.get((apply_fn, apply_fn.constants), lambda: self._cast_constants(apply_fn))
+        return call_next(cast, params, args, kwargs)
 
     def _cast_constants(self, apply_fn):
-        cached = getattr(self, "_cast_cache", None)
-        if cached is not None and cached[0] is apply_fn and cached[1] is apply_fn.constants:
-            return cached[2]
         from dsfn.functional import ApplyFn
         frozen = set(getattr(apply_fn, "frozen", ()))
         compute = self.param_dtype if self.active else None
@@ -144,7 +145,6 @@ class MixedPrecision(Transform):
             consts[k] = v.to(dtype) if dtype is not None and v.is_floating_point() else v
         cast = ApplyFn(apply_fn.module, consts, apply_fn.param_names, apply_fn.buffers,
                        self._persistent_dtypes(apply_fn), frozen=tuple(getattr(apply_fn, "frozen", ())))
-        self._cast_cache = (apply_fn, apply_fn.constants, cast)
         return cast
 
     def _persistent_dtypes(self, apply_fn) -> dict[str, torch.dtype]:

@@ -97,6 +97,7 @@ from torch import nn
 from dsfn.engines.remat import MATMUL_OPS, Chain, HostStash, Installed, TpPartition, save_rule
 from dsfn.errors import ConfigError, StackError
 from dsfn.functional import until_backward
+from dsfn.identity_cache import KeyedCache
 from dsfn.runtime import collectives as C
 from dsfn.transforms.core import Transform, make_transform, with_role
 from dsfn.transforms.facts import stack_facts
@@ -147,8 +148,8 @@ class Remat(Transform):
         self.offload = offload
         self.partition_activations = partition_activations
         self._partition_checked: set[int] = set()          # id(model) whose premise was checked
-        # id(model) -> (model, (targets, skipped names))
-        self._selected: dict[int, tuple[nn.Module, tuple[list[tuple[str, nn.Module]], list[str]]]] = {}
+        # id(model) -> (targets, skipped names), the model held alive
+        self._selected = KeyedCache()
         self._last: tuple[list[str], list[str]] | None = None                             # names, skipped names
 
     # -- stack ---------------------------------------------------------------------------------
@@ -221,9 +222,9 @@ class Remat(Transform):
             return call_next(apply_fn, params, args, kwargs)
 
     def _targets(self, model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[str]]:
-        cached = self._selected.get(id(model))
-        if cached is not None and cached[0] is model:
-            return cached[1]
+        return self._selected.get(id(model), (model,), lambda: self._select(model))
+
+    def _select(self, model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[str]]:
         named = list(model.named_modules())
         if self.modules is not None:
             found = [(n, m) for n, m in named if n and any(fnmatch.fnmatchcase(n, p) for p in self.modules)]
@@ -241,7 +242,6 @@ class Remat(Transform):
         # a Hugging Face layer with gradient_checkpointing_enable() on checkpoints itself
         skipped = [n for n, m in found if getattr(m, "gradient_checkpointing", False) is True]
         targets = [(n, m) for n, m in found if n not in skipped]
-        self._selected[id(model)] = (model, (targets, skipped))
         return targets, skipped
 
 

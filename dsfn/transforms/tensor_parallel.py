@@ -99,6 +99,7 @@ from dsfn import tree
 from dsfn.adapters import adapter_for
 from dsfn.functional import until_backward
 from dsfn.errors import ConfigError, StackError
+from dsfn.identity_cache import IdentityCache
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import (DimShard, GroupDimShard, Layout, Offloaded, PackedDimShard, Placed, Replicated,
                                map_with_mirrors, place)
@@ -122,6 +123,14 @@ _EMBEDDING = {"embedding_rowwise", "embedding_colwise"}
 # ---------------------------------------------------------------------------------------------
 # the transform
 # ---------------------------------------------------------------------------------------------
+
+def _pieces_view(apply_fn):
+    """`apply_fn` as an ApplyFn whose placed constants are this rank's pieces."""
+    from dsfn.functional import ApplyFn
+    consts = {k: (v.data if isinstance(v, Placed) else v) for k, v in apply_fn.constants.items()}
+    return ApplyFn(apply_fn.module, consts, apply_fn.param_names, apply_fn.buffers, apply_fn.buffer_dtype,
+                   frozen=apply_fn.frozen)
+
 
 class TensorParallel(Transform):
     name = "tensor_parallel"
@@ -163,6 +172,8 @@ class TensorParallel(Transform):
         self._module = module
         self._resolved: dict[str, str | Packed | SharedKV] | None = None
         self._checked = False
+        # (apply_fn, its constants' ids) -> the ApplyFn of this rank's pieces, for the last apply_fn (held alive)
+        self._view = IdentityCache()
 
     # -- plan -----------------------------------------------------------------------------------
     def full_plan(self) -> dict[str, str | Packed]:
@@ -295,14 +306,7 @@ class TensorParallel(Transform):
             store_constants(apply_fn, bind("place_constants", lambda c: c, todo))
         if all(isinstance(v, torch.Tensor) for v in apply_fn.constants.values()):
             return apply_fn
-        ids = tuple(map(id, apply_fn.constants.values()))
-        hit = getattr(self, "_view", None)
-        if hit is None or hit[0] is not apply_fn or hit[1] != ids:
-            from dsfn.functional import ApplyFn
-            consts = {k: (v.data if isinstance(v, Placed) else v) for k, v in apply_fn.constants.items()}
-            hit = self._view = (apply_fn, ids, ApplyFn(apply_fn.module, consts, apply_fn.param_names, apply_fn.buffers,
-                                                        apply_fn.buffer_dtype, frozen=apply_fn.frozen))
-        return hit[2]
+        return self._view.get((apply_fn,), lambda: _pieces_view(apply_fn), tuple(map(id, apply_fn.constants.values())))
 
     # -- forward --------------------------------------------------------------------------------
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):

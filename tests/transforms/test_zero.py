@@ -540,7 +540,7 @@ def _forward_hooks_probe():
     _ProbeBlock.seen.clear()
     for _ in range(2):
         state, _ = step(state, batch)
-    freed = [s.untyped_storage().nbytes() for _, plan in zero._engine.plans.values() for u in plan.storages.values()
+    freed = [s.untyped_storage().nbytes() for plan in zero._engine.plans.values() for u in plan.storages.values()
              for s in u.slabs]
     return dict(seen=list(_ProbeBlock.seen), freed=freed)
 
