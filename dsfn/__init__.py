@@ -18,10 +18,12 @@ from dsfn.migrate import from_ds_config  # noqa: E402
 
 
 def __getattr__(name: str):
-    # launch is imported lazily so `python -m dsfn.launch` does not import it twice
-    if name == "launch":
-        import importlib
-        return importlib.import_module("dsfn.launch")
+    # submodules load on first use (`dsfn.checkpoint.save`, `dsfn.launch`): importing dsfn stays
+    # light, and `python -m dsfn.launch` does not import launch twice
+    import importlib
+    import importlib.util
+    if not name.startswith("_") and importlib.util.find_spec(f"dsfn.{name}") is not None:
+        return importlib.import_module(f"dsfn.{name}")
     raise AttributeError(f"module 'dsfn' has no attribute {name!r}")
 
 __all__ = ["TrainState", "compose", "errors", "estimate_memory", "from_ds_config", "functionalize", "gather", "launch",

@@ -27,6 +27,7 @@ from dsfn.errors import ConfigError, StackError
 from dsfn.ops import dispatch
 from dsfn.placed import data_of
 from dsfn.runtime import env, nvme
+from dsfn.runtime.mesh import holds_nothing
 from dsfn.runtime.host import copy_to_host, wait_last
 from dsfn.state.layout import Layout, Offloaded, Placed, Replicated, is_placed
 from dsfn.state.master import MasterState
@@ -305,7 +306,7 @@ class HostUpdate:
         file) as `Placed(piece, layout)`; the others as they are."""
         out, picks = list(leaves), []
         for k, lay in enumerate(layouts):
-            if lay is not None and data_of(leaves[k]).is_meta:    # a meta piece (layouts only: dsfn.estimate)
+            if lay is not None and holds_nothing(data_of(leaves[k])):   # layouts only (dsfn.estimate)
                 out[k] = Placed(data_of(leaves[k]), lay)            # holds nothing to move
             elif lay is not None:
                 picks.append(k)

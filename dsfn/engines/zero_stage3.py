@@ -215,7 +215,7 @@ class Stage3(ZeroShards):
         names = tuple(n for n, v in params.items() if self.mine(v))
         return names, [zero_layout(params[n].layout) for n in names], [compute_device(params[n]) for n in names]
 
-    def units_of(self, module: nn.Module) -> list[nn.Module]:
+    def units_of(self, module: Any) -> list[Any]:
         """The modules of `module`'s unit plans (the root, unit 0, and its units), for the layer events."""
         return [m for plan in self.plans.values() if plan.units[0] is module for m in plan.units]
 

@@ -180,7 +180,7 @@ def all_reduce_(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | Non
         return _done(t, async_op)
     counters.record(axis, "all_reduce", _nbytes(t), m)
     dev = _to_backend(t)
-    work = dist.all_reduce(dev, op=_OPS[op], group=m.group(axis), async_op=async_op)
+    work = dist.all_reduce(dev, op=_OPS[op], group=m.comm_group(axis), async_op=async_op)
     return _result(work, dev, t.device, async_op, target=t)
 
 
@@ -202,7 +202,7 @@ def all_gather(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None, async_op
     out = torch.empty((n * t.shape[0],) + tuple(t.shape[1:]) if t.dim() else (n,), dtype=t.dtype,
                       device=t.device)
     counters.record(axis, "all_gather", _nbytes(out), m)
-    work = _all_gather_tensor(out, t if t.dim() else t.reshape(1), group=m.group(axis), async_op=async_op)
+    work = _all_gather_tensor(out, t if t.dim() else t.reshape(1), group=m.comm_group(axis), async_op=async_op)
     return _result(work, out, home, async_op)
 
 
@@ -247,7 +247,7 @@ def all_gather_into_(outs: list[torch.Tensor], ts: list[torch.Tensor], axis: str
     if backend == "gloo" and all(o.device.type == "cpu" for o in outs):
         # gloo's all-gather receives into an output-sized buffer of its own and copies out;
         # its broadcast receives in place: rank r's piece is broadcast into its slot
-        group, ranks, me = m.group(axis), m.ranks(axis), m.local_rank(axis)
+        group, ranks, me = m.comm_group(axis), m.ranks(axis), m.local_rank(axis)
         works = []
         for o, t in zip(outs, ts):
             k = t.numel()
@@ -258,12 +258,12 @@ def all_gather_into_(outs: list[torch.Tensor], ts: list[torch.Tensor], axis: str
         return done if async_op else done.wait()
     if backend == "nccl" and all(o.device.type == "cuda" for o in outs):
         ins = [_to_backend(t.contiguous()).view(-1) for t in ts]
-        done = _PendingAll([_coalesced_all_gather(m.group(axis), [o.view(-1) for o in outs], ins)], outs)
+        done = _PendingAll([_coalesced_all_gather(m.comm_group(axis), [o.view(-1) for o in outs], ins)], outs)
         return done if async_op else done.wait()
     pendings = []
     for o, t in zip(outs, ts):
         dev = _to_backend(o)
-        work = _all_gather_tensor(dev.view(-1), _to_backend(t.contiguous()).view(-1), group=m.group(axis),
+        work = _all_gather_tensor(dev.view(-1), _to_backend(t.contiguous()).view(-1), group=m.comm_group(axis),
                                   async_op=True)
         pendings.append(_result(work, dev, o.device, True, target=o))
     done = _PendingAll(pendings, outs)
@@ -302,7 +302,7 @@ def reduce_scatter(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | 
     if consume and env.backend() == "gloo" and t.device.type == "cpu" and op in ("sum", "avg"):
         me = m.local_rank(axis)
         target = out if out is not None else torch.empty(shape, dtype=t.dtype, device=home)
-        work = dist.all_reduce(t, op=_OPS["sum"], group=m.group(axis), async_op=True)
+        work = dist.all_reduce(t, op=_OPS["sum"], group=m.comm_group(axis), async_op=True)
 
         def chunk(r: torch.Tensor) -> torch.Tensor:
             mine = r[me * shape[0]:(me + 1) * shape[0]]
@@ -311,7 +311,7 @@ def reduce_scatter(t: torch.Tensor, axis: str, op: str = "sum", *, mesh: Mesh | 
         return done if async_op else done.wait()
     dev_out = out if out is not None and out.device == t.device else \
         torch.empty(shape, dtype=t.dtype, device=t.device)
-    work = _reduce_scatter_tensor(dev_out, t, op=_OPS[op], group=m.group(axis), async_op=async_op)
+    work = _reduce_scatter_tensor(dev_out, t, op=_OPS[op], group=m.comm_group(axis), async_op=async_op)
     return _result(work, dev_out, home, async_op, target=out if out is not None and out is not dev_out else None)
 
 
@@ -325,7 +325,7 @@ def all_to_all(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None, async_op
     home, t = t.device, _to_backend(t.contiguous())
     out = torch.empty_like(t)
     counters.record(axis, "all_to_all", _nbytes(t), m)
-    work = dist.all_to_all_single(out, t, group=m.group(axis), async_op=async_op)
+    work = dist.all_to_all_single(out, t, group=m.comm_group(axis), async_op=async_op)
     return _result(work, out, home, async_op)
 
 
@@ -337,7 +337,7 @@ def broadcast_(t: torch.Tensor, axis: str, src: int = 0, *, mesh: Mesh | None = 
         return _done(t, async_op)
     counters.record(axis, "broadcast", _nbytes(t), m, m.ranks(axis)[src])
     dev = _to_backend(t)
-    work = dist.broadcast(dev, src=m.ranks(axis)[src], group=m.group(axis), async_op=async_op)
+    work = dist.broadcast(dev, src=m.ranks(axis)[src], group=m.comm_group(axis), async_op=async_op)
     return _result(work, dev, t.device, async_op, target=t)
 
 
@@ -366,4 +366,4 @@ def barrier(axis: str | None = None, *, mesh: Mesh | None = None) -> None:
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
     elif m.size(axis) > 1:
-        dist.barrier(group=m.group(axis))
+        dist.barrier(group=m.comm_group(axis))

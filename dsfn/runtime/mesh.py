@@ -246,10 +246,16 @@ class Mesh:
         return self.coords[axis]
 
     def group(self, axis: str):
-        """The process group along `axis` holding this rank (None for a size-1 axis); for
-        `grad_channel(axis)`, a second group over the same ranks."""
+        """The process group along `axis` holding this rank (None for a size-1 axis, and on a
+        virtual mesh); for `grad_channel(axis)`, a second group over the same ranks."""
         self._check_axis(axis)
-        if self.is_virtual:     # no process group: a collective would reach the default group, or hang
+        return self._groups.get(axis)
+
+    def comm_group(self, axis: str):
+        """`group(axis)` for a collective about to run: a virtual mesh has no process group, so a
+        collective on it would reach the default group or hang; MeshError instead."""
+        self._check_axis(axis)
+        if self.is_virtual:
             raise MeshError(f"a collective on a virtual mesh ({self.axes}; Mesh.virtual): it has no process group, "
                             "so nothing can be communicated over it")
         return self._groups.get(axis)
@@ -318,6 +324,13 @@ def on_virtual_mesh(mesh: Mesh) -> Iterator[Mesh]:
         yield mesh
     finally:
         stack.pop()
+
+
+def holds_nothing(x: Any) -> bool:
+    """Whether `x` is a tensor placed for its layout only: a meta tensor while the current mesh is
+    virtual (`dsfn.estimate` places a meta state; a host copy of it would allocate real memory).
+    A meta tensor on a real mesh stands in for a device tensor (dsfn.testing.syncs) and is moved."""
+    return getattr(x, "is_meta", False) and current_mesh().is_virtual
 
 
 def init_mesh(**axes: int) -> Mesh:

@@ -140,6 +140,7 @@ from dsfn.engines.zenflow import (Staging, acc_dtype, cast_like, compact, like, 
 from dsfn.errors import ConfigError, LeafTypeError, StackError
 from dsfn.placed import data_of
 from dsfn.runtime import env
+from dsfn.runtime.mesh import holds_nothing
 from dsfn.state.layout import is_placed
 from dsfn.transforms.core import Transform, activate, make_transform
 from dsfn.transforms.facts import StackFacts, stack_facts
@@ -255,7 +256,7 @@ class ZenFlow(Transform):
         """A `tx` state of every parameter -> ZenFlowState: the dense and host states take its
         leaves (dsfn.engines.zenflow.split_state), the host ones in host memory."""
         dense, host = split_state(tx, full, ({n: x for n, x in P.items() if n not in mats}, {n: P[n] for n in mats}))
-        return self._new_state(dense, tree.map(lambda x: x if x.is_meta else x.to(HOST), host), P, mats)
+        return self._new_state(dense, tree.map(lambda x: x if holds_nothing(x) else x.to(HOST), host), P, mats)
 
     def _new_state(self, dense: Any, host: Any, P: dict, mats: dict) -> ZenFlowState:
         ud = self._update_dtypes(P, mats)

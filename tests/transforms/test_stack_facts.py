@@ -18,6 +18,8 @@ import copy
 
 import pytest
 import torch
+
+from dsfn.identity_cache import IdentityCache, KeyedCache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -58,6 +60,10 @@ def _equal(x, y, depth: int = 0) -> bool:
     if type(x) is not type(y):
         return False
     if depth > 6:
+        return True
+    if isinstance(x, (IdentityCache, KeyedCache)):
+        # a memo keyed by the identity of what it was made from (a mesh, a tree spec): a stack
+        # with other inputs misses it and makes its own, so what it holds is no stack fact
         return True
     if isinstance(x, torch.Tensor):
         return x.shape == y.shape and x.dtype == y.dtype and (x.is_meta or torch.equal(x, y))
