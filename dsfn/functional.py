@@ -404,20 +404,44 @@ _graph_task_id = torch._C._current_graph_task_id      # -1 outside autograd's ba
 
 
 def _innermost_unit_handler(module: nn.Module, phase: str, value: Any, recompute: bool) -> Any:
-    """The default meaning of "run_unit": nothing changes (the value goes on as it is)."""
+    """The default meaning of "run_unit": nothing changes (the value goes on as it is); for
+    "call", the forward handed down runs."""
+    if phase == "call":
+        forward, args, kwargs = value
+        return forward(*args, **kwargs)
     return value
+
+
+class _UnitCall:
+    """A unit's instance `forward` while its layer events are installed: the call goes down the
+    "run_unit" chain as phase "call" with the forward it replaced. `previous` is what the
+    instance dict held (None: the class's forward)."""
+
+    __slots__ = ("module", "chain", "own", "previous")
+
+    def __init__(self, module: nn.Module, chain: Callable[..., Any]):
+        self.module, self.chain = module, chain
+        self.previous = module.__dict__.get("forward")
+        self.own = self.previous or type(module).forward.__get__(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.chain(self.module, "call", (self.own, args, kwargs), _graph_task_id() != -1)
 
 
 class UnitEvents:
     """The one installer of layer events: a forward pre-hook and a forward hook on each of
-    `units` (modules, each once), which bind the "run_unit" primitive through `handlers` (the
-    stack's `handle_run_unit` methods, outermost first) as each unit is about to run or has
-    just run:
+    `units`, and an instance `forward` on each of `calls` (modules, each once), which bind the
+    "run_unit" primitive through `handlers` (the stack's `handle_run_unit` methods, outermost
+    first) as each unit is about to run, runs, or has just run:
 
         handle_run_unit(call_next, module, phase, value, recompute) -> value
 
     - phase "pre": `value` is `(args, kwargs)` of the call; a handler may return other ones
       (a pipeline stage's first layer takes the received activation);
+    - phase "call" (only for `calls`): `value` is `(forward, args, kwargs)` and the chain
+      returns the output; a handler may hand down another forward (tensor parallel's
+      collectives around the local matmul, compile_units' compiled forward) or act around
+      `call_next`; the innermost runs `forward(*args, **kwargs)`;
     - phase "post": `value` is the unit's output; a handler may return another, or raise
       (`ForwardEnded`: a pipeline stage's last layer ends the forward there);
     - `recompute`: the call runs inside autograd's backward (an activation checkpoint's
@@ -425,20 +449,20 @@ class UnitEvents:
 
     A handler does its work before `call_next` to act outermost-first (ZeRO-3 gathers in
     "pre" and releases in "post" before an inner pipeline's stop), after it to act
-    innermost-first. The chain is built once (`functools.partial`), so an event costs the two
-    hooks and one call per handler. A context manager: the hooks live from `__enter__` to
+    innermost-first. The chain is built once (`functools.partial`), so an event costs its hook
+    and one call per handler. A context manager: the hooks live from `__enter__` to
     `__exit__` (a Step owns them for the whole step: `unit_events_scope`)."""
 
-    def __init__(self, units: Sequence[nn.Module], handlers: Sequence[Callable[..., Any]]):
-        seen: dict[int, nn.Module] = {}
-        for m in units:
-            seen.setdefault(id(m), m)
-        self.units = list(seen.values())
+    def __init__(self, units: Sequence[nn.Module], handlers: Sequence[Callable[..., Any]],
+                 calls: Sequence[nn.Module] = ()):
+        self.units = _distinct(units)
+        self.calls = _distinct(calls)
         chain: Callable[..., Any] = _innermost_unit_handler
         for handler in reversed(list(handlers)):
             chain = functools.partial(handler, chain)
         self.chain = chain
         self._handles: list[Any] = []
+        self._swapped: list[_UnitCall] = []
 
     def __enter__(self) -> "UnitEvents":
         chain = self.chain
@@ -455,6 +479,12 @@ class UnitEvents:
             for m in self.units:
                 self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
                 self._handles.append(m.register_forward_hook(post))
+            for m in self.calls:
+                if isinstance(m.__dict__.get("forward"), _UnitCall):
+                    continue        # another root's events call through it already (a shared module)
+                call = _UnitCall(m, chain)
+                m.forward = call
+                self._swapped.append(call)
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -464,7 +494,20 @@ class UnitEvents:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for call in reversed(self._swapped):
+            if call.previous is None:
+                del call.module.forward
+            else:
+                call.module.forward = call.previous
+        self._swapped.clear()
         return False
+
+
+def _distinct(modules: Sequence[nn.Module]) -> list[nn.Module]:
+    seen: dict[int, nn.Module] = {}
+    for m in modules:
+        seen.setdefault(id(m), m)
+    return list(seen.values())
 
 
 @contextlib.contextmanager
@@ -498,9 +541,10 @@ def unit_events_for(module: nn.Module) -> Any:
     if not handlers:
         return contextlib.nullcontext()
     units = bind("units_of", _no_units, module)
-    if not units:
+    calls = bind("unit_calls_of", _no_units, module)
+    if not units and not calls:
         return contextlib.nullcontext()
-    events = UnitEvents(units, handlers)
+    events = UnitEvents(units, handlers, calls)
     if installed is None:
         return until_backward(events)
     events.__enter__()
@@ -509,7 +553,7 @@ def unit_events_for(module: nn.Module) -> Any:
 
 
 def _no_units(module: nn.Module) -> tuple:
-    """The default of "units_of": no module wants layer events."""
+    """The default of "units_of" and "unit_calls_of": no module wants layer events."""
     return ()
 
 

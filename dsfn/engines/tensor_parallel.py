@@ -2,9 +2,11 @@
 Functions with their adjoints), the forward of each style, and the batch check of a tp group.
 
 `dsfn.transforms.tensor_parallel` decides the plan (which module gets which style, which
-parameters which layout); this module runs it: `TPForwards(module, styles, axis, n, wire)`
-installs the tp forward of every planned module while a step's forward (and its
-backward's recompute) runs. Inputs are passed in (the tp axis, its size, the stack facts
+parameters which layout); this module runs it: `TPForwards(module, styles, axis, n, wire, calls)`
+puts the tp forward of every planned module in `calls` (a `TPCalls`) while a step's forward
+(and its backward's recompute) runs, and the transform's "run_unit" handler runs it around
+the module's forward at each call (the layer events' phase "call": no forward is swapped
+here). Inputs are passed in (the tp axis, its size, the stack facts
 that carry the gradients' wire dtype); nothing here reads a transform.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dsfn.identity_cache import KeyedCache
 from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
 
-__all__ = ["TPForwards", "batch_fingerprint", "check_same_batch", "sum_replica_grads"]
+__all__ = ["TPCalls", "TPForwards", "batch_fingerprint", "check_same_batch", "sum_replica_grads"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +207,7 @@ def _replicated(mod: nn.Module, copy: Any, forward: Any, *args: Any, **kwargs: A
 
 
 # ---------------------------------------------------------------------------------------------
-# installing them (for the duration of one apply_module call, until its backward is over)
+# one forward's set-up (for the duration of one apply_module call, until its backward is over)
 # ---------------------------------------------------------------------------------------------
 
 class _SharedCopy:
@@ -223,10 +225,30 @@ class _SharedCopy:
         return self.copies.get(id(x), (x,), lambda: _CopyToTP.apply(x, self.axis))
 
 
-class TPForwards:
-    """Installs the tp forward of every planned module (instance `forward`), restores on exit."""
+class TPCalls:
+    """The tp forwards in effect, by module: `live[id(mod)] = (mod, tp_forward)`, where
+    `tp_forward(forward, *args, **kwargs)` runs `forward` (the module's own, or what the layer
+    events hand down) with the style's collectives around it. Filled by `TPForwards` while a
+    forward and its backward's recompute run; read by tensor parallel's "run_unit" handler
+    at each planned module's call (phase "call")."""
 
-    def __init__(self, module: nn.Module, styles: dict[str, Any], axis: str, n: int, wire: Any = None):
+    def __init__(self) -> None:
+        self.live: dict[int, tuple[nn.Module, Any]] = {}
+
+    def modules(self) -> tuple[nn.Module, ...]:
+        """The planned modules whose calls carry a tp forward now (for "unit_calls_of")."""
+        return tuple(m for m, _ in self.live.values())
+
+
+class TPForwards:
+    """One forward's tp set-up (a context manager, kept until its backward is over): each
+    planned module's tp forward in `calls` (the first forward's wins while several are
+    outstanding: a pipeline's micro-batches share it, so a shared input's copy stays one), and
+    the kv-group count of attentions whose ranks share replicated kv heads."""
+
+    def __init__(self, module: nn.Module, styles: dict[str, Any], axis: str, n: int, wire: Any,
+                 calls: TPCalls):
+        self.calls = calls
         self.items = []
         self.copy = _SharedCopy(axis, wire)
         named = dict(module.named_modules())
@@ -235,64 +257,60 @@ class TPForwards:
         self.groups: dict[nn.Module, int] = {}
         for name, style in styles.items():
             mod = named[name]
-            self.items.append((mod, _tp_forward(mod, style, self.copy, n)))
+            fwd = _tp_forward(mod, style, self.copy, n)
+            if fwd is not None:
+                self.items.append((mod, fwd))
             if isinstance(style, SharedKV):
                 self.groups[named[name.rpartition(".")[0]]] = style.q_per_rank
-        self.saved: list[tuple[nn.Module, Any]] = []
+        self.added: list[int] = []
         self.saved_groups: list[tuple[nn.Module, int]] = []
 
     def __enter__(self):
+        live = self.calls.live
         for mod, fwd in self.items:
-            # a module whose tp forward is installed already (an earlier forward of the same
-            # step whose set-up lives until backward: a pipeline's outstanding micro-batches)
-            # keeps it: wrapping it again would split the split module
-            if fwd is not None and not getattr(mod.__dict__.get("forward"), "_dsfn_tp", False):
-                fwd._dsfn_tp = True
-                self.saved.append((mod, mod.__dict__.get("forward")))
-                mod.forward = fwd
+            if id(mod) not in live:
+                live[id(mod)] = (mod, fwd)
+                self.added.append(id(mod))
         for mod, g in self.groups.items():
             self.saved_groups.append((mod, mod.num_key_value_groups))
             mod.num_key_value_groups = g
         return self
 
     def __exit__(self, *exc):
-        for mod, prev in reversed(self.saved):
-            if prev is None:
-                del mod.forward
-            else:
-                mod.forward = prev
+        for key in self.added:
+            self.calls.live.pop(key, None)
         for mod, g in reversed(self.saved_groups):
             mod.num_key_value_groups = g
-        self.saved.clear()
+        self.added.clear()
         self.saved_groups.clear()
         self.copy.copies.clear()
         return False
 
 
 def _tp_forward(mod: nn.Module, style: Any, copy: _SharedCopy, n: int) -> Any:
-    own = mod.__dict__.get("forward") or type(mod).forward.__get__(mod)
+    """`tp_forward(forward, *args, **kwargs)` of `style` for `mod`, or None ("replicate")."""
     axis = copy.axis
     if isinstance(style, SharedKV):
-        return functools.partial(_shared_kv, mod, copy, style.groups, own)
+        return functools.partial(_shared_kv, mod, copy, style.groups)
     if isinstance(style, Packed):
         if style.style == "colwise_rep":   # a gathered output would be [q_0, k_0, v_0, q_1, ...]
             raise ConfigError("tensor_parallel: packed(colwise_rep) would gather the parts interleaved by rank; use "
                               "packed('colwise', parts) and keep the output sharded")
-        return functools.partial(_colwise, mod, copy, None, own)
+        return functools.partial(_colwise, mod, copy, None)
     if style == "colwise":
-        return functools.partial(_colwise, mod, copy, None, own)
+        return functools.partial(_colwise, mod, copy, None)
     if style == "colwise_rep":
-        return functools.partial(_colwise, mod, copy, mod.out_features, own)
+        return functools.partial(_colwise, mod, copy, mod.out_features)
     if style == "rowwise":
-        return functools.partial(_rowwise, mod, axis, None, own)
+        return functools.partial(_rowwise, mod, axis, None)
     if style == "rowwise_rep":
-        return functools.partial(_rowwise, mod, axis, -(-mod.in_features // n), own)
+        return functools.partial(_rowwise, mod, axis, -(-mod.in_features // n))
     if style == "embedding_rowwise":
-        return functools.partial(_embedding_rows, mod, axis, mod.num_embeddings, own)
+        return functools.partial(_embedding_rows, mod, axis, mod.num_embeddings)
     if style == "embedding_colwise":
-        return functools.partial(_embedding_cols, mod, axis, mod.embedding_dim, own)
+        return functools.partial(_embedding_cols, mod, axis, mod.embedding_dim)
     if style == "replicated":
-        return functools.partial(_replicated, mod, copy, own)
+        return functools.partial(_replicated, mod, copy)
     return None      # "replicate": unchanged
 
 

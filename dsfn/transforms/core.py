@@ -19,6 +19,7 @@ change. Each primitive has a default meaning (what a single process does); while
 | "micro_batch"      | (event: dsfn.functional.MicroBatch)        | nothing (an announcement)    |
 | "run_unit"         | (module, phase, value, recompute)          | the value as it is           |
 | "units_of"         | (module)                                   | () (no unit wants events)    |
+| "unit_calls_of"    | (module)                                   | () (no forward is wrapped)   |
 
 "reduce_leaves" and "map_whole" are how code inside the step (an optimizer, a mask, a user's function) asks
 for a value of the *whole* (`dsfn.logical`): the transforms owning a leaf's mesh axes
@@ -33,7 +34,10 @@ micro-batches interleave (its rounds of gradient buckets are then backwards, not
 "run_unit" is a layer event: one installer (`dsfn.functional.UnitEvents`, owned by the Step for
 the whole step) hooks each unit that a transform names through "units_of", and binds it as the
 unit is about to run (phase "pre", value `(args, kwargs)`) and has run ("post", value its
-output), `recompute` True inside backward. Handlers run in stack order, so ZeRO-3's gather and
+output), `recompute` True inside backward; a module named through "unit_calls_of" has its
+forward call go down the chain too (phase "call", value `(forward, args, kwargs)`, the chain
+returns the output: tensor parallel's collectives around the local matmul, compile_units'
+compiled forward). Handlers run in stack order, so ZeRO-3's gather and
 release come before an inner pipeline stage's steering and stop, whatever the registration order.
 
 A transform handles primitive P by defining `handle_P(self, call_next, *args)`; it may

@@ -437,7 +437,7 @@ class PipelineParallel(Transform):
                 new = hooks.before(module, *value)
                 if new is not None:
                     value = new
-            else:
+            elif phase == "post":
                 hooks.after(module, value)
         return call_next(module, phase, value, recompute)
 

@@ -109,6 +109,7 @@ from dsfn.engines.grad_stats import reduce_over_axis
 # the machinery (engines.tensor_parallel) and the plan's styles (engines.tp_plan); names
 # that were public here stay importable from here
 from dsfn.engines.tensor_parallel import (  # noqa: F401
+    TPCalls,
     TPForwards,
     batch_fingerprint,
     check_same_batch,
@@ -174,6 +175,7 @@ class TensorParallel(Transform):
         self._checked = False
         # (apply_fn, its constants' ids) -> the ApplyFn of this rank's pieces, for the last apply_fn (held alive)
         self._view = IdentityCache()
+        self._calls = TPCalls()         # the tp forwards in effect (engine: filled by TPForwards)
 
     # -- plan -----------------------------------------------------------------------------------
     def full_plan(self) -> dict[str, str | Packed]:
@@ -326,8 +328,20 @@ class TensorParallel(Transform):
         # the same collectives
         facts = stack_facts(self)
         wire = facts if facts.grad_wire_dtype is not None else None
-        with until_backward(TPForwards(module, self._resolved, self.axis, n, wire)):
+        with until_backward(TPForwards(module, self._resolved, self.axis, n, wire, self._calls)):
             return call_next(apply_fn, params, args, kwargs)
+
+    # -- layer events: each planned module's call runs inside its style's collectives ----------
+    def handle_unit_calls_of(self, call_next, module):
+        return call_next(module) + self._calls.modules()
+
+    def handle_run_unit(self, call_next, module, phase, value, recompute):
+        hit = self._calls.live.get(id(module)) if phase == "call" else None
+        if hit is None:
+            return call_next(module, phase, value, recompute)
+        forward, args, kwargs = value
+        inner = lambda *a, **k: call_next(module, phase, (forward, a, k), recompute)   # noqa: E731
+        return hit[1](inner, *args, **kwargs)
 
     # -- values of the whole (dsfn.logical) -------------------------------------------------------
     def handle_reduce_leaves(self, call_next, partials, pending, op):

@@ -338,7 +338,7 @@ class ShardZero(Transform):
             if phase == "pre":
                 for gatherer, u in runs:
                     gatherer.unit_pre(u)
-            else:
+            elif phase == "post":
                 for gatherer, u in runs:
                     gatherer.unit_post(u, value)
         return call_next(module, phase, value, recompute)

@@ -76,6 +76,53 @@ def test_a_recompute_in_backward_is_marked():
     assert log == [("h", "pre", False), ("h", "post", False), ("h", "pre", True), ("h", "post", True)]
 
 
+class _Around:
+    """A "call" handler: doubles the input before the forward handed down, and adds `add` after."""
+    def __init__(self, add, log):
+        self.add, self.log = add, log
+
+    def handle_run_unit(self, call_next, module, phase, value, recompute):
+        if phase != "call":
+            return call_next(module, phase, value, recompute)
+        forward, (x,), kwargs = value
+        self.log.append(self.add)
+        return call_next(module, phase, (forward, (x * 2,), kwargs), recompute) + self.add
+
+
+def test_a_call_runs_the_forward_through_the_handlers_outermost_around_and_is_restored_at_exit():
+    layer = nn.Linear(3, 2)
+    eager = layer.forward
+    log = []
+    x = torch.randn(4, 3)
+    with UnitEvents([], [_Around(10, log).handle_run_unit, _Around(100, log).handle_run_unit], calls=[layer]):
+        out = layer(x)
+    # both double the input (x4); the inner adds first, the outer last: the same sum either way,
+    # the order of the log is the stack's
+    assert torch.allclose(out, eager(x * 4) + 110) and log == [10, 100]
+    assert "forward" not in layer.__dict__ and not layer._forward_pre_hooks      # the class forward again
+    assert torch.allclose(layer(x), eager(x))
+
+
+class _HandDown:
+    """A "call" handler that hands down another forward (as compile_units hands down the compiled one)."""
+    def handle_run_unit(self, call_next, module, phase, value, recompute):
+        if phase == "call":
+            forward, args, kwargs = value
+            value = (lambda *a, **k: -forward(*a, **k), args, kwargs)
+        return call_next(module, phase, value, recompute)
+
+
+def test_a_call_handler_hands_down_another_forward_and_pre_post_still_run_around_it():
+    layer = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    ref = layer(x)
+    log = []
+    with UnitEvents([layer], [_Log("h", log).handle_run_unit, _HandDown().handle_run_unit], calls=[layer]):
+        out = layer(x)
+    assert torch.allclose(out, -ref)
+    assert log == [("h", "pre", False), ("h", "call", False), ("h", "post", False)]
+
+
 class _Stop(Exception):
     pass
 

@@ -41,16 +41,20 @@ def _run(transforms, tx=lambda: dsfn.optim.adamw(lr=1e-2)):
 
 
 def test_blocks_are_compiled_and_the_step_equals_eager():
+    from torch._dynamo.utils import counters
     _, ref_losses, ref = _run([data_parallel()])
     cu = compile_units(backend="eager")
+    counters.clear()
     model, losses, got = _run([data_parallel(), cu])
     layers = list(model.model.layers)
     assert cu.compiled == layers and len(layers) == model.config.num_hidden_layers
-    assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in layers)
+    assert all(hasattr(cu.compiled_forward(layer), "_torchdynamo_orig_callable") for layer in layers)
+    assert counters["frames"]["ok"] >= 1          # the compiled forwards ran: dynamo captured frames
     assert losses == ref_losses
     assert_trees_close(got, ref, rtol=0, atol=0)
+    assert all("forward" not in layer.__dict__ for layer in layers)      # the modules are as they were
     cu.close()
-    assert all("forward" not in layer.__dict__ for layer in layers)      # the eager forwards are back
+    assert cu.compiled == []
 
 
 def test_zero3_at_two_ranks_with_compiled_blocks_equals_the_reference():
