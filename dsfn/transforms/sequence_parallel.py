@@ -168,6 +168,7 @@ class SequenceParallel(Transform):
         self._in_grad = 0                      # inside handle_value_and_grad
         self._hf_losses = 0                    # HF model losses the adapter normalised (see _normalised)
         self._manual_ok: set[int] = set()      # id(module) found not to be a HF model (auto=False)
+        self._watches: dict[int, PositionsWatch] = {}   # id(inner model) -> the forward's watch
 
     def check_stack(self, stack, index):
         outside = [t for t in stack[:index] if "checkpoint" not in t.roles]
@@ -360,7 +361,7 @@ class SequenceParallel(Transform):
             valid = self._positions[0] < self._real_len       # this rank's positions that are tokens
             with adapter.own_loss(module, self._split(), args, kwargs), \
                     adapter.global_router_balance(module, [self.axis], list(self._dp_axes), valid), \
-                    _reaching(module, via, kwargs.get("position_ids")):
+                    self._watching(module, via, kwargs.get("position_ids")):
                 with until_backward(adapter.sequence_attention(module, self.axis, self._arange,  # recomputes alike
                                                                padded=self._padded)):
                     return call_next(apply_fn, params, args, kwargs)
@@ -374,6 +375,34 @@ class SequenceParallel(Transform):
         with until_backward(UlyssesSDPA(self.axis)):
             return call_next(apply_fn, params, args, kwargs)
 
+
+    @contextlib.contextmanager
+    def _watching(self, module: Any, inner: list, positions: Any):
+        """While `module`'s forward runs: whether the position_ids reach one of `inner` (PositionsWatch)."""
+        if not inner:
+            yield
+            return
+        watch = PositionsWatch(module, inner, positions)
+        for m in inner:
+            self._watches[id(m)] = watch
+        try:
+            yield
+        finally:
+            for m in inner:
+                if self._watches.get(id(m)) is watch:
+                    del self._watches[id(m)]
+        watch.check()
+
+    # -- layer events: the inner models a **kwargs forward passes position_ids on to -------------
+    def handle_units_of(self, call_next, module):
+        return call_next(module) + tuple(m for watch in self._watches.values() for m in watch.inner)
+
+    def handle_run_unit(self, call_next, module, phase, value, recompute):
+        if phase == "pre" and self._watches:
+            watch = self._watches.get(id(module))
+            if watch is not None:
+                watch.hear(value[1])
+        return call_next(module, phase, value, recompute)
 
     def _check_manual(self, module: Any) -> None:
         """`auto=False` leaves a non-HF model's attention to its own `ulysses_sdpa` calls; a
@@ -413,30 +442,27 @@ def _passed_on(module: Any, name: str) -> list:
     return [m for m in adapter.loss_modules(module) if m is not module and _takes(m, name)]
 
 
-@contextlib.contextmanager
-def _reaching(module: Any, inner: list, positions: Any):
-    """The proof that position_ids passed through `module`'s **kwargs reached one of the
-    `inner` models' forward (a wrapper may drop them: its tokens would count from 0)."""
-    if not inner:
-        yield
-        return
-    seen = []
+class PositionsWatch:
+    """The proof that the position_ids passed through a model's **kwargs reached one of the
+    `inner` models' forward (a wrapper may drop them: its tokens would count from 0). Heard
+    through sequence parallel's "run_unit" handler (phase "pre" of each inner model) while
+    the forward runs; `check()` after it."""
 
-    def hook(m, args, kwargs):
-        if kwargs.get("position_ids") is positions:
-            seen.append(m)
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in inner]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-    if not seen:
-        raise ConfigError(f"sequence_parallel: {type(module).__name__}.forward takes no position_ids, and the "
-                          "position_ids dsfn passed through its **kwargs did not reach "
-                          f"{', '.join(type(m).__name__ for m in inner)}.forward, which would number this rank's "
-                          "tokens from 0 instead of by their place in the sequence. Pass **kwargs (or position_ids) "
-                          "on to the model, or give the forward a position_ids argument")
+    def __init__(self, module: Any, inner: list, positions: Any):
+        self.module, self.inner, self.positions = module, inner, positions
+        self.seen = False
+
+    def hear(self, kwargs: dict) -> None:
+        if kwargs.get("position_ids") is self.positions:
+            self.seen = True
+
+    def check(self) -> None:
+        if not self.seen:
+            raise ConfigError(f"sequence_parallel: {type(self.module).__name__}.forward takes no position_ids, and "
+                              "the position_ids dsfn passed through its **kwargs did not reach "
+                              f"{', '.join(type(m).__name__ for m in self.inner)}.forward, which would number this "
+                              "rank's tokens from 0 instead of by their place in the sequence. Pass **kwargs (or "
+                              "position_ids) on to the model, or give the forward a position_ids argument")
 
 
 def sequence_parallel(*args: Any, **kwargs: Any) -> SequenceParallel:
