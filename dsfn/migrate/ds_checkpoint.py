@@ -35,22 +35,21 @@ neither); the lr schedule resumes at count = last_batch_iteration + 1 (see
 DeepSpeed's files are Python pickles: reading one can run code from the file, so every
 entry point needs `trust_pickle=True`. Classes from `deepspeed.*` inside them (ZeroStageEnum,
 fragment addresses, loss scalers) are read into inert stand-ins, so DeepSpeed need not be
-installed. Nothing else in dsfn reads pickles.
+installed. Finding and unpickling the files is `dsfn.migrate.ds_files`; nothing else in dsfn
+reads pickles. This module turns what they hold into logical tensors and dsfn states.
 """
 from __future__ import annotations
 
-import glob
 import math
 import os
-import pickle
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dsfn import tree
-from dsfn.errors import CheckpointError, ConfigError
+from dsfn.errors import CheckpointError
+from dsfn.migrate.ds_files import load_ds_file, model_states_file, optim_files, require_trust, resolve_checkpoint_dir
 
 __all__ = ["DeepSpeedCheckpoint", "convert_deepspeed", "load_deepspeed", "read_deepspeed"]
 
@@ -85,109 +84,13 @@ class DeepSpeedCheckpoint:
         return self.global_steps - self.skipped_steps
 
 
-# -- pickles -----------------------------------------------------------------------------------
-
-class _Stub:
-    """An inert stand-in for a class from `deepspeed.*` found in a pickle (no code of it runs)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args, self.kwargs = args, kwargs
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self.state = state
-
-    def __int__(self) -> int:          # ZeroStageEnum(1) -> 1
-        return int(self.args[0])
-
-
-class _Unpickler(pickle.Unpickler):
-    _stubs: dict[tuple[str, str], type] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module.split(".")[0] == "deepspeed":
-            key = (module, name)
-            if key not in self._stubs:
-                self._stubs[key] = type(name, (_Stub,), {"__module__": "dsfn.migrate.stub." + module})
-            return self._stubs[key]
-        return super().find_class(module, name)
-
-
-class _PickleModule:
-    """What `torch.load(pickle_module=...)` needs: deepspeed classes become `_Stub`s."""
-    Unpickler = _Unpickler
-    load = staticmethod(lambda f, **kw: _Unpickler(f, **kw).load())
-    __name__ = "dsfn.migrate.ds_checkpoint"
-
-
-def _torch_load(path: str) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PickleModule)
-    except FileNotFoundError:
-        raise CheckpointError(f"DeepSpeed checkpoint file {path} is missing") from None
-    except Exception as e:   # noqa: BLE001  (a torn or foreign file: name it)
-        raise CheckpointError(f"cannot read DeepSpeed checkpoint file {path}: {type(e).__name__}: {e}") from e
-
-
-def _require_trust(trust_pickle: bool) -> None:
-    if trust_pickle is not True:
-        raise ConfigError("DeepSpeed checkpoints are Python pickles: reading one can run code stored in the file. "
-                          "Pass trust_pickle=True (CLI: --trust-pickle) only for checkpoints from a source you "
-                          "trust; dsfn's own checkpoints never need it")
-
-
-# -- locating the files ---------------------------------------------------------------------------
-
-def _resolve(path: str, tag: str | None) -> tuple[str, str]:
-    """(directory, kind): a tag directory of a DeepSpeed run or a universal checkpoint."""
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path} is not a directory; pass a DeepSpeed checkpoint root (holding `latest`), "
-                              "a global_stepN directory or a universal checkpoint directory")
-    if tag is not None:
-        path = os.path.join(path, tag)
-    elif not _is_tag_dir(path):
-        for pointer in ("latest", "latest_universal"):   # the native checkpoint first
-            f = os.path.join(path, pointer)
-            if os.path.isfile(f):
-                with open(f) as fh:
-                    path = os.path.join(path, fh.read().strip())
-                break
-    if not _is_tag_dir(path):
-        raise CheckpointError(f"{path} holds no DeepSpeed checkpoint: expected *model_states.pt files (or a "
-                              "`zero/` folder for a universal checkpoint), or a `latest` file naming one")
-    return path, ("universal" if os.path.isdir(os.path.join(path, "zero")) else "zero")
-
-
-def _is_tag_dir(path: str) -> bool:
-    return os.path.isdir(path) and bool(glob.glob(os.path.join(path, "*model_states.pt")))
-
-
-def _model_states_file(path: str) -> str:
-    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
-        f = os.path.join(path, name)
-        if os.path.isfile(f):
-            return f
-    found = sorted(glob.glob(os.path.join(path, "*model_states.pt")))
-    if any("mp_rank_01" in f for f in found):
-        raise CheckpointError(f"{path} was saved with model (tensor/pipeline) parallelism > 1; convert it with "
-                              "DeepSpeed's ds_to_universal first, then read the universal checkpoint")
-    return found[0]
-
-
-def _optim_files(path: str) -> list[str]:
-    files = glob.glob(os.path.join(path, "*zero_pp_rank_*_mp_rank_00_optim_states.pt"))
-    rank = lambda f: int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(f)).group(1))
-    return sorted(files, key=rank)
-
-
 def _int(x: Any) -> int:
+    """An int from a number or a one-element tensor."""
     return int(x.item() if isinstance(x, torch.Tensor) else x)
 
 
 def _loss_scale(obj: Any) -> float | None:
+    """The fp16 loss scaler's current scale in an optimizer state, or None."""
     scaler = obj.get("loss_scaler") if isinstance(obj, dict) else None
     v = getattr(scaler, "cur_scale", None)
     return float(v) if v is not None else None
@@ -203,9 +106,9 @@ def read_deepspeed(path: str | os.PathLike, *, trust_pickle: bool = False,
     directory (`global_stepN`) or a universal checkpoint directory. Raises ConfigError
     without `trust_pickle=True`, CheckpointError for files that are missing or do not fit.
     """
-    _require_trust(trust_pickle)
-    d, kind = _resolve(os.fspath(path), tag)
-    ms = _torch_load(_model_states_file(d))
+    require_trust(trust_pickle)
+    d, kind = resolve_checkpoint_dir(os.fspath(path), tag)
+    ms = load_ds_file(model_states_file(d))
     shapes_groups = ms.get("param_shapes")
     if isinstance(shapes_groups, dict):
         shapes_groups = [shapes_groups]
@@ -222,7 +125,7 @@ def read_deepspeed(path: str | os.PathLike, *, trust_pickle: bool = False,
     if kind == "universal":
         _read_universal(d, shapes_groups, out)
     else:
-        files = _optim_files(d)
+        files = optim_files(d)
         if files:
             _read_zero(d, files, shapes_groups, out)
         else:
@@ -231,7 +134,8 @@ def read_deepspeed(path: str | os.PathLike, *, trust_pickle: bool = False,
 
 
 def _read_zero(d: str, files: list[str], shapes_groups: list[dict], out: DeepSpeedCheckpoint) -> None:
-    sds = [_torch_load(f)["optimizer_state_dict"] for f in files]
+    """Fill `out` from ZeRO 1/2/3 optimizer-state files (one per dp rank): the fp32 masters, moments and counts."""
+    sds = [load_ds_file(f)["optimizer_state_dict"] for f in files]
     first = sds[0]
     stage = _int(first.get("zero_stage", 0))
     world = len(sds)
@@ -269,6 +173,7 @@ def _read_zero(d: str, files: list[str], shapes_groups: list[dict], out: DeepSpe
 
 
 def _read_zero0(d: str, ms: dict, shapes_groups: list[dict], out: DeepSpeedCheckpoint) -> None:
+    """Fill `out` from a ZeRO 0 model-states file: its fp32 masters (or the module's weights) and torch state."""
     module = ms.get("module") or {}
     names = [k for g in shapes_groups for k in g]
     opt = ms.get("optimizer") or {}
@@ -298,9 +203,10 @@ def _read_zero0(d: str, ms: dict, shapes_groups: list[dict], out: DeepSpeedCheck
 
 
 def _read_universal(d: str, shapes_groups: list[dict], out: DeepSpeedCheckpoint) -> None:
+    """Fill `out` from a universal checkpoint's `zero/<name>/*.pt` files and `zero/optimizer_state.pt`."""
     zero = os.path.join(d, "zero")
     common = os.path.join(zero, "optimizer_state.pt")
-    opt = _torch_load(common) if os.path.isfile(common) else {}
+    opt = load_ds_file(common) if os.path.isfile(common) else {}
     stage = opt.get("zero_stage")
     out.zero_stage = _int(stage) if stage is not None else 0
     out.loss_scale = _loss_scale(opt)
@@ -314,7 +220,7 @@ def _read_universal(d: str, shapes_groups: list[dict], out: DeepSpeedCheckpoint)
             for key, target in (("fp32", out.params), ("exp_avg", out.exp_avg), ("exp_avg_sq", out.exp_avg_sq)):
                 f = os.path.join(folder, f"{key}.pt")
                 if os.path.isfile(f):
-                    t = _torch_load(f)
+                    t = load_ds_file(f)
                     t = t["param"] if isinstance(t, dict) else t
                     if t.numel() != math.prod(shape):
                         raise CheckpointError(f"universal checkpoint {f}: {t.numel()} elements for a parameter "
@@ -322,7 +228,7 @@ def _read_universal(d: str, shapes_groups: list[dict], out: DeepSpeedCheckpoint)
                     target[name] = t.detach().float().reshape(shape).clone()
             f = os.path.join(folder, "step.pt")
             if os.path.isfile(f):
-                steps.append(_int(_torch_load(f)))
+                steps.append(_int(load_ds_file(f)))
     if steps:
         out.adam_step = steps[0]
     else:
@@ -333,6 +239,7 @@ def _read_universal(d: str, shapes_groups: list[dict], out: DeepSpeedCheckpoint)
 
 
 def _cat_state(st: dict, key: str) -> torch.Tensor | None:
+    """One rank's moment `key` of every sub-group, flat and concatenated (None when a sub-group lacks it)."""
     groups = st.get("state", {})
     parts = [groups[i].get(key) for i in sorted(groups)]
     if not parts or any(p is None for p in parts):
@@ -341,6 +248,7 @@ def _cat_state(st: dict, key: str) -> torch.Tensor | None:
 
 
 def _state_step(opt_sd: Any) -> int | None:
+    """Adam's update count in a torch optimizer state_dict, or None."""
     state = opt_sd.get("state", {}) if isinstance(opt_sd, dict) else {}
     for s in state.values():
         if "step" in s:
@@ -349,10 +257,12 @@ def _state_step(opt_sd: Any) -> int | None:
 
 
 def _groups(opt_sd: Any) -> list[dict]:
+    """The param groups' hyperparameters (without their `params`)."""
     return [{k: v for k, v in g.items() if k != "params"} for g in (opt_sd.get("param_groups") or [])]
 
 
 def _flat_split(full: torch.Tensor, shapes: dict, pads: list | None, where: str) -> dict[str, torch.Tensor]:
+    """ZeRO 1/2's flat group cut back into its parameters (each followed by its alignment padding)."""
     out, offset = {}, 0
     for i, (name, shape) in enumerate(shapes.items()):
         n = math.prod(shape)
@@ -365,6 +275,7 @@ def _flat_split(full: torch.Tensor, shapes: dict, pads: list | None, where: str)
 
 
 def _zero3_split(per_rank: list[torch.Tensor], shapes: dict, where: str) -> dict[str, torch.Tensor]:
+    """ZeRO 3's per-rank pieces of each parameter joined back into whole parameters."""
     world, out, offset = len(per_rank), {}, 0
     for name, shape in shapes.items():
         n = math.prod(shape)
@@ -438,10 +349,12 @@ def load_deepspeed(path: str | os.PathLike, like: Any, *, trust_pickle: bool = F
 
 
 def _is_adam_state(x: Any) -> bool:
+    """Whether `x` is an Adam-style optimizer state (count, mu, nu)."""
     return all(hasattr(x, k) for k in ("count", "mu", "nu")) and hasattr(x, "_replace")
 
 
 def _is_count(x: Any) -> bool:
+    """Whether `x` is a count leaf of dsfn.optim (a 0-dim int64 tensor)."""
     return isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype == torch.int64
 
 

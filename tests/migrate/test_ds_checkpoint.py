@@ -154,12 +154,12 @@ BF16_RTOL, BF16_ATOL = 2e-2, 1e-4
 def test_deepspeed_bf16_checkpoint_continues_in_dsfn(ds_runs, stage):
     """bf16 ZeRO-2/3: the fp32 masters are read (the model states' bf16 weights are their rounding)
     and continue under dsfn's mixed_precision(bf16) that from_ds_config builds."""
-    from dsfn.migrate.ds_checkpoint import _model_states_file, _resolve, _torch_load
+    from dsfn.migrate.ds_files import load_ds_file, model_states_file, resolve_checkpoint_dir
     ckpt, ref = ds_runs[f"bf16-{stage}"]
     ds = read_deepspeed(ckpt, trust_pickle=True)
     assert all(v.dtype == torch.float32 for v in ds.params.values())
     if stage == 2:       # ZeRO-3's model states hold empty partitions
-        module = _torch_load(_model_states_file(_resolve(ckpt, None)[0]))["module"]
+        module = load_ds_file(model_states_file(resolve_checkpoint_dir(ckpt, None)[0]))["module"]
         assert all(torch.equal(module[k], v.bfloat16()) for k, v in ds.params.items())
         assert not all(torch.equal(module[k].float(), v) for k, v in ds.params.items())    # masters are finer
     for world in (1, 2):

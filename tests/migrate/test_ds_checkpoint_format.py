@@ -187,8 +187,8 @@ def test_deepspeed_classes_are_inert_stand_ins(tmp_path, tensors):
     if importlib.util.find_spec("deepspeed") is None:
         with pytest.raises(Exception):        # plain torch.load cannot import the class
             torch.load(ms, weights_only=False)
-    from dsfn.migrate.ds_checkpoint import _torch_load
-    obj = _torch_load(ms)
+    from dsfn.migrate.ds_files import load_ds_file
+    obj = load_ds_file(ms)
     assert type(obj["loss_scaler"]).__module__.startswith("dsfn.migrate.stub.deepspeed")
     assert obj["loss_scaler"].cur_scale == 1024.0
 
