@@ -4,10 +4,11 @@
 saved-input hooks) and when (the forward of a value_and_grad); what does it lives here and
 gets every input passed in (the modules, a save rule, the hooks, a mesh axis):
 
-- `Installed(targets, rule, hooks)`: replaces each target module's `forward` by one that runs
-  it under non-reentrant `torch.utils.checkpoint.checkpoint` (a layer's KV cache off, tensor
-  keyword arguments saved as inputs, recompute-marked module hooks re-run in the recompute),
-  and restores the forwards on exit.
+- `Installed(targets, rule, hooks)`: one forward's checkpointing: while it is in effect
+  (`LIVE`), each target module's call — heard by remat's "run_unit" handler, phase "call" —
+  runs under non-reentrant `torch.utils.checkpoint.checkpoint` (`Installed.run`: a layer's
+  KV cache off, tensor keyword arguments saved as inputs, recompute-marked module hooks
+  re-run in the recompute). No module's forward is replaced.
 - `save_rule(policy)`: a remat policy ("nothing", "matmuls"/"dots", a tuple of aten ops, a
   callable) as a rule `(op, args, kwargs) -> bool` (None: save nothing); with a rule, the
   checkpoint's `context_fn` is a pair of dispatch modes over one store (`_policy_contexts`:
@@ -38,7 +39,7 @@ from dsfn.functional import in_backward
 from dsfn.runtime import collectives as C
 from dsfn.runtime.host import copy_to_host
 
-__all__ = ["MATMUL_OPS", "Chain", "HostStash", "Installed", "TpPartition", "is_checkpointed", "save_rule"]
+__all__ = ["LIVE", "MATMUL_OPS", "Chain", "HostStash", "Installed", "TpPartition", "is_checkpointed", "save_rule"]
 
 # aten ops whose outputs "matmuls" / "dots" saves (what autograd's dispatch sees of Linear,
 # matmul, einsum and F.scaled_dot_product_attention)
@@ -68,46 +69,54 @@ def save_rule(policy: Any) -> Callable[[Any, tuple, dict], bool] | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# the installed wrapping (one per forward, kept until backward is over)
+# the checkpointing in effect (one per forward, kept until backward is over)
+
+# id(module) -> (module, the Installed in effect for it): the checkpointed modules now. Filled
+# by Installed while a forward and its backward run (the first forward's wins while several
+# are outstanding: a second forward in the same value_and_grad, a pipeline's micro-batches);
+# read by remat's "run_unit" handler at each call of such a module (phase "call") and by
+# `is_checkpointed`.
+LIVE: dict[int, tuple[nn.Module, "Installed"]] = {}
+
 
 class Installed:
-    """Replaces each target's `forward` by a checkpointed one; restores on exit. A module
-    already wrapped by remat (a second forward in the same value_and_grad) is left as it is."""
+    """One forward's checkpointing (a context manager, kept until its backward is over): each
+    target module is in `LIVE` with this set-up (save rule, saved-input hooks), so its calls
+    run under a checkpoint (`run`); nothing of the module is changed."""
 
     def __init__(self, targets: list[tuple[str, nn.Module]], rule: Callable | None, stash: "Chain | None"):
         self.targets, self.stash = targets, stash
         self.saved_bytes = _ByteCount("remat.policy_saved_bytes") if rule is not None else None
         self.context_fn = None if rule is None else functools.partial(_policy_contexts, rule, self.saved_bytes)
-        self.saved: list[tuple[nn.Module, Any]] = []
+        self.added: list[int] = []
 
     def __enter__(self):
         for _, m in self.targets:
-            prev = m.__dict__.get("forward")
-            if getattr(prev, "_dsfn_remat", False):
-                continue
-            wrapped = functools.partial(_checkpointed, m, m.forward, self.context_fn, self.stash)
-            wrapped._dsfn_remat = True
-            self.saved.append((m, prev))
-            m.forward = wrapped
+            if id(m) not in LIVE:
+                LIVE[id(m)] = (m, self)
+                self.added.append(id(m))
         return self
 
     def __exit__(self, *exc):
-        for m, prev in reversed(self.saved):
-            if prev is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.forward = prev
-        self.saved.clear()
+        for key in self.added:
+            if LIVE.get(key, (None, None))[1] is self:
+                del LIVE[key]
+        self.added.clear()
         if self.stash is not None:
             self.stash.close()
         if self.saved_bytes is not None:
             self.saved_bytes.reset()
         return False
 
+    def run(self, module: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        """`forward(*args, **kwargs)` of `module` under a non-reentrant checkpoint (see `_checkpointed`)."""
+        return _checkpointed(module, forward, self.context_fn, self.stash, *args, **kwargs)
+
 
 def is_checkpointed(module: nn.Module) -> bool:
-    """Whether `module`'s forward is, now, one `Installed` replaced by a checkpointed one."""
-    return bool(getattr(module.__dict__.get("forward"), "_dsfn_remat", False))
+    """Whether `module`'s calls run under a checkpoint now (an `Installed` in effect for it)."""
+    hit = LIVE.get(id(module))
+    return hit is not None and hit[0] is module
 
 
 # keyword arguments through which a Hugging Face layer reads and *appends to* a KV cache

@@ -94,9 +94,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsfn.engines import remat as engine
 from dsfn.engines.remat import MATMUL_OPS, Chain, HostStash, Installed, TpPartition, save_rule
 from dsfn.errors import ConfigError, StackError
-from dsfn.functional import until_backward
+from dsfn.functional import in_backward, until_backward
 from dsfn.identity_cache import KeyedCache
 from dsfn.runtime import collectives as C
 from dsfn.transforms.core import Transform, make_transform, with_role
@@ -220,6 +221,19 @@ class Remat(Transform):
             hooks.append(HostStash())
         with until_backward(Installed(targets, save_rule(self.policy), Chain(hooks) if hooks else None)):
             return call_next(apply_fn, params, args, kwargs)
+
+    # -- layer events: each target's call runs under a checkpoint -----------------------------------
+    def handle_unit_calls_of(self, call_next, module):
+        return call_next(module) + tuple(m for m, _ in engine.LIVE.values())
+
+    def handle_run_unit(self, call_next, module, phase, value, recompute):
+        hit = engine.LIVE.get(id(module)) if phase == "call" else None
+        if hit is None or hit[0] is not module:
+            return call_next(module, phase, value, recompute)
+        forward, args, kwargs = value
+        # the transforms inside see the call (and its recompute in backward, marked then) inside the checkpoint
+        inner = lambda *a, **k: call_next(module, phase, (forward, a, k), in_backward())   # noqa: E731
+        return hit[1].run(module, inner, args, kwargs)
 
     def _targets(self, model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[str]]:
         return self._selected.get(id(model), (model,), lambda: self._select(model))
