@@ -14,11 +14,13 @@ device, the optimizer call `step`, the host-kernel choice); it never imports a t
   `compact` (the selected columns whole on every rank: exact, through -0.0).
 - The host path: `Staging` (device -> pinned host copies, one wait per device),
   `host_update` (the host optimizer step, a pure function of its inputs; `host_update_thread`
-  runs it on overlap's worker under a given host-kernel choice), `merge_host` (a host result
-  into the unselected columns) and `assemble` (host result and device columns into the new
-  matrices).
+  runs it on overlap's worker under a given host-kernel choice; `start_behind` starts it
+  there, `behind_result` takes its result back when its inputs are still the state's),
+  `merge_host` (a host result into the unselected columns) and `assemble` (host result and
+  device columns into the new matrices).
 - State and helpers: `split_state` (a `tx` state of every parameter -> those of subsets),
-  `like`, `acc_dtype`, `with_count`, `cast_like`, `own`, `same`.
+  `host_zeros` (host-memory zeros of the pieces: buffers, host states), `on_host`, `like`,
+  `acc_dtype`, `with_count`, `cast_like`, `own`, `same`.
 """
 from __future__ import annotations
 
@@ -34,13 +36,15 @@ from dsfn.errors import ConfigError
 from dsfn.placed import data_of
 from dsfn.runtime import collectives as C
 from dsfn.runtime.host import copy_to_host, wait_last
-from dsfn.runtime.mesh import current_mesh
+from dsfn.runtime.mesh import current_mesh, holds_nothing
 from dsfn.state.layout import Offloaded, Placed, Replicated, is_placed
 
-__all__ = ["Mat", "Staging", "acc_dtype", "all_reduce_groups", "assemble", "cast_like", "col_l1", "compact",
-           "gather_cols", "host_update", "host_update_thread", "like", "matrix_info", "merge_host", "num_selected",
-           "own", "same", "scatter_cols", "segments", "select", "select_columns", "split_state",
-           "with_count"]
+__all__ = ["Mat", "Staging", "acc_dtype", "all_reduce_groups", "assemble", "behind_result", "cast_like", "col_l1",
+           "compact", "gather_cols", "host_update", "host_update_thread", "host_zeros", "like", "matrix_info",
+           "merge_host", "num_selected", "on_host", "own", "same", "scatter_cols", "segments", "select",
+           "select_columns", "split_state", "start_behind", "with_count"]
+
+HOST = torch.device("cpu")
 
 
 # -- selection ------------------------------------------------------------------------------------
@@ -263,6 +267,26 @@ def host_update_thread(kernel: tuple, tx, grads, host, params, count, *, step: C
         return host_update(tx, grads, host, params, count, step=step)
 
 
+def start_behind(pool: Any, kernel: tuple, tx, grads, host, params, count, *, step: Callable) -> tuple[Any, Any]:
+    """Start `host_update_thread` on `pool`, a one-worker thread pool (made here when None;
+    overlap's host update behind): returns (the pool, the future of its result)."""
+    import concurrent.futures
+    if pool is None:
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsfn-zenflow")
+    return pool, pool.submit(host_update_thread, kernel, tx, grads, host, params, count, step=step)
+
+
+def behind_result(job: tuple | None, inputs: Any) -> tuple | None:
+    """The result of a started host update `job` = (its inputs, its future), waited for, when
+    its inputs are `inputs` (the same tensor objects: `same`); else None (no job, or a job
+    started from other tensors: the caller recomputes)."""
+    if job is None:
+        return None
+    started, future = job
+    result = future.result()
+    return result if same(started, inputs) else None
+
+
 def merge_host(P: dict, mats: dict[str, Mat], selected: dict, host_out: dict, params_in: dict) -> dict:
     """`P` with every matrix replaced by the host result `host_out` (computed from `params_in`)
     except in its selected columns (`selected`: bool masks), which keep their current values."""
@@ -334,6 +358,18 @@ def split_state(tx: Any, full: Any, subsets: Sequence[dict]) -> list:
                                   "step.init_state(params, tx) or step.place(TrainState.create(params, tx))")
         return tree.map_with_path(lambda path, x: by_path[path], fresh, is_leaf=is_placed)
     return [take(sub) for sub in subsets]
+
+
+def host_zeros(P: dict, dtypes: dict) -> dict:
+    """{n: zeros of the shape of `P[n]`'s piece, in `dtypes[n]`, in host memory, in `P[n]`'s
+    layout} for every n of `dtypes`."""
+    return {n: like(P[n], torch.zeros(data_of(P[n]).shape, dtype=dt, device=HOST)) for n, dt in dtypes.items()}
+
+
+def on_host(state: Any) -> Any:
+    """`state` with every tensor leaf in host memory (a leaf that holds nothing, a virtual
+    mesh's meta stand-in, `holds_nothing`, stays as it is)."""
+    return tree.map(lambda x: x if holds_nothing(x) else x.to(HOST), state)
 
 
 def like(x: Any, data: torch.Tensor) -> Any:

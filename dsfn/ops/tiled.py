@@ -41,6 +41,8 @@ forward. The forward's autocast state (CUDA and CPU) is re-entered for the recom
 Limits: `fn` must be per-token along `dim` (output positions depend only on the same input
 positions) and return one tensor whose size along `dim` equals its input's; no double
 backward (create_graph through the tiles raises).
+
+The tiles themselves (slicing, the `Tiling` record, per-tile RNG and autocast) are in `dsfn.ops.tiling`.
 """
 from __future__ import annotations
 
@@ -52,119 +54,10 @@ import torch
 from torch import nn
 
 from dsfn.errors import ConfigError, LeafTypeError, ShapeError
+from dsfn.ops.tiling import (Tiling, call_tile, check_tiles, cuda_devices, enter_autocast, forward_tiles,
+                             set_rng_state, tile_bounds)
 
 __all__ = ["TiledMLP", "sequence_tiled_compute", "tile_mlps", "tiled_loss", "untile_mlps"]
-
-
-# ---------------------------------------------------------------------------------------
-# helpers
-
-
-def _check_tiles(tiles: Any, who: str) -> int:
-    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
-        raise ConfigError(f"{who}: tiles must be a positive int, got {tiles!r}")
-    return tiles
-
-
-def _bounds(n: int, tiles: int) -> list[tuple[int, int]]:
-    """`tiles` contiguous (start, length) slices of range(n), lengths differing by at most
-    one (the first n % tiles are one longer); fewer tiles when n < tiles (none empty, but
-    one empty slice for n == 0)."""
-    k = max(1, min(tiles, n))
-    q, r = divmod(n, k)
-    out, s = [], 0
-    for i in range(k):
-        ln = q + (1 if i < r else 0)
-        out.append((s, ln))
-        s += ln
-    return out
-
-
-def _cuda_devices(tensors: Sequence[torch.Tensor]) -> list[int]:
-    return sorted({t.get_device() for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda})
-
-
-def _rng_state(devices: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
-
-
-def _set_rng_state(devices: list[int], state) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    for d, s in zip(devices, cuda):
-        torch.cuda.set_rng_state(s, d)
-
-
-def _autocast_state() -> list[tuple[str, bool, torch.dtype, bool]]:
-    out = []
-    for dt in ("cuda", "cpu"):
-        if dt == "cuda" and not torch.cuda.is_available():
-            continue
-        out.append((dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt), torch.is_autocast_cache_enabled()))
-    return out
-
-
-def _enter_autocast(stack: contextlib.ExitStack, state) -> None:
-    for dt, enabled, dtype, cache in state:
-        stack.enter_context(torch.autocast(device_type=dt, enabled=enabled, dtype=dtype, cache_enabled=cache))
-
-
-def _param_slots(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """Every (owner, attribute, tensor) parameter slot under `module` (a tied tensor has
-    several slots; a shared submodule is visited once)."""
-    return [(m, attr, p) for m in module.modules() for attr, p in m._parameters.items() if p is not None]
-
-
-class _Tiling:
-    """What the autograd Function needs besides tensors: the callable, the slicing, the
-    module slots to re-bind in backward, and per-tile RNG states."""
-
-    def __init__(self, run, dim, bounds, module, n_args):
-        self.run, self.dim, self.bounds, self.n_args = run, dim, bounds, n_args
-        self.slots = []              # (owner, attr, index into params)
-        self.module = module
-        self.rng: list = []
-        self.devices: list[int] = []
-        self.autocast = _autocast_state()
-        # forwards installed on submodules for the duration of the step (tensor parallel's
-        # collectives around its Linears): gone when backward runs, so put back for the recompute
-        self.forwards = [] if module is None else [
-            (m, m.__dict__["forward"]) for m in module.modules() if m is not module and "forward" in m.__dict__]
-
-    def bind(self, params: list[torch.Tensor]) -> None:
-        if self.module is None:
-            return
-        index = {id(p): i for i, p in enumerate(params)}
-        self.slots = [(m, attr, index[id(p)]) for m, attr, p in _param_slots(self.module) if id(p) in index]
-
-
-def _call_tile(tiling: _Tiling, x_tile: torch.Tensor, arg_tiles: list[torch.Tensor]) -> torch.Tensor:
-    y = tiling.run(x_tile, *arg_tiles)
-    if not isinstance(y, torch.Tensor):
-        raise LeafTypeError(f"sequence_tiled_compute: fn must return one tensor, got {type(y).__name__}")
-    if y.dim() <= tiling.dim or y.shape[tiling.dim] != x_tile.shape[tiling.dim]:
-        raise ShapeError(f"sequence_tiled_compute: fn is not per-token along dim {tiling.dim}: a tile of "
-                         f"shape {tuple(x_tile.shape)} gave an output of shape {tuple(y.shape)} (its size along "
-                         f"dim {tiling.dim} must be the tile's, {x_tile.shape[tiling.dim]})")
-    return y
-
-
-def _forward_tiles(tiling: _Tiling, x: torch.Tensor, args: Sequence[torch.Tensor], record_rng: bool) -> torch.Tensor:
-    """Run every tile (in the current grad mode) into one preallocated output."""
-    dim, out = tiling.dim, None
-    for s, ln in tiling.bounds:
-        if record_rng:
-            tiling.rng.append(_rng_state(tiling.devices))
-        y = _call_tile(tiling, x.narrow(dim, s, ln), [a.narrow(dim, s, ln) for a in args])
-        if len(tiling.bounds) == 1:
-            return y
-        if out is None:
-            shape = list(y.shape)
-            shape[dim] = x.shape[dim]
-            out = y.new_empty(shape)
-        out.narrow(dim, s, ln).copy_(y)
-        del y                        # only one tile's output / intermediates alive
-    return out
 
 
 class _SequenceTiled(torch.autograd.Function):
@@ -173,8 +66,8 @@ class _SequenceTiled(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tiling, x, n_params, *rest):
         params, args = list(rest[:n_params]), list(rest[n_params:])
-        tiling.devices = _cuda_devices([x, *params])
-        y = _forward_tiles(tiling, x, args, record_rng=True)     # grad mode is off in Function.forward
+        tiling.devices = cuda_devices([x, *params])
+        y = forward_tiles(tiling, x, args, record_rng=True)     # grad mode is off in Function.forward
         ctx.tiling, ctx.n_params = tiling, n_params
         ctx.save_for_backward(x, *params, *args)
         return y
@@ -208,12 +101,12 @@ class _SequenceTiled(torch.autograd.Function):
             for m, attr, i in tiling.slots:
                 m._parameters[attr] = leaves[i]
             with torch.random.fork_rng(devices=tiling.devices), contextlib.ExitStack() as stack:
-                _enter_autocast(stack, tiling.autocast)
+                enter_autocast(stack, tiling.autocast)
                 for (s, ln), rng in zip(tiling.bounds, tiling.rng):
-                    _set_rng_state(tiling.devices, rng)
+                    set_rng_state(tiling.devices, rng)
                     x_tile = x_det.narrow(dim, s, ln).detach().requires_grad_(need_x)
                     with torch.enable_grad():
-                        y = _call_tile(tiling, x_tile, [a.narrow(dim, s, ln) for a in args])
+                        y = call_tile(tiling, x_tile, [a.narrow(dim, s, ln) for a in args])
                     inputs = ([x_tile] if need_x else []) + [leaves[i] for i in wrt_idx]
                     g_tile = grad_y.narrow(dim, s, ln)
                     if y.requires_grad:
@@ -261,7 +154,7 @@ def _sequence_tiled(run: Callable, x: torch.Tensor, tiles: int, dim: int, params
                     args: Sequence[torch.Tensor], module: nn.Module | None, who: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise LeafTypeError(f"{who}: x must be a torch.Tensor, got {type(x).__name__}")
-    _check_tiles(tiles, who)
+    check_tiles(tiles, who)
     if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
         raise ShapeError(f"{who}: dim {dim!r} is not a dimension of x of shape {tuple(x.shape)}")
     dim = dim % x.dim()
@@ -281,11 +174,11 @@ def _sequence_tiled(run: Callable, x: torch.Tensor, tiles: int, dim: int, params
         if a.requires_grad and torch.is_grad_enabled():
             raise ConfigError(f"{who}: args tensors are not differentiated; detach them (a tensor needing a "
                               "gradient must be x or be closed over by fn and listed in params)")
-    tiling = _Tiling(run, dim, _bounds(x.shape[dim], tiles), module, len(args))
+    tiling = Tiling(run, dim, tile_bounds(x.shape[dim], tiles), module, len(args))
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in uniq))
     if not needs_grad:
         with torch.no_grad():
-            return _forward_tiles(tiling, x, args, record_rng=False)
+            return forward_tiles(tiling, x, args, record_rng=False)
     tiling.bind(uniq)
     return _SequenceTiled.apply(tiling, x, len(uniq), *uniq, *args)
 
@@ -352,7 +245,7 @@ class TiledMLP(nn.Module):
         if not isinstance(mlp, nn.Module):
             raise LeafTypeError(f"TiledMLP: mlp must be an nn.Module, got {type(mlp).__name__}")
         self.mlp = mlp
-        self.tiles = _check_tiles(tiles, "TiledMLP")
+        self.tiles = check_tiles(tiles, "TiledMLP")
         self.dim = dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -399,7 +292,7 @@ def tile_mlps(model: nn.Module, tiles: int, names: Sequence[str] = ("mlp",), dim
 
     Returns the dotted names of the tiled modules (empty if none matched).
     """
-    _check_tiles(tiles, "tile_mlps")
+    check_tiles(tiles, "tile_mlps")
     if isinstance(names, str):
         names = (names,)
     done = []

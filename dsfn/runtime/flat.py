@@ -10,11 +10,13 @@ ZeRO-3's gathers use the transposed layout (`gather_into_buffers`): each full te
 contiguous in a flat buffer, written there by the collective itself, so the weights are
 views of it; the buffers come from a `pool` (ZeRO-3: each unit's own storages, kept across
 steps; `BufferPool`: buffers kept between uses, ZeRO's gradient shards).
+
+`BufferPool` lives in `dsfn.runtime.buffer_pool`; stage 1/2's `all_gather_full` and the
+two-stage `hierarchical_all_gather` in `dsfn.runtime.gathers`. This module re-exports them.
 """
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +24,8 @@ import torch
 
 from dsfn.errors import ConfigError
 from dsfn.runtime import collectives as C
+from dsfn.runtime.buffer_pool import BufferPool
+from dsfn.runtime.gathers import GatherHandle, all_gather_full, hierarchical_all_gather  # noqa: F401
 from dsfn.runtime.mesh import current_mesh
 
 
@@ -223,124 +227,6 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
                 self.on_bucket([(k, self.shards[k]) for k in keys])
 
 
-class GatherHandle:
-    """In-flight bucketed all-gathers; `wait()` returns the full tensors in input order."""
-
-    def __init__(self, n: int, shapes: Sequence[tuple[int, ...]], count: int):
-        self.n, self.shapes = n, shapes
-        self._out: list[torch.Tensor | None] = [None] * count
-        self._inflight: list[tuple[list[tuple[int, int]], C.Pending]] = []
-
-    def wait(self) -> list[torch.Tensor]:
-        for items, pending in self._inflight:
-            rows = pending.wait().view(self.n, -1)
-            offset = 0
-            for i, c in items:
-                numel = math.prod(self.shapes[i])
-                self._out[i] = rows[:, offset:offset + c].reshape(-1)[:numel].reshape(self.shapes[i])
-                offset += c
-        self._inflight = []
-        return self._out  # type: ignore[return-value]
-
-
-def all_gather_full(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]], axis: str,
-                    bucket_elems: int, async_op: bool = False):
-    """Inverse of the reduce-scatter: full tensors of `shapes` from every rank's shards.
-
-    Shards are grouped by dtype and packed into buckets of at most `bucket_elems`
-    elements, one all-gather each. Returns the list, or a `GatherHandle` with `async_op`.
-    """
-    n = current_mesh().size(axis)
-    shards = [s.detach() for s in shards]      # collectives write outside autograd
-    handle = GatherHandle(n, shapes, len(shards))
-    order = sorted(range(len(shards)), key=lambda i: str(shards[i].dtype))   # stable: keeps order per dtype
-    bucket: list[int] = []
-
-    def flush() -> None:
-        if not bucket:
-            return
-        flat = torch.cat([shards[i].reshape(-1) for i in bucket]) if len(bucket) > 1 else shards[bucket[0]].reshape(-1)
-        handle._inflight.append(([(i, shards[i].numel()) for i in bucket], C.all_gather(flat, axis, async_op=True)))
-        bucket.clear()
-
-    used = 0
-    for i in order:
-        if bucket and (shards[i].dtype != shards[bucket[0]].dtype or used + shards[i].numel() > bucket_elems):
-            flush()
-            used = 0
-        bucket.append(i)
-        used += shards[i].numel()
-    flush()
-    return handle if async_op else handle.wait()
-
-
-class BufferPool:
-    """Flat buffers kept for reuse, keyed by (numel, dtype, device): at most `keep` idle ones
-    per key. Long-lived buffers of the same sizes step after step (ZeRO's gradient shards,
-    `take_lent`; gathers with a pool): taking them from here lets the allocator see the same
-    blocks every time, instead of fresh blocks interleaved with activations (holes glibc
-    cannot reuse).
-
-    A buffer is handed out again only when nothing else references its storage (no view
-    of it is alive): a weight someone still holds is never overwritten by a later gather.
-    """
-
-    def __init__(self, keep: int = 2):
-        self.keep = keep
-        self._idle: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
-        self._lent: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
-        self._held: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (numel, dtype, torch.device(device))
-        idle = self._idle.get(key)
-        if idle:
-            return idle.pop()
-        held = self._held.get(key, [])
-        for attempt in range(4):
-            for k, buf in enumerate(held):
-                if _sole(buf):               # whoever still viewed it at `give` is done now
-                    return held.pop(k)
-            if not held:
-                break
-            # usually a collective backend's worker thread that has not destroyed a finished
-            # work yet (gloo drops its tensors just after the wait returns): let it run
-            time.sleep(0 if attempt < 2 else 1e-4)
-        return torch.empty(numel, dtype=dtype, device=device)
-
-    def take_lent(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A buffer that its user never gives back (it hands out views of it, e.g. gradient
-        shards): the pool keeps it and lends it again once no view of it is left."""
-        lent = self._lent.setdefault((numel, dtype, torch.device(device)), [])
-        for buf in lent:
-            if _sole(buf):
-                return buf
-        buf = torch.empty(numel, dtype=dtype, device=device)
-        if len(lent) < self.keep:
-            lent.append(buf)
-        return buf
-
-    def give(self, buf: torch.Tensor) -> None:
-        key = (buf.numel(), buf.dtype, buf.device)
-        idle, held = self._idle.setdefault(key, []), self._held.setdefault(key, [])
-        if len(idle) + len(held) >= self.keep:
-            return
-        # still viewed (a caller's view, or a finished collective's work object not yet
-        # destroyed): kept aside and taken again only once nothing else references it
-        (idle if _sole(buf) else held).append(buf)
-
-    def clear(self) -> None:
-        self._idle.clear()
-        self._lent.clear()
-        self._held.clear()
-
-
-def _sole(buf: torch.Tensor) -> bool:
-    """Whether `buf` is the only tensor on its storage (the temporary storage object made
-    here counts once, `buf` once: more means a view of it is alive)."""
-    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2
-
-
 class FlatGather:
     """In-flight all-gathers of several shards, each straight into a flat buffer (`slabs`).
 
@@ -464,25 +350,6 @@ def gather_into_buffers(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[i
         used += s.numel()
     flush()
     return FlatGather(views, slabs, pendings)  # type: ignore[arg-type]
-
-
-def hierarchical_all_gather(outs: list[torch.Tensor], ins: list[torch.Tensor], cross: str, local: str) -> C.Pending:
-    """The all-gather of `ins` over a group of S nodes x L ranks (node-major: group rank
-    b*L + j is node b's j-th), in two stages: over `cross` (S ranks, one per node, the same j)
-    then over `local` (the L ranks of this node); each `outs[k]` receives the S*L pieces in
-    group-rank order, as a flat all-gather writes them. Every node brings the same bytes
-    across its boundary as a flat ring would, in S-1 network hops instead of S*L-1, through
-    one NIC per rank. Completed when it returns (a Pending for `FlatGather`)."""
-    m = current_mesh()
-    nodes, per = m.size(cross), m.size(local)
-    mid = [torch.empty(nodes * t.numel(), dtype=t.dtype, device=t.device) for t in ins]
-    C.all_gather_into_(mid, list(ins), cross)                  # [b]: node b's piece at my place j
-    full = [torch.empty(per * x.numel(), dtype=x.dtype, device=x.device) for x in mid]
-    C.all_gather_into_(full, mid, local)                       # [j][b]: every place of every node
-    for out, f, t in zip(outs, full, ins):
-        c = t.numel()
-        out.view(nodes, per, c).copy_(f.view(per, nodes, c).transpose(0, 1))
-    return C.Pending(None, outs)
 
 
 def owners_by_size(numels: Sequence[int], n: int) -> list[int]:

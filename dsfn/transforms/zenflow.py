@@ -140,7 +140,6 @@ from dsfn.engines.zenflow import (Staging, acc_dtype, cast_like, compact, like, 
 from dsfn.errors import ConfigError, LeafTypeError, StackError
 from dsfn.placed import data_of
 from dsfn.runtime import env
-from dsfn.runtime.mesh import holds_nothing
 from dsfn.state.layout import is_placed
 from dsfn.transforms.core import Transform, activate, make_transform
 from dsfn.transforms.facts import StackFacts, stack_facts
@@ -148,7 +147,6 @@ from dsfn.transforms.facts import StackFacts, stack_facts
 __all__ = ["KEY", "ZenFlow", "ZenFlowState", "num_selected", "select_columns", "zenflow"]
 
 KEY = "zenflow"
-HOST = torch.device("cpu")
 
 
 @tree.dataclass
@@ -256,16 +254,13 @@ class ZenFlow(Transform):
         """A `tx` state of every parameter -> ZenFlowState: the dense and host states take its
         leaves (dsfn.engines.zenflow.split_state), the host ones in host memory."""
         dense, host = split_state(tx, full, ({n: x for n, x in P.items() if n not in mats}, {n: P[n] for n in mats}))
-        return self._new_state(dense, tree.map(lambda x: x if holds_nothing(x) else x.to(HOST), host), P, mats)
+        return self._new_state(dense, engine.on_host(host), P, mats)
 
     def _new_state(self, dense: Any, host: Any, P: dict, mats: dict) -> ZenFlowState:
         ud = self._update_dtypes(P, mats)
-        zeros = lambda n, dtype: like(P[n], torch.zeros(data_of(P[n]).shape, dtype=dtype, device=HOST))  # noqa: E731
-        buffer = {n: zeros(n, acc_dtype(ud[n])) for n in mats}
-        pending = None
-        if self.overlap:
-            pending = {"grads": {n: zeros(n, acc_dtype(ud[n])) for n in mats},
-                       "params": {n: zeros(n, ud[n]) for n in mats}}
+        acc = {n: acc_dtype(ud[n]) for n in mats}
+        buffer = engine.host_zeros(P, acc)
+        pending = {"grads": engine.host_zeros(P, acc), "params": engine.host_zeros(P, ud)} if self.overlap else None
         return ZenFlowState(dense=dense, host=host, buffer=buffer, pending=pending)
 
     def _update_dtypes(self, P: dict, mats: dict) -> dict:
@@ -282,8 +277,7 @@ class ZenFlow(Transform):
         _check_tx(state.tx)
         P = dict(tree.leaves_with_path(state.params, is_leaf=is_placed))
         mats = matrix_info(P, self.topk_ratio)
-        host_zeros = {n: like(P[n], torch.zeros(data_of(P[n]).shape, dtype=data_of(P[n]).dtype, device=HOST))
-                      for n in mats}
+        host_zeros = engine.host_zeros(P, {n: data_of(P[n]).dtype for n in mats})
         return self._new_state(state.tx.init({n: x for n, x in P.items() if n not in mats}),
                                state.tx.init(host_zeros), P, mats)
 
@@ -384,25 +378,17 @@ class ZenFlow(Transform):
 
     # -- overlap: the host update one step behind ---------------------------------------------------
     def _start(self, tx, grads, host, params, count, inputs) -> None:
-        import concurrent.futures
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsfn-zenflow")
         off = self._offload()
         kernel = (off["host_kernel"], off["host_cores"]) if off is not None else (self.host_kernel, None)
-        self._job = (inputs, self._pool.submit(engine.host_update_thread, kernel, tx, grads, host, params, count,
-                                               step=_step))
+        self._pool, future = engine.start_behind(self._pool, kernel, tx, grads, host, params, count, step=_step)
+        self._job = (inputs, future)
 
     def _apply_pending(self, tx, P, G, mats, selected, host, pending, count):
         """Apply the host update started at the last flush: the worker's result when its inputs are this
         state's (the same tensors), else recomputed here (e.g. after loading a checkpoint: the same pure
         function of the same inputs, so the same result). Selected columns keep their current values."""
         job, self._job = self._job, None
-        result = None
-        if job is not None:
-            inputs, fut = job
-            res = fut.result()
-            if engine.same(inputs, (pending["grads"], pending["params"], host)):
-                result = res
+        result = engine.behind_result(job, (pending["grads"], pending["params"], host))
         if result is None:
             with self._host_ctx():
                 result = engine.host_update(tx, cast_like(pending["grads"], G), host, pending["params"], count,
