@@ -194,7 +194,8 @@ def zero3_machinery() -> Callable[[Any], bool]:
     reduce-scatter path: the unit lifecycle (dsfn/engines/zero3_units.py) with stage 3's
     gradient accounting (`GradientsDue`), and the runtime pieces it drives (flat buffers,
     bucket plans, collectives)."""
-    runtime = ("dsfn/runtime/flat.py", "dsfn/runtime/buckets.py", "dsfn/runtime/collectives.py")
+    runtime = ("dsfn/runtime/flat.py", "dsfn/runtime/buffer_pool.py", "dsfn/runtime/gathers.py",
+               "dsfn/runtime/buckets.py", "dsfn/runtime/collectives.py")
 
     def where(code) -> bool:
         f = code.co_filename.replace("\\", "/")
