@@ -459,8 +459,8 @@ class UnitGatherer:
         return self
 
     def __exit__(self, *exc):
-        # a forward ended early on purpose (a pipeline stage's end) is complete: the dp ranks
-        # of the stage all end there, so no unit is left to launch for the others' sake
+        # a forward ended early on purpose (ForwardEnded: this rank's part of the model is done)
+        # is complete: the dp ranks holding that part all end there, so no unit is left to launch for the others' sake
         ended = exc[0] is None or issubclass(exc[0], ForwardEnded)
         if exc[0] is None:
             self.finish_forward()

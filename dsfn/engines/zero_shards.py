@@ -31,7 +31,7 @@ from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import BufferPool, ShardReducer, all_gather_full
 from dsfn.runtime.mesh import current_mesh, grad_channel
 from dsfn.state.layout import (FlatShard, Layout, Nested, Offloaded, map_with_mirrors, mirrored_param, shard_further,
-                               stage_copies, stage_piece_shape, sum_stage_copies)
+                               held_copies, stage_piece_shape, sum_held_copies)
 
 __all__ = ["GradientRounds", "WholeJob", "ZeroOptions", "ZeroShards", "compute_device", "inner_piece", "logical_shape", "zero_layout"]
 
@@ -142,7 +142,7 @@ class ZeroShards:
         # gradient buckets and shards, the same blocks every step
         self.grad_pool = BufferPool(keep=ShardReducer.MAX_INFLIGHT + 1)
         # id(unit module) -> [(gatherer, unit index)]: stage 3's gatherers hearing that module's
-        # layer events now (a forward's, until its backward is over; several under a pipeline)
+        # layer events now (a forward's, until its backward is over; several while forwards overlap)
         self.live_units: dict[int, list] = {}
 
     active: Any = None      # the running value_and_grad's reduction (`begin_reduction`), else None
@@ -242,15 +242,15 @@ class ZeroShards:
         plan = dict(named=named, devices=devices, paths=[p for p, _ in with_path], replicated=replicated,
                     layouts=[None if k in replicated else self.shard_layout(x) for k, (_, x) in enumerate(with_path)],
                     spec=spec,
-                    # leaves held as copies by several pipeline stages (a tied embedding): summed after
+                    # leaves held as copies by several holders (a tied embedding and head): summed after
                     copies=[k for k, (_, x) in enumerate(with_path)
-                            if isinstance(x, Placed) and stage_copies(x.layout) is not None])
+                            if isinstance(x, Placed) and held_copies(x.layout) is not None])
         return plan
 
     def _outside_reducer(self, x: Any) -> bool:
         """A leaf whose gradient is all-reduced whole, not reduce-scattered: one kept whole, or
-        one of no elements on this rank (another pipeline stage's parameter: the same on every
-        dp rank of this stage, so the reducer's plan stays alike on them). A key that never
+        one of no elements on this rank (a leaf another holder keeps: the same on every dp rank
+        of this holder, so the reducer's plan stays alike on them). A key that never
         gets a gradient in a bucket would hold the bucket, and every later one, until the
         round's end: no reduce-scatter could start while backward runs."""
         return self.keeps_whole(x) or (not self.mine(x) and data_of(x).numel() == 0)
@@ -292,18 +292,18 @@ class ZeroShards:
 
     def sum_copies(self, grads: list[Any], which: list[int]) -> list[Any]:
         """Gradients of the leaves `which` (indices into `grads`, found once per structure by
-        `grad_plan`) that several holders keep as copies (`stage_copies` of their layout: a
-        tied embedding and head) summed over the holders (`dsfn.state.layout.sum_stage_copies`),
+        `grad_plan`) that several holders keep as copies (`held_copies` of their layout: a
+        tied embedding and head) summed over the holders (`dsfn.state.layout.sum_held_copies`),
         so the copies take the same update. Stages 2-3 take the gradients over inside
         backward, before whoever holds the copies could sum them; a non-holder joins with
         zeros of a holder's reduced piece."""
         parts = [grads[k].data for k in which]
-        copies = [stage_copies(grads[k].layout) for k in which]
+        copies = [held_copies(grads[k].layout) for k in which]
         # (a non-holder's 0-element leaf stays outside ZeRO: its layout is the stage's)
         numel = [0 if c.holds() else self.owner_grad_numel(math.prod(stage_piece_shape(grads[k].layout)))
                  for k, c in zip(which, copies)]
         out = list(grads)
-        for k, summed in zip(which, sum_stage_copies(parts, copies, numel)):
+        for k, summed in zip(which, sum_held_copies(parts, copies, numel)):
             if summed is not grads[k].data:
                 out[k] = Placed(summed, grads[k].layout)
         return out

@@ -115,7 +115,7 @@ Stage12.Reduction = Stage12Reduction
 
 def _sink(reducer):
     """The reducer's `add`, passing over the empty gradient of a leaf all-reduced whole (no
-    elements here: another pipeline stage's parameter)."""
+    elements here: a leaf another holder keeps)."""
     def add(path, grad):
         if grad.numel() or path in reducer.plan:
             reducer.add(path, grad)

@@ -50,5 +50,5 @@ from dsfn.placed import Placed, is_placed  # noqa: F401  (re-exported: the leaf 
 from dsfn.state.layout_base import Layout, MeshCoords, Nested, Offloaded, Replicated  # noqa: F401
 from dsfn.state.placement import (data, gather_tree, inner_view, layout_of, leaf_records,  # noqa: F401
                                   map_with_mirrors, mirrored_param, place, place_tree, shard_further,
-                                  stage_copies, stage_piece_shape, stage_split, sum_stage_copies, unplace)
+                                  held_copies, stage_piece_shape, stage_split, sum_held_copies, unplace)
 from dsfn.state.split_layouts import DimShard, FlatShard, GroupDimShard, PackedDimShard, StageOwned  # noqa: F401

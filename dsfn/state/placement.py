@@ -1,7 +1,7 @@
 """Rules over placed leaves and state trees: a leaf's layout and piece (`layout_of`, `data`,
 `leaf_records`), logical <-> physical (`place`, `unplace`, `place_tree`, `gather_tree`),
 layering a layout on a leaf (`shard_further`, `inner_view`), the stages' layouts
-(`stage_copies`, `stage_split`, `stage_piece_shape`, `sum_stage_copies`) and the mirror rule
+(`held_copies`, `stage_split`, `stage_piece_shape`, `sum_held_copies`) and the mirror rule
 by which optimizer state follows its parameter (`mirrored_param`, `map_with_mirrors`).
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ def gather_tree(physical: Any, mesh: Mesh | None = None) -> Any:
     return tree.map(lambda x: unplace(x, mesh), physical, is_leaf=is_placed)
 
 
-def stage_copies(layout: Any) -> StageOwned | None:
+def held_copies(layout: Any) -> StageOwned | None:
     """The StageOwned of a leaf held as copies by several stages (a tied embedding and
     head), directly or as the inner layout of a Nested (ZeRO's shard of it), else None.
     Each owner's gradient of such a leaf is a part (its own stage's uses): the update
@@ -153,10 +153,10 @@ def _logical_shape_of(x: Any) -> tuple[int, ...]:
     return tuple(x.layout.shape) if isinstance(x, Placed) else tuple(x.shape)
 
 
-def sum_stage_copies(parts: list[torch.Tensor], copies: list[StageOwned],
+def sum_held_copies(parts: list[torch.Tensor], copies: list[StageOwned],
                      owner_numel: list[int]) -> list[torch.Tensor]:
     """The one sum of a tied leaf's gradient parts over the stages that hold copies of it (a
-    tied embedding and head: `stage_copies`), so every copy takes the same update. `parts[k]`:
+    tied embedding and head: `held_copies`), so every copy takes the same update. `parts[k]`:
     this rank's gradient of leaf k (an owner's part, or a non-owner's empty tensor),
     `copies[k]` its StageOwned, `owner_numel[k]` the elements of an owner's part (a non-owner
     joins with that many zeros: the owners' parts are alike, the same coordinates inside the

@@ -30,7 +30,7 @@ through the "micro_batch" primitive as interleaved, and ZeRO's rounds follow the
 each stage's parameters as FlatShards over its dp ranks (1/(pp*dp) of the model per rank)
 and gathers the units this rank's stage runs; those reductions take the gradients over
 inside backward (the fact `takes_grads_in_backward` they publish), so ZeRO, not the
-pipeline, sums a tied parameter's copies over pp (`dsfn.state.layout.stage_copies`). `accumulate(k)` outside multiplies: each step runs k
+pipeline, sums a tied parameter's copies over pp (`dsfn.state.layout.held_copies`). `accumulate(k)` outside multiplies: each step runs k
 pipeline flushes of `microbatches` micro-batches (k*M in all, each 1/(k*M) of the batch);
 the pipeline's own micro-batches are DeepSpeed's accumulation steps, so `accumulate` is
 rarely wanted. A transform that handles
@@ -112,8 +112,8 @@ from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
-from dsfn.state.layout import (Nested, StageOwned, map_with_mirrors, stage_copies, stage_piece_shape, stage_split,
-                               sum_stage_copies)
+from dsfn.state.layout import (Nested, StageOwned, map_with_mirrors, held_copies, stage_piece_shape, stage_split,
+                               sum_held_copies)
 from dsfn.transforms.core import Transform, make_transform, with_role
 from dsfn.transforms.facts import StackFacts, stack_facts
 
@@ -400,12 +400,12 @@ class PipelineParallel(Transform):
         # its owners, whose copies then take the same update (a piece split inside the stage,
         # tensor_parallel's: the same piece on every owner, summed alike) — here, unless a
         # ZeRO-2/3 outside takes the gradients over in backward (they never reach these
-        # leaves): it sums them then (`dsfn.state.layout.stage_copies`)
+        # leaves): it sums them then (`dsfn.state.layout.held_copies`)
         if not any(stack_facts(self).outside(self).all("takes_grads_in_backward")):
-            tied = [k for k, x in enumerate(placed) if isinstance(x, Placed) and stage_copies(x.layout) is not None]
+            tied = [k for k, x in enumerate(placed) if isinstance(x, Placed) and held_copies(x.layout) is not None]
             if tied:
-                summed = sum_stage_copies([grads[k] for k in tied], [stage_copies(placed[k].layout) for k in tied],
-                                          [0 if stage_copies(placed[k].layout).holds() else
+                summed = sum_held_copies([grads[k] for k in tied], [held_copies(placed[k].layout) for k in tied],
+                                          [0 if held_copies(placed[k].layout).holds() else
                                            math.prod(stage_piece_shape(placed[k].layout)) for k in tied])
                 for k, g in zip(tied, summed):
                     grads[k] = g

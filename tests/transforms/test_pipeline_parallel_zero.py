@@ -5,7 +5,7 @@ ZeRO's rounds of gradient buckets are backwards, not forwards (`BackwardRounds`)
 buckets here are small (3,000 elements, so a stage's gradients fill several) and each dp rank
 runs 4 micro-batches, which is where rounds per forward would close a round before its
 gradients came. Llama ties its embedding and head: the first and the last stage hold copies,
-whose gradients ZeRO sums over pp after its reduction (`ZeroShards.sum_stage_copies`).
+whose gradients ZeRO sums over pp after its reduction (`ZeroShards.sum_held_copies`).
 ZeRO-3 stores each stage's parameters as FlatShards over the stage's dp ranks (1/(pp*dp) of
 the model per rank) and gathers only what the stage runs. SGD-momentum state is compared at
 fp32 tolerance; Muon and AdamW through the losses and parameters.
@@ -103,12 +103,12 @@ def test_zero3_stores_each_stage_sharded_over_its_dp_ranks_and_clips_the_global_
 
 
 def test_the_layout_names_a_tied_copy_through_zeros_shard():
-    from dsfn.state.layout import stage_copies
+    from dsfn.state.layout import held_copies
     tied = StageOwned("pp", (0, 3), (5, 4))
-    assert stage_copies(tied) is tied
-    assert stage_copies(Nested(tied, FlatShard("dp", (5, 4)))) is tied
-    assert stage_copies(StageOwned("pp", (1,), (5, 4))) is None       # one owner: its gradient is whole
-    assert stage_copies(FlatShard("dp", (5, 4))) is None
+    assert held_copies(tied) is tied
+    assert held_copies(Nested(tied, FlatShard("dp", (5, 4)))) is tied
+    assert held_copies(StageOwned("pp", (1,), (5, 4))) is None       # one owner: its gradient is whole
+    assert held_copies(FlatShard("dp", (5, 4))) is None
 
 
 def _gathered_bytes(m):
