@@ -199,12 +199,10 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
             `hpz="node"` (default: this job's topology when it has `world_size` ranks).
     """
     from dsfn.engines.shard_groups import group_size
-    from dsfn.engines.zero_shards import zero_layout
     from dsfn.optim import adamw
     from dsfn.runtime.mesh import Mesh, on_virtual_mesh
-    from dsfn.state.layout import Placed, is_placed, leaf_records
+    from dsfn.state.layout import leaf_records
     from dsfn.transforms.facts import StackFacts
-    from dsfn.units import unit_sizes
     step_facts = getattr(stack, "facts", None) if hasattr(stack, "fn") else None     # a Step
     stack = tuple(stack.stack) if hasattr(stack, "fn") else tuple(stack or ())
     facts = step_facts if step_facts is not None else StackFacts(stack)
@@ -242,8 +240,19 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
                          shard_group=hybrid, hpz=None if hpz == dp else hpz)
     for k, v in state_fields(leaf_records(state)).items():
         setattr(est, k, v)
-    # the transients, per parameter leaf: the elements ZeRO cut it from (this rank's tp / stage
-    # piece; 0 for another stage's), and its shard's elements when ZeRO shards it
+    pb = _transients(est, state, whole, zero, stage, n_shard, replicas, module, shapes, tp)
+    if cut is not None:
+        pipeline_activations(est, cut, pipe, next(iter(whole.with_role("remat")), None), pp_rank, batch,
+                             dp if replicas else 1, tp, sp, pb)
+    return est
+
+
+def _transients(est, state, whole, zero, stage, n_shard, replicas, module, shapes, tp) -> int:
+    """The transients into `est`, per parameter leaf: the elements ZeRO cut it from (this rank's tp / stage
+    piece; 0 for another stage's), and its shard's elements when ZeRO shards it. Returns the compute bytes."""
+    from dsfn.engines.zero_shards import zero_layout
+    from dsfn.state.layout import Placed, is_placed
+    from dsfn.units import unit_sizes
     leaves = tree.leaves(state.params, is_leaf=is_placed)
     pieces = [x.data if isinstance(x, Placed) else x for x in leaves]
     pb = pieces[0].element_size() if pieces else 4          # the compute dtype's
@@ -264,10 +273,7 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
         est.buckets = min(rb, total) * pb
         if stage in (1, 2):
             est.buckets += min(zero["allgather_bucket_size"], total) * pb
-    if cut is not None:
-        pipeline_activations(est, cut, pipe, next(iter(whole.with_role("remat")), None), pp_rank, batch,
-                             dp if replicas else 1, tp, sp, pb)
-    return est
+    return pb
 
 
 def state_fields(leaves: Any) -> dict[str, int]:

@@ -15,7 +15,8 @@ How the ranks meet: the parent hosts the rendezvous TCPStore itself (port 0, so 
 picks a free port and there is no bind race between picking and using it) and the ranks
 connect as clients (`TORCHELASTIC_USE_AGENT_STORE=True`, exactly what torchrun does).
 The store is started only after the children are forked, so no child inherits a copy
-of its server thread; the port reaches each child through its pipe.
+of its server thread; the port reaches each child through its pipe. What the parent hears
+from the ranks, and the RankFailure it makes of it: `dsfn.launch_reports`.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ import ctypes
 import datetime
 import faulthandler
 import multiprocessing as mp
-import multiprocessing.connection as mp_connection
 import os
 import pickle
 import shutil
@@ -36,17 +36,12 @@ import time
 import traceback
 from typing import Any, Callable, Mapping, Sequence
 
-from dsfn.errors import ConfigError, RankFailure
+from dsfn.errors import ConfigError
+from dsfn.launch_reports import collect, stack_path
 
 __all__ = ["spawn", "main"]
 
 _START_METHODS = ("fork", "spawn", "forkserver")
-# After the first failure, how long to keep listening for other ranks' reports, so the
-# root cause (the earliest failure) is reported rather than a peer's collateral error.
-_FAILURE_GRACE_S = 0.25
-# How long hung ranks get to write their Python stacks after SIGUSR1 at a timeout.
-_STACK_DUMP_WAIT_S = 1.0
-_MAX_STACK_CHARS = 6000
 
 
 # --------------------------------------------------------------------------- helpers
@@ -110,10 +105,6 @@ def _to_cpu(result: Any) -> Any:
         return result
 
 
-def _stack_path(stack_dir: str, rank: int) -> str:
-    return os.path.join(stack_dir, f"rank{rank}.stack")
-
-
 # --------------------------------------------------------------------------- child
 
 
@@ -130,7 +121,7 @@ def _child_main(rank: int, world_size: int, fn: Callable[..., Any], args: tuple,
         except OSError:
             pass
         _die_with_parent(parent_pid)
-        stack_file = open(_stack_path(stack_dir, rank), "w")
+        stack_file = open(stack_path(stack_dir, rank), "w")
         # At a timeout the parent sends SIGUSR1 and reports where the rank was stuck.
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
 
@@ -212,140 +203,82 @@ def _kill(procs: Sequence[Any]) -> None:
             p.join(timeout=5)
 
 
-def _read_report(conn: Any) -> tuple | None:
-    """The rank's report if one is waiting; None when nothing (more) can come from it."""
-    try:
-        if not conn.poll(0):
-            return None
-        data = conn.recv_bytes()
-    except (EOFError, OSError):
-        return None
-    try:
-        return pickle.loads(data)
-    except Exception as e:
-        return ("error", type(e).__name__,
-                f"the result arrived but could not be unpickled in the parent: {e}",
-                traceback.format_exc(), time.time())
+def _check_spawn_args(world_size: Any, timeout: Any, start_method: str, env: Mapping[str, str | None] | None,
+                      ranks_per_node: Any) -> None:
+    """ConfigError for arguments `spawn` refuses, and for a parent a forked rank cannot start from."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"spawn: world_size must be an int >= 1, got {world_size!r}")
+    if not timeout or timeout <= 0:
+        raise ConfigError(f"spawn: timeout must be > 0 seconds, got {timeout!r}")
+    if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+                                       or ranks_per_node < 1 or world_size % ranks_per_node):
+        raise ConfigError(f"spawn: ranks_per_node={ranks_per_node!r} must be an int >= 1 dividing "
+                          f"world_size={world_size}")
+    if start_method not in _START_METHODS:
+        raise ConfigError(f"spawn: start_method must be one of {_START_METHODS}, got {start_method!r}")
+    if start_method == "fork":
+        wants_cuda = env is not None and str(env.get("DSFN_FORCE_CPU", "1")).strip().lower() not in (
+            "1", "true", "yes", "on")
+        torch_mod = sys.modules.get("torch")
+        if wants_cuda and torch_mod is not None and torch_mod.cuda.is_initialized():
+            raise ConfigError("spawn: CUDA is already initialised in this process and a forked "
+                              "child cannot use it; pass start_method='spawn' or keep "
+                              "DSFN_FORCE_CPU=1")
+        dist_mod = sys.modules.get("torch.distributed")
+        if dist_mod is not None and dist_mod.is_available() and dist_mod.is_initialized():
+            # the child would inherit the parent's process group (and hang in it)
+            raise ConfigError("spawn: this process has an initialised torch.distributed process group, "
+                              "which forked ranks would inherit; call spawn before init_process_group "
+                              "(or after destroy_process_group), or pass start_method='spawn'")
 
 
-def _hung_stacks(procs: Sequence[Any], ranks: Sequence[int], stack_dir: str) -> dict[int, str]:
-    """Python stacks of hung ranks, via faulthandler on SIGUSR1."""
-    for r in ranks:
+def _start_ranks(ctx: Any, world_size: int, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                 env: Mapping[str, str | None] | None, stack_dir: str, start_method: str,
+                 ranks_per_node: int | None, procs: list, conns: list) -> None:
+    """Start the ranks' processes, appending each to `procs` and its pipe to `conns` (so the
+    caller reaps what started even when a later start fails)."""
+    for rank in range(world_size):
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        proc = ctx.Process(
+            target=_child_main, name=f"dsfn-rank{rank}",
+            args=(rank, world_size, fn, args, kwargs, dict(env) if env else None,
+                  child_conn, stack_dir,
+                  None if start_method == "forkserver" else os.getpid(), start_method, ranks_per_node))
         try:
-            os.kill(procs[r].pid, signal.SIGUSR1)
-        except ProcessLookupError:
+            proc.start()
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            if start_method == "fork":
+                raise
+            raise ConfigError(
+                f"spawn: with start_method={start_method!r}, fn and its arguments must be "
+                f"picklable (define fn at module level), or use start_method='fork' "
+                f"({type(e).__name__}: {e})") from e
+        finally:
+            child_conn.close()
+        procs.append(proc)
+        conns.append(parent_conn)
+
+
+def _send_port(conns: Sequence[Any], port: int) -> None:
+    """The rendezvous port, to every rank through its pipe."""
+    port_msg = pickle.dumps(port)
+    for conn in conns:
+        try:
+            conn.send_bytes(port_msg)
+        except OSError:
+            pass  # that rank already died; collect reports it
+
+
+def _release(procs: Sequence[Any], conns: Sequence[Any]) -> None:
+    """Kill and reap what is left of the ranks; close their pipes and process handles."""
+    _kill(procs)
+    for conn in conns:
+        conn.close()
+    for proc in procs:
+        try:
+            proc.close()
+        except ValueError:
             pass
-    stacks: dict[int, str] = {}
-    end = time.monotonic() + _STACK_DUMP_WAIT_S
-    while time.monotonic() < end and len(stacks) < len(ranks):
-        time.sleep(0.05)
-        for r in ranks:
-            try:
-                with open(_stack_path(stack_dir, r)) as f:
-                    text = f.read()
-            except OSError:
-                continue
-            if text.strip():
-                stacks[r] = text
-    return stacks
-
-
-def _collect(procs: Sequence[Any], conns: Sequence[Any], deadline: float, timeout: float,
-             stack_dir: str) -> list:
-    n = len(procs)
-    reports: list[tuple | None] = [None] * n
-    exited: dict[int, int | None] = {}    # ranks that died without a report -> exit code
-    pending = set(range(n))
-    dead_conns: set[int] = set()           # EOF seen; wait for the process sentinel only
-    first_failure: float | None = None
-
-    while pending:
-        limit = deadline if first_failure is None else min(deadline, first_failure + _FAILURE_GRACE_S)
-        remaining = limit - time.monotonic()
-        if remaining <= 0:
-            break
-        waitables: dict[Any, int] = {}
-        for r in pending:
-            waitables[procs[r].sentinel] = r
-            if r not in dead_conns:
-                waitables[conns[r]] = r
-        for obj in mp_connection.wait(list(waitables), timeout=remaining):
-            r = waitables[obj]
-            if r not in pending:
-                continue
-            report = _read_report(conns[r])
-            if report is not None:
-                reports[r] = report
-                pending.discard(r)
-                failed = report[0] != "ok"
-            elif procs[r].is_alive():
-                dead_conns.add(r)  # pipe closed but the process lingers: its sentinel will tell
-                continue
-            else:
-                procs[r].join(timeout=1)
-                exited[r] = procs[r].exitcode
-                pending.discard(r)
-                failed = True
-            if failed and first_failure is None:
-                first_failure = time.monotonic()
-
-    errors = {r: rep for r, rep in enumerate(reports) if rep is not None and rep[0] == "error"}
-    if exited or errors:
-        raise _failure_error(n, exited, errors)
-    if pending:
-        hung = sorted(pending)
-        stacks = _hung_stacks(procs, hung, stack_dir)
-        done = sorted(set(range(n)) - pending)
-        msg = (f"spawn timed out after {timeout:g} s: rank(s) {hung} of {n} still running "
-               f"(finished: {done}). A rank that never returns is usually blocked in a "
-               f"collective that another rank did not call, or stuck in fn itself.")
-        if hung[0] in stacks:
-            msg += (f"\n\nPython stack of rank {hung[0]} at the timeout:\n"
-                    f"{stacks[hung[0]][-_MAX_STACK_CHARS:]}")
-        err = RankFailure(msg, rank=hung[0], reason="timeout")
-        err.ranks = hung
-        err.stacks = stacks
-        raise err
-    return [rep[1] for rep in reports]  # type: ignore[index]
-
-
-def _failure_error(n: int, exited: dict[int, int | None], errors: dict[int, tuple]) -> RankFailure:
-    """One RankFailure naming the root cause: a rank that died silently (peers only ever
-    see it as a broken connection), else the earliest exception."""
-    def describe_exit(code: int | None) -> str:
-        if code is not None and code < 0:
-            try:
-                return f"was killed by signal {signal.Signals(-code).name}"
-            except ValueError:
-                return f"was killed by signal {-code}"
-        return f"exited with code {code} without returning a result"
-
-    others: list[str] = []
-    if exited:
-        rank = min(exited)
-        code = exited[rank]
-        msg = f"rank {rank} of {n} {describe_exit(code)}"
-        err = RankFailure(msg, rank=rank, reason="exit")
-        err.exitcode = code
-        err.remote_traceback = None
-    else:
-        rank = min(errors, key=lambda r: (errors[r][4], r))
-        _, etype, emsg, tb, _ = errors[rank]
-        msg = f"rank {rank} of {n} raised {etype}: {emsg}\n\nTraceback from rank {rank}:\n{tb}"
-        err = RankFailure(msg, rank=rank, reason="exception")
-        err.exitcode = None
-        err.remote_traceback = tb
-    for r in sorted(exited):
-        if r != rank:
-            others.append(f"rank {r} {describe_exit(exited[r])}")
-    for r in sorted(errors):
-        if r != rank:
-            first_line = errors[r][2].splitlines()[0] if errors[r][2] else ""
-            others.append(f"rank {r} raised {errors[r][1]}: {first_line[:200]}")
-    if others:
-        err.args = (err.args[0] + "\nAlso failed (often as a consequence): " + "; ".join(others),)
-    err.failed_ranks = sorted(set(exited) | set(errors))
-    return err
 
 
 def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
@@ -384,32 +317,9 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
     Under "fork" each rank runs torch with one intra-op thread: libgomp hangs a
     forked child that uses more threads after the parent has. Do not raise it in fn.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"spawn: world_size must be an int >= 1, got {world_size!r}")
-    if not timeout or timeout <= 0:
-        raise ConfigError(f"spawn: timeout must be > 0 seconds, got {timeout!r}")
-    if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
-                                       or ranks_per_node < 1 or world_size % ranks_per_node):
-        raise ConfigError(f"spawn: ranks_per_node={ranks_per_node!r} must be an int >= 1 dividing "
-                          f"world_size={world_size}")
-    if start_method not in _START_METHODS:
-        raise ConfigError(f"spawn: start_method must be one of {_START_METHODS}, got {start_method!r}")
+    _check_spawn_args(world_size, timeout, start_method, env, ranks_per_node)
     kwargs = dict(kwargs or {})
     args = tuple(args)
-    if start_method == "fork":
-        wants_cuda = env is not None and str(env.get("DSFN_FORCE_CPU", "1")).strip().lower() not in (
-            "1", "true", "yes", "on")
-        torch_mod = sys.modules.get("torch")
-        if wants_cuda and torch_mod is not None and torch_mod.cuda.is_initialized():
-            raise ConfigError("spawn: CUDA is already initialised in this process and a forked "
-                              "child cannot use it; pass start_method='spawn' or keep "
-                              "DSFN_FORCE_CPU=1")
-        dist_mod = sys.modules.get("torch.distributed")
-        if dist_mod is not None and dist_mod.is_available() and dist_mod.is_initialized():
-            # the child would inherit the parent's process group (and hang in it)
-            raise ConfigError("spawn: this process has an initialised torch.distributed process group, "
-                              "which forked ranks would inherit; call spawn before init_process_group "
-                              "(or after destroy_process_group), or pass start_method='spawn'")
 
     ctx = mp.get_context(start_method)
     deadline = time.monotonic() + timeout
@@ -418,48 +328,17 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
     conns: list[Any] = []
     store = None
     try:
-        for rank in range(world_size):
-            parent_conn, child_conn = ctx.Pipe(duplex=True)
-            proc = ctx.Process(
-                target=_child_main, name=f"dsfn-rank{rank}",
-                args=(rank, world_size, fn, args, kwargs, dict(env) if env else None,
-                      child_conn, stack_dir,
-                      None if start_method == "forkserver" else os.getpid(), start_method, ranks_per_node))
-            try:
-                proc.start()
-            except (pickle.PicklingError, AttributeError, TypeError) as e:
-                if start_method == "fork":
-                    raise
-                raise ConfigError(
-                    f"spawn: with start_method={start_method!r}, fn and its arguments must be "
-                    f"picklable (define fn at module level), or use start_method='fork' "
-                    f"({type(e).__name__}: {e})") from e
-            finally:
-                child_conn.close()
-            procs.append(proc)
-            conns.append(parent_conn)
+        _start_ranks(ctx, world_size, fn, args, kwargs, env, stack_dir, start_method, ranks_per_node, procs, conns)
         # Only now, with every child started, start the store's server thread.
         store = _start_store(timeout)
-        port_msg = pickle.dumps(store.port)
-        for conn in conns:
-            try:
-                conn.send_bytes(port_msg)
-            except OSError:
-                pass  # that rank already died; _collect reports it
-        results = _collect(procs, conns, deadline, timeout, stack_dir)
+        _send_port(conns, store.port)
+        results = collect(procs, conns, deadline, timeout, stack_dir)
         # Give ranks a moment to finish tearing down their groups before the store goes.
         for proc in procs:
             proc.join(timeout=max(0.0, min(deadline - time.monotonic(), 5.0)))
         return results
     finally:
-        _kill(procs)
-        for conn in conns:
-            conn.close()
-        for proc in procs:
-            try:
-                proc.close()
-            except ValueError:
-                pass
+        _release(procs, conns)
         del store
         shutil.rmtree(stack_dir, ignore_errors=True)
 

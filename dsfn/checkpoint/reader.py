@@ -48,7 +48,35 @@ def load(path: str | os.PathLike, like: Any, strict: bool = True, verify: bool =
     spec = tree.structure(like, is_leaf=is_placed)
     saved = manifest.leaves
 
-    # validate everything first
+    _check_leaf_sets(manifest, like_leaves, strict)
+    plans = _plan(manifest, like_leaves, mesh)
+    rng_entry = ((manifest.raw.get("rng") or {}).get(str(env.rank()))
+                 if restore_rng and manifest.world_size == env.world_size() else None)   # what read_rng reads
+    _check_files_present(manifest, {s["file"] for leaf, _, region, _ in plans if region is not None
+                                    for s in saved[leaf]["slices"]}
+                         | ({rng_entry["file"]} if rng_entry else set()))
+
+    reader = Reader(manifest, verify)
+    try:
+        out = _read_leaves(plans, saved, reader)
+        snapshot = None
+        if restore_rng and manifest.raw.get("rng"):
+            if manifest.world_size == env.world_size():
+                snapshot = read_rng(manifest, reader, env.rank())
+            else:
+                warnings.warn(f"checkpoint {manifest.path} was saved by {manifest.world_size} ranks and is loaded "
+                              f"by {env.world_size()}: the ranks' random generator states are not restored",
+                              stacklevel=2)
+    finally:
+        reader.close()
+    if snapshot is not None:
+        rng.restore(snapshot)
+    return tree.unflatten(spec, out)
+
+
+def _check_leaf_sets(manifest: F.Manifest, like_leaves: list, strict: bool) -> None:
+    """CheckpointError for a target leaf the checkpoint lacks, or (strict) the reverse."""
+    saved = manifest.leaves
     missing = [p for p, _ in like_leaves if p not in saved]
     if missing:
         raise CheckpointError(f"checkpoint {manifest.path} has no leaf {missing[0]!r}"
@@ -61,6 +89,12 @@ def load(path: str | os.PathLike, like: Any, strict: bool = True, verify: bool =
             raise CheckpointError(f"checkpoint {manifest.path} has leaf {extra[0]!r} that the target state lacks"
                                   + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
                                   + "; pass strict=False to ignore extra leaves")
+
+
+def _plan(manifest: F.Manifest, like_leaves: list, mesh: Any) -> list[tuple]:
+    """(leaf, target, region, logical shape) per target leaf (region None: a stored value),
+    after checking each against the checkpoint (kind, shape, dtype, files, layout slices)."""
+    saved = manifest.leaves
     plans = []
     for leaf, x in like_leaves:
         desc = saved[leaf]
@@ -88,39 +122,26 @@ def load(path: str | os.PathLike, like: Any, strict: bool = True, verify: bool =
                 raise CheckpointError(f"leaf {leaf!r} names file {s['file']!r}, which the manifest does not list")
         _check_layout_slices(leaf, desc, manifest.raw.get("mesh"))
         plans.append((leaf, x, region, shape))
-    rng_entry = ((manifest.raw.get("rng") or {}).get(str(env.rank()))
-                 if restore_rng and manifest.world_size == env.world_size() else None)   # what read_rng reads
-    _check_files_present(manifest, {s["file"] for leaf, _, region, _ in plans if region is not None
-                                    for s in saved[leaf]["slices"]}
-                         | ({rng_entry["file"]} if rng_entry else set()))
+    return plans
 
-    reader = Reader(manifest, verify)
-    try:
-        out = []
-        for leaf, x, region, shape in plans:
-            if region is None:
-                out.append(saved[leaf]["value"])
-                continue
-            piece = x.data if isinstance(x, Placed) else x
-            buf = assemble(leaf, saved[leaf], region, shape, piece.dtype, reader)
-            buf = buf.to(piece.device)
-            adopt = getattr(x.layout, "adopt", None) if isinstance(x, Placed) else None
-            if adopt is not None:      # e.g. offload("nvme"): the piece goes into the layout's own file
-                buf = adopt(buf)
-            out.append(Placed(buf, x.layout) if isinstance(x, Placed) else buf)
-        snapshot = None
-        if restore_rng and manifest.raw.get("rng"):
-            if manifest.world_size == env.world_size():
-                snapshot = read_rng(manifest, reader, env.rank())
-            else:
-                warnings.warn(f"checkpoint {manifest.path} was saved by {manifest.world_size} ranks and is loaded "
-                              f"by {env.world_size()}: the ranks' random generator states are not restored",
-                              stacklevel=2)
-    finally:
-        reader.close()
-    if snapshot is not None:
-        rng.restore(snapshot)
-    return tree.unflatten(spec, out)
+
+def _read_leaves(plans: list[tuple], saved: dict, reader: Reader) -> list:
+    """Each planned leaf's value: a stored value as it is, a tensor piece read into this
+    rank's region, on the target's device and in its layout (adopted where the layout keeps
+    its own storage)."""
+    out = []
+    for leaf, x, region, shape in plans:
+        if region is None:
+            out.append(saved[leaf]["value"])
+            continue
+        piece = x.data if isinstance(x, Placed) else x
+        buf = assemble(leaf, saved[leaf], region, shape, piece.dtype, reader)
+        buf = buf.to(piece.device)
+        adopt = getattr(x.layout, "adopt", None) if isinstance(x, Placed) else None
+        if adopt is not None:      # e.g. offload("nvme"): the piece goes into the layout's own file
+            buf = adopt(buf)
+        out.append(Placed(buf, x.layout) if isinstance(x, Placed) else buf)
+    return out
 
 
 def verify(path: str | os.PathLike) -> list[str]:

@@ -52,15 +52,21 @@ from typing import Any, NamedTuple
 import torch
 
 from dsfn.checks import check_real
-from dsfn.errors import ConfigError, LeafTypeError, ShapeError
+from dsfn.errors import ConfigError, ShapeError
 from dsfn.ops import dispatch
+from dsfn.ops.adamw_checks import (  # noqa: F401  (check_adam_operands: public here too)
+    check_adam_operands, check_out, check_scalar_tensor)
+from dsfn.ops.adamw_kernels import triton
+
+if triton is not None:       # the kernels (`dsfn.ops.adamw_kernels`); the helpers are public here too
+    from dsfn.ops.adamw_kernels import adamw_kernel as _adamw_kernel
+    from dsfn.ops.adamw_kernels import adamw_multi_kernel as _adamw_multi_kernel
+    from dsfn.ops.adamw_kernels import block_offsets, cast_rne, to_bf16_rtne  # noqa: F401
 
 __all__ = ["DEFAULT_BLOCK", "AdamWUpdate", "adamw_coefficients", "adamw_update", "adamw_update_multi", "adamw_update_torch",
            "adamw_update_triton"]
 
 DEFAULT_BLOCK = 1024
-_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_LOWP_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class AdamWUpdate(NamedTuple):
@@ -83,16 +89,6 @@ class _Prepared(NamedTuple):
     eps: float
     lowp_dtype: torch.dtype | None
     out: tuple | None
-
-
-def _check_scalar_tensor(name: str, t: torch.Tensor, floating: bool) -> None:
-    if t.dim() > 1 or t.numel() != 1:
-        raise ConfigError(f"adamw_update({name}=tensor of shape {tuple(t.shape)}): pass a tensor of shape () or (1,)")
-    if floating and not t.is_floating_point():
-        raise ConfigError(f"adamw_update({name}=tensor of dtype {t.dtype}): {name} must be floating point, "
-                          "e.g. torch.tensor(1e-3, dtype=torch.float64)")
-    if t.is_complex() or t.dtype == torch.bool:
-        raise ConfigError(f"adamw_update({name}=tensor of dtype {t.dtype}): expected a real number")
 
 
 def adamw_coefficients(lr: float | torch.Tensor, step: int | torch.Tensor, beta1: float, beta2: float,
@@ -132,33 +128,6 @@ def _scalar_on(x: float | int | torch.Tensor, f64: dict[str, Any]) -> torch.Tens
     return x.to(f64["dtype"]).to(f64["device"], non_blocking=True)
 
 
-def check_adam_operands(who: str, param, grad, exp_avg, exp_avg_sq,
-                        extra: tuple = ()) -> tuple[tuple[str, torch.Tensor], ...]:
-    """Types, dtypes and shapes of an AdamW step's operands (fp32 param and moments, a
-    float32/bfloat16/float16 grad, all of param's shape); `extra` (name, tensor, dtypes,
-    hint) pairs are checked for type and dtype too. Returns the (name, tensor) pairs."""
-    named = (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))
-    for name, t in named + tuple((n, t) for n, t, _, _ in extra):
-        if not isinstance(t, torch.Tensor):
-            raise LeafTypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    for name, t in named:
-        if name == "grad":
-            if t.dtype not in _GRAD_DTYPES:
-                raise LeafTypeError(f"{who}: grad has dtype {t.dtype}; use float32, bfloat16 or float16")
-        elif t.dtype != torch.float32:
-            raise LeafTypeError(f"{who}: {name} has dtype {t.dtype}; param, exp_avg and exp_avg_sq must "
-                                "be float32 (the fp32 master weights and their moments)")
-    for name, t, dtypes, hint in extra:
-        if t.dtype not in dtypes:
-            raise LeafTypeError(f"{who}: {name} has dtype {t.dtype}; {hint}")
-    named += tuple((n, t) for n, t, _, _ in extra)
-    for name, t in named[1:]:
-        if t.shape != param.shape:
-            raise ShapeError(f"{who}: {name} has shape {tuple(t.shape)} but param has "
-                             f"{tuple(param.shape)}; pass the grad and moments of this param")
-    return named
-
-
 def _prepare(param, grad, exp_avg, exp_avg_sq, lr, step, beta1, beta2, eps, weight_decay, lowp_dtype,
              out) -> _Prepared:
     named = check_adam_operands("adamw_update", param, grad, exp_avg, exp_avg_sq)
@@ -171,49 +140,20 @@ def _prepare(param, grad, exp_avg, exp_avg_sq, lr, step, beta1, beta2, eps, weig
     eps = check_real("adamw_update(eps)", eps, lo=0.0, hint="; e.g. 1e-8")
     wd = check_real("adamw_update(weight_decay)", weight_decay, lo=0.0, hint="; use 0 for no weight decay")
     if isinstance(lr, torch.Tensor):
-        _check_scalar_tensor("lr", lr, floating=True)
+        check_scalar_tensor("lr", lr, floating=True)
         if lr.device.type == "cpu" and not bool(lr.reshape(()) >= 0):      # no host sync for device lrs
             raise ConfigError(f"adamw_update(lr={lr.item()!r}): the learning rate must be >= 0")
     else:
         lr = check_real("adamw_update(lr)", lr, lo=0.0, hint="; or pass a 1-element tensor")
     if isinstance(step, torch.Tensor):
-        _check_scalar_tensor("step", step, floating=False)
+        check_scalar_tensor("step", step, floating=False)
         if step.device.type == "cpu" and not bool(step.reshape(()) >= 1):
             raise ConfigError(f"adamw_update(step={step.item()!r}): step counts updates from 1 (torch's "
                               "state['step'] after its increment; dsfn's AdamState.count + 1)")
     elif isinstance(step, bool) or not isinstance(step, Integral) or step < 1:
         raise ConfigError(f"adamw_update(step={step!r}): pass an int >= 1 (the number of this update, from 1) "
                           "or a 1-element tensor")
-    if out is not None:
-        out = tuple(out)
-        if len(out) not in (3, 4):
-            raise ConfigError(f"adamw_update(out=...): pass (param, exp_avg, exp_avg_sq[, param_lowp]), "
-                              f"got {len(out)} entries")
-        if len(out) == 4:
-            if not isinstance(out[3], torch.Tensor):
-                raise LeafTypeError(f"adamw_update: out[3] must be a torch.Tensor, got {type(out[3]).__name__}")
-            if lowp_dtype is not None and lowp_dtype != out[3].dtype:
-                raise ConfigError(f"adamw_update: lowp_dtype={lowp_dtype} but out[3] has dtype {out[3].dtype}")
-            lowp_dtype = out[3].dtype
-    if lowp_dtype is not None and lowp_dtype not in _LOWP_DTYPES:
-        raise ConfigError(f"adamw_update(lowp_dtype={lowp_dtype}): use torch.bfloat16, torch.float16 or None")
-    if out is not None:
-        names = ("param", "exp_avg", "exp_avg_sq", "param_lowp")
-        for i, t in enumerate(out):
-            if not isinstance(t, torch.Tensor):
-                raise LeafTypeError(f"adamw_update: out[{i}] ({names[i]}) must be a torch.Tensor, "
-                                    f"got {type(t).__name__}")
-            want = lowp_dtype if i == 3 else torch.float32
-            if t.dtype != want:
-                raise LeafTypeError(f"adamw_update: out[{i}] ({names[i]}) has dtype {t.dtype}, expected {want}")
-            if t.shape != param.shape:
-                raise ShapeError(f"adamw_update: out[{i}] ({names[i]}) has shape {tuple(t.shape)}, expected "
-                                 f"{tuple(param.shape)}")
-            if not t.is_contiguous():
-                raise ShapeError(f"adamw_update: out[{i}] ({names[i]}) must be contiguous")
-            if t.device != param.device:
-                raise ConfigError(f"adamw_update: out[{i}] ({names[i]}) is on {t.device}, the params on "
-                                  f"{param.device}")
+    out, lowp_dtype = check_out(out, lowp_dtype, param)
     coef = adamw_coefficients(lr, step, b1, b2, wd, param.device)
     return _Prepared(coef, 1.0 - b1, b2, 1.0 - b2, eps, lowp_dtype, out)
 
@@ -268,109 +208,6 @@ def adamw_update_torch(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.T
 
 # ---------------------------------------------------------------------------------------
 # Triton kernel
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:   # pragma: no cover - triton is a dependency on linux x86_64 only
-    triton = None
-
-if triton is not None:
-    @triton.jit
-    def block_offsets(pid, BLOCK: tl.constexpr):
-        """Element offsets `pid * BLOCK + [0, BLOCK)` of a flat 1-D kernel, in int64.
-
-        The product is taken after widening `pid`, so offsets past 2**31 elements (8 GiB of
-        fp32) do not wrap. dsfn's flat 1-D kernels compute their offsets here.
-        """
-        return pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-
-    @triton.jit
-    def to_bf16_rtne(x):
-        """float32 -> bfloat16, round to nearest even like `Tensor.to`; NaN -> 0x7FC0.
-
-        Written on the bits so that it is exact on every backend: the interpreter's own
-        fp32 -> bf16 cast truncates, and its "rtne" mode rounds ties up.
-        """
-        u = x.to(tl.uint32, bitcast=True)
-        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        r = tl.where(x != x, 0x7FC0, r)                # noqa: PLR0124 (x != x: NaN)
-        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-    @triton.jit
-    def cast_rne(x, dtype: tl.constexpr):
-        """float32 `x` as `dtype`, rounded to nearest even on every backend (see to_bf16_rtne)."""
-        if dtype == tl.bfloat16:
-            return to_bf16_rtne(x)
-        else:
-            return x.to(dtype)
-
-    @triton.jit
-    def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, coef_ptr, p_out, m_out, v_out, lowp_out, n,
-                      w1, beta2, w2, eps,
-                      BLOCK: tl.constexpr, LERP_SMALL: tl.constexpr, WRITE_LOWP: tl.constexpr):
-        offs = block_offsets(tl.program_id(0), BLOCK)
-        mask = offs < n
-        decay = tl.load(coef_ptr)
-        neg_step_size = tl.load(coef_ptr + 1)
-        bc2_sqrt = tl.load(coef_ptr + 2)
-        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, p_out, m_out, v_out, lowp_out, offs, mask,
-                     decay, neg_step_size, bc2_sqrt, w1, beta2, w2, eps, LERP_SMALL, WRITE_LOWP)
-
-    @triton.jit
-    def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, p_out, m_out, v_out, lowp_out, offs, mask,
-                     decay, neg_step_size, bc2_sqrt, w1, beta2, w2, eps,
-                     LERP_SMALL: tl.constexpr, WRITE_LOWP: tl.constexpr):
-        """The AdamW update of the elements `offs` (where `mask`): both kernels run this, so
-        the per-tensor and the multi-tensor launch are bitwise one another."""
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        # torch.lerp: one rounding of w*(g - m) + m (its vector kernel is an fma), and for
-        # weights >= 0.5 the form anchored at g
-        if LERP_SMALL:
-            m = tl.fma(g - m, w1, m)
-        else:
-            m = tl.fma(g - m, w1 - 1.0, g)
-        v = tl.fma(w2 * g, g, v * beta2)           # addcmul: torch's vector kernels contract it too
-        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-        p = p * decay + tl.div_rn(neg_step_size * m, denom)
-        tl.store(p_out + offs, p, mask=mask)
-        tl.store(m_out + offs, m, mask=mask)
-        tl.store(v_out + offs, v, mask=mask)
-        if WRITE_LOWP:
-            tl.store(lowp_out + offs, cast_rne(p, lowp_out.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _adamw_multi_kernel(ptrs, chunks, coef_ptr, w1, beta2, w2, eps,
-                            G_DTYPE: tl.constexpr, L_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
-                            ITERS: tl.constexpr, LERP_SMALL: tl.constexpr, WRITE_LOWP: tl.constexpr):
-        """One program: a chunk of BLOCK * ITERS elements of one tensor of the group.
-
-        `ptrs` rows (dsfn.ops.multi_tensor.pointer_table): param, grad, exp_avg, exp_avg_sq,
-        param_out, exp_avg_out, exp_avg_sq_out, lowp_out, numel; `chunks` rows: tensor, start."""
-        pid = tl.program_id(0).to(tl.int64)
-        t = tl.load(chunks + 2 * pid)
-        start = tl.load(chunks + 2 * pid + 1)
-        row = ptrs + 9 * t
-        p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
-        g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
-        m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-        v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-        p_out = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-        m_out = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-        v_out = tl.load(row + 6).to(tl.pointer_type(tl.float32))
-        lowp_out = tl.load(row + 7).to(tl.pointer_type(L_DTYPE))
-        n = tl.load(row + 8)
-        decay = tl.load(coef_ptr)
-        neg_step_size = tl.load(coef_ptr + 1)
-        bc2_sqrt = tl.load(coef_ptr + 2)
-        # the chunk's blocks that hold elements: a small tensor's program stops after its own
-        for i in range(tl.minimum(ITERS, tl.cdiv(n - start, BLOCK))):
-            offs = start + i * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-            _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, p_out, m_out, v_out, lowp_out, offs, offs < n,
-                         decay, neg_step_size, bc2_sqrt, w1, beta2, w2, eps, LERP_SMALL, WRITE_LOWP)
 
 
 def adamw_update_triton(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

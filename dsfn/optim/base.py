@@ -80,6 +80,15 @@ def tensor_leaves(t: PyTree, what: str) -> tuple[list[torch.Tensor], tree.TreeSp
     return leaves, spec
 
 
+def flatten_like(t: PyTree, spec: tree.TreeSpec, what: str) -> list[torch.Tensor]:
+    """`t`'s leaves, LeafTypeError unless `t` has the structure `spec` (of the updates)."""
+    leaves, s = tree.flatten(t)
+    if s != spec:
+        raise LeafTypeError(f"{what} does not have the structure of the updates ({s} vs {spec}); pass the "
+                            "state this transform's init/update returned for the same params tree")
+    return leaves
+
+
 def apply_updates(params: Params, updates: Updates) -> Params:
     """`params + updates` leaf by leaf; each result has its param's dtype.
 

@@ -89,8 +89,8 @@ formula: bias-corrected moments, `p * (1 - lr * wd) - lr * m_hat / (sqrt(v_hat) 
 """
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -100,7 +100,11 @@ from dsfn.checks import check_int, check_real
 from dsfn.errors import ConfigError, LeafTypeError
 from dsfn.optim._foreach import check_betas, mul_scalar
 from dsfn.optim.base import GradientTransformation, PyTree, tensor_leaves, zero_count
-from dsfn.optim.masks import Mask, as_bool, evaluate_mask
+from dsfn.optim.masks import Mask
+from dsfn.optim.muon_params import (  # noqa: F401  (default_use_muon, HeadsFn: public here too)
+    HeadsFn, check_heads, check_some_muon, choose_muon, default_use_muon, muon_split)
+from dsfn.optim.ns_iteration import (  # noqa: F401  (the NS constants and kernels: public here too)
+    NS_COEFFS, NS_EPS, NS_METHODS, check_ns_args, gram_newton_schulz, newton_schulz, ns_compute_dtype)
 from dsfn.optim.transform import (
     AdamState,
     LearningRate,
@@ -113,97 +117,17 @@ from dsfn.placed import Placed, data_of, is_placed
 
 __all__ = ["MuonState", "MuonTransformation", "gram_newton_schulz", "muon", "muon_matrix_update", "muon_split",
            "newton_schulz", "ns_compute_dtype", "orthogonalize"]
-
-NS_COEFFS = (3.4445, -4.7750, 2.0315)
-NS_METHODS = ("standard", "gram")
-NS_EPS = 1e-7
 # DeepSpeed's defaults (MuonWithAuxAdam / engine): muon lr 0.02, momentum 0.95; adam lr 3e-4
 MUON_LR_DEFAULT = 0.02
 ADAM_LR_DEFAULT = 3e-4
 
-# Attention projection names for `num_heads=<int>` (DeepSpeed's leaf-module classification):
-# the per-head split is on dim 0, so only projections whose *output* is blocked by heads.
-_QUERY_LEAVES = ("q_proj", "query", "wq")
-_KV_LEAVES = ("k_proj", "key", "wk", "v_proj", "value", "wv")
-_NOT_HEAD_BLOCKED = ("qkv_proj", "query_key_value", "c_attn", "in_proj_qkv", "wqkv",
-                     "q_a_proj", "kv_a_proj", "q_b_proj", "kv_b_proj")
-
-HeadsFn = Callable[[str, torch.Tensor], int | None]
-
 
 # ---------------------------------------------------------------------------------------
-# Newton-Schulz
-
-
-def ns_compute_dtype(device: torch.device | str) -> torch.dtype:
-    """The default Newton-Schulz dtype on `device` (`ns_dtype=None`): bf16 where the device
-    does bf16 arithmetic natively (CUDA compute capability >= 8.0), fp32 elsewhere (CPU,
-    older GPUs, other devices). See "Deviations from DeepSpeed" in the module docstring."""
-    from dsfn.ops.dispatch import device_supports_bf16  # lazy: dsfn.ops imports dsfn.optim
-    return torch.bfloat16 if device_supports_bf16(device) else torch.float32
+# the Muon update of one matrix
 
 
 def _ns_dtype(ns_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
     return ns_compute_dtype(device) if ns_dtype is None else ns_dtype
-
-
-def _normalized(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """G (wide orientation: the caller transposes) / (‖G‖_F + eps) in `dtype`. Normalised in
-    the wider of G's dtype and `dtype` (fp32 in place of fp16: fp32's range), then cast:
-    DeepSpeed's order, since an fp16 cast first turns a finite gradient past 65504 (a
-    loss-scaled one) into inf and the result into nan."""
-    norm_dtype = torch.promote_types(G.dtype, dtype)
-    if norm_dtype == torch.float16:
-        norm_dtype = torch.float32
-    X = G.to(norm_dtype)
-    return (X / (X.norm(dim=(-2, -1), keepdim=True) + NS_EPS)).to(dtype)
-
-
-def newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """DeepSpeed's `zeropower_via_newtonschulz5`: the quintic NS of `G` (batched over leading
-    dims), computed and returned in `dtype`, same shape as `G`. `G` is not modified."""
-    a, b, c = NS_COEFFS
-    tall = G.size(-2) > G.size(-1)
-    X = _normalized(G.mT if tall else G, dtype)
-    for _ in range(steps):
-        A = X @ X.mT
-        B = b * A + c * A @ A
-        X = a * X + B @ X
-    return X.mT if tall else X
-
-
-def gram_newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """DeepSpeed's `zeropower_via_gram_newtonschulz`: the same map as `newton_schulz`, computed
-    on the Gram matrix `R = X Xᵀ` (n x n, n = the short side) for non-square matrices, with a
-    restart at iteration 2; square matrices use the standard iteration. Batched; in `dtype`."""
-    a, b, c = NS_COEFFS
-    tall = G.size(-2) > G.size(-1)
-    X = _normalized(G.mT if tall else G, dtype)
-    n, m = X.size(-2), X.size(-1)
-    if m <= n:                                   # square: no saving, standard iteration
-        for _ in range(steps):
-            A = X @ X.mT
-            B = b * A + c * A @ A
-            X = a * X + B @ X
-        return X.mT if tall else X
-    R = X @ X.mT
-    Q = None
-    restart_at = 2
-    for i in range(steps):
-        if i == restart_at:
-            X = Q @ X                            # Q is set: iterations 0 and 1 ran
-            R = X @ X.mT
-            Q = None
-        Z = b * R + c * R @ R
-        if Q is None:
-            Q = Z.clone()
-            Q.diagonal(dim1=-2, dim2=-1).add_(a)  # Q = a I + Z (ours: in place is pure)
-        else:
-            Q = a * Q + Z @ Q
-        if i < steps - 1 and (i + 1) != restart_at:
-            RZ = a * R + Z @ R
-            R = a * RZ + Z @ RZ
-    return (X.mT @ Q.mT) if tall else (Q @ X)
 
 
 def _ns(x: torch.Tensor, ns_steps: int, ns_method: str, dtype: torch.dtype) -> torch.Tensor:
@@ -218,14 +142,14 @@ def orthogonalize(update: torch.Tensor, *, ns_steps: int = 5, ns_method: str = "
     a bf16-capable GPU, fp32 elsewhere), times `sqrt(max(1, rows/cols))`, cast back to
     `update`'s dtype, in `update`'s shape and on its device. See the module docstring for
     >2-D tensors and `num_heads` (per-head blocks of dim 0, 2-D only)."""
-    _check_ns_args("orthogonalize", ns_steps, ns_method, ns_dtype)
+    check_ns_args("orthogonalize", ns_steps, ns_method, ns_dtype)
     if update.dim() < 2:
         raise ConfigError(f"orthogonalize: Muon needs a matrix (ndim >= 2), got shape {tuple(update.shape)}; "
                           "1-D parameters belong to the auxiliary AdamW")
     dtype = _ns_dtype(ns_dtype, update.device)
     shape = update.shape
     if num_heads is not None:
-        rows, cols = _check_heads(update, num_heads, "orthogonalize")
+        rows, cols = check_heads(update, num_heads, "orthogonalize")
         head_dim = rows // num_heads
         out = _ns(update.reshape(num_heads, head_dim, cols), ns_steps, ns_method, dtype)
         scale = max(1.0, head_dim / cols) ** 0.5
@@ -276,110 +200,6 @@ def _orthogonalize_all(directions: dict[int, Any], heads: tuple, ns_kw: dict) ->
     return dict(zip(ks, logical.map_whole(orth, [directions[k] for k in ks])))
 
 
-# ---------------------------------------------------------------------------------------
-# which parameters get Muon
-
-
-def default_use_muon(path: str, x: torch.Tensor) -> bool:
-    """DeepSpeed's rule: `x.ndim >= 2` and no "embed" / "lm_head" in the name."""
-    return x.dim() >= 2 and "embed" not in path and "lm_head" not in path
-
-
-def _leaf_module(path: str) -> str:
-    parts = path.split(".")
-    return (parts[-2] if len(parts) >= 2 else parts[-1]).lower()
-
-
-def _name_heads(path: str, num_heads: int, num_kv_heads: int | None) -> int:
-    leaf = _leaf_module(path)
-    if any(leaf.startswith(k) for k in _NOT_HEAD_BLOCKED):
-        return 0
-    if any(leaf.startswith(k) for k in _KV_LEAVES):
-        return num_kv_heads if num_kv_heads is not None else num_heads
-    if any(leaf.startswith(k) for k in _QUERY_LEAVES):
-        return num_heads
-    return 0
-
-
-def _check_heads(x: torch.Tensor, h: int, where: str) -> tuple[int, int]:
-    if isinstance(h, bool) or not isinstance(h, int) or h < 1:
-        raise ConfigError(f"{where}: num_heads={h!r}; a head count is an int >= 1")
-    if x.dim() != 2:
-        raise ConfigError(f"{where}: per-head Muon needs a 2-D attention projection, got shape {tuple(x.shape)}")
-    rows, cols = x.shape
-    if rows % h:
-        raise ConfigError(f"{where}: the output dim {rows} does not split into {h} heads; per-head Muon views "
-                          f"the matrix as [heads, head_dim, in]. Pass the right num_heads / num_kv_heads")
-    return rows, cols
-
-
-def _logical(params: PyTree) -> PyTree:
-    """params with every sharded (`Placed`) leaf replaced by a meta tensor of its logical
-    shape: the Muon/AdamW choice is about matrices, not about the flat shards ZeRO gives
-    the optimizer."""
-    return logical.logical_view(params)
-
-
-def _split(params: PyTree, mask: Mask | None, num_heads: Any, num_kv_heads: int | None) -> tuple[tuple, tuple]:
-    """(use_muon, heads) per leaf in params' flatten order; ConfigError on a bad choice."""
-    params = _logical(params)
-    leaves, _ = tensor_leaves(params, "params")
-    paths = [p for p, _ in tree.leaves_with_path(params)]
-    if mask is None:
-        use = tuple(default_use_muon(p, x) for p, x in zip(paths, leaves))
-    else:
-        use = evaluate_mask(mask, params, "mask", as_bool)
-        for p, x, u in zip(paths, leaves, use):
-            if u and x.dim() < 2:
-                raise ConfigError(f"muon(mask=...) selects {p!r} of shape {tuple(x.shape)} for Muon; Muon "
-                                  "orthogonalises matrices (ndim >= 2). Leave 1-D/0-D params to the AdamW")
-    for p, x, u in zip(paths, leaves, use):
-        if u and not x.is_floating_point():
-            raise ConfigError(f"muon: parameter {p!r} has dtype {x.dtype}; Muon needs floating-point matrices")
-    heads = [0] * len(leaves)
-    if num_heads is not None:
-        examined = {}
-        for k, (p, x, u) in enumerate(zip(paths, leaves, use)):
-            if not u:
-                continue
-            if callable(num_heads):
-                h = num_heads(p, x)
-                h = 0 if h is None else h
-                if h != 0:
-                    _check_heads(x, h, f"muon(num_heads=...) for {p!r}")
-            else:
-                h = _name_heads(p, num_heads, num_kv_heads)
-                if h:
-                    rows, _ = _check_heads(x, h, f"muon(num_heads={num_heads}) for {p!r}")
-                    examined[p] = (h, rows // h)
-            heads[k] = h
-        if not callable(num_heads):
-            if not examined:
-                raise ConfigError(f"muon(num_heads={num_heads}): no Muon parameter is an attention projection "
-                                  f"named {_QUERY_LEAVES + _KV_LEAVES} (the module before '.weight'), so per-head "
-                                  "Muon would do nothing. Pass num_heads=callable(path, tensor) -> heads or None "
-                                  "for other names, or leave num_heads=None")
-            dims = {hd for _, hd in examined.values()}
-            if len(dims) > 1:
-                detail = ", ".join(f"{p}: {h} heads of {hd}" for p, (h, hd) in sorted(examined.items()))
-                raise ConfigError(f"muon(num_heads={num_heads}, num_kv_heads={num_kv_heads}): the projections do "
-                                  f"not share one head_dim ({detail}). With grouped-query attention pass "
-                                  "num_kv_heads=<key/value heads>; otherwise use num_heads=callable(path, tensor)")
-    return use, tuple(heads)
-
-
-def muon_split(params: PyTree, mask: Mask | None = None, num_heads: int | HeadsFn | None = None,
-               num_kv_heads: int | None = None) -> dict:
-    """Which leaves `muon(mask=mask, num_heads=...)` trains with Muon and which with AdamW.
-
-    Returns `{"muon": [paths], "adam": [paths], "heads": {path: heads}}` (paths dotted, in
-    params' flatten order; "heads" lists the per-head Muon matrices).
-    """
-    use, heads = _split(params, mask, num_heads, num_kv_heads)
-    paths = [p for p, _ in tree.leaves_with_path(params, is_leaf=is_placed)]
-    return {"muon": [p for p, u in zip(paths, use) if u], "adam": [p for p, u in zip(paths, use) if not u],
-            "heads": {p: h for p, h in zip(paths, heads) if h}}
-
 
 # ---------------------------------------------------------------------------------------
 # the transformation
@@ -405,16 +225,6 @@ class MuonTransformation(GradientTransformation):
         return self._split_fn(params)
 
 
-def _check_ns_args(who: str, ns_steps: Any, ns_method: Any, ns_dtype: Any) -> None:
-    check_int(f"{who}(ns_steps)", ns_steps, lo=1, hint="; Newton-Schulz needs at least one iteration (DeepSpeed: 5)")
-    if ns_method not in NS_METHODS:
-        raise ConfigError(f"{who}(ns_method={ns_method!r}): use 'gram' (DeepSpeed's default) or 'standard'")
-    if ns_dtype is not None and not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
-        raise ConfigError(f"{who}(ns_dtype={ns_dtype!r}): pass a floating torch dtype (torch.bfloat16, "
-                          "torch.float16, torch.float32) or None for the device's (bf16 on a bf16-capable GPU, "
-                          "fp32 elsewhere)")
-
-
 def _like(template: Any, t: torch.Tensor) -> Any:
     """`t` in `template`'s layout (a Placed piece stays a Placed piece)."""
     return Placed(t, template.layout) if isinstance(template, Placed) else t
@@ -432,6 +242,128 @@ def _decay_and_step(p: torch.Tensor, upd: torch.Tensor, lr: float | torch.Tensor
         return torch.add(base, mul_scalar([upd], -lr_t, promote=False)[0])
     base = torch.mul(p, 1.0 - lr * wd) if wd != 0.0 else p
     return torch.add(base, upd, alpha=-lr)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """One `muon(...)`'s checked arguments."""
+    mu_lr: LearningRate
+    beta: float
+    nesterov: bool
+    wd: float
+    ns_orth: dict
+    mask: Mask | None
+    num_heads: Any
+    num_kv_heads: int | None
+    allow_no_muon: bool
+    adam_tx: GradientTransformation
+
+
+def _settings(lr, momentum, nesterov, ns_steps, weight_decay, ns_method, ns_dtype, muon_lr, adam_lr, adam_betas,
+              adam_eps, adam_weight_decay, mask, num_heads, num_kv_heads, allow_no_muon) -> _Settings:
+    """`muon`'s arguments checked (ConfigError on a bad one), the defaults filled in."""
+    mu_lr = muon_lr if muon_lr is not None else (lr if lr is not None else MUON_LR_DEFAULT)
+    ad_lr = adam_lr if adam_lr is not None else (lr if lr is not None else ADAM_LR_DEFAULT)
+    check_learning_rate(mu_lr, "muon(muon_lr)" if muon_lr is not None else "muon")
+    check_learning_rate(ad_lr, "muon(adam_lr)" if adam_lr is not None else "muon")
+    beta = check_real("muon(momentum)", momentum, lo=0.0, hi=1.0, hi_open=True,
+                      hint="; Muon's momentum lies in [0, 1), e.g. 0.95")
+    check_ns_args("muon", ns_steps, ns_method, ns_dtype)
+    wd = check_real("muon(weight_decay)", weight_decay, lo=0.0, hint="; use 0 for no weight decay")
+    awd = wd if adam_weight_decay is None else check_real("muon(adam_weight_decay)", adam_weight_decay, lo=0.0,
+                                                          hint="; use 0 for no weight decay")
+    b1, b2 = check_betas(adam_betas, "muon(adam_betas)")
+    eps = check_real("muon(adam_eps)", adam_eps, lo=0.0, hint="; e.g. 1e-10")
+    if mask is not None and not callable(mask) and not isinstance(mask, (Mapping, list, tuple)):
+        raise ConfigError(f"muon(mask={mask!r}): pass a pytree of bools shaped like params or a callable "
+                          "(path, tensor) -> bool (True = Muon)")
+    if num_heads is not None and not callable(num_heads):
+        check_int("muon(num_heads)", num_heads, lo=1, hint="; or a callable (path, tensor) -> heads | None")
+    if num_kv_heads is not None:
+        if num_heads is None or callable(num_heads):
+            raise ConfigError("muon(num_kv_heads=...) goes with an int num_heads; with a callable num_heads return "
+                              "each projection's head count from it")
+        check_int("muon(num_kv_heads)", num_kv_heads, lo=1)
+    nesterov = bool(nesterov)
+    adam_tx = adam_step(ad_lr, b1, b2, eps, awd)
+    ns_orth = {"ns_steps": ns_steps, "ns_method": ns_method, "ns_dtype": ns_dtype}
+    return _Settings(mu_lr=mu_lr, beta=beta, nesterov=nesterov, wd=wd, ns_orth=ns_orth, mask=mask,
+                     num_heads=num_heads, num_kv_heads=num_kv_heads, allow_no_muon=allow_no_muon, adam_tx=adam_tx)
+
+
+def _init(s: _Settings, params: PyTree) -> MuonState:
+    """The fresh state: the Muon/AdamW choice, zero momentum buffers, the AdamW's state."""
+    tensor_leaves(params, "params")
+    leaves, spec = tree.flatten(params, is_leaf=is_placed)      # sharded leaves whole (Placed)
+    use, heads = choose_muon(params, s.mask, s.num_heads, s.num_kv_heads)
+    if not any(use):
+        check_some_muon(params, len(leaves), s.mask, s.allow_no_muon)
+    count = zero_count()
+    momentum_tree = _select([tree.map(torch.zeros_like, x) for x in leaves], use, spec)
+    adam_state = s.adam_tx.init(_select(leaves, [not u for u in use], spec))
+    return MuonState(count=count, momentum=momentum_tree, adam=adam_state,
+                     lr=lr_record(lr_value(s.mu_lr, count)), use_muon=use, heads=heads)
+
+
+def _checked_inputs(grads: PyTree, state: MuonState, params: PyTree):
+    """(grad leaves, spec, param leaves, momentum leaves, momentum spec), after checking that
+    grads, state and params belong together (LeafTypeError naming what differs)."""
+    if not isinstance(state, MuonState):
+        raise LeafTypeError(f"muon: expected the MuonState from this optimizer's init/update, got "
+                            f"{type(state).__name__}")
+    tensor_leaves(grads, "grads")
+    g, spec = tree.flatten(grads, is_leaf=is_placed)             # Placed shards stay whole
+    use = state.use_muon
+    if len(g) != len(use):
+        raise LeafTypeError(f"muon: the state was made for {len(use)} params, the grads have {len(g)}; init the "
+                            "optimizer with the same params tree")
+    if params is None:
+        raise LeafTypeError("muon needs params: call update(grads, state, params)")
+    p, p_spec = tree.flatten(params, is_leaf=is_placed)
+    if p_spec != spec:
+        raise LeafTypeError(f"muon: params and grads differ in structure ({p_spec} vs {spec})")
+    paths = None
+    for k, (gi, pi) in enumerate(zip(g, p)):
+        gd, pd = data_of(gi), data_of(pi)
+        if gd.dtype != pd.dtype or gd.shape != pd.shape:
+            paths = paths or [q for q, _ in tree.leaves_with_path(params, is_leaf=is_placed)]
+            what = "dtype" if gd.dtype != pd.dtype else "shape"
+            raise LeafTypeError(
+                f"muon: grad of {paths[k]!r} has {what} {gd.dtype if what == 'dtype' else tuple(gd.shape)} but "
+                f"the param has {pd.dtype if what == 'dtype' else tuple(pd.shape)}; pass grads in the params' "
+                f"{what} (e.g. grads = tree.map(lambda g, p: g.to(p.dtype), grads, params))")
+    m_leaves, m_spec = tree.flatten(state.momentum, is_leaf=is_placed)
+    if len(m_leaves) != sum(use):
+        raise LeafTypeError(f"muon: state.momentum holds {len(m_leaves)} buffers for {sum(use)} Muon params; "
+                            "pass the state this optimizer's init/update returned")
+    return g, spec, p, m_leaves, m_spec
+
+
+def _step(s: _Settings, grads: PyTree, state: MuonState, params: PyTree):
+    """(new param leaves, param leaves, spec, new state)."""
+    g, spec, p, m_leaves, m_spec = _checked_inputs(grads, state, params)
+    use = state.use_muon
+    v = lr_value(s.mu_lr, state.count)
+    new_p: list[Any] = [None] * len(p)
+    new_m: list[Any] = [None] * len(p)
+    directions: dict[int, Any] = {}
+    it = iter(m_leaves)
+    for k, u in enumerate(use):
+        if u:       # momentum and direction are elementwise: on shards as on matrices
+            d, m = _direction(data_of(next(it)), data_of(g[k]), s.beta, s.nesterov)
+            directions[k], new_m[k] = _like(g[k], d), _like(g[k], m)
+    updates = _orthogonalize_all(directions, state.heads, s.ns_orth)
+    for k, upd in updates.items():
+        new_p[k] = _like(p[k], _decay_and_step(data_of(p[k]), data_of(upd), v, s.wd))
+    not_use = [not u for u in use]
+    sub_p, adam_state = s.adam_tx.apply(_select(g, not_use, spec), state.adam, _select(p, not_use, spec))
+    it_a = iter(tree.leaves(sub_p, is_leaf=is_placed))
+    for k, u in enumerate(use):
+        if not u:
+            new_p[k] = next(it_a)
+    new = MuonState(count=state.count + 1, momentum=tree.unflatten(m_spec, [x for x in new_m if x is not None]),
+                    adam=adam_state, lr=lr_record(v), use_muon=use, heads=state.heads)
+    return new_p, p, spec, new
 
 
 def muon(lr: LearningRate | None = None, momentum: float = 0.95, *, nesterov: bool = True, ns_steps: int = 5,
@@ -474,121 +406,25 @@ def muon(lr: LearningRate | None = None, momentum: float = 0.95, *, nesterov: bo
 
     State: `MuonState` (see the module docstring). `tx.split(params)` shows the choice.
     """
-    mu_lr = muon_lr if muon_lr is not None else (lr if lr is not None else MUON_LR_DEFAULT)
-    ad_lr = adam_lr if adam_lr is not None else (lr if lr is not None else ADAM_LR_DEFAULT)
-    check_learning_rate(mu_lr, "muon(muon_lr)" if muon_lr is not None else "muon")
-    check_learning_rate(ad_lr, "muon(adam_lr)" if adam_lr is not None else "muon")
-    beta = check_real("muon(momentum)", momentum, lo=0.0, hi=1.0, hi_open=True,
-                      hint="; Muon's momentum lies in [0, 1), e.g. 0.95")
-    _check_ns_args("muon", ns_steps, ns_method, ns_dtype)
-    wd = check_real("muon(weight_decay)", weight_decay, lo=0.0, hint="; use 0 for no weight decay")
-    awd = wd if adam_weight_decay is None else check_real("muon(adam_weight_decay)", adam_weight_decay, lo=0.0,
-                                                          hint="; use 0 for no weight decay")
-    b1, b2 = check_betas(adam_betas, "muon(adam_betas)")
-    eps = check_real("muon(adam_eps)", adam_eps, lo=0.0, hint="; e.g. 1e-10")
-    if mask is not None and not callable(mask) and not isinstance(mask, (Mapping, list, tuple)):
-        raise ConfigError(f"muon(mask={mask!r}): pass a pytree of bools shaped like params or a callable "
-                          "(path, tensor) -> bool (True = Muon)")
-    if num_heads is not None and not callable(num_heads):
-        check_int("muon(num_heads)", num_heads, lo=1, hint="; or a callable (path, tensor) -> heads | None")
-    if num_kv_heads is not None:
-        if num_heads is None or callable(num_heads):
-            raise ConfigError("muon(num_kv_heads=...) goes with an int num_heads; with a callable num_heads return "
-                              "each projection's head count from it")
-        check_int("muon(num_kv_heads)", num_kv_heads, lo=1)
-    nesterov = bool(nesterov)
-    adam_tx = adam_step(ad_lr, b1, b2, eps, awd)
-    ns_orth = {"ns_steps": ns_steps, "ns_method": ns_method, "ns_dtype": ns_dtype}
+    s = _settings(lr, momentum, nesterov, ns_steps, weight_decay, ns_method, ns_dtype, muon_lr, adam_lr, adam_betas,
+                  adam_eps, adam_weight_decay, mask, num_heads, num_kv_heads, allow_no_muon)
 
     def split_fn(params: PyTree) -> dict:
         return muon_split(params, mask, num_heads, num_kv_heads)
 
     def init(params: PyTree) -> MuonState:
-        tensor_leaves(params, "params")
-        leaves, spec = tree.flatten(params, is_leaf=is_placed)      # sharded leaves whole (Placed)
-        use, heads = _split(params, mask, num_heads, num_kv_heads)
-        if not any(use):
-            paths = [p for p, _ in tree.leaves_with_path(params, is_leaf=is_placed)]
-            shown = ", ".join(f"{p}{tuple(x.shape)}" for p, x in list(zip(paths, tree.leaves(_logical(params))))[:6])
-            why = (f"no parameter qualifies for Muon (needs ndim >= 2 and a name without 'embed'/'lm_head'"
-                   f"{', or mask=True' if mask is not None else ''}), so all {len(leaves)} params")
-            listed = f"{shown}{' ...' if len(leaves) > 6 else ''}"
-            if not allow_no_muon:
-                raise ConfigError(
-                    f"muon: {why} would be trained by the auxiliary AdamW: {listed}. Use dsfn.optim.adamw(...) "
-                    "for that, choose Muon params with mask=..., or pass allow_no_muon=True.")
-            # accepted, but said: this optimizer is then an AdamW with Muon's defaults (DeepSpeed is silent)
-            warnings.warn(f"muon(allow_no_muon=True): {why} go to the auxiliary AdamW (adam_lr, adam_betas, "
-                          f"adam_eps); Muon updates nothing: {listed}", UserWarning, stacklevel=2)
-        count = zero_count()
-        momentum_tree = _select([tree.map(torch.zeros_like, x) for x in leaves], use, spec)
-        adam_state = adam_tx.init(_select(leaves, [not u for u in use], spec))
-        return MuonState(count=count, momentum=momentum_tree, adam=adam_state,
-                         lr=lr_record(lr_value(mu_lr, count)), use_muon=use, heads=heads)
-
-    def step(grads: PyTree, state: MuonState, params: PyTree):
-        """(new param leaves, param leaves, spec, new state)."""
-        if not isinstance(state, MuonState):
-            raise LeafTypeError(f"muon: expected the MuonState from this optimizer's init/update, got "
-                                f"{type(state).__name__}")
-        tensor_leaves(grads, "grads")
-        g, spec = tree.flatten(grads, is_leaf=is_placed)             # Placed shards stay whole
-        use = state.use_muon
-        if len(g) != len(use):
-            raise LeafTypeError(f"muon: the state was made for {len(use)} params, the grads have {len(g)}; init the "
-                                "optimizer with the same params tree")
-        if params is None:
-            raise LeafTypeError("muon needs params: call update(grads, state, params)")
-        p, p_spec = tree.flatten(params, is_leaf=is_placed)
-        if p_spec != spec:
-            raise LeafTypeError(f"muon: params and grads differ in structure ({p_spec} vs {spec})")
-        paths = None
-        for k, (gi, pi) in enumerate(zip(g, p)):
-            gd, pd = data_of(gi), data_of(pi)
-            if gd.dtype != pd.dtype or gd.shape != pd.shape:
-                paths = paths or [q for q, _ in tree.leaves_with_path(params, is_leaf=is_placed)]
-                what = "dtype" if gd.dtype != pd.dtype else "shape"
-                raise LeafTypeError(
-                    f"muon: grad of {paths[k]!r} has {what} {gd.dtype if what == 'dtype' else tuple(gd.shape)} but "
-                    f"the param has {pd.dtype if what == 'dtype' else tuple(pd.shape)}; pass grads in the params' "
-                    f"{what} (e.g. grads = tree.map(lambda g, p: g.to(p.dtype), grads, params))")
-        m_leaves, m_spec = tree.flatten(state.momentum, is_leaf=is_placed)
-        if len(m_leaves) != sum(use):
-            raise LeafTypeError(f"muon: state.momentum holds {len(m_leaves)} buffers for {sum(use)} Muon params; "
-                                "pass the state this optimizer's init/update returned")
-        v = lr_value(mu_lr, state.count)
-        new_p: list[Any] = [None] * len(p)
-        new_m: list[Any] = [None] * len(p)
-        directions: dict[int, Any] = {}
-        it = iter(m_leaves)
-        for k, u in enumerate(use):
-            if u:       # momentum and direction are elementwise: on shards as on matrices
-                d, m = _direction(data_of(next(it)), data_of(g[k]), beta, nesterov)
-                directions[k], new_m[k] = _like(g[k], d), _like(g[k], m)
-        updates = _orthogonalize_all(directions, state.heads, ns_orth)
-        for k, upd in updates.items():
-            new_p[k] = _like(p[k], _decay_and_step(data_of(p[k]), data_of(upd), v, wd))
-        not_use = [not u for u in use]
-        sub_p, adam_state = adam_tx.apply(_select(g, not_use, spec), state.adam, _select(p, not_use, spec))
-        it_a = iter(tree.leaves(sub_p, is_leaf=is_placed))
-        for k, u in enumerate(use):
-            if not u:
-                new_p[k] = next(it_a)
-        new = MuonState(count=state.count + 1, momentum=tree.unflatten(m_spec, [x for x in new_m if x is not None]),
-                        adam=adam_state, lr=lr_record(v), use_muon=use, heads=state.heads)
-        return new_p, p, spec, new
+        return _init(s, params)
 
     def update(grads: PyTree, state: MuonState, params: PyTree = None) -> tuple[PyTree, MuonState]:
-        new_p, p, spec, new = step(grads, state, params)
+        new_p, p, spec, new = _step(s, grads, state, params)
         if not new_p:
             return grads, new
         return tree.map(torch.sub, tree.unflatten(spec, new_p), tree.unflatten(spec, p)), new
 
     def apply(grads: PyTree, state: MuonState, params: PyTree) -> tuple[PyTree, MuonState]:
-        new_p, _, spec, new = step(grads, state, params)
+        new_p, _, spec, new = _step(s, grads, state, params)
         return (tree.unflatten(spec, new_p) if new_p else params), new
 
     tx = MuonTransformation(init, update, apply)
     tx._split_fn = split_fn
     return tx
-
