@@ -161,7 +161,7 @@ def dsfn_row(name, a, device, data):
     del model, params
     session = next((t._session for t in stack if getattr(t, "_session", None) is not None), None)
     if session is not None and a.sim_copy and device.type == "cpu":
-        from dsfn.runtime.pipeline import SimulatedCopyEngine
+        from dsfn.runtime.host_copies import SimulatedCopyEngine
         session.pipe.engine = SimulatedCopyEngine()     # host gradients staged as a device's would be
     return _time(lambda st, b: step(st, b), state, a, device, data, session)
 

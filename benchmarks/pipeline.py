@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/pipeline.py --no-measured      # the simulation alone (instant)
 
 For each p, m and schedule (gpipe, 1f1b, interleaved with --v chunks per rank, zbv), the
-schedule from `dsfn.engines.pipeline_schedules` is checked (`check_schedule`) and timed by its
+schedule from `dsfn.engines.pipeline.schedules` is checked (`check_schedule`) and timed by its
 simulator (`simulate`: instantaneous communication, equal stages; F costs t_f, a full backward
 t_b, split into B = t_b - t_w and W = t_w; a chunk costs 1/v of a stage). Printed per row:
 
@@ -39,7 +39,7 @@ of forwards whose backward has not yet run, counted from the records (in stage
 micro-batches; the schedule's order fixes it, so it equals the simulator's). One measured
 timeline PNG per schedule, time in units of the measured F of a whole stage:
 `pipeline_measured_<schedule>_p<p>_m<m>.png`. zbv's B and W are the runner's real split
-(`dsfn.engines.split_backward`: B the input gradient, W the weight gradients, about one
+(`dsfn.engines.pipeline.split_backward`: B the input gradient, W the weight gradients, about one
 backward's work together); the "W ms" column is zbv's median W per whole stage.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ if str(ROOT) not in sys.path:
 
 import statistics  # noqa: E402
 
-from dsfn.engines.pipeline_schedules import (Kind, Slot, bubble_closed_form,  # noqa: E402
+from dsfn.engines.pipeline.schedules import (Kind, Slot, bubble_closed_form,  # noqa: E402
                                              build_schedule, check_schedule, render_timeline, simulate)
 
 NAMES = ("gpipe", "1f1b", "interleaved", "zbv")

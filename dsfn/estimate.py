@@ -198,7 +198,7 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
         ranks_per_node: the launcher's ranks per node, for `shard_zero(shard_group="node")` /
             `hpz="node"` (default: this job's topology when it has `world_size` ranks).
     """
-    from dsfn.engines.shard_groups import group_size
+    from dsfn.engines.zero.groups import group_size
     from dsfn.optim import adamw
     from dsfn.runtime.mesh import Mesh, on_virtual_mesh
     from dsfn.state.layout import leaf_records
@@ -250,7 +250,7 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
 def _transients(est, state, whole, zero, stage, n_shard, replicas, module, shapes, tp) -> int:
     """The transients into `est`, per parameter leaf: the elements ZeRO cut it from (this rank's tp / stage
     piece; 0 for another stage's), and its shard's elements when ZeRO shards it. Returns the compute bytes."""
-    from dsfn.engines.zero_shards import zero_layout
+    from dsfn.engines.zero.shards import zero_layout
     from dsfn.state.layout import Placed, is_placed
     from dsfn.units import unit_sizes
     leaves = tree.leaves(state.params, is_leaf=is_placed)

@@ -33,8 +33,8 @@ def pipeline_cut(pipe: Mapping[str, Any], module: nn.Module | None, names: list[
     of its schedule, micro-batches, virtual stages at pp), stage -> rank from the schedule's
     actions, `plan_stages` of the model over p*v stages (its split, layers). {"schedule",
     "plan", "module", "stages": this rank's stages}."""
-    from dsfn.engines.pipeline_schedules import build_schedule
-    from dsfn.engines.pipeline_stages import plan_stages
+    from dsfn.engines.pipeline.schedules import build_schedule
+    from dsfn.engines.pipeline.stages import plan_stages
     if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp:
         raise ConfigError(f"estimate_memory(pp_rank={pp_rank!r}): a pipeline rank 0 .. {pp - 1}")
     module = module if module is not None else pipe["pipeline_model"]
@@ -92,7 +92,7 @@ def pipeline_activations(est: Any, cut: dict[str, Any], pipe: Mapping[str, Any],
     hold their input only, b·s·h values (1/sp under sequence parallel, 1/tp more with
     partition_activations, on the host with offload="cpu"), and each backward rematerialises
     one layer's whole activations at a time on top of what is held."""
-    from dsfn.engines.pipeline_schedules import simulate
+    from dsfn.engines.pipeline.schedules import simulate
     schedule, plan = cut["schedule"], cut["plan"]
     m = pipe["pipeline_microbatches"]
     est.pp_rank, est.pipeline_schedule, est.pipeline_microbatches = pp_rank, pipe["pipeline_schedule"], m

@@ -278,7 +278,7 @@ def test_pipeline_estimate_with_zero_outside(zero):
 def test_pipeline_activation_peak_is_the_schedules(schedule, p, m):
     """The peak in micro-batches is the simulator's (1F1B: p - rank; GPipe: m); the bytes are
     the modelled micro-batch activations walked through the rank's order."""
-    from dsfn.engines.pipeline_schedules import build_schedule, simulate
+    from dsfn.engines.pipeline.schedules import build_schedule, simulate
     from dsfn.estimate import ACT_VALUES_PER_LAYER
     from dsfn.transforms import pipeline_parallel
     meta = _pipe_model("gpt", "meta")

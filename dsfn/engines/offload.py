@@ -8,7 +8,7 @@ leaves are offloaded, which primitives it handles).
   the state, the new optimizer state stored again (host memory, or a new pre-allocated file
   written sub-group by sub-group, `NvmePlan`), the parameters moved back to their device.
 - `OverlapSession`: `overlap=True`'s speculative host update, bucket by bucket, through the
-  host pipeline (`dsfn.runtime.pipeline`), used only when its inputs prove identical.
+  host pipeline (`dsfn.runtime.host_copies`), used only when its inputs prove identical.
 
 Every input is passed in (the store, the options, the session, the inner stack's
 continuation); nothing here imports a transform.
@@ -119,7 +119,7 @@ class OverlapSession:
     """SuperOffload-style speculation, memoised, bucket by bucket: as ZeRO finishes reducing
     a bucket of gradient shards during backward (the "grad_bucket_ready" primitive), the bucket
     goes to the host as one copy into one of two pinned staging buffers
-    (`dsfn.runtime.pipeline.HostPipeline`: an async copy on a side stream, one event per
+    (`dsfn.runtime.host_copies.HostPipeline`: an async copy on a side stream, one event per
     bucket, waited for by the worker thread, never by the training thread), and on the
     worker its gradients are kept (a host copy the update then uses instead of copying them
     again) and the host AdamW of its parameters runs at once, in one multi-tensor call, from
@@ -139,7 +139,7 @@ class OverlapSession:
     `SimulatedCopyEngine` to take host shards as device ones."""
 
     def __init__(self, cores: float | None = None, engine: Any = None) -> None:
-        from dsfn.runtime.pipeline import HostPipeline
+        from dsfn.runtime.host_copies import HostPipeline
         self.cores = cores
         self.pipe = HostPipeline(self._work, engine=engine)
         self.prep = None             # this step's gradient map (the inner speculative_grads); None: none

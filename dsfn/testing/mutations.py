@@ -79,7 +79,7 @@ def _hybrid_no_cross():
 def _pipeline_drops_microbatch():
     """The last stage's loss of micro-batch 0 is multiplied by 0: its gradient (and its part
     of the loss) never reaches the parameters."""
-    from dsfn.engines import pipeline_runner
+    from dsfn.engines.pipeline import runner as pipeline_runner
     orig = pipeline_runner.run_rank
 
     def run_rank(actions, n_stages, links, forward, *args, **kwargs):

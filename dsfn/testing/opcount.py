@@ -191,7 +191,7 @@ def python_calls(fn: Callable[[], Any], where: Callable[[Any], bool]) -> tuple[A
 
 def zero3_machinery() -> Callable[[Any], bool]:
     """`where` (for `python_calls`) selecting the code of ZeRO-3's gather / release /
-    reduce-scatter path: the unit lifecycle (dsfn/engines/zero3_units.py) with stage 3's
+    reduce-scatter path: the unit lifecycle (dsfn/engines/zero/units.py) with stage 3's
     gradient accounting (`GradientsDue`), and the runtime pieces it drives (flat buffers,
     bucket plans, collectives)."""
     runtime = ("dsfn/runtime/flat.py", "dsfn/runtime/buffer_pool.py", "dsfn/runtime/gathers.py",
@@ -199,9 +199,9 @@ def zero3_machinery() -> Callable[[Any], bool]:
 
     def where(code) -> bool:
         f = code.co_filename.replace("\\", "/")
-        if f.endswith("dsfn/engines/zero3_units.py"):
+        if f.endswith("dsfn/engines/zero/units.py"):
             return True
-        if f.endswith("dsfn/engines/zero_stage3.py"):
+        if f.endswith("dsfn/engines/zero/stage3.py"):
             return code.co_name in ("gathers_made", "grads_arrived")
         return f.endswith(runtime)
     return where

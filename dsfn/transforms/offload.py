@@ -44,7 +44,7 @@ while backward continues, the bucket leaves the device as one asynchronous copy 
 stream into one of two pinned staging buffers; a worker thread waits for that copy (one
 event per bucket, never one per tensor; the training thread waits for none) and copies the
 bucket out of the buffer, freeing it for the next bucket, and a second worker runs the
-bucket's host AdamW on that copy, while the next buckets copy (`dsfn.runtime.pipeline`): a
+bucket's host AdamW on that copy, while the next buckets copy (`dsfn.runtime.host_copies`): a
 host update slower than backward never holds a staging buffer, so it never stalls
 backward. The host copies are kept and the update uses them (no second copy). The speculative
 results are used only when their inputs prove identical to the real update's, so results
@@ -323,7 +323,7 @@ class Offload(Transform):
         if session is None or stack_facts(self).whole.has_role("accumulate") or self._reducer_feeds() or \
                 not session.take_source(params):
             return call_next(fn, params, args, kwargs, has_aux)
-        from dsfn.runtime.pipeline import ArrivalBuckets
+        from dsfn.runtime.host_copies import ArrivalBuckets
         from dsfn.engines.data_parallel import tap_gradients
         # buckets of about the enclosing ZeRO's reduce_bucket_size
         bucket_elems = int(stack_facts(self).outside(self).first("reduce_bucket_size", DEFAULT_BUCKET_ELEMS))

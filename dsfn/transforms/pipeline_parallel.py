@@ -4,11 +4,11 @@ the mesh's "pp" axis, micro-batches streamed through them in a schedule's order.
 The user's `train_step` is unchanged. The gradient primitive is handled here: the batch
 arguments are cut into `microbatches` equal micro-batches (as `accumulate` cuts them: the
 loss of each is scaled by 1/m and a Hugging Face model's own loss is the whole batch's
-token mean), and this rank runs its part of the schedule (`dsfn.engines.pipeline_schedules`:
+token mean), and this rank runs its part of the schedule (`dsfn.engines.pipeline.schedules`:
 "gpipe", "1f1b", "interleaved" with `virtual` stages per rank, "zbv"): each forward runs
 the user's loss function, steered so that the model runs only this rank's stage
-(`dsfn.engines.pipeline_stages`), the activations and their gradients travelling between the
-stages' ranks (`dsfn.engines.pipeline_runner`). The loss is computed on the last stage and
+(`dsfn.engines.pipeline.stages`), the activations and their gradients travelling between the
+stages' ranks (`dsfn.engines.pipeline.runner`). The loss is computed on the last stage and
 broadcast to every stage, so the metrics are the same on every rank.
 
 Parameters live on their stages: `place` lays every parameter out as
@@ -26,7 +26,7 @@ batch over dp first; the pipeline cuts each rank's rows into micro-batches) and 
 micro-batch's backward is a round of gradient buckets, reduce-scattered over the stage's dp
 ranks while the schedule goes on: each micro-batch's forward and backward is announced
 through the "micro_batch" primitive as interleaved, and ZeRO's rounds follow the backwards
-(`dsfn.engines.zero_shards.GradientRounds`); ZeRO-3 stores
+(`dsfn.engines.zero.shards.GradientRounds`); ZeRO-3 stores
 each stage's parameters as FlatShards over its dp ranks (1/(pp*dp) of the model per rank)
 and gathers the units this rank's stage runs; those reductions take the gradients over
 inside backward (the fact `takes_grads_in_backward` they publish), so ZeRO, not the
@@ -73,7 +73,7 @@ end, also when it raises. Checkpoint the layers or modules inside them: remat of
 holding the layer list (`remat(modules=["model"])`), or a checkpoint around the whole layer
 loop, would recompute every layer without the stage's cut — a ConfigError.
 `estimate_memory` models the recomputed layers' smaller activations. Zero-bubble's split
-backward (B now, W later: `dsfn.engines.split_backward`) would recompute a checkpointed
+backward (B now, W later: `dsfn.engines.pipeline.split_backward`) would recompute a checkpointed
 stage again in W, once per group of weights: a micro-batch whose stage recomputes (remat in
 the stack, the model's gradient checkpointing, or a layer seen running inside a torch
 checkpoint in its forward) runs its backward whole at B, its W then empty.
@@ -100,10 +100,10 @@ from torch import nn
 from dsfn import tree
 from dsfn.adapters import MicroBatchCounts, adapter_for, micro_batches
 from dsfn.engines.micro_batches import slice_micro_batches
-from dsfn.engines import pipeline_runner
-from dsfn.engines.pipeline_runner import StageLinks
-from dsfn.engines.pipeline_schedules import SCHEDULES, Slot, build_schedule, check_schedule
-from dsfn.engines.pipeline_stages import StageHooks, StagePlan, StopForward, layer_holders, plan_stages, \
+from dsfn.engines.pipeline import runner as pipeline_runner
+from dsfn.engines.pipeline.runner import StageLinks
+from dsfn.engines.pipeline.schedules import SCHEDULES, Slot, build_schedule, check_schedule
+from dsfn.engines.pipeline.stages import StageHooks, StagePlan, StopForward, layer_holders, plan_stages, \
     running_stage
 from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.errors import ConfigError, StackError

@@ -71,7 +71,7 @@ backward instead of its forward, and stages 2-3 sum a parameter held by two stag
 embedding) over the pipeline axis after reducing it (DeepSpeed refuses ZeRO-2/3 with its
 pipeline engine).
 
-Beyond one node (`dsfn.engines.shard_groups`; the launcher's topology, `dsfn.runtime.topology`):
+Beyond one node (`dsfn.engines.zero.groups`; the launcher's topology, `dsfn.runtime.topology`):
 with `shard_group=k` ("node": the dp ranks of one node) the shards are cut over k ranks
 (mesh axis "dp_shard") and are copies across the groups ("dp_replicate"): every all-gather
 and reduce-scatter above runs inside the group, then each bucket's reduced shards are
@@ -85,8 +85,8 @@ ranks; each unit gathered in a forward under value_and_grad keeps this rank's 1/
 
 Policy and machinery: this module holds the policy (options, checks, which primitives
 ZeRO handles and when it is in effect); the work is in engines, one per stage as in
-DeepSpeed (`dsfn.engines.zero_stage12` for stages 1-2, `dsfn.engines.zero_stage3` with
-its unit lifecycle in `dsfn.engines.zero3_units`, both over `dsfn.engines.zero_shards`),
+DeepSpeed (`dsfn.engines.zero.stage12` for stages 1-2, `dsfn.engines.zero.stage3` with
+its unit lifecycle in `dsfn.engines.zero.units`, both over `dsfn.engines.zero.shards`),
 and what is replicated (stage 0, world 1, persistent parameters) is data parallel's
 (`dsfn.engines.data_parallel.Replicas`). The handlers branch on no stage: the engine chosen
 at construction answers.
@@ -99,9 +99,9 @@ from typing import Any
 import torch
 
 from dsfn.engines.data_parallel import Replicas
-from dsfn.engines.zero_stage12 import Stage12
-from dsfn.engines.zero_shards import ZeroOptions
-from dsfn.engines.zero_stage3 import Stage3
+from dsfn.engines.zero.stage12 import Stage12
+from dsfn.engines.zero.shards import ZeroOptions
+from dsfn.engines.zero.stage3 import Stage3
 from dsfn.errors import ConfigError, StackError
 from dsfn.functional import until_backward
 from dsfn.placed import data_of

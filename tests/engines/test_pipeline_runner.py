@@ -1,4 +1,4 @@
-"""dsfn.engines.pipeline_runner and dsfn.engines.split_backward: zero-bubble's split backward.
+"""dsfn.engines.pipeline.runner and dsfn.engines.pipeline.split_backward: zero-bubble's split backward.
 
 Properties: B fills the stage input's gradient and leaves the weights' for W; W fills them
 exactly as one whole backward would (bitwise: the same kernels run on the same tensors);
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from dsfn.engines.pipeline_runner import StageLinks, run_rank
-from dsfn.engines.pipeline_schedules import Action, Kind, build_schedule, zbv
-from dsfn.engines.split_backward import WeightIndex, backward_input
+from dsfn.engines.pipeline.runner import StageLinks, run_rank
+from dsfn.engines.pipeline.schedules import Action, Kind, build_schedule, zbv
+from dsfn.engines.pipeline.split_backward import WeightIndex, backward_input
 from dsfn.errors import ConfigError
 from dsfn.models.gpt import GPT, GPTConfig
 from dsfn.runtime import init_mesh

@@ -1,4 +1,4 @@
-"""dsfn.engines.pipeline_schedules: generated schedules are valid, the simulator's bubble and
+"""dsfn.engines.pipeline.schedules: generated schedules are valid, the simulator's bubble and
 activation peaks match the closed forms, bad sizes are named errors, broken schedules fail
 the checker (negative controls), and the timeline PNG decodes.
 
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsfn.engines.pipeline_schedules import (Action, Kind, Schedule, build_schedule,
+from dsfn.engines.pipeline.schedules import (Action, Kind, Schedule, build_schedule,
                                              bubble_closed_form, check_schedule, gpipe,
                                              interleaved_1f1b, one_f_one_b, render_timeline,
                                              simulate, zbv)

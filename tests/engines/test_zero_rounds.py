@@ -7,7 +7,7 @@ owner, closing the previous owner's first. The transform-level consequence (ZeRO
 a pipeline equals the single process only with the interleaved rounds) is
 tests/transforms/test_pipeline_parallel_zero.py; here the engine alone.
 """
-from dsfn.engines.zero_shards import GradientRounds
+from dsfn.engines.zero.shards import GradientRounds
 from dsfn.functional import MicroBatch
 
 

@@ -1,4 +1,4 @@
-"""dsfn.runtime.pipeline: offload's bucket-by-bucket gradient pipeline, on CPU with a
+"""dsfn.runtime.host_copies: offload's bucket-by-bucket gradient pipeline, on CPU with a
 simulated slow device stream (`SimulatedCopyEngine`): the host work of bucket k runs while
 bucket k+1 copies, two staging buffers serve every bucket, one event wait per bucket, and
 the training thread never waits for the device."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dsfn.errors import ConfigError
-from dsfn.runtime.pipeline import HostPipeline, SimulatedCopyEngine
+from dsfn.runtime.host_copies import HostPipeline, SimulatedCopyEngine
 from dsfn.runtime.syncs import count_host_syncs
 
 
@@ -154,7 +154,7 @@ def test_pageable_engine_and_errors_are_refused():
 
 
 def test_arrival_buckets_close_at_the_size_in_arrival_order_and_flush_the_rest():
-    from dsfn.runtime.pipeline import ArrivalBuckets
+    from dsfn.runtime.host_copies import ArrivalBuckets
     got = []
     b = ArrivalBuckets(10, got.append)
     for key, n in [("a", 4), ("b", 5), ("c", 3), ("d", 12), ("e", 2)]:

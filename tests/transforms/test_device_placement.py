@@ -85,7 +85,7 @@ def test_untouched_parameter_gradient_is_on_the_parameter_device(stage):
 def test_control_host_zeros_are_caught(stage, monkeypatch):
     """The control: with the zero-fill device forced to the host (the defect), the optimizer
     does see a CPU gradient among the meta ones, so the test above can fail."""
-    import dsfn.engines.zero_shards as Z       # where the reducer decides the zero-fill device
+    import dsfn.engines.zero.shards as Z       # where the reducer decides the zero-fill device
     monkeypatch.setattr(Z, "compute_device", lambda x: torch.device("cpu"))
     seen: list[torch.device] = []
     try:
@@ -138,7 +138,7 @@ def test_offloaded_zero3_shards_are_gathered_to_the_compute_device():
 def test_offloaded_zero3_stand_in_gradient_matches_the_host_shard():
     """_Gather.backward's stand-in for a host shard is a host tensor: autograd accepts it
     (a device stand-in for a host input raises 'invalid gradient ... expected device')."""
-    from dsfn.engines.zero3_units import _Gather
+    from dsfn.engines.zero.units import _Gather
 
     class FakeGatherer:
         def __init__(self, shard):

@@ -431,7 +431,7 @@ def _overlap_rank(stage, device, path, mp, fp16_overflow, clip=False, simulated=
     """Both runs' results; `simulated`: the overlap run's host shards are taken as device ones
     (a `SimulatedCopyEngine` stages them: the pipeline and the speculation run), else it is
     CPU training (no device: nothing to overlap with, nothing speculated)."""
-    from dsfn.runtime.pipeline import SimulatedCopyEngine
+    from dsfn.runtime.host_copies import SimulatedCopyEngine
     init_mesh()
     out = []
     for overlap in (True, False):
@@ -506,7 +506,7 @@ def test_overlap_without_a_device_speculates_nothing(tmp_path, world, stage):
 
 
 def _world1_overlap_run(stage, mp, overlap, events):
-    from dsfn.runtime.pipeline import SimulatedCopyEngine
+    from dsfn.runtime.host_copies import SimulatedCopyEngine
     from dsfn.runtime.syncs import count_host_syncs
     init_mesh()
     apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 7, 4], 0))
@@ -572,7 +572,7 @@ def test_overlap_with_no_bucket_source_is_a_config_error_at_place():
     world-1 source stays off; with no ZeRO reducer either (world 1) nothing could ever overlap:
     overlap=True is refused at place (issue 31), not accepted and ignored. The same stack
     without overlap places and trains."""
-    from dsfn.runtime.pipeline import SimulatedCopyEngine
+    from dsfn.runtime.host_copies import SimulatedCopyEngine
     from dsfn.transforms import accumulate
     init_mesh()
     apply_fn, params = dsfn.functionalize(make_mlp([6, 10, 4], 0))

@@ -87,7 +87,7 @@ def test_control_a_wait_per_tensor_is_counted(meta_device, tmp_path, monkeypatch
 def _overlap_rank(stage, n_layer, mp):
     from dsfn.models import GPT, GPTConfig, gpt_loss
     from dsfn.runtime.mesh import init_mesh
-    from dsfn.runtime.pipeline import SimulatedCopyEngine
+    from dsfn.runtime.host_copies import SimulatedCopyEngine
     init_mesh()
     cfg = dataclasses.replace(GPTConfig.preset("tiny"), n_layer=n_layer)
     out = {}

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import dsfn
-from dsfn.engines.pipeline_schedules import Kind, build_schedule
+from dsfn.engines.pipeline.schedules import Kind, build_schedule
 from dsfn.errors import ConfigError, StackError
 from dsfn.runtime import current_mesh, init_mesh
 from dsfn.state.layout import Placed, StageOwned

@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import dsfn
-from dsfn.engines.pipeline_schedules import build_schedule
-from dsfn.engines.pipeline_stages import StageHooks, StopForward, plan_stages, running_stage
+from dsfn.engines.pipeline.schedules import build_schedule
+from dsfn.engines.pipeline.stages import StageHooks, StopForward, plan_stages, running_stage
 from dsfn.functional import UnitEvents
 from dsfn.errors import ConfigError, StackError
 from dsfn.functional import in_backward

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import dsfn
-from dsfn.engines.pipeline_runner import StageLinks
+from dsfn.engines.pipeline.runner import StageLinks
 from dsfn.errors import StackError, UnplacedStateError
 from dsfn.models.gpt import tp_plan
 from dsfn.runtime import current_mesh, init_mesh

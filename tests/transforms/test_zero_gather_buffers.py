@@ -13,7 +13,7 @@ from dsfn.testing import assert_trees_equal, run_on_ranks
 from dsfn.testing.alloc import AllocCounter
 from dsfn.testing.models import token_batches
 from dsfn.transforms import mixed_precision, shard_zero
-from dsfn.engines import zero3_units as Z
+from dsfn.engines.zero import units as Z
 
 
 

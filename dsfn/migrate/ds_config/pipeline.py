@@ -149,7 +149,7 @@ def pipeline_split(model: Any, pp: int, partition: str) -> list[int] | None:
     before the layer list, embeddings, counted on the first stage, those after it on the
     last, a tied weight once, where it first appears) or 1 for a layer whose class name
     matches the regex ('type:<regex>', case-insensitive as in DeepSpeed)."""
-    from dsfn.engines.pipeline_stages import plan_stages
+    from dsfn.engines.pipeline.stages import plan_stages
     if partition == "uniform":
         return None
     names = [n for n, _ in model.named_parameters()]

@@ -1,5 +1,5 @@
 """What every ZeRO stage >= 1 does with flat shards: the common machinery under
-`dsfn.engines.zero_stage12` and `dsfn.engines.zero_stage3` (the transform is
+`dsfn.engines.zero.stage12` and `dsfn.engines.zero.stage3` (the transform is
 `dsfn.transforms.zero`, which holds the policy and picks the stage's engine).
 
 A leaf ZeRO sees is a tensor, a piece placed by a transform inside (tensor parallel's
@@ -24,7 +24,7 @@ from dsfn.aliasing import writable
 from dsfn.effects import bind
 from dsfn.engines.data_parallel import reduce_grads, registration_order
 from dsfn.engines.grad_stats import reduce_over_axis
-from dsfn.engines.shard_groups import split_axes
+from dsfn.engines.zero.groups import split_axes
 from dsfn.identity_cache import IdentityCache
 from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
@@ -133,7 +133,7 @@ class ZeroShards:
         self.options = options
         self.dp_axis, self.stage = options.axis, options.stage
         # hybrid sharding: state sharded over groups of `shard_group` dp ranks ("node" or an
-        # int), replicated across them (`dsfn.engines.shard_groups`); None: the whole dp axis
+        # int), replicated across them (`dsfn.engines.zero.groups`); None: the whole dp axis
         self.shard_group, self.cross_node = options.shard_group, options.cross_node
         self._axes_on = IdentityCache()         # mesh -> (shard axis, replicate axis); holds the mesh
         self.reduce_bucket_size = options.reduce_bucket_size

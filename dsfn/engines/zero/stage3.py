@@ -4,7 +4,7 @@ optimizer state in flat shards; a unit's parameters gathered just in time.
 - place: parameters above `param_persistence_threshold` elements become this rank's shard
   (the others stay whole, their gradients all-reduced), and the optimizer-state leaves
   that mirror a sharded parameter too;
-- forward ("apply_module"): a `UnitGatherer` (dsfn.engines.zero3_units) gathers each unit
+- forward ("apply_module"): a `UnitGatherer` (dsfn.engines.zero.units) gathers each unit
   before it runs and frees it after, and again for backward; frozen parameters (a LoRA
   base) are stored sharded as constants of the apply_fn and gathered with their unit, in
   the compute dtype of a mixed precision inside;
@@ -26,9 +26,9 @@ import torch
 from dsfn import tree
 from dsfn.aliasing import may_alias
 from dsfn.effects import bind
-from dsfn.engines.shard_groups import split_axes
-from dsfn.engines.zero3_units import UnitGatherer, UnitPlan
-from dsfn.engines.zero_shards import GradientRounds, ZeroOptions, ZeroShards, compute_device, zero_layout
+from dsfn.engines.zero.groups import split_axes
+from dsfn.engines.zero.units import UnitGatherer, UnitPlan
+from dsfn.engines.zero.shards import GradientRounds, ZeroOptions, ZeroShards, compute_device, zero_layout
 from dsfn.identity_cache import IdentityCache, KeyedCache
 from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import env

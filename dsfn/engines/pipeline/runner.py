@@ -1,7 +1,7 @@
 """Running one rank's part of a pipeline schedule: its actions in order, with the
 activations and their gradients sent between the stages' ranks.
 
-The schedule (`dsfn.engines.pipeline_schedules`) lists, per rank, F (forward), BW (full
+The schedule (`dsfn.engines.pipeline.schedules`) lists, per rank, F (forward), BW (full
 backward) or B / W (zero-bubble's split backward) actions of (stage, micro-batch).
 `run_rank(actions, ...)` executes them with the caller's `forward(stage, mb, h_in)` and
 autograd:
@@ -12,7 +12,7 @@ autograd:
 - BW(s, j): receives the gradient of stage s's activation from stage s+1 (s < last),
   back-propagates it (the loss itself on the last stage) into the parameters' `.grad` and
   the received activation's, and sends that on to stage s-1 (s > 0);
-- B(s, j) (zero-bubble's split, `dsfn.engines.split_backward`): receives the same gradient
+- B(s, j) (zero-bubble's split, `dsfn.engines.pipeline.split_backward`): receives the same gradient
   and back-propagates it to the received activation alone — the weight branches of the
   graph do not run — keeping the gradients that arrive where they leave the input's path,
   and sends the activation's gradient on to stage s-1 as BW does. On the first stage (no
@@ -37,7 +37,7 @@ for right before its action (the schedule's checker proves this order finishes).
 no transform.
 
 Timeline. Given a list (`run_rank(..., timeline=records)`), one `Slot(action, start, end)`
-(`dsfn.engines.pipeline_schedules.Slot`; `.kind`, `.stage`, `.mb` name its action) is
+(`dsfn.engines.pipeline.schedules.Slot`; `.kind`, `.stage`, `.mb` name its action) is
 appended per action, in the rank's order: `time.perf_counter()` (CLOCK_MONOTONIC on Linux,
 one clock for every process of the machine) around the action's compute — the forward, or
 the backward — excluding the time blocked in its receive (idle time, the bubble) and the
@@ -54,8 +54,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsfn.engines.pipeline_schedules import Action, Kind, Slot
-from dsfn.engines.split_backward import WeightGrad, WeightIndex, backward_input
+from dsfn.engines.pipeline.schedules import Action, Kind, Slot
+from dsfn.engines.pipeline.split_backward import WeightGrad, WeightIndex, backward_input
 from dsfn.errors import ConfigError
 from dsfn.runtime import collectives as C
 

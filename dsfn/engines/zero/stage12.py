@@ -18,7 +18,7 @@ from typing import Any
 
 from dsfn import tree
 from dsfn.engines.data_parallel import tap_gradients
-from dsfn.engines.zero_shards import GradientRounds, ZeroShards, zero_layout
+from dsfn.engines.zero.shards import GradientRounds, ZeroShards, zero_layout
 from dsfn.placed import data_of, is_placed
 from dsfn.state.layout import inner_view
 

@@ -1,0 +1,9 @@
+"""Pipeline parallel's machinery (`dsfn.transforms.pipeline_parallel` holds the policy), as
+torch's `pipelining/`:
+
+- `schedules`: pure, deterministic per-rank orders of work (GPipe, 1F1B, interleaved,
+  zero-bubble), their checker and simulator;
+- `stages`: a model cut into stages, and one stage's forward inside the user's step;
+- `runner`: one rank's part of a schedule, run with its sends and receives;
+- `split_backward`: a stage's backward in two passes (zero-bubble's B and W).
+"""
