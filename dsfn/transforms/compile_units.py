@@ -6,7 +6,7 @@ does the same inside a dsfn step: at the first forward it compiles the `forward`
 unit of the model (`dsfn.units.find_units`: a Hugging Face model's `_no_split_modules`
 blocks, else the children of its largest ModuleList; or the module-name patterns `units`)
 with `torch.compile(forward, **kwargs)`, and each unit's call runs the compiled forward: a
-"run_unit" handler (phase "call", the layer events of `dsfn.functional.UnitEvents`) hands
+"run_unit" handler (phase "call", the layer events of `dsfn.layer_events.UnitEvents`) hands
 it down in place of the eager one. The module is never changed.
 
 Only `forward` is compiled, never a module's call: the layer events and hooks of the

@@ -16,7 +16,7 @@ change. Each primitive has a default meaning (what a single process does); while
 | "map_whole"        | (fn, pieces)                               | fn on whole tensors          |
 | "grad_bucket_ready"| ([(key, reduced gradient shard), ...])     | nothing (a reducer's sink)   |
 | "grad_unscale"     | ()                                         | None (nothing left to undo)  |
-| "micro_batch"      | (event: dsfn.functional.MicroBatch)        | nothing (an announcement)    |
+| "micro_batch"      | (event: dsfn.layer_events.MicroBatch)        | nothing (an announcement)    |
 | "run_unit"         | (module, phase, value, recompute)          | the value as it is           |
 | "units_of"         | (module)                                   | () (no unit wants events)    |
 | "unit_calls_of"    | (module)                                   | () (no forward is wrapped)   |
@@ -31,7 +31,7 @@ to "apply_gradients" still carry (a loss scale left for an inner clip to fold in
 loss_scale answers it, clip_grad_norm asks. "micro_batch" announces that micro-batch j's forward
 or backward begins: accumulate and the pipeline bind it, ZeRO hears from it whether the
 micro-batches interleave (its rounds of gradient buckets are then backwards, not forwards).
-"run_unit" is a layer event: one installer (`dsfn.functional.UnitEvents`, owned by the Step for
+"run_unit" is a layer event: one installer (`dsfn.layer_events.UnitEvents`, owned by the Step for
 the whole step) hooks each unit that a transform names through "units_of", and binds it as the
 unit is about to run (phase "pre", value `(args, kwargs)`) and has run ("post", value its
 output), `recompute` True inside backward; a module named through "unit_calls_of" has its

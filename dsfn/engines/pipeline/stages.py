@@ -195,7 +195,7 @@ def in_checkpoint() -> bool:
 
 class StageHooks:
     """What steers a plan's layers for one training step, as verbs of the layer events
-    (the "run_unit" primitive, `dsfn.functional.UnitEvents`): `before(module, args, kwargs)`
+    (the "run_unit" primitive, `dsfn.layer_events.UnitEvents`): `before(module, args, kwargs)`
     as a unit is about to run, `after(module, out)` once it has run, for the modules of
     `units()` (the layers, the layer list's parent and the parents of the modules before it).
     Steered by `running(stage, h_in, recompute)`, which says which stage runs and on which

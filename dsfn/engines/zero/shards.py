@@ -112,7 +112,7 @@ class GradientRounds:
         self.interleaved = False
 
     def hear(self, event: Any) -> None:
-        """A "micro_batch" event (`dsfn.functional.MicroBatch`) of the running value_and_grad."""
+        """A "micro_batch" event (`dsfn.layer_events.MicroBatch`) of the running value_and_grad."""
         if event.interleaved:
             self.interleaved = True
 
