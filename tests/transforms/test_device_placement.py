@@ -138,7 +138,7 @@ def test_offloaded_zero3_shards_are_gathered_to_the_compute_device():
 def test_offloaded_zero3_stand_in_gradient_matches_the_host_shard():
     """_Gather.backward's stand-in for a host shard is a host tensor: autograd accepts it
     (a device stand-in for a host input raises 'invalid gradient ... expected device')."""
-    from dsfn.engines.zero.units import _Gather
+    from dsfn.engines.zero.units import Gather as _Gather
 
     class FakeGatherer:
         def __init__(self, shard):

@@ -7,7 +7,7 @@ A `UnitGatherer` serves one forward of a module whose parameters are ZeRO-3 shar
   all-gathered straight into the unit's kept storages (`UnitStorage`, one flat buffer per
   bucket, the weights views of it; `dsfn.runtime.flat.gather_into_buffers`) — and the next
   `prefetch` units are launched; its trainable weights enter autograd as one node
-  (`_GatherUnit`);
+  (`GatherUnit`);
 - post_forward (`unit_post`, its post event): the unit is resharded — its storages' memory freed (resized to 0),
   the tensor objects kept — and a gradient hook on its outputs is registered;
 - pre_backward (`_before_backward`): the unit is gathered again into the same storages just
@@ -32,118 +32,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsfn.functional import ForwardEnded
+from dsfn.engines.zero.unit_plan import Gather, GatherUnit, UnitPlan, UnitStorage, recompute_hook  # noqa: F401
+from dsfn.layer_events import ForwardEnded
 from dsfn.placed import Placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import FlatGather, gather_into_buffers
 from dsfn.state.layout import FlatShard
-from dsfn.units import find_units
 
-__all__ = ["UnitGatherer", "UnitPlan", "UnitStorage", "recompute_hook"]
-
-
-
-class _Gather(torch.autograd.Function):
-    """shard -> full parameter (gathered by the UnitGatherer); backward queues the full
-    gradient for reduce-scatter and returns a zero-stride zero for the shard."""
-
-    @staticmethod
-    def forward(ctx, shard, gatherer, index):
-        ctx.gatherer, ctx.index, ctx.shard_device = gatherer, index, shard.device
-        return gatherer.full(index)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.gatherer.grads_ready([(ctx.index, grad)])
-        # autograd wants the input's device: an offloaded shard lives on the host while its
-        # gathered weight (and so `grad`) is on the compute device
-        stand_in = torch.zeros((), dtype=grad.dtype, device=ctx.shard_device)
-        return stand_in.expand(ctx.gatherer.shard_shape(ctx.index)), None, None
-
-
-class _GatherUnit(torch.autograd.Function):
-    """A unit's shards -> its full trainable parameters (gathered by the UnitGatherer), as
-    one autograd node; backward hands every arrived gradient to the gatherer (which queues
-    it for reduce-scatter) and returns zero-stride zeros for the shards."""
-
-    @staticmethod
-    def forward(ctx, gatherer, ids, *shards):
-        ctx.gatherer, ctx.ids = gatherer, ids
-        ctx.homes = [s.device for s in shards]
-        ctx.shapes = [s.shape for s in shards]
-        ctx.set_materialize_grads(False)        # an unused weight's gradient stays None
-        full = gatherer._full
-        return tuple([full[i] for i in ids])
-
-    @staticmethod
-    def backward(ctx, *grads):
-        arrived, out = [], []
-        for i, grad, home, shape in zip(ctx.ids, grads, ctx.homes, ctx.shapes):
-            if grad is None:            # not reached by this loss: the reducer gets zeros at the end
-                out.append(None)
-                continue
-            arrived.append((i, grad))
-            # autograd wants the input's device: an offloaded shard lives on the host while its
-            # gathered weight (and so `grad`) is on the compute device
-            out.append(torch.zeros((), dtype=grad.dtype, device=home).expand(shape))
-        if arrived:
-            ctx.gatherer.grads_ready(arrived)     # the unit's gradients, in one call
-        return (None, None, *out)
-
-
-class UnitPlan:
-    """What a UnitGatherer needs to know about a module and its sharded parameters that does
-    not change from step to step (computed once per module and parameter names, cached by
-    ZeRO-3's engine): index i = the i-th name (trainable shards, then frozen ones); each index's
-    (owner module, attribute) slots (tied aliases too); the units (unit 0: the root) and
-    the indices each holds; the modules owning sharded parameters directly (for a
-    recompute); backward's gather order; each unit's gather storages (`storages`: unit ->
-    UnitStorage, shared by every gatherer of this module)."""
-
-    def __init__(self, module: nn.Module, names: tuple[str, ...], frozen: tuple[str, ...], units: Any):
-        self.names = list(names) + list(frozen)
-        self.frozen = set(range(len(names), len(self.names)))
-        self.index = {n: i for i, n in enumerate(self.names)}
-        # every (owner module, attribute) slot through which a parameter is reached (tied ones too)
-        by_obj: dict[int, list[str]] = {}
-        for full_name, p in module.named_parameters(remove_duplicate=False):
-            by_obj.setdefault(id(p), []).append(full_name)
-        canonical = {n: aliases for aliases in by_obj.values() for n in aliases[:1]}
-        self.slots: list[list[tuple[nn.Module, str]]] = []
-        for n in self.names:
-            slots = []
-            for alias in canonical.get(n, [n]):
-                owner_name, _, attr = alias.rpartition(".")
-                slots.append((module.get_submodule(owner_name), attr))
-            self.slots.append(slots)
-        # units: a sharded parameter reached from exactly one unit belongs to it; one reached
-        # from several units (tied across units) or from none belongs to the root
-        unit_mods = find_units(module, units)
-
-        def unit_holding(alias: str) -> int | None:
-            return next((u for u, (uname, _) in enumerate(unit_mods) if alias.startswith(uname + ".")), None)
-        owner_of: dict[int, int] = {}
-        for i, n in enumerate(self.names):
-            holders = {unit_holding(alias) for alias in canonical.get(n, [n])}
-            if len(holders) == 1 and None not in holders:
-                owner_of[i] = holders.pop()
-        self.unit_params: list[list[int]] = [[] for _ in unit_mods]
-        for i in sorted(owner_of):
-            self.unit_params[owner_of[i]].append(i)
-        root = [i for i in range(len(self.names)) if i not in owner_of]
-        # the root unit (parameters outside every unit) runs first and stays live to the end
-        self.units = [module] + [m for _, m in unit_mods]
-        self.unit_params.insert(0, root)
-        self.unit_of = {i: u for u, ids in enumerate(self.unit_params) for i in ids}
-        # modules owning sharded parameters directly: (module, indices), for recompute hooks
-        owners: dict[int, tuple[nn.Module, list[int]]] = {}
-        for i, slots in enumerate(self.slots):
-            for owner, _ in slots:
-                owners.setdefault(id(owner), (owner, []))[1].append(i)
-        self.owners = [(m, sorted(set(ids))) for m, ids in owners.values()]
-        self.bw_seq = [0] + list(range(len(self.units) - 1, 0, -1))   # backward's gather order
-        self.bw_pos = {u: k for k, u in enumerate(self.bw_seq)}
-        self.storages: dict[int, UnitStorage] = {u: UnitStorage() for u in range(len(self.units))}
+__all__ = ["Gather", "GatherUnit", "UnitGatherer", "UnitPlan", "UnitStorage", "recompute_hook"]
 
 
 class UnitGatherer:
@@ -188,7 +84,7 @@ class UnitGatherer:
         self.call_params = {n: (v.data if isinstance(v, Placed) else v) for n, v in params.items()}
         self.view: Any = None     # the apply_fn to run the module with (ZeRO-3's `begin_forward` sets it)
         # a unit is gathered into flat buffers (`FlatGather.slabs`); its weights are views of them
-        self._full: dict[int, torch.Tensor] = {}              # index -> gathered weight, in use
+        self.full_now: dict[int, torch.Tensor] = {}              # index -> gathered weight, in use
         self._pending: dict[int, FlatGather] = {}             # unit -> in-flight gather
         self._fw: dict[int, FlatGather] = {}                  # unit -> forward gather, in use
         self._bw: dict[int, tuple[FlatGather, dict[int, torch.Tensor]]] = {}   # unit -> re-gathered for backward
@@ -256,7 +152,7 @@ class UnitGatherer:
         handle = self._pending.pop(u, None)
         if handle is not None:
             for i, t in zip(self.unit_params[u], handle.wait()):
-                self._full[i] = t
+                self.full_now[i] = t
             self._fw[u] = handle
 
     def _release(self, u: int, handle: FlatGather) -> None:
@@ -279,7 +175,7 @@ class UnitGatherer:
         self._drop_skipped(len(self.units))
 
     def full(self, i: int) -> torch.Tensor:
-        return self._full[i]
+        return self.full_now[i]
 
     def shard_shape(self, i: int) -> tuple[int, ...]:
         return tuple(self.shards[i].shape)
@@ -300,12 +196,12 @@ class UnitGatherer:
             self.due.gathers_made([names[i] for i in trainable])
         # one autograd node for the unit's trainable weights (one Python call forward and
         # backward per unit, not per tensor); frozen weights take no part in autograd
-        fulls = dict(zip(trainable, _GatherUnit.apply(self, tuple(trainable),
+        fulls = dict(zip(trainable, GatherUnit.apply(self, tuple(trainable),
                                                       *(self.shards[i] for i in trainable))))
         for i in ids:
             full = fulls.get(i)
             if full is None:
-                full = self._full[i]
+                full = self.full_now[i]
             for owner, attr in self.slots[i]:
                 owner._parameters[attr] = full
 
@@ -316,7 +212,7 @@ class UnitGatherer:
             self._restore(self.unit_params[u])
             return
         for i in self.unit_params[u]:
-            self._full.pop(i, None)
+            self.full_now.pop(i, None)
             for owner, attr in self.slots[i]:
                 owner._parameters[attr] = self.shards[i]
         handle = self._fw.pop(u, None)
@@ -469,7 +365,7 @@ class UnitGatherer:
             self._release(u, handle)
         self._pending.clear()
         self._fw.clear()
-        self._full.clear()
+        self.full_now.clear()
         self._live.clear()
         _gauge_live(self._live)
         self._phase = "backward"
@@ -490,17 +386,17 @@ class UnitGatherer:
             slots = [(o, a) for o, a in self.slots[i] if o._parameters.get(a) is self.shards[i]]
             if not slots:
                 continue
-            # through _Gather, as in the forward: the recompute must save what the forward
+            # through Gather, as in the forward: the recompute must save what the forward
             # saved (autograd saves a weight only when it requires grad)
-            self._full[i] = self._bw[self.unit_of[i]][1][i]
-            full = _Gather.apply(self.shards[i], self, i)
+            self.full_now[i] = self._bw[self.unit_of[i]][1][i]
+            full = Gather.apply(self.shards[i], self, i)
             for owner, attr in slots:
                 owner._parameters[attr] = full
                 self._installed[(id(owner), attr)] = full
 
     def _restore(self, ids: list[int]) -> None:
         for i in ids:
-            self._full.pop(i, None)
+            self.full_now.pop(i, None)
             for owner, attr in self.slots[i]:
                 mine = self._installed.pop((id(owner), attr), None)
                 if mine is not None and owner._parameters.get(attr) is mine:
@@ -526,57 +422,6 @@ class UnitGatherer:
                 self._restore(ids)
         self._recompute_hooks = [nn.modules.module.register_module_forward_pre_hook(recompute_hook(pre)),
                                  nn.modules.module.register_module_forward_hook(recompute_hook(post))]
-
-
-def recompute_hook(hook):
-    """Mark a module hook that must also run around a recompute of the module's `forward`
-    alone (`remat` checkpoints `forward`, past the module's hooks, as Hugging Face does):
-    ZeRO-3's hooks install the unit's re-gathered parameters for it."""
-    hook._dsfn_recompute = True
-    return hook
-
-
-class UnitStorage:
-    """One unit's gather buffers, kept across steps (FSDP2's unsharded storage): the same
-    tensors, so the same storage objects, every time the unit is gathered. Their memory
-    exists while some gather of the unit is in use (`users` > 0) and is freed — storages
-    resized to 0 bytes, the tensor objects kept — when none is. A weight autograd saved
-    in forward (a view of a buffer) is therefore valid again once backward re-gathers the
-    unit into the same storages. Writes into a buffer that saved views share keep its
-    version counter (the data is the same weights again)."""
-
-    def __init__(self) -> None:
-        self.slabs: list[torch.Tensor] = []
-        self.users = 0
-        self._next = 0
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """`gather_into_buffers`' k-th bucket buffer (its pool interface): the k-th kept one,
-        with its memory (re)allocated; a new one on the first gather or a changed plan."""
-        k, self._next = self._next, self._next + 1
-        s = self.slabs[k] if k < len(self.slabs) else None
-        if s is None or s.numel() != numel or s.dtype != dtype or s.device != torch.device(device):
-            s = torch.empty(numel, dtype=dtype, device=device)
-            self.slabs[k:k + 1] = [s]
-        nbytes = numel * s.element_size()
-        if s.untyped_storage().nbytes() != nbytes:
-            s.untyped_storage().resize_(nbytes)
-        return s
-
-    def gather(self, start: Any) -> FlatGather:
-        """`start(pool)` (a gather_into_buffers call taking its buffers from here), counted
-        as one more user."""
-        self._next = 0
-        handle = start(self)      # its writes keep the buffers' version counters (FlatGather)
-        self.users += 1
-        return handle
-
-    def done(self) -> None:
-        """A gather is no longer used (its collectives are complete); the last one frees the memory."""
-        self.users -= 1
-        if self.users == 0:
-            for s in self.slabs:
-                s.untyped_storage().resize_(0)
 
 
 def _tensors_in(out: Any) -> list[torch.Tensor]:
