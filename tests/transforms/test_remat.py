@@ -179,7 +179,7 @@ def test_dp2_x_tp2_with_zero3_and_partitioned_remat_equals_no_remat(family):
 def _train_with_own_piece_only(*args):
     """Negative control: the recompute gets this rank's piece repeated instead of the gathered input."""
     import sys
-    remat_mod = sys.modules["dsfn.engines.remat"]     # remat's machinery
+    remat_mod = sys.modules["dsfn.engines.remat_stash"]     # remat's saved-input hooks
 
     def unpack(self, item):
         if not isinstance(item, remat_mod._Piece):
