@@ -7,7 +7,7 @@
     python benchmarks/conformance.py --default --steps 0   # CI's default sample, each row's tolerance ratio
     python benchmarks/conformance.py --baseline-src /path/to/older/checkout   # step time vs that tree
 
-Part 1 (`dsfn.testing.conformance`): how many (stack, optimizer, model, world) combinations
+Part 1 (`conformance`, the repository's top-level package): how many (stack, optimizer, model, world) combinations
 the matrix has, how many ran, passed, were refused with their listed dsfn error, and
 failed, and the wall time.
 
@@ -85,7 +85,7 @@ def step_times(src: Path, steps: int) -> dict[str, float]:
 
 def run_matrix(n: int, all_cases: bool, seed: int, models: list[str] | None = None,
                optimizers: list[str] | None = None, worlds: list[int] | None = None, default: bool = False) -> dict:
-    from dsfn.testing import conformance as K
+    import conformance as K
     cases = [c for c in K.cases() if (not models or c.model in models) and (not optimizers or c.optimizer in optimizers)
              and (not worlds or c.world in worlds)]
     if default:

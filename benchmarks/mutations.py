@@ -1,4 +1,4 @@
-"""Inject each bug of `dsfn.testing.mutations` and print which tests catch it.
+"""Inject each bug of `conformance.mutations` and print which tests catch it.
 
     python benchmarks/mutations.py                       # every mutation (~20-30 min on 2 cores)
     python benchmarks/mutations.py --only reducer_sums   # one
@@ -31,8 +31,8 @@ sys.path[0] = str(ROOT)
 
 def matrix_rows(name: str, all_rows: bool) -> tuple[list[str], list[str], list[str]]:
     """(caught, missed, errors) row ids."""
-    from dsfn.testing import conformance as K
-    from dsfn.testing import mutations as M
+    import conformance as K
+    from conformance import mutations as M
     caught, missed, errors = [], [], []
     with tempfile.TemporaryDirectory() as d, M.active(name):
         for i, case in enumerate(M.rows(name, all_rows)):
@@ -63,7 +63,7 @@ def first_failure(name: str, paths: list[str]) -> tuple[str, float]:
 
 
 def main() -> None:
-    from dsfn.testing import mutations as M
+    from conformance import mutations as M
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default="", help="these mutations, comma-separated")
     p.add_argument("--all-rows", action="store_true", help="every affected row of the whole matrix")

@@ -8,7 +8,7 @@ Compiled ops (dsfn's host AdamW; DeepSpeed's CPU comm op when its tests are coll
 are built once after collection, before any timed test (`dsfn.testing.prebuild`): on a
 fresh machine a first-use build must not land inside a test's timeout.
 
-DSFN_MUTATION=name (`dsfn.testing.mutations`): the whole run with that bug injected, to
+DSFN_MUTATION=name (`conformance.mutations`, the repository's test machinery): the whole run with that bug injected, to
 see which tests catch it (`benchmarks/mutations.py` prints the table).
 """
 import os
@@ -18,7 +18,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 def pytest_configure(config):
     if os.environ.get("DSFN_MUTATION"):
-        from dsfn.testing.mutations import activate_from_env
+        from conformance.mutations import activate_from_env
         activate_from_env()
 
 

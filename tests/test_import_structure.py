@@ -16,7 +16,9 @@ lazy or type-only import cannot hide a circle. The rules (docs/architecture.md):
 - the state floor imports no transform;
 - the effects mechanism is the bottom layer (imports nothing of dsfn), and the identity
   cache imports nothing of dsfn but `dsfn.errors`;
-- the shipped rank runner (`dsfn.testing.ranks`) does not import the mutation tooling;
+- dsfn imports nothing of the repository's test machinery (the top-level `conformance`
+  package: the matrix and the mutations); the shipped rank runner (`dsfn.testing.ranks`)
+  knows the mutations only as an `at_rank_start` hook they register;
 - a leading underscore means "this module only": no dsfn-private name is imported across
   modules, nor read as an attribute of another dsfn module (`reader._helper(...)`, where
   `reader` names an imported dsfn module);
@@ -273,8 +275,21 @@ def test_the_identity_cache_is_mechanism():
     assert [i for i, _ in _imports(ROOT / "identity_cache.py") if i.startswith("dsfn") and i != "dsfn.errors"] == []
 
 
-def test_the_rank_runner_does_not_import_the_mutation_tooling():
-    assert crossings(graph(), "dsfn.testing.ranks", "dsfn.testing.mutations") == []
+TOOLING = "conformance"        # the repository's test machinery (conformance/), not installed with dsfn
+
+
+def tooling_imports(modules: dict[str, pathlib.Path] = MODULES) -> list[str]:
+    """Every import of the `conformance` package (or a module of it) by a dsfn module
+    ("module imports name"), function-level and TYPE_CHECKING ones too."""
+    return sorted(f"{m} imports {mod}{'.' + name if name else ''}" for m, p in modules.items()
+                  for mod, name in _imports(p, m) if mod == TOOLING or mod.startswith(TOOLING + "."))
+
+
+def test_dsfn_imports_nothing_of_the_conformance_tooling():
+    """The rank runner (`dsfn.testing.ranks`) and the rest of dsfn import neither the matrix
+    nor the mutations (which reach the ranks through `at_rank_start`), and neither lives in dsfn."""
+    assert tooling_imports() == []
+    assert not [m for m in MODULES if m.rpartition(".")[2] in ("conformance", "mutations")]
 
 
 def test_no_private_name_is_imported_across_modules():
@@ -362,6 +377,11 @@ def test_the_checks_see_what_they_forbid(tmp_path):
     assert private_attributes({"dsfn.peek": peek}) == ["dsfn.peek:5: dsfn.checkpoint.writer._x",
                                                        "dsfn.peek:5: dsfn.ops.cpu_adam._y",
                                                        "dsfn.peek:5: dsfn.runtime.mesh._z"]
+    # the conformance tooling imported by the rank runner (a function-level import)
+    runner = tmp_path / "runner.py"
+    runner.write_text("import os\ndef f():\n    from conformance import mutations\n    import conformance.matrix\n")
+    assert tooling_imports({"dsfn.testing.runner": runner}) == ["dsfn.testing.runner imports conformance.matrix",
+                                                                "dsfn.testing.runner imports conformance.mutations"]
     # a hook probed for instead of called
     probe = tmp_path / "probe.py"
     probe.write_text("def f(stack):\n    for t in stack:\n        getattr(t, 'place_later', None)\n"

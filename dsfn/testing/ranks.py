@@ -8,7 +8,7 @@ from dsfn.launch import spawn
 __all__ = ["at_rank_start", "run_on_ranks"]
 
 # what every rank runs before the test function (e.g. the mutations named in DSFN_MUTATION,
-# registered by dsfn.testing.mutations when it is imported): a hook list, so this runner
+# registered by the repository's conformance.mutations when it is imported): a hook list, so this runner
 # knows nothing of what uses it
 _rank_start: list[Callable[[], Any]] = []
 
@@ -38,9 +38,10 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     A thin wrapper on `dsfn.launch.spawn` (fork start method, so fn may be a closure).
     World size 1 also runs in a child, so a test's results are always produced the same
     way (and a single-rank run initialises a real process group of one). Each rank first
-    runs the `at_rank_start` hooks (`dsfn.testing.mutations` installs the mutations named in
-    `DSFN_MUTATION` this way; none when unset). `ranks_per_node` lays the ranks out as on
-    nodes of that many (torchrun's variables; `dsfn.launch.spawn`).
+    runs the `at_rank_start` hooks (the repository's `conformance.mutations`, which dsfn does
+    not import, installs the mutations named in `DSFN_MUTATION` this way; none when unset).
+    `ranks_per_node` lays the ranks out as on nodes of that many (torchrun's variables;
+    `dsfn.launch.spawn`).
 
     Raises:
         RankFailure: a rank raised, died, or was still running after `timeout` seconds.

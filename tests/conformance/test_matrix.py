@@ -1,7 +1,7 @@
 """The promise as tests: every stack equals the single-process reference, or refuses.
 
 The matrix (stacks x optimizers x models x world sizes), the one list of refused
-combinations and the comparison live in `dsfn.testing.conformance`: every row trains
+combinations and the comparison live in `conformance` (the repository's top-level package): every row trains
 STEPS (3) steps and compares the losses and the whole final state (parameters and
 optimizer state, Adam's moments included); fp32 rows at rtol 1e-5, mixed-precision rows
 against a same-precision reference within 1/20 of what the updates changed; and a row
@@ -17,7 +17,7 @@ promises holds by construction and is asserted below. The ids name the row:
 The negative controls break, one at a time, what the matrix rests on (the logical-value
 primitive; the gradient's scale; the optimizer state a resume restores; the update
 itself) and the same machinery must report a failure. `test_mutations.py` (slow) does
-this for every injected bug of `dsfn.testing.mutations` over many rows.
+this for every injected bug of `conformance.mutations` over many rows.
 """
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ from unittest import mock
 
 import pytest
 
+import conformance as K
+import dsfn
+from conformance import mutations as M
 from dsfn import logical
-from dsfn.testing import conformance as K
-from dsfn.testing import mutations as M
 
 pytest.importorskip("transformers")
 
@@ -101,7 +102,7 @@ def test_negative_control_a_wrong_training_fails_the_matrix(mutation, case, tmp_
 
 def test_negative_control_a_reference_that_does_not_move_fails(tmp_path):
     """A row whose reference barely trains (lr 1e-9) could not see a lost update: it fails."""
-    tiny = K.OptSpec(lambda: K.dsfn.optim.sgd(1e-9, momentum=0.9), "sgd")
+    tiny = K.OptSpec(lambda: dsfn.optim.sgd(1e-9, momentum=0.9), "sgd")
     with mock.patch.dict(K.OPTIMIZERS, {"sgd": tiny}):
         with pytest.raises(AssertionError, match="could not see a lost update"):
             K.run_case(K.Case("zero2", "sgd", "mlp", 2), str(tmp_path))
@@ -116,7 +117,7 @@ def test_a_mutation_named_in_the_environment_reaches_the_ranks():
         from dsfn.optim import base
         return base.step.__module__
     with mock.patch.dict("os.environ", {M.ENV: "no_update"}):
-        assert run_on_ranks(where, 2) == ["dsfn.testing.mutations"] * 2
+        assert run_on_ranks(where, 2) == ["conformance.mutations"] * 2
     assert base.step.__module__ == "dsfn.optim.base"
 
 

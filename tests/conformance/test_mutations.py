@@ -1,6 +1,6 @@
 """Mutation checks (`-m slow`): each injected bug fails the rows it affects and the default selection.
 
-For every mutation of `dsfn.testing.mutations` (monkeypatched, nothing written to the
+For every mutation of `conformance.mutations` (monkeypatched, nothing written to the
 library; rank processes install it from DSFN_MUTATION):
 - every row of `mutations.rows(name)` (each affected stack with SGD-momentum, AdamW and
   Muon, at the world where each of its axes is 2) fails its comparison with an
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from dsfn.testing import conformance as K
-from dsfn.testing import mutations as M
+import conformance as K
+from conformance import mutations as M
 
 pytest.importorskip("transformers")
 

@@ -51,8 +51,8 @@ def train(make_transforms, loss="labels", mesh=None, sabotage=False):
     if mesh:
         init_mesh(**mesh)
     if sabotage:
-        from dsfn.integrations import hf
-        hf.token_mean_over = lambda *a, **k: contextlib.nullcontext()
+        from dsfn.integrations.hf import losses
+        losses.token_mean_over = lambda *a, **k: contextlib.nullcontext()
     model = make_tiny_causal_lm("llama")
     apply_fn, params = dsfn.functionalize(model)
 

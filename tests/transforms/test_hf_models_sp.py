@@ -96,8 +96,8 @@ LOSSES = ("labels", "shift_labels")
 def _two_ranks(family):
     out = {(loss, "sgd"): _train(family, loss, "sgd", {"sp": 2}) for loss in LOSSES}
     out["labels", "adamw"] = _train(family, "labels", "adamw", {"sp": 2})
-    from dsfn.integrations import hf
-    hf.own_loss = lambda *a, **k: contextlib.nullcontext()      # negative control: HF's loss per slice
+    from dsfn.integrations.hf import losses
+    losses.own_loss = lambda *a, **k: contextlib.nullcontext()      # negative control: HF's loss per slice
     out["control"] = _train(family, "labels", "sgd", {"sp": 2})
     return out
 

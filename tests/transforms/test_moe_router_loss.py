@@ -57,8 +57,8 @@ def train(make_transforms, mesh=None, sabotage=False, t=16, masked=True):
         init_mesh(**mesh)
     if sabotage:       # the control: HF's function on this rank's rows, as before
         import contextlib
-        from dsfn.integrations import hf
-        hf.global_router_balance = lambda *a, **k: contextlib.nullcontext()
+        from dsfn.integrations.hf import router
+        router.global_router_balance = lambda *a, **k: contextlib.nullcontext()
     model = make_tiny_causal_lm("mixtral")
     apply_fn, params = dsfn.functionalize(model)
     step = compose(*make_transforms())(train_step_for(apply_fn, loss))
@@ -110,7 +110,7 @@ def test_only_routers_whose_loss_dsfn_reproduces_are_replaced():
     from transformers.models.mixtral import modeling_mixtral
     from transformers.models.qwen2_moe import modeling_qwen2_moe
     from transformers.models.switch_transformers import modeling_switch_transformers
-    from dsfn.integrations.hf import _switch_balance_loss
+    from dsfn.integrations.hf.router import _switch_balance_loss
     assert _switch_balance_loss(modeling_mixtral.load_balancing_loss_func)
     assert _switch_balance_loss(modeling_qwen2_moe.load_balancing_loss_func)
     assert not _switch_balance_loss(modeling_doge.load_balancing_loss_func)

@@ -79,9 +79,9 @@ def train(family, make_transforms, batches, mesh=None, loss="labels", sabotage=F
     if mesh:
         init_mesh(**mesh)
     if sabotage:        # the transform's label handling switched off: HF's loss as is
-        from dsfn.integrations import hf
+        from dsfn.integrations.hf import losses
         import contextlib
-        hf.own_loss = lambda *a, **k: contextlib.nullcontext()
+        losses.own_loss = lambda *a, **k: contextlib.nullcontext()
     if sabotage == "and strided slices":      # ... and the slices left as column views (not contiguous)
         from dsfn.transforms.sequence_parallel import SequenceParallel
         shard = SequenceParallel.shard_batch
@@ -254,9 +254,9 @@ def train_windowed(family, window, mesh=None, drop_window=False):
     if mesh:
         init_mesh(**mesh)
     if drop_window:     # negative control: the window not passed on (a plain causal mask)
-        from dsfn.integrations import hf
-        forward = hf._ulysses_forward
-        hf._ulysses_forward = lambda *a, **k: forward(*a, **{**k, "sliding_window": None})
+        from dsfn.integrations.hf import attention
+        forward = attention._ulysses_forward
+        attention._ulysses_forward = lambda *a, **k: forward(*a, **{**k, "sliding_window": None})
     model = make_windowed(family, window)
     assert model.config._attn_implementation == ("eager" if family == "gemma2" else "sdpa")
     apply_fn, params = dsfn.functionalize(model)

@@ -86,8 +86,8 @@ def train(family, mesh=None, packed=True, zero=False, ignore_documents=False, ch
     if mesh:
         init_mesh(**mesh)
     if ignore_documents:        # negative control: a plain causal mask over the whole row
-        from dsfn.integrations import hf
-        hf._documents = lambda ctx, position_ids: (None, None)
+        from dsfn.integrations.hf import attention
+        attention._documents = lambda ctx, position_ids: (None, None)
     model = make_model(family)
     apply_fn, params = dsfn.functionalize(model)
     stack = ((sequence_parallel(),) + ((shard_zero(3),) if zero else ()) + ((remat(),) if checkpointed else ())

@@ -48,10 +48,10 @@ def train(family, attn, make_transforms, mesh=None, sabotage=False, cfg=None, de
     if mesh:
         init_mesh(**mesh)
     if sabotage:                                 # the padding mask never handed on
-        from dsfn.integrations import hf
-        hf._no_mask = lambda *a, **k: None
+        from dsfn.integrations.hf import attention
+        attention._no_mask = lambda *a, **k: None
         from transformers.masking_utils import AttentionMaskInterface
-        AttentionMaskInterface._global_mapping[hf.NAME] = hf._no_mask
+        AttentionMaskInterface._global_mapping[attention.NAME] = attention._no_mask
     model = make_tiny_causal_lm(family, attn_implementation=attn, **(cfg or {})).to(device, dtype)
     model.train()
     apply_fn, params = dsfn.functionalize(model)

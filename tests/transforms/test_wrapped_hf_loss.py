@@ -77,16 +77,16 @@ def make_model(family="llama", kind="peft"):
 
 
 def train(make_transforms, family="llama", kind="peft", mesh=None, top_only=False):
-    from dsfn.integrations import hf
-    real = hf.loss_modules, hf._check_called
+    from dsfn.integrations.hf import detect, losses
+    real = detect.loss_modules, losses._check_called
     if top_only:            # the old rule: the whole-batch count on the top module ("unchecked": no proof)
-        hf.loss_modules = lambda model: [model]
+        detect.loss_modules = lambda model: [model]
         if top_only == "unchecked":
-            hf._check_called = lambda *a: None
+            losses._check_called = lambda *a: None
     try:
         return _train(make_transforms, family, kind, mesh)
     finally:
-        hf.loss_modules, hf._check_called = real
+        detect.loss_modules, losses._check_called = real
 
 
 def _train(make_transforms, family, kind, mesh):

@@ -1,4 +1,5 @@
-"""Bugs injected on purpose, to show the tests that claim to catch them do.
+"""Bugs injected on purpose, to show the tests that claim to catch them do (the repository's
+test machinery, like the rest of `conformance`: not part of the installed dsfn).
 
 A *mutation* patches one function of dsfn (unittest.mock: nothing is written to the
 library) so that training is wrong in one known way. `tests/conformance/test_mutations.py`
@@ -174,7 +175,7 @@ def _whole_batch():
 
 
 def _K():
-    from dsfn.testing import conformance as K
+    import conformance as K
     return K
 
 

@@ -1,0 +1,139 @@
+"""The conformance matrix's stacks: `STACKS` (name -> `StackSpec`: the transforms for a model,
+the mesh for a world size, the reference's transforms, the worlds it runs at, its tolerance).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+from torch import nn
+
+from conformance.models import ModelSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class StackSpec:
+    make: Callable[[nn.Module, ModelSpec, str], list]      # (model, spec, tmpdir) -> transforms
+    mesh: Callable[[int], dict] = lambda w: {"dp": w}
+    reference: Callable[[], list] = lambda: []
+    worlds: tuple[int, ...] = (1, 2, 4)
+    rtol: float = 1e-5
+    atol: float = 1e-6
+    resume: bool = False            # checkpoint at step 2, resume a fresh state from it
+    mixed: bool = False             # bf16 compute, fp32 master: compared by the update (see `compare`)
+    clipped: bool = False           # a clip below the gradient norm normalises every update
+    nodes: int | None = None        # the ranks spread over this many nodes (launcher topology; None: one)
+    also_sampled: tuple[int, ...] = ()   # more worlds the default sample runs it at (one row each)
+
+    def ranks_per_node(self, world: int) -> int | None:
+        return world // self.nodes if self.nodes and world > 1 else None
+
+    def axes(self, world: int) -> dict[str, int]:
+        """The mesh at `world` ranks ({} at world 1: no process group axes)."""
+        return dict(self.mesh(world)) if world > 1 else {}
+
+    def full_world(self) -> int:
+        """The smallest world size of this stack at which every parallel axis is > 1."""
+        return min(w for w in self.worlds if w > 1 and all(n > 1 for n in self.mesh(w).values()))
+
+
+def _T():
+    import dsfn.transforms as T
+    return T
+
+
+def _gpt_plan(model):
+    from dsfn.models.gpt import tp_plan
+    return tp_plan()
+
+
+def _tp(model, spec):
+    T = _T()
+    if spec.tp == "gpt":
+        return T.tensor_parallel(_gpt_plan(model), model=model)
+    return T.tensor_parallel("auto", model=model)
+
+
+STACKS: dict[str, StackSpec] = {
+    "data_parallel": StackSpec(lambda m, s, d: [_T().data_parallel()]),
+    "zero0": StackSpec(lambda m, s, d: [_T().shard_zero(0)]),
+    "zero1": StackSpec(lambda m, s, d: [_T().shard_zero(1)]),
+    "zero2": StackSpec(lambda m, s, d: [_T().shard_zero(2)]),
+    "zero3": StackSpec(lambda m, s, d: [_T().shard_zero(3)]),
+    "zero3+offload_cpu": StackSpec(lambda m, s, d: [_T().shard_zero(3), _T().offload("cpu")]),
+    "zero2+offload_nvme": StackSpec(lambda m, s, d: [_T().shard_zero(2), _T().offload("nvme", path=d)]),
+    "zero3+accumulate": StackSpec(lambda m, s, d: [_T().shard_zero(3), _T().accumulate(2)],
+                                  reference=lambda: [_T().accumulate(2)]),
+    "zero2+clip_grad_norm": StackSpec(lambda m, s, d: [_T().shard_zero(2), _T().clip_grad_norm(0.05)],
+                                      reference=lambda: [_T().clip_grad_norm(0.05)], clipped=True),
+    # the reference is the same precision and the same casts: bf16 compute and gradients, fp32
+    # master weights, each rank's rows a bf16 micro-batch (see `_reference`). Worlds 1 and 2
+    # only: the mean of 2 bf16 gradients is the reference's micro-batch sum to the bit (measured
+    # on every LM but GPT, <= 3.3% of the update there), while 4 ranks' bf16 reduce-scatter sums
+    # in another order than any single process, which measured 8-17% of the update on the
+    # Adam / Muon rows: above the 1/10 of the update that `MP_REL` allows.
+    "zero3+mixed_precision": StackSpec(lambda m, s, d: [_T().shard_zero(3), _T().mixed_precision()],
+                                       reference=lambda: [_T().mixed_precision()], mixed=True, worlds=(1, 2)),
+    "tp": StackSpec(lambda m, s, d: [_tp(m, s)], mesh=lambda w: {"tp": w}, worlds=(2, 4)),
+    "zero1+tp": StackSpec(lambda m, s, d: [_T().shard_zero(1), _tp(m, s)], mesh=lambda w: {"dp": w // 2, "tp": 2},
+                          worlds=(2, 4)),
+    "sp+zero3": StackSpec(lambda m, s, d: [_T().sequence_parallel(), _T().shard_zero(3)],
+                          mesh=lambda w: {"dp": w // 2, "sp": 2}, worlds=(2, 4)),
+    "zero1+tp+offload_cpu": StackSpec(lambda m, s, d: [_T().shard_zero(1), _tp(m, s), _T().offload("cpu")],
+                                      mesh=lambda w: {"dp": w // 2, "tp": 2}, worlds=(2, 4)),
+    "zero3+remat": StackSpec(lambda m, s, d: [_T().shard_zero(3), _T().remat()]),
+    "zero2+remat_offload": StackSpec(lambda m, s, d: [_T().shard_zero(2), _T().remat(offload="cpu")]),
+    "zero2+async_checkpoint+resume": StackSpec(
+        lambda m, s, d: [_T().shard_zero(2), _T().async_checkpoint(os.path.join(d, "ckpt"), every=2)], resume=True),
+    # beyond one node: the ranks on 2 nodes (the launcher's topology); hybrid sharding shards
+    # over a node's dp ranks and replicates across the nodes (world 4: 2 groups x 2; world 8:
+    # 2 x 4, and with tp 2 inside each node 2 x 2); hpZ shards over all and re-gathers in a node
+    "hsdp1": StackSpec(lambda m, s, d: [_T().shard_zero(1, shard_group="node")], worlds=(4, 8), nodes=2,
+                       also_sampled=(8,)),
+    "hsdp2": StackSpec(lambda m, s, d: [_T().shard_zero(2, shard_group="node")], worlds=(4, 8), nodes=2,
+                       also_sampled=(8,)),
+    "hsdp3": StackSpec(lambda m, s, d: [_T().shard_zero(3, shard_group="node")], worlds=(4, 8), nodes=2,
+                       also_sampled=(8,)),
+    "zero3+hpz": StackSpec(lambda m, s, d: [_T().shard_zero(3, hpz="node")], worlds=(4, 8), nodes=2,
+                           also_sampled=(8,)),
+    # pipeline parallel: each schedule at pp 2 (4 micro-batches of the 8 rows), and with ZeRO-1
+    # over dp (2 micro-batches of each dp rank's 4 rows); interleaved and ZBV run 4 stages
+    "pp_gpipe": StackSpec(lambda m, s, d: [_T().pipeline_parallel("gpipe", 4, model=m)], mesh=lambda w: {"pp": w},
+                          worlds=(2,)),
+    "pp_1f1b": StackSpec(lambda m, s, d: [_T().pipeline_parallel("1f1b", 4, model=m)], mesh=lambda w: {"pp": w},
+                         worlds=(2,)),
+    "pp4_1f1b": StackSpec(lambda m, s, d: [_T().pipeline_parallel("1f1b", 4, model=m)], mesh=lambda w: {"pp": w},
+                          worlds=(4,)),
+    "pp_interleaved": StackSpec(lambda m, s, d: [_T().pipeline_parallel("interleaved", 4, model=m)],
+                                mesh=lambda w: {"pp": w}, worlds=(2,)),
+    "pp_zbv": StackSpec(lambda m, s, d: [_T().pipeline_parallel("zbv", 4, model=m)], mesh=lambda w: {"pp": w},
+                        worlds=(2,)),
+    # activation checkpointing inside the stages (the hf_ckpt models, their own, run in every
+    # pipelined row too): each micro-batch's layers recomputed in its backward
+    "pp_1f1b+remat": StackSpec(lambda m, s, d: [_T().pipeline_parallel("1f1b", 4, model=m), _T().remat()],
+                               mesh=lambda w: {"pp": w}, worlds=(2,)),
+    "zero1+pp": StackSpec(lambda m, s, d: [_T().shard_zero(1), _T().pipeline_parallel("1f1b", 2, model=m)],
+                          mesh=lambda w: {"dp": w // 2, "pp": 2}, worlds=(4,)),
+    # ZeRO-2/3 around the pipeline: a round of gradient buckets per micro-batch's backward;
+    # small buckets, so a stage's gradients fill several and rounds matter
+    "zero2+pp": StackSpec(lambda m, s, d: [_T().shard_zero(2, reduce_bucket_size=3000),
+                                           _T().pipeline_parallel("1f1b", 2, model=m)],
+                          mesh=lambda w: {"dp": w // 2, "pp": 2}, worlds=(4,)),
+    "zero3+pp": StackSpec(lambda m, s, d: [_T().shard_zero(3, reduce_bucket_size=3000),
+                                           _T().pipeline_parallel("1f1b", 2, model=m)],
+                          mesh=lambda w: {"dp": w // 2, "pp": 2}, worlds=(4,)),
+    # tensor parallel inside each pipeline stage (Megatron's TP x PP, x DP with ZeRO-1): a stage's
+    # parameters split over its tp group, nothing on the other stages; every axis 2
+    "pp+tp": StackSpec(lambda m, s, d: [_T().pipeline_parallel("1f1b", 4, model=m), _tp(m, s)],
+                       mesh=lambda w: {"pp": 2, "tp": w // 2}, worlds=(4,)),
+    "zero1+pp+tp": StackSpec(lambda m, s, d: [_T().shard_zero(1), _T().pipeline_parallel("1f1b", 2, model=m),
+                                              _tp(m, s)],
+                             mesh=lambda w: {"dp": w // 4, "pp": 2, "tp": 2}, worlds=(8,)),
+    # sequence parallel (Ulysses) outside the pipeline: each sp rank's sequence slice crosses the
+    # stage boundary to the same sp rank of the next stage
+    "sp+pp": StackSpec(lambda m, s, d: [_T().sequence_parallel(), _T().pipeline_parallel("1f1b", 2, model=m)],
+                       mesh=lambda w: {"sp": 2, "pp": w // 2}, worlds=(4,)),
+    "hsdp3+tp": StackSpec(lambda m, s, d: [_T().shard_zero(3, shard_group="node"), _tp(m, s)],
+                          mesh=lambda w: {"dp": w // 2, "tp": 2}, worlds=(8,), nodes=2),
+}

@@ -1,0 +1,62 @@
+"""Which modules of a model are Hugging Face's: `is_hf_model` (a transformers model),
+`loss_modules` (the modules whose forward computes the model's own loss, looked for through
+wrappers: peft, torch.compile, a user's nn.Module; cached per model) and `holds_hf_model`
+(whether the adapter answers for a module).
+"""
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Any
+
+from torch import nn
+
+
+def is_hf_model(module: Any) -> bool:
+    cfg = getattr(module, "config", None)
+    return isinstance(module, nn.Module) and hasattr(cfg, "_attn_implementation_internal")
+
+
+def _defines_loss(module: nn.Module) -> bool:
+    """Whether `module`'s class itself defines `loss_function` (a Hugging Face PreTrainedModel),
+    rather than forwarding the attribute to a module it wraps (peft's `__getattr__`)."""
+    return inspect.getattr_static(type(module), "loss_function", None) is not None
+
+
+_LOSS_MODULES: "weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref, ...]]" = weakref.WeakKeyDictionary()
+
+
+def loss_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules that compute `model`'s own loss: the outermost modules of its tree (`model`
+    included) whose class defines `loss_function` — the Hugging Face models whose forward
+    calls `self.loss_function(...)`.
+
+    Wrappers are looked through at any depth: peft's `PeftModelForCausalLM` -> `LoraModel` ->
+    `LlamaForCausalLM` (peft forwards `loss_function` to the inner model by `__getattr__`, so
+    setting it on the top changes nothing the inner forward reads), torch.compile's
+    `OptimizedModule` (`_orig_mod`), a user's nn.Module holding an HF model. Modules inside a
+    found one (its `model.model` backbone) are not looked at. Cached per model (weakly)."""
+    got = _LOSS_MODULES.get(model) if isinstance(model, nn.Module) else None
+    if got is not None and all(r() is not None for r in got):
+        return [r() for r in got]
+    found, seen, todo = [], set(), [model] if isinstance(model, nn.Module) else []
+    while todo:
+        m = todo.pop(0)
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if _defines_loss(m):
+            found.append(m)
+        else:
+            todo.extend(m.children())
+    if isinstance(model, nn.Module):
+        _LOSS_MODULES[model] = tuple(weakref.ref(m) for m in found)
+    return found
+
+
+def holds_hf_model(module: Any) -> bool:
+    """Whether `module` is a Hugging Face model or wraps one (peft, torch.compile, a user's
+    nn.Module), or claims a `loss_function`: its own loss, attention and router are then
+    handled as HF's (or refused when its loss cannot be found)."""
+    return isinstance(module, nn.Module) and (is_hf_model(module) or bool(loss_modules(module))
+                                              or getattr(module, "loss_function", None) is not None)
