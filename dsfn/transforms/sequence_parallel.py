@@ -97,7 +97,6 @@ runs after ZeRO's reduce-scatter over dp (the sum is linear, so it commutes).
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Any
 
 import torch
@@ -115,6 +114,7 @@ from dsfn.engines.ulysses import (  # noqa: F401  (ulysses_sdpa, kv_replication,
     replicate_kv,
     ulysses_sdpa,
 )
+from dsfn.engines.positions import PositionsWatch, passed_on, takes
 from dsfn.engines.sequence_shards import pad_sequences, shift_left, slice_sequences
 from dsfn.transforms.core import Transform, make_transform
 from dsfn.transforms.facts import stack_facts
@@ -347,9 +347,9 @@ class SequenceParallel(Transform):
         module = apply_fn.module
         via = []        # inner models that get position_ids through the forward's **kwargs (peft)
         if "position_ids" not in kwargs:
-            if not _takes(module, "position_ids"):
-                via = _passed_on(module, "position_ids")
-            if _takes(module, "position_ids") or via:
+            if not takes(module, "position_ids"):
+                via = passed_on(module, "position_ids")
+            if takes(module, "position_ids") or via:
                 kwargs = {**kwargs, "position_ids": self._positions}
             elif self.require_position_ids:
                 raise ConfigError(f"sequence_parallel: {type(module).__name__}.forward takes no position_ids, so it "
@@ -416,53 +416,6 @@ class SequenceParallel(Transform):
                               "(dsfn_ulysses), so auto=False would do nothing; drop auto=False (it is for models "
                               "that call ulysses_sdpa themselves)")
         self._manual_ok.add(id(module))
-
-
-def _takes(module: Any, name: str) -> bool:
-    try:
-        return name in inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _passed_on(module: Any, name: str) -> list:
-    """The wrapped Hugging Face models (the adapter's `loss_modules`: peft's inner
-    LlamaForCausalLM, a user's wrapper's) whose forward takes `name`, when `module`'s forward
-    takes no `name` but passes **kwargs on (peft's PeftModelForCausalLM.forward(..., **kwargs));
-    else []."""
-    adapter = adapter_for(module)
-    if adapter is None:
-        return []
-    try:
-        params = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return []
-    return [m for m in adapter.loss_modules(module) if m is not module and _takes(m, name)]
-
-
-class PositionsWatch:
-    """The proof that the position_ids passed through a model's **kwargs reached one of the
-    `inner` models' forward (a wrapper may drop them: its tokens would count from 0). Heard
-    through sequence parallel's "run_unit" handler (phase "pre" of each inner model) while
-    the forward runs; `check()` after it."""
-
-    def __init__(self, module: Any, inner: list, positions: Any):
-        self.module, self.inner, self.positions = module, inner, positions
-        self.seen = False
-
-    def hear(self, kwargs: dict) -> None:
-        if kwargs.get("position_ids") is self.positions:
-            self.seen = True
-
-    def check(self) -> None:
-        if not self.seen:
-            raise ConfigError(f"sequence_parallel: {type(self.module).__name__}.forward takes no position_ids, and "
-                              "the position_ids dsfn passed through its **kwargs did not reach "
-                              f"{', '.join(type(m).__name__ for m in self.inner)}.forward, which would number this "
-                              "rank's tokens from 0 instead of by their place in the sequence. Pass **kwargs (or "
-                              "position_ids) on to the model, or give the forward a position_ids argument")
 
 
 def sequence_parallel(*args: Any, **kwargs: Any) -> SequenceParallel:
