@@ -13,6 +13,7 @@ circles.
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
 _local = threading.local()
@@ -33,6 +34,7 @@ class _Activate:
     def __init__(self, stack: Sequence[Any], facts: Any = None):
         self.stack = tuple(stack)
         self.facts = facts
+        self.scratch: dict[int, SimpleNamespace] | None = None    # id(transform) -> its scratch here
 
     def __enter__(self):
         self.prev = active_stack()
@@ -51,6 +53,23 @@ def activate(stack: Sequence[Any], facts: Any = None) -> _Activate:
     """Context manager: `stack`'s transforms handle primitives inside the block; `facts` is
     what the stack implies (a Step passes its own; else derived when first asked for)."""
     return _Activate(stack, facts)
+
+
+def scratch(owner: Any) -> SimpleNamespace:
+    """`owner`'s scratch for the block running it (a Step's call: one step): a namespace made
+    at the first ask and dropped when the block exits. What a transform notes during a step
+    (the norm it measured, a batch's positions, the running stage) lives here, not on the
+    transform object, so one object in two stacks, or in the next step, starts clean."""
+    for seg in active_segments():
+        for t in seg.stack:
+            if t is owner:
+                if seg.scratch is None:
+                    seg.scratch = {}
+                ns = seg.scratch.get(id(owner))
+                if ns is None:
+                    ns = seg.scratch[id(owner)] = SimpleNamespace()
+                return ns
+    raise RuntimeError(f"dsfn internal error: scratch({type(owner).__name__}) asked outside a block running it")
 
 
 def bind(primitive: str, default: Callable[..., Any], *args: Any) -> Any:

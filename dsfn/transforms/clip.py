@@ -22,7 +22,7 @@ import torch
 from dsfn import tree
 from dsfn.errors import ConfigError
 from dsfn.optim.clip import clip_coefficient
-from dsfn.transforms.core import Transform, bind, make_transform, with_role
+from dsfn.transforms.core import Transform, bind, make_transform, scratch, with_role
 from dsfn.engines.grad_stats import global_sq_norm
 
 
@@ -35,7 +35,6 @@ class ClipGradNorm(Transform):
             raise ConfigError(f"clip_grad_norm(max_norm={max_norm!r}): use a number > 0 "
                               "(leave the transform out to disable clipping)")
         self.max_norm = float(max_norm)
-        self._norm: torch.Tensor | None = None
 
     def check_stack(self, stack, index):
         from dsfn.errors import StackError
@@ -45,7 +44,7 @@ class ClipGradNorm(Transform):
 
     def wrap_step(self, fn):
         def step(state, batch):
-            self._norm = None      # a skipped update (overflow) computes no norm: reported as NaN
+            scratch(self).norm = None      # a skipped update (overflow) computes no norm: reported as NaN
             return fn(state, batch)
         return step
 
@@ -53,14 +52,15 @@ class ClipGradNorm(Transform):
         unscale = bind("grad_unscale", lambda: None)     # 1/scale an outer loss_scale left to this clip, or None
         inv = unscale.double() if unscale is not None else torch.ones((), dtype=torch.float64)
         norm = global_sq_norm(grads).sqrt() * inv
-        self._norm = norm.float()
+        scratch(self).norm = norm.float()
         factor = (inv * clip_coefficient(norm, self.max_norm)).float()
         leaves, spec = tree.flatten(grads)
         return call_next(state, tree.unflatten(
             spec, torch._foreach_mul(leaves, _to(factor, leaves[0].device)) if leaves else []))
 
     def handle_reduce_metrics(self, call_next, metrics):
-        norm = self._norm if self._norm is not None else torch.tensor(float("nan"))
+        norm = getattr(scratch(self), "norm", None)
+        norm = norm if norm is not None else torch.tensor(float("nan"))
         return call_next({**metrics, "grad_norm": norm.reshape(())})
 
 

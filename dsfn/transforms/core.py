@@ -57,7 +57,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, ClassVar, Sequence
 
-from dsfn.effects import activate, active_stack, bind  # noqa: F401  (the mechanism lives in dsfn.effects)
+from dsfn.effects import activate, active_stack, bind, scratch  # noqa: F401  (the mechanism lives in dsfn.effects)
 from dsfn.errors import ConfigError
 from dsfn.transforms.compose import Step
 

@@ -36,7 +36,7 @@ import torch
 
 from dsfn import tree
 from dsfn.errors import ConfigError, DsfnError
-from dsfn.transforms.core import Transform, make_transform
+from dsfn.transforms.core import Transform, make_transform, scratch
 from dsfn.transforms.facts import stack_facts
 from dsfn.engines.grad_stats import any_nonfinite_everywhere
 
@@ -87,9 +87,8 @@ class LossScale(Transform):
         self.window, self.hysteresis, self.min_scale = window, hysteresis, float(min_scale)
         self.static = static is not None
         self.consecutive_hysteresis = bool(consecutive_hysteresis)
-        self._scale: torch.Tensor | None = None
-        self._skipped = False
-        self._pending_unscale: torch.Tensor | None = None   # answered to "grad_unscale" (an inner clip)
+        # per step (the Step's scratch): the scale in force, whether the update was skipped, the
+        # unscale left to an inner clip while this update runs (answered to "grad_unscale")
 
     def initial_state(self) -> LossScaleState:
         i64 = lambda v: torch.tensor(v, dtype=torch.int64)
@@ -105,12 +104,12 @@ class LossScale(Transform):
         def step(state, batch):
             if KEY not in state.extra:
                 raise ConfigError("loss_scale: the state has no loss-scale entry; call step.place(state) first")
-            self._scale = state.extra[KEY].scale
+            scratch(self).scale = state.extra[KEY].scale
             return fn(state, batch)
         return step
 
     def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
-        scale = self._scale
+        scale = scratch(self).scale
 
         def scaled(p, *a, **k):
             # scale in float32: an fp16 loss times 2**16 would itself overflow, while the
@@ -135,17 +134,18 @@ class LossScale(Transform):
         ls: LossScaleState = state.extra[KEY]
         overflow = any_nonfinite_everywhere(grads)
         new_ls = self.updated(ls, overflow)
-        self._skipped = overflow
-        self._scale = new_ls.scale
+        notes = scratch(self)
+        notes.skipped = overflow
+        notes.scale = new_ls.scale
         if overflow:
             return state.replace(extra={**state.extra, KEY: new_ls})
         inv = (1.0 / ls.scale.double()).float()
         if self._clip_inside():
-            self._pending_unscale = inv
+            notes.pending_unscale = inv
             try:
                 new = call_next(state, grads)
             finally:
-                self._pending_unscale = None
+                notes.pending_unscale = None
         else:
             leaves, spec = tree.flatten(grads)
             new = call_next(state, tree.unflatten(
@@ -155,9 +155,8 @@ class LossScale(Transform):
     def handle_grad_unscale(self, call_next):
         """The factor (1/scale, float32 0-dim) the gradients on their way to the update still
         carry, while this transform's update runs with the unscale left to a clip inside it."""
-        if self._pending_unscale is not None:
-            return self._pending_unscale
-        return call_next()
+        pending = getattr(scratch(self), "pending_unscale", None)
+        return pending if pending is not None else call_next()
 
     def _clip_inside(self) -> bool:
         """Whether a transform with the "clip" role sits inside this one (a stack fact)."""
@@ -195,9 +194,11 @@ class LossScale(Transform):
 
     def handle_reduce_metrics(self, call_next, metrics):
         metrics = dict(metrics)
-        if self._scale is not None:
-            metrics["loss_scale"] = self._scale.detach().float().reshape(())
-        metrics["skipped"] = torch.tensor(1.0 if self._skipped else 0.0)
+        notes = scratch(self)
+        scale = getattr(notes, "scale", None)
+        if scale is not None:
+            metrics["loss_scale"] = scale.detach().float().reshape(())
+        metrics["skipped"] = torch.tensor(1.0 if getattr(notes, "skipped", False) else 0.0)
         return call_next(metrics)
 
 

@@ -97,6 +97,7 @@ runs after ZeRO's reduce-scatter over dp (the sum is linear, so it commutes).
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -116,7 +117,7 @@ from dsfn.engines.ulysses import (  # noqa: F401  (ulysses_sdpa, kv_replication,
 )
 from dsfn.engines.positions import PositionsWatch, passed_on, takes
 from dsfn.engines.sequence_shards import pad_sequences, shift_left, slice_sequences
-from dsfn.transforms.core import Transform, make_transform
+from dsfn.transforms.core import Transform, make_transform, scratch
 from dsfn.transforms.facts import stack_facts
 
 
@@ -156,19 +157,9 @@ class SequenceParallel(Transform):
         self.auto = bool(auto)
         self.require_position_ids = bool(require_position_ids)
         self.bucket_mb = 25
-        self._positions: torch.Tensor | None = None     # this step's global positions of local tokens
-        self._arange: torch.Tensor | None = None        # the positions shard_batch made (no documents)
-        self._weight: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._batch_shifted = False            # this step's batch holds whole-sequence `shift_labels`
-        self._local_len: int | None = None     # this rank's slice length, this step
-        self._real_len: int | None = None      # the batch's sequence length before padding to sp
-        self._padded = False                   # the last batch's attention_mask has zeros
-        self._right_padded = True              # ... only at the end of rows (or none)
-        self._unpatched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id(label patched by _weigh) -> original
-        self._in_grad = 0                      # inside handle_value_and_grad
-        self._hf_losses = 0                    # HF model losses the adapter normalised (see _normalised)
+        # this step's notes live in the Step's scratch (`_notes`): the batch's positions and
+        # lengths, its padding, the labels _weigh patched, the HF losses normalised, the watches
         self._manual_ok: set[int] = set()      # id(module) found not to be a HF model (auto=False)
-        self._watches: dict[int, PositionsWatch] = {}   # id(inner model) -> the forward's watch
 
     def check_stack(self, stack, index):
         outside = [t for t in stack[:index] if "checkpoint" not in t.roles]
@@ -184,6 +175,21 @@ class SequenceParallel(Transform):
 
     def explain_note(self) -> str:
         return f"sequence_parallel over {self.axis!r} (size {current_mesh().size(self.axis)}): Ulysses all-to-all"
+
+    def _notes(self) -> SimpleNamespace:
+        """This step's notes (the Step's scratch, `dsfn.effects.scratch`), with their defaults:
+        `positions` (global positions of this rank's tokens, [1, T/sp]), `arange` (the ones
+        shard_batch made: consecutive, no documents), `batch_shifted` (the batch holds
+        whole-sequence shift_labels), `local_len` / `real_len` (this rank's slice length; the
+        sequence length before padding to sp), `padded` / `right_padded` (the attention_mask
+        has zeros; only at the ends of rows), `unpatched` (id(label patched by _weigh) ->
+        (label, original)), `in_grad` (depth inside handle_value_and_grad), `hf_losses` (HF
+        model losses the adapter normalised), `watches` (id(inner model) -> PositionsWatch)."""
+        notes = scratch(self)
+        if not hasattr(notes, "in_grad"):
+            notes.__dict__.update(positions=None, arange=None, batch_shifted=False, local_len=None, real_len=None,
+                                  padded=False, right_padded=True, unpatched={}, in_grad=0, hf_losses=0, watches={})
+        return notes
 
     # -- the batch ------------------------------------------------------------------------------
     @property
@@ -213,12 +219,12 @@ class SequenceParallel(Transform):
         # padding anywhere (left, right, holes): the model's padding mask is applied inside Ulysses
         # attention over the whole sequence. Decided on the whole batch, so every rank agrees
         # (the mask's slices are all-gathered only then)
-        self._padded = isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.bool().all())
+        self._notes().padded = isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.bool().all())
         # right padding (1...1 0...0) is exact even without the mask: no real token sees a pad key
-        self._right_padded = not self._padded or bool((mask[:, 1:] <= mask[:, :-1]).all())
+        self._notes().right_padded = not self._notes().padded or bool((mask[:, 1:] <= mask[:, :-1]).all())
         batch = self._with_shift_labels(batch)
         n = current_mesh().size(self.axis)
-        self._real_len = t          # before padding: labels the model is given are cut there
+        self._notes().real_len = t          # before padding: labels the model is given are cut there
         if t % n:
             if not self.seq_length_is_variable:
                 raise ShapeError(f"sequence_parallel: the fixed seq_length {t} is not divisible by sp={n}")
@@ -226,12 +232,12 @@ class SequenceParallel(Transform):
                                   labels_keys=(self.labels_key, "shift_labels"), pad_token_id=self.pad_token_id)
             t = batch[self.seq_key].shape[1]
         r, c = current_mesh().local_rank(self.axis), t // n
-        self._batch_shifted = isinstance(batch.get("shift_labels"), torch.Tensor)
-        self._local_len = c
+        self._notes().batch_shifted = isinstance(batch.get("shift_labels"), torch.Tensor)
+        self._notes().local_len = c
         # global positions of this rank's tokens, [1, T/sp] (broadcast over rows, which ZeRO may
         # split further); a batch's own position_ids are taken from the batch the loss sees
-        self._positions = torch.arange(r * c, (r + 1) * c, device=ids.device)[None]
-        self._arange = self._positions      # known consecutive: Ulysses attention needs no all-gather of them
+        self._notes().positions = torch.arange(r * c, (r + 1) * c, device=ids.device)[None]
+        self._notes().arange = self._notes().positions      # known consecutive: Ulysses attention needs no all-gather of them
         return slice_sequences(batch, r, c)
 
     def _with_shift_labels(self, batch: dict) -> dict:
@@ -261,10 +267,10 @@ class SequenceParallel(Transform):
         args, kwargs, weight = self._weigh(args, kwargs)
 
         def weighted(p, *a, **k):
-            before = self._hf_losses
+            before = self._notes().hf_losses
             out = fn(p, *a, **k)
             value, aux = out if has_aux else (out, None)
-            if self._hf_losses > before:
+            if self._notes().hf_losses > before:
                 # the model's own loss, already sum / (the group's count): the sp sum is the mean
                 w = 1.0
             elif weight is None:
@@ -275,13 +281,13 @@ class SequenceParallel(Transform):
                 w = weight.to(value.dtype)
             value = value * w
             return (value, aux) if has_aux else value
-        self._in_grad += 1
+        self._notes().in_grad += 1
         try:
             value, grads = call_next(weighted, params, args, kwargs, has_aux)
         finally:
-            self._in_grad -= 1
-            if not self._in_grad:
-                self._unpatched = {}
+            self._notes().in_grad -= 1
+            if not self._notes().in_grad:
+                self._notes().unpatched = {}
         if has_aux:
             value, aux = value
         value = C.all_reduce(value.reshape(1), self.axis, "sum").reshape(())
@@ -305,12 +311,12 @@ class SequenceParallel(Transform):
         if found is None:
             batch = next((box[i] for box, i in slots if isinstance(box[i], dict)), {})
             if isinstance(batch.get("position_ids"), torch.Tensor):
-                self._positions = batch["position_ids"]
+                self._notes().positions = batch["position_ids"]
             return tuple(args), kwargs, None
         box, i = found
         batch = box[i]
         if isinstance(batch.get("position_ids"), torch.Tensor):
-            self._positions = batch["position_ids"]
+            self._notes().positions = batch["position_ids"]
         labels = batch[key]
         valid = labels != self.ignore_index
         n_local = valid.sum().to(torch.float64)
@@ -324,19 +330,19 @@ class SequenceParallel(Transform):
             labels = labels.clone()
             labels.reshape(-1)[0] = 0
             box[i] = {**batch, key: labels}
-            self._unpatched[id(labels)] = (labels, original)    # a HF model's own loss sees the original
+            self._notes().unpatched[id(labels)] = (labels, original)    # a HF model's own loss sees the original
         return tuple(args), kwargs, weight.float()
 
     # -- a model's own loss (the adapter's: dsfn.integrations.hf.sequence_loss) ---------------------
     def _split(self) -> SequenceSplit:
         """What a model's own loss needs to know of this step's split (a plain record)."""
-        return SequenceSplit(axis=self.axis, dp_axes=tuple(self._dp_axes), local_len=self._local_len,
-                             real_len=self._real_len, batch_shifted=self._batch_shifted, in_grad=bool(self._in_grad),
-                             originals=self._unpatched, normalised=self._normalised)
+        return SequenceSplit(axis=self.axis, dp_axes=tuple(self._dp_axes), local_len=self._notes().local_len,
+                             real_len=self._notes().real_len, batch_shifted=self._notes().batch_shifted, in_grad=bool(self._notes().in_grad),
+                             originals=self._notes().unpatched, normalised=self._normalised)
 
     def _normalised(self) -> None:
         """The adapter made a model's own loss the group's token mean (its sp weight is 1)."""
-        self._hf_losses += 1
+        self._notes().hf_losses += 1
 
     # -- attention and positions ----------------------------------------------------------------
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
@@ -350,7 +356,7 @@ class SequenceParallel(Transform):
             if not takes(module, "position_ids"):
                 via = passed_on(module, "position_ids")
             if takes(module, "position_ids") or via:
-                kwargs = {**kwargs, "position_ids": self._positions}
+                kwargs = {**kwargs, "position_ids": self._notes().positions}
             elif self.require_position_ids:
                 raise ConfigError(f"sequence_parallel: {type(module).__name__}.forward takes no position_ids, so it "
                                   "would number this rank's tokens from 0 instead of by their place in the sequence. "
@@ -358,14 +364,14 @@ class SequenceParallel(Transform):
                                   "the model uses no positions (or gets them another way)")
         adapter = adapter_for(module)        # a Hugging Face model's loss, router and attention rules
         if adapter is not None:
-            valid = self._positions[0] < self._real_len       # this rank's positions that are tokens
+            valid = self._notes().positions[0] < self._notes().real_len       # this rank's positions that are tokens
             with adapter.own_loss(module, self._split(), args, kwargs), \
                     adapter.global_router_balance(module, [self.axis], list(self._dp_axes), valid), \
                     self._watching(module, via, kwargs.get("position_ids")):
-                with until_backward(adapter.sequence_attention(module, self.axis, self._arange,  # recomputes alike
-                                                               padded=self._padded)):
+                with until_backward(adapter.sequence_attention(module, self.axis, self._notes().arange,  # recomputes alike
+                                                               padded=self._notes().padded)):
                     return call_next(apply_fn, params, args, kwargs)
-        if not self._right_padded:
+        if not self._notes().right_padded:
             raise ShapeError(f"sequence_parallel: the batch's attention_mask has left padding or holes, and "
                              f"{type(module).__name__} is not a Hugging Face model, whose padding mask dsfn applies "
                              "inside Ulysses attention; AutoSP / ulysses_sdpa attention is causal over the whole "
@@ -384,22 +390,22 @@ class SequenceParallel(Transform):
             return
         watch = PositionsWatch(module, inner, positions)
         for m in inner:
-            self._watches[id(m)] = watch
+            self._notes().watches[id(m)] = watch
         try:
             yield
         finally:
             for m in inner:
-                if self._watches.get(id(m)) is watch:
-                    del self._watches[id(m)]
+                if self._notes().watches.get(id(m)) is watch:
+                    del self._notes().watches[id(m)]
         watch.check()
 
     # -- layer events: the inner models a **kwargs forward passes position_ids on to -------------
     def handle_units_of(self, call_next, module):
-        return call_next(module) + tuple(m for watch in self._watches.values() for m in watch.inner)
+        return call_next(module) + tuple(m for watch in self._notes().watches.values() for m in watch.inner)
 
     def handle_run_unit(self, call_next, module, phase, value, recompute):
-        if phase == "pre" and self._watches:
-            watch = self._watches.get(id(module))
+        if phase == "pre" and self._notes().watches:
+            watch = self._notes().watches.get(id(module))
             if watch is not None:
                 watch.hear(value[1])
         return call_next(module, phase, value, recompute)
