@@ -172,7 +172,7 @@ def _call(module: nn.Module, forward: Callable, n_args: int, tkeys: tuple[str, .
 
 
 def _global_hooks(name: str) -> list:
-    """torch's global module hooks (`register_module_forward_pre_hook` / `_hook`) of `name`."""
+    """torch's global module hooks of `name` (`_global_forward_pre_hooks` or `_global_forward_hooks`)."""
     return list(getattr(nn.modules.module, name, {}).values())
 
 
