@@ -7,5 +7,6 @@ torch's `pipelining/`:
 - `simulate`: a schedule's checker, simulator and timeline picture;
 - `stages`: a model cut into stages, and one stage's forward inside the user's step;
 - `runner`: one rank's part of a schedule, run with its sends and receives;
+- `step`: one step's callbacks for the runner, its stages' hooks, the loss and tied gradients;
 - `split_backward`: a stage's backward in two passes (zero-bubble's B and W).
 """
