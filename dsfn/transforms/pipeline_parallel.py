@@ -89,7 +89,6 @@ stays None); `benchmarks/pipeline.py` measures the bubble with it.
 from __future__ import annotations
 
 import contextlib
-import math
 import fnmatch
 from collections.abc import Sequence
 from typing import Any
@@ -103,17 +102,15 @@ from dsfn.engines.micro_batches import slice_micro_batches
 from dsfn.engines.pipeline import runner as pipeline_runner
 from dsfn.engines.pipeline.runner import StageLinks
 from dsfn.engines.pipeline.schedules import SCHEDULES, Slot, build_schedule, check_schedule
-from dsfn.engines.pipeline.stages import StageHooks, StagePlan, StopForward, layer_holders, plan_stages, \
-    running_stage
+from dsfn.engines.pipeline.stages import StagePlan, layer_holders, plan_stages, running_stage
+from dsfn.engines.pipeline.step import PipelineStep, broadcast_loss, on_stage, sum_tied_grads
 from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.errors import ConfigError, StackError
-from dsfn.functional import MicroBatch, backward_lifetime, micro_batch_begins
+from dsfn.functional import backward_lifetime
 from dsfn.placed import Placed, data_of, is_placed
-from dsfn.runtime import collectives as C
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
-from dsfn.state.layout import (Nested, StageOwned, map_with_mirrors, held_copies, stage_piece_shape, stage_split,
-                               sum_held_copies)
+from dsfn.state.layout import Nested, StageOwned, map_with_mirrors, stage_split
 from dsfn.transforms.core import Transform, make_transform, with_role
 from dsfn.transforms.facts import StackFacts, stack_facts
 
@@ -155,12 +152,9 @@ class PipelineParallel(Transform):
         self.model = model
         self._plans: dict[int, tuple[nn.Module, StagePlan]] = {}
         self._schedules: dict[tuple[int, int], Any] = {}
-        self._running: tuple[int, torch.Tensor | None, int] | None = None
-        # during a step: id(module) -> its StageHooks (kept until the step's last backward), and
-        # the received activation of each (stage, micro-batch) whose backward is still to run
-        self._step_hooks: dict[int, tuple[nn.Module, StageHooks]] | None = None
-        self._unit_hooks: dict[int, StageHooks] = {}     # id(unit module) -> the StageHooks reading its events
-        self._h_in: dict[tuple[int, int], torch.Tensor | None] = {}
+        # during a step: its state and the runner's callbacks (the stages' hooks, the received
+        # activations whose backward is still to run); None between steps
+        self._step: PipelineStep | None = None
         if model is not None:       # a model whose layers cannot be found fails here, not at the first step
             plan_stages(model, [n for n, _ in model.named_parameters()], 1, None, layers)
 
@@ -267,7 +261,7 @@ class PipelineParallel(Transform):
         def own(owner: str, x: Any) -> Any:
             # a parameter, or its mirror (Adam's mu.<name>, master.<name>; a tensor_parallel piece
             # inside: by its logical shape): one layout for both
-            return _on_stage(x, layouts[owner]) if isinstance(x, (torch.Tensor, Placed)) else x
+            return on_stage(x, layouts[owner]) if isinstance(x, (torch.Tensor, Placed)) else x
         return map_with_mirrors(state, own)
 
     def unplaced(self, state: Any) -> str | None:
@@ -313,6 +307,9 @@ class PipelineParallel(Transform):
 
     # -- gradients ------------------------------------------------------------------------------
     def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
+        """The step's gradient: this rank's part of the schedule over the micro-batches
+        (`pipeline_runner.run_rank`), the loss broadcast from the last stage, the gradients of
+        the step's leaves (a tied parameter's summed over its owners)."""
         if has_aux:
             raise ConfigError("pipeline_parallel: value_and_grad(..., has_aux=True) is not supported yet (the aux "
                               "outputs live on the last stage); return the loss alone")
@@ -329,87 +326,40 @@ class PipelineParallel(Transform):
         placed = tree.leaves(params, is_leaf=is_placed)
         leaves, spec = tree.flatten(params)
         inputs = [x.detach().requires_grad_(True) for x in leaves]
-        tree_in = tree.unflatten(spec, inputs)
-        inv = 1.0 / m
-
-        def forward(stage: int, mb: int, h_in: torch.Tensor | None) -> torch.Tensor:
-            self._running = (stage, h_in, n_stages)
-            self._h_in[(stage, mb)] = h_in
-            micro_batch_begins(MicroBatch(mb, "forward", m, interleaved=True))
-            try:
-                a, k = micro[mb]
-                out = fn(tree_in, *a, **k)
-            except StopForward as done:
-                return done.value
-            finally:
-                self._running = None
-                for _, hooks in (self._step_hooks or {}).values():
-                    if hooks.saw_checkpoint:
-                        recomputed.add((stage, mb))
-                        hooks.saw_checkpoint = False
-            if not isinstance(out, torch.Tensor) or out.numel() != 1:
-                raise ConfigError("pipeline_parallel: the differentiated function must return a scalar loss")
-            return out.reshape(()) * inv
-
-        # zero-bubble's W would recompute checkpointed layers again: a micro-batch whose stage
-        # recomputes (remat, the model's checkpointing, or its own checkpoint calls seen by the
-        # stage's hooks) runs its backward whole at B
-        recomputes = self._recomputes()
-        recomputed: set[tuple[int, int]] = set()
-
-        def split_backward(stage: int, mb: int) -> bool:
-            return not recomputes and (stage, mb) not in recomputed
-
-        @contextlib.contextmanager
-        def backward_scope(stage: int, mb: int, last: bool):
-            # a recompute in this backward (activation checkpointing) runs stage `stage` on
-            # micro-batch `mb`'s received activation (kept for a split backward's W)
-            h_in = self._h_in.pop((stage, mb), None) if last else self._h_in.get((stage, mb))
-            micro_batch_begins(MicroBatch(mb, "backward", m, interleaved=True))
-            with contextlib.ExitStack() as scope:
-                for _, hooks in list((self._step_hooks or {}).values()):
-                    scope.enter_context(hooks.running(stage, h_in, recompute=True))
-                yield
-
+        step = PipelineStep(fn, tree.unflatten(spec, inputs), micro, m, n_stages, self._recomputes())
         links = StageLinks([rank_of[s] for s in range(n_stages)], m, env.device(), self.axis)
-        records: list[Slot] | None = [] if self.record_timeline else None
-        # the step's lifetime (value_and_grad's default opens it; this transform replaces it):
-        # what each forward sets up for the model — the step's parameters bound to it, remat's
-        # checkpointed forwards, the stages' hooks — stays until the last backward, whose
-        # recomputes need it; closed (everything undone) also when the step raises
-        self._step_hooks, self._h_in, self._unit_hooks = {}, {}, {}
-        try:
-            with torch.enable_grad(), micro_batches(MicroBatchCounts(m, whole_of)), backward_lifetime():
-                losses = pipeline_runner.run_rank(schedule[me], n_stages, links, forward, timeline=records,
-                                                  weights=inputs, backward_scope=backward_scope,
-                                                  split_backward=split_backward)
-        finally:
-            for _, hooks in self._step_hooks.values():
-                hooks.close()
-            self._step_hooks, self._h_in, self._unit_hooks = None, {}, {}
-        if records is not None:
-            self.timeline = records
+        losses = self._run_step(step, schedule[me], links, inputs, MicroBatchCounts(m, whole_of))
         self._last = (me, [f"{a.kind.value}{a.stage}.{a.mb}" for a in schedule[me]], dict(links.boundary_bytes))
-        # the loss lives on the last stage; it travels in fp32 (the other stages do not know
-        # its dtype: bf16 under mixed precision) and comes back in it
-        value = torch.stack(losses).sum().float() if losses else torch.zeros((), device=env.device())
-        last_rank = rank_of[n_stages - 1]
-        value = C.broadcast_(value.detach().clone(), self.axis, src=ranks.index(last_rank))
+        # the loss lives on the last stage (`broadcast_loss`: in fp32)
+        value = broadcast_loss(losses, self.axis, ranks.index(rank_of[n_stages - 1]))
         grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
-        # a parameter of several stages (tied embedding and head): its gradients summed over
-        # its owners, whose copies then take the same update (a piece split inside the stage,
-        # tensor_parallel's: the same piece on every owner, summed alike) — here, unless a
+        # a parameter of several stages: its gradients summed over its owners here, unless a
         # ZeRO-2/3 outside takes the gradients over in backward (they never reach these
         # leaves): it sums them then (`dsfn.state.layout.held_copies`)
         if not any(stack_facts(self).outside(self).all("takes_grads_in_backward")):
-            tied = [k for k, x in enumerate(placed) if isinstance(x, Placed) and held_copies(x.layout) is not None]
-            if tied:
-                summed = sum_held_copies([grads[k] for k in tied], [held_copies(placed[k].layout) for k in tied],
-                                          [0 if held_copies(placed[k].layout).holds() else
-                                           math.prod(stage_piece_shape(placed[k].layout)) for k in tied])
-                for k, g in zip(tied, summed):
-                    grads[k] = g
+            grads = sum_tied_grads(grads, placed)
         return value, tree.unflatten(spec, grads)
+
+    def _run_step(self, step: PipelineStep, actions, links: StageLinks, inputs: list[torch.Tensor],
+                  counts: MicroBatchCounts) -> list[torch.Tensor]:
+        """Run this rank's `actions` with `step`'s callbacks; the last stage's losses. The
+        step's lifetime (value_and_grad's default opens it; this transform replaces it): what
+        each forward sets up for the model — the step's parameters bound to it, remat's
+        checkpointed forwards, the stages' hooks — stays until the last backward, whose
+        recomputes need it; closed (everything undone) also when the step raises."""
+        records: list[Slot] | None = [] if self.record_timeline else None
+        self._step = step
+        try:
+            with torch.enable_grad(), micro_batches(counts), backward_lifetime():
+                losses = pipeline_runner.run_rank(actions, step.n_stages, links, step.forward, timeline=records,
+                                                  weights=inputs, backward_scope=step.backward_scope,
+                                                  split_backward=step.split_backward)
+        finally:
+            step.close()
+            self._step = None
+        if records is not None:
+            self.timeline = records
+        return losses
 
     def _recomputes(self) -> bool:
         """Whether the stages' layers are recomputed in backward (remat in the stack, or the
@@ -425,13 +375,13 @@ class PipelineParallel(Transform):
     def handle_units_of(self, call_next, module):
         """The modules whose layer events the stages need (`StageHooks.units`)."""
         found = call_next(module)
-        held = (self._step_hooks or {}).get(id(module))
+        held = self._step.hooks.get(id(module)) if self._step is not None else None
         return found if held is None or held[0] is not module else found + tuple(held[1].units())
 
     def handle_run_unit(self, call_next, module, phase, value, recompute):
         """A layer about to run (its stage's first takes the received activation) or just run
         (its stage's last ends the forward: StopForward, after the transforms outside heard it)."""
-        hooks = self._unit_hooks.get(id(module))
+        hooks = self._step.unit_hooks.get(id(module)) if self._step is not None else None
         if hooks is not None:
             if phase == "pre":
                 new = hooks.before(module, *value)
@@ -442,7 +392,7 @@ class PipelineParallel(Transform):
         return call_next(module, phase, value, recompute)
 
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
-        running = self._running
+        running = self._step.running if self._step is not None else None
         if running is None:            # a forward outside the gradient (evaluation): the whole model
             return call_next(apply_fn, params, args, kwargs)
         stage, h_in, n_stages = running
@@ -455,29 +405,10 @@ class PipelineParallel(Transform):
         # mean over the micro-batches, as under accumulate (its adapter, dsfn.adapters)
         adapter = adapter_for(module) if self.microbatches > 1 else None
         mean = adapter.token_mean_over(module, [], args, kwargs) if adapter is not None else contextlib.nullcontext()
-        held = self._step_hooks.get(id(module))
-        if held is None or held[0] is not module:
-            # the stages' verbs for the rest of the step, installed at its first forward of this
-            # module: the layer events of the forwards and of the recomputes in backward reach
-            # them through this transform's "run_unit" handler
-            hooks = StageHooks(plan)
-            self._step_hooks[id(module)] = (module, hooks)
-            for m in hooks.units():
-                self._unit_hooks[id(m)] = hooks
-        else:
-            hooks = held[1]
+        # the stages' verbs for the rest of the step (installed at its first forward of this module)
+        hooks = self._step.hooks_for(module, plan)
         with mean, running_stage(plan, stage, h_in, hooks):
             return call_next(apply_fn, params, args, kwargs)
-
-
-def _on_stage(x: Any, owned: StageOwned) -> Placed:
-    """Leaf `x` laid out on its stages: a whole tensor as `owned`; a piece another transform
-    inside placed (tensor_parallel's DimShard of the logical tensor) as `Nested(owned, its
-    layout)`: the owners keep their piece, the other stages hold an empty one."""
-    if isinstance(x, Placed):
-        piece = x.data if owned.holds() else x.data.new_empty((0,))
-        return Placed(piece, Nested(owned, x.layout))
-    return Placed(owned.shard(x), owned)
 
 
 def pipeline_parallel(*args: Any, **kwargs: Any) -> PipelineParallel:

@@ -184,6 +184,109 @@ class StageLinks:
                               f"{sorted(self.posted)}): every posted (stage, micro-batch) must be received")
 
 
+class _RankRun:
+    """One rank's run of its actions (`run_rank`): what it holds between them — each
+    forward's received activation and output until its backward, what each B keeps for its
+    W, the last stage's losses — and one method per action kind."""
+
+    def __init__(self, n_stages: int, links: StageLinks,
+                 forward: Callable[[int, int, torch.Tensor | None], torch.Tensor], timeline: list | None,
+                 index: WeightIndex | None, backward_scope: Callable[[int, int, bool], Any] | None,
+                 split_backward: Callable[[int, int], bool] | None):
+        self.links, self.forward_fn, self.timeline, self.index = links, forward, timeline, index
+        self.backward_scope, self.split_backward = backward_scope, split_backward
+        self.whole_at_b: set[tuple[int, int]] = set()          # B ran the whole backward: W has nothing to do
+        self.held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.pending: dict[tuple[int, int], WeightGrad] = {}       # B done, W not yet: what W needs
+        self.losses: dict[int, torch.Tensor] = {}
+        self.last = n_stages - 1
+        self.timed = timeline is not None
+
+    def scope(self, a: Action, last: bool) -> Any:
+        """The caller's `backward_scope` around (a.stage, a.mb)'s backward, or nothing."""
+        return (self.backward_scope(a.stage, a.mb, last) if self.backward_scope is not None
+                else contextlib.nullcontext())
+
+    def post_headers(self, actions: Sequence[Action]) -> None:
+        """Receives start ahead of their action, so the data lands while this rank computes:
+        micro-batch 0's headers now (micro-batch j+1's activation once j's arrived, its shape;
+        a gradient as soon as the forward it belongs to has run: in `forward`)."""
+        for a in actions:
+            if a.kind == Kind.F and a.stage > 0 and a.mb == 0:
+                self.links.post(a.stage - 1, a.stage, 0, backward=False)
+
+    def forward(self, a: Action) -> None:
+        """F(s, j): receive stage s-1's activation, run the forward, send its activation on
+        (or keep the last stage's loss)."""
+        links, key = self.links, (a.stage, a.mb)
+        h_in = None
+        if a.stage > 0:
+            h_in = links.recv(a.stage - 1, a.stage, a.mb, backward=False).requires_grad_(True)
+            links.post(a.stage - 1, a.stage, a.mb + 1, backward=False)
+        if self.timed:
+            t0 = time.perf_counter()
+        out = self.forward_fn(a.stage, a.mb, h_in)
+        if self.timed:
+            self.timeline.append(Slot(a, t0, time.perf_counter()))
+        if a.stage < self.last:
+            links.send(out, a.stage + 1, a.stage + 1, a.mb, backward=False)
+            links.post(a.stage + 1, a.stage, a.mb, backward=True, like=out)
+        else:
+            self.losses[a.mb] = out.detach()
+        self.held[key] = (h_in, out)
+
+    def backward(self, a: Action) -> None:
+        """BW(s, j) or B(s, j): receive the activation's gradient, back-propagate it (whole,
+        or to the received activation alone: B's split), send the input's gradient on."""
+        key = (a.stage, a.mb)
+        h_in, out = self.held.pop(key)
+        grad = self.links.recv(a.stage + 1, a.stage, a.mb, backward=True, like=out) if a.stage < self.last else None
+        if self.timed:
+            t0 = time.perf_counter()
+        whole = a.kind == Kind.BW or (self.split_backward is not None and not self.split_backward(a.stage, a.mb))
+        if whole and a.kind == Kind.B:
+            self.whole_at_b.add(key)
+        with self.scope(a, whole):
+            if whole:
+                torch.autograd.backward(out, grad)
+            else:
+                self.pending[key] = backward_input(out, grad, h_in, self.index)
+        del out         # B: the graph is W's now (its upper part, unused by W, is freed here)
+        if self.timed:
+            self.timeline.append(Slot(a, t0, time.perf_counter()))
+        if a.stage > 0:
+            g = h_in.grad if h_in.grad is not None else torch.zeros_like(h_in)
+            self.links.send(g, a.stage - 1, a.stage - 1, a.mb, backward=True)
+
+    def weights(self, a: Action) -> None:
+        """W(s, j): the weight gradients from what its B kept (nothing when B ran the whole
+        backward: an empty record)."""
+        key = (a.stage, a.mb)
+        if key in self.whole_at_b:     # its backward done whole at B
+            self.whole_at_b.discard(key)
+            if self.timed:
+                t0 = time.perf_counter()
+                self.timeline.append(Slot(a, t0, t0))
+            return
+        if key not in self.pending:
+            raise ConfigError(f"run_rank: {a} has no B before it on this rank (or a second W): each B(s, j) "
+                              "is followed by exactly one W(s, j); check the schedule (check_schedule)")
+        if self.timed:
+            t0 = time.perf_counter()
+        with self.scope(a, True):
+            self.pending.pop(key).run()
+        if self.timed:
+            self.timeline.append(Slot(a, t0, time.perf_counter()))
+
+    def finish(self) -> list[torch.Tensor]:
+        """Every B had its W; the sends waited for; the losses in micro-batch order."""
+        if self.pending:
+            raise ConfigError(f"run_rank: B ran without its W for (stage, micro-batch) {sorted(self.pending)}: their "
+                              "weight gradients would be missing; each B(s, j) needs a W(s, j) later on the same rank")
+        self.links.finish()
+        return [self.losses[j] for j in sorted(self.losses)]
+
+
 def run_rank(actions: Sequence[Action], n_stages: int, links: StageLinks,
              forward: Callable[[int, int, torch.Tensor | None], torch.Tensor],
              timeline: list | None = None, weights: Sequence[torch.Tensor] | None = None,
@@ -203,79 +306,17 @@ def run_rank(actions: Sequence[Action], n_stages: int, links: StageLinks,
     layers recomputed in backward (activation checkpointing), which W would recompute again,
     once per group of weights; None: every B and W split."""
     split = any(a.kind in (Kind.B, Kind.W) for a in actions)
-    whole_at_b: set[tuple[int, int]] = set()          # B ran the whole backward: W has nothing to do
     if split and weights is None:
         raise ConfigError("run_rank: the schedule splits the backward into B and W, which needs the weights "
                           "(the leaf tensors the forwards use): pass run_rank(..., weights=[...])")
     index = WeightIndex(weights) if split else None
-
-    def scope(a: Action, last: bool) -> Any:
-        return backward_scope(a.stage, a.mb, last) if backward_scope is not None else contextlib.nullcontext()
-    held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-    pending: dict[tuple[int, int], WeightGrad] = {}       # B done, W not yet: what W needs
-    losses: dict[int, torch.Tensor] = {}
-    last = n_stages - 1
-    timed = timeline is not None
-    # receives start ahead of their action, so the data lands while this rank computes:
-    # micro-batch 0's headers now, micro-batch j+1's activation once j's arrived (its shape),
-    # a gradient as soon as the forward it belongs to has run
+    run = _RankRun(n_stages, links, forward, timeline, index, backward_scope, split_backward)
+    run.post_headers(actions)
     for a in actions:
-        if a.kind == Kind.F and a.stage > 0 and a.mb == 0:
-            links.post(a.stage - 1, a.stage, 0, backward=False)
-    for a in actions:
-        key = (a.stage, a.mb)
         if a.kind == Kind.F:
-            h_in = None
-            if a.stage > 0:
-                h_in = links.recv(a.stage - 1, a.stage, a.mb, backward=False).requires_grad_(True)
-                links.post(a.stage - 1, a.stage, a.mb + 1, backward=False)
-            if timed:
-                t0 = time.perf_counter()
-            out = forward(a.stage, a.mb, h_in)
-            if timed:
-                timeline.append(Slot(a, t0, time.perf_counter()))
-            if a.stage < last:
-                links.send(out, a.stage + 1, a.stage + 1, a.mb, backward=False)
-                links.post(a.stage + 1, a.stage, a.mb, backward=True, like=out)
-            else:
-                losses[a.mb] = out.detach()
-            held[key] = (h_in, out)
+            run.forward(a)
         elif a.kind in (Kind.BW, Kind.B):
-            h_in, out = held.pop(key)
-            grad = links.recv(a.stage + 1, a.stage, a.mb, backward=True, like=out) if a.stage < last else None
-            if timed:
-                t0 = time.perf_counter()
-            whole = a.kind == Kind.BW or (split_backward is not None and not split_backward(a.stage, a.mb))
-            if whole and a.kind == Kind.B:
-                whole_at_b.add(key)
-            with scope(a, whole):
-                if whole:
-                    torch.autograd.backward(out, grad)
-                else:
-                    pending[key] = backward_input(out, grad, h_in, index)
-            del out         # B: the graph is W's now (its upper part, unused by W, is freed here)
-            if timed:
-                timeline.append(Slot(a, t0, time.perf_counter()))
-            if a.stage > 0:
-                g = h_in.grad if h_in.grad is not None else torch.zeros_like(h_in)
-                links.send(g, a.stage - 1, a.stage - 1, a.mb, backward=True)
-        elif key in whole_at_b:     # Kind.W, its backward done whole at B
-            whole_at_b.discard(key)
-            if timed:
-                t0 = time.perf_counter()
-                timeline.append(Slot(a, t0, t0))
+            run.backward(a)
         else:       # Kind.W
-            if key not in pending:
-                raise ConfigError(f"run_rank: {a} has no B before it on this rank (or a second W): each B(s, j) "
-                                  "is followed by exactly one W(s, j); check the schedule (check_schedule)")
-            if timed:
-                t0 = time.perf_counter()
-            with scope(a, True):
-                pending.pop(key).run()
-            if timed:
-                timeline.append(Slot(a, t0, time.perf_counter()))
-    if pending:
-        raise ConfigError(f"run_rank: B ran without its W for (stage, micro-batch) {sorted(pending)}: their weight "
-                          "gradients would be missing; each B(s, j) needs a W(s, j) later on the same rank")
-    links.finish()
-    return [losses[j] for j in sorted(losses)]
+            run.weights(a)
+    return run.finish()
