@@ -111,7 +111,7 @@ from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import Nested, StageOwned, map_with_mirrors, stage_split
-from dsfn.transforms.core import Transform, make_transform, with_role
+from dsfn.transforms.core import Transform, make_transform, scratch, with_role
 from dsfn.transforms.facts import StackFacts, stack_facts
 
 _VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbv": 2}
@@ -152,9 +152,8 @@ class PipelineParallel(Transform):
         self.model = model
         self._plans: dict[int, tuple[nn.Module, StagePlan]] = {}
         self._schedules: dict[tuple[int, int], Any] = {}
-        # during a step: its state and the runner's callbacks (the stages' hooks, the received
-        # activations whose backward is still to run); None between steps
-        self._step: PipelineStep | None = None
+        # during a step, its PipelineStep (the runner's callbacks, the stages' hooks, the received
+        # activations whose backward is still to run) is the Step's scratch: `scratch(self).step`
         if model is not None:       # a model whose layers cannot be found fails here, not at the first step
             plan_stages(model, [n for n, _ in model.named_parameters()], 1, None, layers)
 
@@ -348,7 +347,8 @@ class PipelineParallel(Transform):
         checkpointed forwards, the stages' hooks — stays until the last backward, whose
         recomputes need it; closed (everything undone) also when the step raises."""
         records: list[Slot] | None = [] if self.record_timeline else None
-        self._step = step
+        notes = scratch(self)
+        notes.step = step
         try:
             with torch.enable_grad(), micro_batches(counts), backward_lifetime():
                 losses = pipeline_runner.run_rank(actions, step.n_stages, links, step.forward, timeline=records,
@@ -356,7 +356,7 @@ class PipelineParallel(Transform):
                                                   split_backward=step.split_backward)
         finally:
             step.close()
-            self._step = None
+            notes.step = None
         if records is not None:
             self.timeline = records
         return losses
@@ -375,13 +375,15 @@ class PipelineParallel(Transform):
     def handle_units_of(self, call_next, module):
         """The modules whose layer events the stages need (`StageHooks.units`)."""
         found = call_next(module)
-        held = self._step.hooks.get(id(module)) if self._step is not None else None
+        step = getattr(scratch(self), "step", None)
+        held = step.hooks.get(id(module)) if step is not None else None
         return found if held is None or held[0] is not module else found + tuple(held[1].units())
 
     def handle_run_unit(self, call_next, module, phase, value, recompute):
         """A layer about to run (its stage's first takes the received activation) or just run
         (its stage's last ends the forward: StopForward, after the transforms outside heard it)."""
-        hooks = self._step.unit_hooks.get(id(module)) if self._step is not None else None
+        step = getattr(scratch(self), "step", None)
+        hooks = step.unit_hooks.get(id(module)) if step is not None else None
         if hooks is not None:
             if phase == "pre":
                 new = hooks.before(module, *value)
@@ -392,7 +394,8 @@ class PipelineParallel(Transform):
         return call_next(module, phase, value, recompute)
 
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
-        running = self._step.running if self._step is not None else None
+        step = getattr(scratch(self), "step", None)
+        running = step.running if step is not None else None
         if running is None:            # a forward outside the gradient (evaluation): the whole model
             return call_next(apply_fn, params, args, kwargs)
         stage, h_in, n_stages = running
@@ -406,7 +409,7 @@ class PipelineParallel(Transform):
         adapter = adapter_for(module) if self.microbatches > 1 else None
         mean = adapter.token_mean_over(module, [], args, kwargs) if adapter is not None else contextlib.nullcontext()
         # the stages' verbs for the rest of the step (installed at its first forward of this module)
-        hooks = self._step.hooks_for(module, plan)
+        hooks = step.hooks_for(module, plan)
         with mean, running_stage(plan, stage, h_in, hooks):
             return call_next(apply_fn, params, args, kwargs)
 
