@@ -65,9 +65,6 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: CheckpointError | None = None
         self._lock = threading.Lock()
-        self.last_committed: str | None = None   # the directory of the newest save that committed
-        self.saves_started = 0
-        self.saves_committed = 0
         self._atexit_registered = False
         self._holds_references = False    # the in-flight save reads tensors of a live state
         from dsfn.state import donation
@@ -108,7 +105,6 @@ class AsyncSaver:
         if self.cache is not None:
             state, staged, self.last_stage = self.cache.stage(state)
         self._holds_references = self.cache is None or self.last_stage.referenced_bytes > 0
-        self.saves_started += 1
         th = threading.Thread(target=self._run, args=(directory, state, kwargs, step, staged),
                               name="dsfn-async-checkpoint", daemon=True)
         self._thread = th
@@ -145,7 +141,7 @@ class AsyncSaver:
         try:
             if staged is not None:
                 staged.wait()  # the capture's device-to-host copies have landed
-            out = writer.save(directory, state, **kwargs)
+            writer.save(directory, state, **kwargs)
         except BaseException as e:  # noqa: BLE001 (kept and re-raised on the training thread)
             what = f"step {step}" if step is not None else "a step"
             err = CheckpointError(f"background checkpoint save of {what} to {directory} failed: "
@@ -154,9 +150,6 @@ class AsyncSaver:
             err.cause = e
             with self._lock:
                 self._error = err
-            return
-        self.last_committed = out
-        self.saves_committed += 1
 
 
 def _lower_priority(nice: int) -> None:

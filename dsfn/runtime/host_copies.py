@@ -208,7 +208,6 @@ class HostPipeline:
         self.buckets = 0
         self.items = 0                  # tensors submitted, all buckets together
         self.staged = 0                 # buckets copied through a staging buffer
-        self.buffer_waits = 0           # submits that waited for a buffer to be copied out
 
     def _engine(self, device: torch.device):
         if self.engine is not None:
@@ -248,8 +247,6 @@ class HostPipeline:
     def _take_slot(self) -> _Slot:
         while not self._free:
             slot, fut = self._busy.popleft()
-            if not fut.done():
-                self.buffer_waits += 1
             fut.result()                         # a host wait: that bucket is copied out of it
             self._free.append(slot)
         # buffers whose work is done go back first, oldest first

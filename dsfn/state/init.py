@@ -109,7 +109,6 @@ class SafetensorsSource:
                               "model.safetensors.index.json (a Hugging Face save_pretrained directory)")
         self.rename = rename or (lambda n: n)
         self.bytes_read = 0
-        self.reads = 0
 
     def has(self, name: str) -> bool:
         return self.rename(name) in self.files
@@ -133,7 +132,6 @@ class SafetensorsSource:
             buf = torch.empty(length, dtype=stored)
             f.read_into(key, start, buf)
             self.bytes_read += length * buf.element_size()
-            self.reads += 1
             out.append(buf.to(dtype))
         return out
 

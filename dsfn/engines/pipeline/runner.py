@@ -82,7 +82,6 @@ class StageLinks:
         self.rank_of, self.m, self.device, self.axis = list(rank_of), m, device, axis
         self.boundary_bytes: dict[tuple[int, int], int] = {}     # (from stage, to stage) -> bytes sent
         self.pending: list[tuple[Any, torch.Tensor]] = []
-        self.sent_bytes = 0
         self.me = dist.get_rank() if dist.is_initialized() else 0
         self.local: dict[int, torch.Tensor] = {}      # tag -> a tensor this rank sent itself (ZBV's turn)
         self.shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}   # receiving stage -> mb 0's activation
@@ -118,7 +117,6 @@ class StageLinks:
                                   "equal micro-batches; a stage's output shape must not depend on the data)")
         for x in out:
             self.pending.append((dist.isend(x, dst, tag=tag), x))
-        self.sent_bytes += t.numel() * t.element_size()
         C.counters.record(self.axis, "send", t.numel() * t.element_size(), None, dst)
 
     def _known(self, stage: int, mb: int, backward: bool, like: torch.Tensor | None

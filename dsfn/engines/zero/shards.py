@@ -130,7 +130,6 @@ class ZeroShards:
     """The flat-shard machinery of ZeRO stages 1-3 over `axis` (module docstring)."""
 
     def __init__(self, options: ZeroOptions):
-        self.options = options
         self.dp_axis, self.stage = options.axis, options.stage
         # hybrid sharding: state sharded over groups of `shard_group` dp ranks ("node" or an
         # int), replicated across them (`dsfn.engines.zero.groups`); None: the whole dp axis
