@@ -60,6 +60,7 @@ from torch.utils._device import DeviceContext
 
 from dsfn import tree
 from dsfn.errors import ConfigError, LeafTypeError
+from dsfn.placed import data_of
 from torch.nn.utils.stateless import _reparametrize_module
 
 from dsfn.effects import bind
@@ -114,6 +115,14 @@ class ApplyFn:
             with buffer_scope(self.buffers, discard=True):
                 return bind("apply_module", call_module, self, params, args, kwargs)
         return bind("apply_module", call_module, self, params, args, kwargs)
+
+    def with_local_constants(self) -> "ApplyFn":
+        """This apply_fn with each placed constant (a frozen parameter stored sharded by ZeRO-3
+        or split by tensor parallel: `Placed`) handed to the forward as this rank's piece,
+        the others as they are: the one frozen-constants view both build (each caches it per
+        apply_fn and constants)."""
+        consts = {n: data_of(v) for n, v in self.constants.items()}
+        return ApplyFn(self.module, consts, self.param_names, self.buffers, self.buffer_dtype, frozen=self.frozen)
 
     def with_buffers(self, buffers: dict[str, torch.Tensor]) -> "ApplyFn":
         """An apply_fn that reads `buffers` (e.g. a trained `state.buffers`) in every call, in or

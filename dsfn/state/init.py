@@ -50,7 +50,8 @@ from dsfn.runtime.mesh import current_mesh, ensure_ready
 from dsfn.state.layout import Placed, Replicated, is_placed, mirrored_param
 from dsfn.state.train_state import TrainState, mark_placed
 
-__all__ = ["Initializer", "SafetensorsSource", "hf_checkpoint", "init_sharded", "place_state", "store_constants"]
+__all__ = ["Initializer", "SafetensorsSource", "hf_checkpoint", "init_sharded", "place_frozen", "place_state",
+           "store_constants"]
 
 Runs = Sequence[tuple[int, int]]     # (logical start, length) in the row-major flattened tensor
 
@@ -337,6 +338,16 @@ def remade_buffer(module: torch.nn.Module, name: str, like: torch.Tensor) -> tor
     if made is None or tuple(made.shape) != tuple(like.shape):
         return None
     return made.to(like.dtype)
+
+
+def place_frozen(apply_fn: Any) -> None:
+    """Store `apply_fn`'s frozen parameters placed, in place, once: those still plain tensors go
+    through the "place_constants" primitive (ZeRO-3 shards them, tensor parallel splits them;
+    default: as they are) and `store_constants` keeps the result."""
+    todo = {n: apply_fn.constants[n] for n in getattr(apply_fn, "frozen", ())
+            if isinstance(apply_fn.constants.get(n), torch.Tensor)}
+    if todo:
+        store_constants(apply_fn, bind("place_constants", lambda c: c, todo))
 
 
 def store_constants(apply_fn: Any, placed: dict[str, Any]) -> None:

@@ -101,6 +101,7 @@ from dsfn.functional import until_backward
 from dsfn.errors import ConfigError, StackError
 from dsfn.identity_cache import IdentityCache
 from dsfn.runtime.mesh import current_mesh
+from dsfn.state.init import place_frozen
 from dsfn.state.layout import (DimShard, GroupDimShard, Layout, Offloaded, PackedDimShard, Placed, Replicated,
                                map_with_mirrors, place)
 from dsfn.transforms.core import Transform, make_transform, with_role
@@ -124,14 +125,6 @@ _EMBEDDING = {"embedding_rowwise", "embedding_colwise"}
 # ---------------------------------------------------------------------------------------------
 # the transform
 # ---------------------------------------------------------------------------------------------
-
-def _pieces_view(apply_fn):
-    """`apply_fn` as an ApplyFn whose placed constants are this rank's pieces."""
-    from dsfn.functional import ApplyFn
-    consts = {k: (v.data if isinstance(v, Placed) else v) for k, v in apply_fn.constants.items()}
-    return ApplyFn(apply_fn.module, consts, apply_fn.param_names, apply_fn.buffers, apply_fn.buffer_dtype,
-                   frozen=apply_fn.frozen)
-
 
 class TensorParallel(Transform):
     name = "tensor_parallel"
@@ -300,15 +293,10 @@ class TensorParallel(Transform):
     def _constants_view(self, apply_fn):
         """`apply_fn` with its placed frozen parameters split by the plan (at the first forward),
         as an ApplyFn whose constants are this rank's pieces (cached per apply_fn)."""
-        todo = {k: apply_fn.constants[k] for k in getattr(apply_fn, "frozen", ())
-                if isinstance(apply_fn.constants.get(k), torch.Tensor)}
-        if todo:
-            from dsfn.effects import bind
-            from dsfn.state.init import store_constants
-            store_constants(apply_fn, bind("place_constants", lambda c: c, todo))
+        place_frozen(apply_fn)
         if all(isinstance(v, torch.Tensor) for v in apply_fn.constants.values()):
             return apply_fn
-        return self._view.get((apply_fn,), lambda: _pieces_view(apply_fn), tuple(map(id, apply_fn.constants.values())))
+        return self._view.get((apply_fn,), apply_fn.with_local_constants, tuple(map(id, apply_fn.constants.values())))
 
     # -- forward --------------------------------------------------------------------------------
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):

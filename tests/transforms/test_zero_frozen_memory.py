@@ -62,7 +62,7 @@ def run(stage: int, keep_full: bool = False):
     inherited = live_tensor_bytes()
     init_mesh(dp=2)
     if keep_full:          # the old placement: pieces stored, the full tensors still referenced
-        from dsfn.engines.zero import stage3 as zero
+        from dsfn.state import init as zero       # place_frozen stores through it
         real = zero.store_constants
 
         def holding(apply_fn, placed):

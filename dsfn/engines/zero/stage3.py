@@ -25,7 +25,6 @@ import torch
 
 from dsfn import tree
 from dsfn.aliasing import may_alias
-from dsfn.effects import bind
 from dsfn.engines.zero.groups import split_axes
 from dsfn.engines.zero.units import UnitGatherer, UnitPlan
 from dsfn.engines.zero.shards import GradientRounds, ZeroOptions, ZeroShards, compute_device, zero_layout
@@ -33,7 +32,7 @@ from dsfn.identity_cache import IdentityCache, KeyedCache
 from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh, grad_channel
-from dsfn.state.init import store_constants
+from dsfn.state.init import place_frozen
 from dsfn.state.layout import FlatShard
 
 __all__ = ["GradientsDue", "Stage3", "Stage3Reduction"]
@@ -187,24 +186,17 @@ class Stage3(ZeroShards):
         """Store `apply_fn`'s frozen parameters sharded, in place: their `constants` entries
         become Placed pieces (through the "place_constants" primitive); the module's full
         tensors are released."""
-        todo = {n: apply_fn.constants[n] for n in getattr(apply_fn, "frozen", ())
-                if isinstance(apply_fn.constants.get(n), torch.Tensor)}
-        if todo:
-            store_constants(apply_fn, bind("place_constants", lambda c: c, todo))
+        place_frozen(apply_fn)
 
     def frozen_view(self, apply_fn: Any, dtype: torch.dtype | None
                     ) -> tuple[Any, dict[str, tuple[torch.Tensor, FlatShard]]]:
         """(an ApplyFn whose constants are plain tensors — a sharded frozen parameter's local
         piece —, {name: (the piece to gather, in `dtype` when given; its FlatShard)}).
         `begin_forward` caches it per apply_fn (held alive), its constants and dtype."""
-        from dsfn.functional import ApplyFn
         pieces = {n: v.data for n, v in apply_fn.constants.items() if self.mine(v)}
         cast = {n: (t.to(dtype) if dtype is not None and t.is_floating_point() else t,
                     zero_layout(apply_fn.constants[n].layout)) for n, t in pieces.items()}
-        consts = {n: data_of(v) for n, v in apply_fn.constants.items()}
-        view = ApplyFn(apply_fn.module, consts, apply_fn.param_names, apply_fn.buffers, apply_fn.buffer_dtype,
-                       frozen=apply_fn.frozen)
-        return view, cast
+        return apply_fn.with_local_constants(), cast
 
     # -- units ----------------------------------------------------------------------------------
     def shard_leaves(self, params: dict[str, Any]) -> tuple[tuple[str, ...], list[FlatShard], list[torch.device]]:
