@@ -1,6 +1,8 @@
-"""Layer events: the "run_unit" primitive's one installer (`dsfn.functional.UnitEvents`), and
-its handlers at the engine level (ZeRO-3's gatherer here; the pipeline's stage verbs in
-tests/transforms/test_pipeline_parallel_remat.py, `_heard`).
+"""Layer events: the "run_unit" primitive's one installer (`dsfn.layer_events.UnitEvents`), and
+its handlers at the engine level (ZeRO-3's gatherer, remat's checkpoint and compile_units'
+compiled forward here; the pipeline's stage verbs in
+tests/transforms/test_pipeline_parallel_remat.py, `_heard`; tensor parallel's collectives
+need a tp group: tests/transforms/test_tensor_parallel.py, whose rows fail without its handler).
 
 The installer hooks each unit once and runs the handlers in the order given (the stack's,
 outermost first): work done before `call_next` runs outermost-first, work after it
@@ -187,3 +189,57 @@ def test_zero3s_run_unit_handler_gathers_each_unit_just_in_time_and_releases_it(
             assert seen == [("pre", (8, 4)), ("post", (16,)), ("pre", (8, 8)), ("post", (32,)),
                             ("pre", (2, 8)), ("post", (8,))], seen
             assert registry == {} and n_units == 4          # the root and its 3 layers
+
+
+class _Counted(nn.Module):
+    """A layer that counts its forwards (a checkpoint's recompute runs it again)."""
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.lin(x))
+
+
+def test_remats_call_handler_runs_the_unit_under_a_checkpoint_only_while_installed():
+    from dsfn.engines.remat import Installed, is_checkpointed
+    from dsfn.transforms import remat
+    layer = _Counted()
+    x = torch.randn(4, 3, requires_grad=True)
+    ref = torch.autograd.grad(layer(x).sum(), (x, layer.lin.weight))
+    handler = remat().handle_run_unit
+    layer.calls = 0
+    with Installed([("layer", layer)], None, None):
+        assert is_checkpointed(layer)
+        with UnitEvents([], [handler], calls=[layer]):
+            out = layer(x)
+            got = torch.autograd.grad(out.sum(), (x, layer.lin.weight))
+    assert layer.calls == 2                     # the forward, and its recompute in backward
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert not is_checkpointed(layer)
+    layer.calls = 0
+    with UnitEvents([], [handler], calls=[layer]):      # nothing installed: the call goes on as it is
+        torch.autograd.grad(layer(x).sum(), x)
+    assert layer.calls == 1
+
+
+def test_compile_units_call_handler_hands_down_its_compiled_forward():
+    from dsfn.transforms import compile_units
+    model = make_mlp([3, 4, 4, 2])
+    cu = compile_units(units=["layers.*"], backend="eager")
+    units = cu.handle_unit_calls_of(lambda m: (), model)       # its "unit_calls_of": the blocks
+    assert list(units) == [m for m in model.layers]
+    x = torch.randn(2, 3)
+    ref = model(x)
+    seen = []
+
+    class _Spy:
+        def handle_run_unit(self, call_next, module, phase, value, recompute):
+            if phase == "call":
+                seen.append(value[0] is cu.compiled_forward(module))
+            return call_next(module, phase, value, recompute)
+    with UnitEvents([], [cu.handle_run_unit, _Spy().handle_run_unit], calls=units):
+        out = model(x)
+    assert torch.equal(out, ref) and seen and all(seen)
