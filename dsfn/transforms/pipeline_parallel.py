@@ -105,6 +105,7 @@ from dsfn.engines.pipeline.schedules import SCHEDULES, Slot, build_schedule, che
 from dsfn.engines.pipeline.stages import StagePlan, layer_holders, plan_stages, running_stage
 from dsfn.engines.pipeline.step import PipelineStep, broadcast_loss, on_stage, sum_tied_grads
 from dsfn.engines.grad_stats import reduce_over_axis
+from dsfn.identity_cache import KeyedCache
 from dsfn.errors import ConfigError, StackError
 from dsfn.functional import backward_lifetime
 from dsfn.placed import Placed, data_of, is_placed
@@ -150,8 +151,8 @@ class PipelineParallel(Transform):
         self.split = tuple(split) if split is not None else None
         self.layers = layers
         self.model = model
-        self._plans: dict[int, tuple[nn.Module, StagePlan]] = {}
-        self._schedules: dict[tuple[int, int], Any] = {}
+        self._plans = KeyedCache()          # id(model) -> its StagePlan for n stages (the model held)
+        self._schedules = KeyedCache()      # (p, microbatches) -> the checked schedule
         # during a step, its PipelineStep (the runner's callbacks, the stages' hooks, the received
         # activations whose backward is still to run) is the Step's scratch: `scratch(self).step`
         if model is not None:       # a model whose layers cannot be found fails here, not at the first step
@@ -216,20 +217,15 @@ class PipelineParallel(Transform):
 
     # -- the schedule ---------------------------------------------------------------------------
     def _schedule(self, p: int) -> Any:
-        key = (p, self.microbatches)
-        hit = self._schedules.get(key)
-        if hit is None:
-            hit = build_schedule(self.schedule, p, self.microbatches, self.virtual)
-            check_schedule(hit, p, self.microbatches, self.virtual)
-            self._schedules[key] = hit
-        return hit
+        def make():
+            schedule = build_schedule(self.schedule, p, self.microbatches, self.virtual)
+            check_schedule(schedule, p, self.microbatches, self.virtual)
+            return schedule
+        return self._schedules.get((p, self.microbatches), (), make)
 
     def _plan(self, module: nn.Module, names: Sequence[str], n_stages: int) -> StagePlan:
-        hit = self._plans.get(id(module))
-        if hit is None or hit[0] is not module or hit[1].n_stages != n_stages:
-            plan = plan_stages(module, names, n_stages, self.split, self.layers)
-            hit = self._plans[id(module)] = (module, plan)
-        return hit[1]
+        return self._plans.get(id(module), (module,),
+                               lambda: plan_stages(module, names, n_stages, self.split, self.layers), n_stages)
 
     # -- layout ---------------------------------------------------------------------------------
     def _stage_ranks(self, p: int) -> dict[int, int]:
