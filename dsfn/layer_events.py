@@ -216,6 +216,61 @@ def _no_units(module: nn.Module) -> tuple:
     return ()
 
 
+def recompute_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a module hook that must also run around a recompute of a module's `forward` alone
+    (`remat` checkpoints `forward`, past the module's own hooks, as Hugging Face does, and runs
+    the marked hooks itself)."""
+    hook._dsfn_recompute = True
+    return hook
+
+
+class RecomputeEvents:
+    """The layer events of a recompute in backward, for `modules` (each once): from `__enter__`
+    (a forward is over) to `__exit__` (its backward is), every call of one of them binds
+    "run_unit" through `handlers` with phase "recompute_pre" (value `(args, {})`) and
+    "recompute_post" (value its output), `recompute` True inside backward. ZeRO-3 names the
+    modules owning sharded parameters directly, and its handler installs their re-gathered
+    weights around the call. One pair of global module hooks (a dict lookup per module call;
+    the forward runs none of it), marked `recompute_hook`: a checkpoint of a layer's forward
+    skips the layer's own hooks, its submodules' calls still pass these."""
+
+    def __init__(self, modules: Any, handlers: Sequence[Callable[..., Any]]):
+        self.modules = modules      # a mapping whose keys are the watched modules' ids (kept live by its owner)
+        chain: Callable[..., Any] = _innermost_unit_handler
+        for handler in reversed(list(handlers)):
+            chain = functools.partial(handler, chain)
+        self.chain = chain
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "RecomputeEvents":
+        modules, chain = self.modules, self.chain
+
+        def pre(mod, args):
+            if id(mod) in modules:
+                chain(mod, "recompute_pre", (args, {}), _graph_task_id() != -1)
+
+        def post(mod, args, out):
+            if id(mod) in modules:
+                chain(mod, "recompute_post", out, _graph_task_id() != -1)
+        self._handles = [nn.modules.module.register_module_forward_pre_hook(recompute_hook(pre)),
+                         nn.modules.module.register_module_forward_hook(recompute_hook(post))]
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        return False
+
+
+def recompute_events_for(modules: Any) -> RecomputeEvents | None:
+    """The recompute events of `modules` (a mapping keyed by module id, kept live by its owner)
+    for the running stack's "run_unit" handlers (None when no transform handles it), not yet
+    installed: enter it when the forward is over."""
+    handlers = [t.handle_run_unit for t in active_stack() if hasattr(t, "handle_run_unit")]
+    return RecomputeEvents(modules, handlers) if handlers and modules else None
+
+
 # ---------------------------------------------------------------------------------------------
 # what lives until backward is over
 

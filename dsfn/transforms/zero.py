@@ -319,7 +319,7 @@ class ShardZero(Transform):
                 return call_next(apply_fn, params, args, kwargs)
             # the gatherer hears its units' layer events until backward is over: a recompute
             # re-gathers its unit
-            with until_backward(units.listening(engine.live_units)), units:
+            with until_backward(units.listening(engine.live_units, engine.recompute_watch)), units:
                 return call_next(units.view, units.call_params, args, kwargs)
 
     def handle_units_of(self, call_next, module):
@@ -333,7 +333,18 @@ class ShardZero(Transform):
         backward re-gather armed), for every live gatherer of it — before the transforms inside
         act (a pipeline stage's last layer ends the forward after the release)."""
         engine = self._engine
-        runs = engine.live_units.get(id(module)) if engine is not None else None
+        if engine is None:
+            return call_next(module, phase, value, recompute)
+        if phase == "recompute_pre" or phase == "recompute_post":     # a module owning shards directly
+            watched = engine.recompute_watch.live.get(id(module)) if self.stage == 3 else None
+            for m, gatherer, ids in watched or ():
+                if m is module:
+                    if phase == "recompute_pre":
+                        gatherer.install_for_recompute(ids)
+                    else:
+                        gatherer.restore_after_recompute(ids)
+            return call_next(module, phase, value, recompute)
+        runs = engine.live_units.get(id(module))
         if runs:
             if phase == "pre":
                 for gatherer, u in runs:

@@ -173,7 +173,7 @@ def _zero3_forward_by_events(prefetch):
     gatherer = engine.begin_forward(apply_fn, state.params, None)
     slots = _Slots()
     events = UnitEvents(engine.units_of(model), [zero.handle_run_unit, slots.handle_run_unit])
-    with events, gatherer.listening(engine.live_units), gatherer:
+    with events, gatherer.listening(engine.live_units, engine.recompute_watch), gatherer:
         out = gatherer.view(gatherer.call_params, x)
     want = torch.func.functional_call(make_mlp([4, 8, 8, 2], seed=1), full, (x,))
     return (torch.equal(out, want), C.gauge_max.get("zero3.live_units"), slots.seen, dict(engine.live_units),

@@ -26,7 +26,7 @@ import torch
 from dsfn import tree
 from dsfn.aliasing import may_alias
 from dsfn.engines.zero.groups import split_axes
-from dsfn.engines.zero.units import UnitGatherer, UnitPlan
+from dsfn.engines.zero.units import RecomputeWatch, UnitGatherer, UnitPlan
 from dsfn.engines.zero.shards import GradientRounds, ZeroOptions, ZeroShards, compute_device, zero_layout
 from dsfn.identity_cache import IdentityCache, KeyedCache
 from dsfn.placed import Placed, data_of, is_placed
@@ -97,6 +97,9 @@ class Stage3(ZeroShards):
 
     def __init__(self, options: ZeroOptions):
         super().__init__(options)
+        # the modules owning sharded parameters directly, watched for a recompute while their
+        # gatherers' backwards are still to come (read by ZeRO's "run_unit" handler)
+        self.recompute_watch = RecomputeWatch()
         # ZeRO++ hpZ: a secondary shard of each gathered unit over groups of `hpz` dp ranks
         # ("node" or an int): backward re-gathers inside the group (`UnitGatherer`)
         self.hpz = options.hpz
@@ -215,8 +218,8 @@ class Stage3(ZeroShards):
                       ) -> UnitGatherer | None:
         """The forward's set-up with every unit gathered just in time (module docstring): a
         `UnitGatherer`, or None when nothing of this forward is sharded. Run the module as
-        `g.view(g.call_params, ...)` inside `with until_backward(g.listening(engine.live_units)),
-        g:` (it hears its units' layer events until backward is over, so a recompute
+        `g.view(g.call_params, ...)` inside `with until_backward(g.listening(engine.live_units,
+        engine.recompute_watch)), g:` (it hears its units' layer events until backward is over, so a recompute
         re-gathers its unit in backward's fixed order). What stays the same step after step is
         cached here, each a hit in one call: the frozen view, the shard leaves, the unit plan."""
         if current_mesh().size(self.axis) > 1:

@@ -1,8 +1,8 @@
 """ZeRO-3's unit pieces that `dsfn.engines.zero.units.UnitGatherer` drives: the autograd
 nodes of a gather (`Gather`: one parameter; `GatherUnit`: a unit's parameters as one node;
 their backward hands the gradients to the gatherer), `UnitPlan` (what does not change from
-step to step: slots, units, owners, backward's order, storages), `UnitStorage` (a unit's
-gather buffers, kept across steps) and `recompute_hook` (the mark of a hook a recompute runs).
+step to step: slots, units, owners, backward's order, storages), and `UnitStorage` (a unit's
+gather buffers, kept across steps).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import nn
 
 from dsfn.units import find_units
 
-__all__ = ["Gather", "GatherUnit", "UnitPlan", "UnitStorage", "recompute_hook"]
+__all__ = ["Gather", "GatherUnit", "UnitPlan", "UnitStorage"]
 
 
 class Gather(torch.autograd.Function):
@@ -117,14 +117,6 @@ class UnitPlan:
         self.bw_seq = [0] + list(range(len(self.units) - 1, 0, -1))   # backward's gather order
         self.bw_pos = {u: k for k, u in enumerate(self.bw_seq)}
         self.storages: dict[int, UnitStorage] = {u: UnitStorage() for u in range(len(self.units))}
-
-
-def recompute_hook(hook):
-    """Mark a module hook that must also run around a recompute of the module's `forward`
-    alone (`remat` checkpoints `forward`, past the module's hooks, as Hugging Face does):
-    ZeRO-3's hooks install the unit's re-gathered parameters for it."""
-    hook._dsfn_recompute = True
-    return hook
 
 
 class UnitStorage:

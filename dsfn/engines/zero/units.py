@@ -18,7 +18,8 @@ A `UnitGatherer` serves one forward of a module whose parameters are ZeRO-3 shar
 Every rank issues the same gathers in the same order whatever its data reaches (a unit it
 skips is gathered and dropped), forward in registration order, backward the root then the
 last unit down to the first. A recompute in backward (activation checkpointing) installs
-the re-gathered weights through global module hooks marked with `recompute_hook`.
+the re-gathered weights of the modules owning them directly, heard through the layer events'
+"recompute_pre" / "recompute_post" (`RecomputeWatch`, `dsfn.layer_events.RecomputeEvents`).
 `UnitPlan` is what does not change from step to step (slots, units, owners, order,
 storages). Machinery only: it imports no transform and calls back into none; its inputs
 (the plan, the shards, the axis, bucket size, prefetch depth, the gradient sink) are
@@ -32,14 +33,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsfn.engines.zero.unit_plan import Gather, GatherUnit, UnitPlan, UnitStorage, recompute_hook  # noqa: F401
-from dsfn.layer_events import ForwardEnded
+from dsfn.engines.zero.unit_plan import Gather, GatherUnit, UnitPlan, UnitStorage  # noqa: F401
+from dsfn.layer_events import ForwardEnded, recompute_events_for, recompute_hook  # noqa: F401
 from dsfn.placed import Placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import FlatGather, gather_into_buffers
 from dsfn.state.layout import FlatShard
 
-__all__ = ["Gather", "GatherUnit", "UnitGatherer", "UnitPlan", "UnitStorage", "recompute_hook"]
+__all__ = ["Gather", "GatherUnit", "RecomputeWatch", "UnitGatherer", "UnitPlan", "UnitStorage", "recompute_hook"]
 
 
 class UnitGatherer:
@@ -92,7 +93,8 @@ class UnitGatherer:
         self._grads_done: set[int] = set()                    # indices whose gradient arrived this backward
         self._bw_pending: dict[int, FlatGather] = {}          # unit -> prefetched backward gather
         self._unit_storage = plan.storages          # each unit's, shared by every gatherer (UnitStorage)
-        self._recompute_hooks: list[Any] = []
+        self._watch: RecomputeWatch | None = None     # the engine's, from `listening`
+        self._watched = False
         self._live: set[int] = set()
         self._phase = "forward"                               # "backward" once the forward returned
         self._installed: dict[tuple[int, str], torch.Tensor] = {}   # recompute: slot -> what we put there
@@ -185,7 +187,7 @@ class UnitGatherer:
         launched; in backward (a recompute of the unit: activation checkpointing) its
         re-gathered weights are installed instead."""
         if self._phase == "backward":      # a recompute of the unit (activation checkpointing)
-            self._install_for_recompute(self.unit_params[u])
+            self.install_for_recompute(self.unit_params[u])
             return
         self._materialize(u)
         self._launch_upto(u + self.prefetch)   # prefetch: overlaps this unit's compute
@@ -209,7 +211,7 @@ class UnitGatherer:
         """Unit u has run (its "run_unit" post event; `out` its output): resharded, its
         re-gather for backward armed on `out`; after a recompute its shards go back."""
         if self._phase == "backward":
-            self._restore(self.unit_params[u])
+            self.restore_after_recompute(self.unit_params[u])
             return
         for i in self.unit_params[u]:
             self.full_now.pop(i, None)
@@ -330,11 +332,12 @@ class UnitGatherer:
 
     # -- context -----------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def listening(self, registry: dict[int, list]):
+    def listening(self, registry: dict[int, list], watch: "RecomputeWatch"):
         """This gatherer hears its units' layer events until backward is over: `registry` (id
         of a unit module -> [(gatherer, unit index)], the engine's, read by ZeRO's "run_unit"
-        handler) holds it meanwhile; from the forward's end, the hooks that install re-gathered
-        weights for a recompute (`_recompute_hooks_on`)."""
+        handler) holds it meanwhile; from the forward's end, `watch` (the engine's) holds the
+        modules owning its parameters directly, for a recompute (`_recompute_events_on`)."""
+        self._watch = watch
         entries = []
         for u, m in enumerate(self.units):
             runs = registry.setdefault(id(m), [])
@@ -347,9 +350,9 @@ class UnitGatherer:
                 runs.remove((self, u))
                 if not runs and registry.get(key) is runs:
                     del registry[key]
-            for h in self._recompute_hooks:
-                h.remove()
-            self._recompute_hooks = []
+            if self._watched:
+                watch.remove(self)
+                self._watched = False
 
     def __enter__(self):
         return self
@@ -370,11 +373,12 @@ class UnitGatherer:
         _gauge_live(self._live)
         self._phase = "backward"
         if ended:
-            self._recompute_hooks_on()
+            self._recompute_events_on()
         return False
 
     # -- recompute in backward (activation checkpointing) -------------------------------------------
-    def _install_for_recompute(self, ids: list[int]) -> None:
+    def install_for_recompute(self, ids: list[int]) -> None:
+        """The re-gathered weights of parameters `ids` in their modules' slots, for a recompute."""
         if self.concurrent:       # only what this gatherer's own backward has reached
             ids = [i for i in ids if self.unit_of[i] in self._bw]
         for u in sorted({self.unit_of[i] for i in ids}, key=lambda v: self._bw_pos[v]):
@@ -394,7 +398,8 @@ class UnitGatherer:
                 owner._parameters[attr] = full
                 self._installed[(id(owner), attr)] = full
 
-    def _restore(self, ids: list[int]) -> None:
+    def restore_after_recompute(self, ids: list[int]) -> None:
+        """The shards of parameters `ids` back in their slots after a recompute."""
         for i in ids:
             self.full_now.pop(i, None)
             for owner, attr in self.slots[i]:
@@ -402,26 +407,47 @@ class UnitGatherer:
                 if mine is not None and owner._parameters.get(attr) is mine:
                     owner._parameters[attr] = self.shards[i]
 
-    def _recompute_hooks_on(self) -> None:
-        """Hooks for a recompute in backward (activation checkpointing), installed once the
-        forward is over: a module owning sharded parameters directly gets its unit's
-        re-gathered weights around its forward. Global module hooks (one pair, a dict
-        lookup per module call), so the forward itself runs no per-module Python; Hugging
-        Face and `remat` checkpoint a layer's `forward` past the layer's own hooks, its
-        submodules' calls still pass them (and `remat` runs marked global hooks itself)."""
-        owners = {id(m): ids for m, ids in self._owners}
+    def _recompute_events_on(self) -> None:
+        """From the forward's end: the modules owning sharded parameters directly are watched
+        for a recompute in backward (activation checkpointing: `RecomputeWatch`), which gets
+        their unit's re-gathered weights around their call."""
+        if self._watch is not None and not self._watched:
+            self._watch.add(self, self._owners)
+            self._watched = True
 
-        def pre(mod, args):
-            ids = owners.get(id(mod))
-            if ids is not None:
-                self._install_for_recompute(ids)
 
-        def post(mod, args, out):
-            ids = owners.get(id(mod))
-            if ids is not None:
-                self._restore(ids)
-        self._recompute_hooks = [nn.modules.module.register_module_forward_pre_hook(recompute_hook(pre)),
-                                 nn.modules.module.register_module_forward_hook(recompute_hook(post))]
+class RecomputeWatch:
+    """ZeRO-3's modules owning sharded parameters directly whose recompute in backward a live
+    gatherer serves: `live[id(module)] = [(module, gatherer, indices)]`, read by ZeRO's
+    "run_unit" handler at the "recompute_pre" / "recompute_post" events, and the one
+    `RecomputeEvents` watching them while some gatherer is registered (the engine's: gatherers
+    of outstanding micro-batches share it)."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, list] = {}
+        self.events: Any = None
+        self.users = 0
+
+    def add(self, gatherer: "UnitGatherer", owners: list) -> None:
+        for m, ids in owners:
+            self.live.setdefault(id(m), []).append((m, gatherer, ids))
+        self.users += 1
+        if self.events is None:
+            events = recompute_events_for(self.live)
+            if events is not None:
+                self.events = events.__enter__()
+
+    def remove(self, gatherer: "UnitGatherer") -> None:
+        for key in list(self.live):
+            kept = [e for e in self.live[key] if e[1] is not gatherer]
+            if kept:
+                self.live[key] = kept
+            else:
+                del self.live[key]
+        self.users -= 1
+        if not self.users and self.events is not None:
+            self.events.__exit__(None, None, None)
+            self.events = None
 
 
 def _tensors_in(out: Any) -> list[torch.Tensor]:
