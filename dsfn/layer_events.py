@@ -115,7 +115,7 @@ class UnitEvents:
     def __init__(self, units: Sequence[nn.Module], handlers: Sequence[Callable[..., Any]],
                  calls: Sequence[nn.Module] = ()):
         self.units = _distinct(units)
-        self.calls = _distinct(calls)
+        self.calls = _distinct(calls) if calls else []
         chain: Callable[..., Any] = _innermost_unit_handler
         for handler in reversed(list(handlers)):
             chain = functools.partial(handler, chain)
@@ -196,11 +196,16 @@ def unit_events_for(module: nn.Module) -> Any:
         hit = installed.get(id(module))
         if hit is not None and hit[0] is module:
             return contextlib.nullcontext()
-    handlers = [t.handle_run_unit for t in active_stack() if hasattr(t, "handle_run_unit")]
+    stack = active_stack()
+    handlers = [t.handle_run_unit for t in stack if hasattr(t, "handle_run_unit")]
     if not handlers:
         return contextlib.nullcontext()
     units = bind("units_of", _no_units, module)
-    calls = bind("unit_calls_of", _no_units, module)
+    calls: Any = ()
+    for t in stack:                 # (a loop, not a call: this runs at every first forward of a step)
+        if hasattr(t, "handle_unit_calls_of"):
+            calls = bind("unit_calls_of", _no_units, module)
+            break
     if not units and not calls:
         return contextlib.nullcontext()
     events = UnitEvents(units, handlers, calls)
@@ -239,11 +244,7 @@ class RecomputeEvents:
         chain: Callable[..., Any] = _innermost_unit_handler
         for handler in reversed(list(handlers)):
             chain = functools.partial(handler, chain)
-        self.chain = chain
         self._handles: list[Any] = []
-
-    def __enter__(self) -> "RecomputeEvents":
-        modules, chain = self.modules, self.chain
 
         def pre(mod, args):
             if id(mod) in modules:
@@ -252,8 +253,12 @@ class RecomputeEvents:
         def post(mod, args, out):
             if id(mod) in modules:
                 chain(mod, "recompute_post", out, _graph_task_id() != -1)
-        self._handles = [nn.modules.module.register_module_forward_pre_hook(recompute_hook(pre)),
-                         nn.modules.module.register_module_forward_hook(recompute_hook(post))]
+        self.hooks = (recompute_hook(pre), recompute_hook(post))     # made once; entered every step
+
+    def __enter__(self) -> "RecomputeEvents":
+        pre, post = self.hooks
+        self._handles = [nn.modules.module.register_module_forward_pre_hook(pre),
+                         nn.modules.module.register_module_forward_hook(post)]
         return self
 
     def __exit__(self, *exc: Any) -> bool:
@@ -263,12 +268,17 @@ class RecomputeEvents:
         return False
 
 
-def recompute_events_for(modules: Any) -> RecomputeEvents | None:
+def recompute_events_for(modules: Any, cache: Any) -> RecomputeEvents | None:
     """The recompute events of `modules` (a mapping keyed by module id, kept live by its owner)
     for the running stack's "run_unit" handlers (None when no transform handles it), not yet
-    installed: enter it when the forward is over."""
-    handlers = [t.handle_run_unit for t in active_stack() if hasattr(t, "handle_run_unit")]
-    return RecomputeEvents(modules, handlers) if handlers and modules else None
+    installed: enter it when the forward is over. `cache` (an IdentityCache of the caller's)
+    keeps them for the same stack and mapping, step after step."""
+    stack = active_stack()
+
+    def make() -> RecomputeEvents | None:
+        handlers = [t.handle_run_unit for t in stack if hasattr(t, "handle_run_unit")]
+        return RecomputeEvents(modules, handlers) if handlers else None
+    return cache.get((modules, *stack), make)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from dsfn.engines.zero.unit_plan import Gather, GatherUnit, UnitPlan, UnitStorage  # noqa: F401
+from dsfn.identity_cache import IdentityCache
 from dsfn.layer_events import ForwardEnded, recompute_events_for, recompute_hook  # noqa: F401
 from dsfn.placed import Placed
 from dsfn.runtime import collectives as C
@@ -426,26 +427,34 @@ class RecomputeWatch:
     def __init__(self) -> None:
         self.live: dict[int, list] = {}
         self.events: Any = None
-        self.users = 0
+        self._added: dict[int, list] = {}        # id(gatherer) -> its (key, entry) pairs
+        self._events = IdentityCache()           # (live, the stack's transforms) -> the RecomputeEvents
 
     def add(self, gatherer: "UnitGatherer", owners: list) -> None:
+        live, added = self.live, []
         for m, ids in owners:
-            self.live.setdefault(id(m), []).append((m, gatherer, ids))
-        self.users += 1
+            entry = (m, gatherer, ids)
+            live.setdefault(id(m), []).append(entry)
+            added.append((id(m), entry))
+        self._added[id(gatherer)] = added
         if self.events is None:
-            events = recompute_events_for(self.live)
+            events = recompute_events_for(live, self._events)
             if events is not None:
                 self.events = events.__enter__()
 
     def remove(self, gatherer: "UnitGatherer") -> None:
-        for key in list(self.live):
-            kept = [e for e in self.live[key] if e[1] is not gatherer]
-            if kept:
-                self.live[key] = kept
-            else:
-                del self.live[key]
-        self.users -= 1
-        if not self.users and self.events is not None:
+        live = self.live
+        for key, entry in self._added.pop(id(gatherer), ()):
+            entries = live.get(key)
+            if entries is None:
+                continue
+            if len(entries) == 1 and entries[0] is entry:
+                del live[key]
+            else:                    # several gatherers' backwards outstanding (a pipeline)
+                entries[:] = [e for e in entries if e is not entry]
+                if not entries:
+                    del live[key]
+        if not self._added and self.events is not None:
             self.events.__exit__(None, None, None)
             self.events = None
 
