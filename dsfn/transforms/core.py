@@ -36,8 +36,9 @@ the whole step) hooks each unit that a transform names through "units_of", and b
 unit is about to run (phase "pre", value `(args, kwargs)`) and has run ("post", value its
 output), `recompute` True inside backward; a module named through "unit_calls_of" has its
 forward call go down the chain too (phase "call", value `(forward, args, kwargs)`, the chain
-returns the output: tensor parallel's collectives around the local matmul, compile_units'
-compiled forward). Handlers run in stack order, so ZeRO-3's gather and
+returns the output: tensor parallel's collectives around the local matmul, remat's checkpoint,
+compile_units' compiled forward); a recompute in backward of the modules owning ZeRO-3's shards
+directly comes as "recompute_pre" / "recompute_post" (`dsfn.layer_events.RecomputeEvents`). Handlers run in stack order, so ZeRO-3's gather and
 release come before an inner pipeline stage's steering and stop, whatever the registration order.
 
 A transform handles primitive P by defining `handle_P(self, call_next, *args)`; it may
