@@ -243,3 +243,20 @@ def test_compile_units_call_handler_hands_down_its_compiled_forward():
     with UnitEvents([], [cu.handle_run_unit, _Spy().handle_run_unit], calls=units):
         out = model(x)
     assert torch.equal(out, ref) and seen and all(seen)
+
+
+def test_recompute_events_reach_the_handlers_for_the_watched_modules_until_exit():
+    from dsfn.layer_events import RecomputeEvents
+    model = make_mlp([3, 4, 2])
+    watched = {id(model.layers[0]): model.layers[0]}
+    log = []
+    x = torch.randn(2, 3, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)   # recomputed in backward
+    with RecomputeEvents(watched, [_Log("h", log).handle_run_unit]):
+        model(x)                                         # after the forward: heard, not in backward
+        out.sum().backward()                             # the recompute: heard in backward
+    assert log == [("h", "recompute_pre", False), ("h", "recompute_post", False),
+                   ("h", "recompute_pre", True), ("h", "recompute_post", True)]
+    log.clear()
+    model(x)
+    assert log == []                                     # the global hooks are gone
