@@ -1,8 +1,9 @@
 """ZeRO-3's unit pieces that `dsfn.engines.zero.units.UnitGatherer` drives: the autograd
 nodes of a gather (`Gather`: one parameter; `GatherUnit`: a unit's parameters as one node;
 their backward hands the gradients to the gatherer), `UnitPlan` (what does not change from
-step to step: slots, units, owners, backward's order, storages), and `UnitStorage` (a unit's
-gather buffers, kept across steps).
+step to step: slots, units, owners, backward's order, storages),, `UnitStorage` (a unit's
+gather buffers, kept across steps) and `RecomputeWatch` (the modules a recompute in backward
+re-installs weights for, heard through the layer events).
 """
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsfn.identity_cache import IdentityCache
+from dsfn.layer_events import recompute_events_for
 from dsfn.units import find_units
 
-__all__ = ["Gather", "GatherUnit", "UnitPlan", "UnitStorage"]
+__all__ = ["Gather", "GatherUnit", "RecomputeWatch", "UnitPlan", "UnitStorage"]
 
 
 class Gather(torch.autograd.Function):
@@ -160,3 +163,45 @@ class UnitStorage:
         if self.users == 0:
             for s in self.slabs:
                 s.untyped_storage().resize_(0)
+
+
+class RecomputeWatch:
+    """ZeRO-3's modules owning sharded parameters directly whose recompute in backward a live
+    gatherer serves: `live[id(module)] = [(module, gatherer, indices)]`, read by ZeRO's
+    "run_unit" handler at the "recompute_pre" / "recompute_post" events, and the one
+    `RecomputeEvents` watching them while some gatherer is registered (the engine's: gatherers
+    of outstanding micro-batches share it)."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, list] = {}
+        self.events: Any = None
+        self._added: dict[int, list] = {}        # id(gatherer) -> its (key, entry) pairs
+        self._events = IdentityCache()           # (live, the stack's transforms) -> the RecomputeEvents
+
+    def add(self, gatherer: "UnitGatherer", owners: list) -> None:
+        live, added = self.live, []
+        for m, ids in owners:
+            entry = (m, gatherer, ids)
+            live.setdefault(id(m), []).append(entry)
+            added.append((id(m), entry))
+        self._added[id(gatherer)] = added
+        if self.events is None:
+            events = recompute_events_for(live, self._events)
+            if events is not None:
+                self.events = events.__enter__()
+
+    def remove(self, gatherer: "UnitGatherer") -> None:
+        live = self.live
+        for key, entry in self._added.pop(id(gatherer), ()):
+            entries = live.get(key)
+            if entries is None:
+                continue
+            if len(entries) == 1 and entries[0] is entry:
+                del live[key]
+            else:                    # several gatherers' backwards outstanding
+                entries[:] = [e for e in entries if e is not entry]
+                if not entries:
+                    del live[key]
+        if not self._added and self.events is not None:
+            self.events.__exit__(None, None, None)
+            self.events = None

@@ -33,9 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsfn.engines.zero.unit_plan import Gather, GatherUnit, UnitPlan, UnitStorage  # noqa: F401
-from dsfn.identity_cache import IdentityCache
-from dsfn.layer_events import ForwardEnded, recompute_events_for, recompute_hook  # noqa: F401
+from dsfn.engines.zero.unit_plan import Gather, GatherUnit, RecomputeWatch, UnitPlan, UnitStorage  # noqa: F401
+from dsfn.layer_events import ForwardEnded, recompute_hook  # noqa: F401
 from dsfn.placed import Placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import FlatGather, gather_into_buffers
@@ -415,48 +414,6 @@ class UnitGatherer:
         if self._watch is not None and not self._watched:
             self._watch.add(self, self._owners)
             self._watched = True
-
-
-class RecomputeWatch:
-    """ZeRO-3's modules owning sharded parameters directly whose recompute in backward a live
-    gatherer serves: `live[id(module)] = [(module, gatherer, indices)]`, read by ZeRO's
-    "run_unit" handler at the "recompute_pre" / "recompute_post" events, and the one
-    `RecomputeEvents` watching them while some gatherer is registered (the engine's: gatherers
-    of outstanding micro-batches share it)."""
-
-    def __init__(self) -> None:
-        self.live: dict[int, list] = {}
-        self.events: Any = None
-        self._added: dict[int, list] = {}        # id(gatherer) -> its (key, entry) pairs
-        self._events = IdentityCache()           # (live, the stack's transforms) -> the RecomputeEvents
-
-    def add(self, gatherer: "UnitGatherer", owners: list) -> None:
-        live, added = self.live, []
-        for m, ids in owners:
-            entry = (m, gatherer, ids)
-            live.setdefault(id(m), []).append(entry)
-            added.append((id(m), entry))
-        self._added[id(gatherer)] = added
-        if self.events is None:
-            events = recompute_events_for(live, self._events)
-            if events is not None:
-                self.events = events.__enter__()
-
-    def remove(self, gatherer: "UnitGatherer") -> None:
-        live = self.live
-        for key, entry in self._added.pop(id(gatherer), ()):
-            entries = live.get(key)
-            if entries is None:
-                continue
-            if len(entries) == 1 and entries[0] is entry:
-                del live[key]
-            else:                    # several gatherers' backwards outstanding (a pipeline)
-                entries[:] = [e for e in entries if e is not entry]
-                if not entries:
-                    del live[key]
-        if not self._added and self.events is not None:
-            self.events.__exit__(None, None, None)
-            self.events = None
 
 
 def _tensors_in(out: Any) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ from dsfn.migrate.ds_config.zero import read_zero
 
 def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world_size: int | None = None,
                    checkpoint_dir: str | os.PathLike | None = None, save_every: int | None = None,
-                   auto: Mapping[str, Any] | None = None) -> DsConfig:
+                   auto: Mapping[str, Any] | None = None, tx: Any = None) -> DsConfig:
     """The dsfn stack, optimizer and batch settings that reproduce a DeepSpeed run.
 
     Args:
@@ -38,6 +38,12 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
         auto: values for the config's `"auto"` entries, dotted key -> value (e.g.
             `{"optimizer.params.lr": 3e-4, "train_micro_batch_size_per_gpu": 4}`), or
             `hf_trainer_auto(training_args)`: the values HF Trainer would fill.
+        tx: the client optimizer, for a config with no `optimizer` block (what
+            `deepspeed.initialize(model, optimizer=...)` takes): a dsfn optimizer, a torch.optim
+            class, instance or factory `f(params)`, or "hf" (Hugging Face Trainer's AdamW from
+            `auto=hf_trainer_auto(args)`). The config's scheduler drives its lr and its
+            gradient_clipping applies around it, as in DeepSpeed
+            (`dsfn.migrate.ds_config.client_optimizer`).
     Raises:
         ConfigError: one error listing every key dsfn does not reproduce, one listing every
             `"auto"` nothing fills, or a value (named by its key) or batch-size combination
@@ -59,7 +65,7 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
     zero = read_zero(cfg.pop("zero_optimization", None), layout.dp, layout.sp * layout.tp, report)
     precision, scaler = read_precision(cfg, report)
     clip = read_gradient_clipping(cfg)
-    tx = read_optimizer(cfg.pop("optimizer", None), cfg.pop("scheduler", None), model, report)
+    tx = read_optimizer(cfg.pop("optimizer", None), cfg.pop("scheduler", None), model, report, tx, auto)
     remat = pipeline_remat(layout.pp, layout.interval,
                            read_activation_checkpointing(cfg.pop("activation_checkpointing", None), report))
     ckpt, ckpt_transforms = read_checkpointing(cfg, report, checkpoint_dir, save_every)

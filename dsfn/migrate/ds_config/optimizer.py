@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from dsfn.errors import ConfigError
+from dsfn.migrate.ds_config.client_optimizer import client_optimizer
 from dsfn.migrate.ds_config.report import KeyReport
 from dsfn.migrate.ds_config.values import beta_pair, build, flag, number, section
 
@@ -92,13 +93,26 @@ def _sgd(p: dict, lr_of: Callable, report: KeyReport) -> Any:
     return build("optimizer", optim.sgd, lr_of(lr), **kw)
 
 
-def read_optimizer(block: Any, sched: Any, model: Any, report: KeyReport) -> Any:
-    """dsfn's tx for the `optimizer` block, its lr the `scheduler` block's schedule when one is given."""
+def read_optimizer(block: Any, sched: Any, model: Any, report: KeyReport, client: Any = None,
+                   auto: Any = None) -> Any:
+    """dsfn's tx for the `optimizer` block, or for the client optimizer `client` (`tx=`:
+    `client_optimizer`), its lr the `scheduler` block's schedule when one is given."""
     from dsfn import optim
     from dsfn.optim.schedules import from_config
+    lr_of = lambda base: build("scheduler", from_config, sched, optimizer_lr=base) if sched else base  # noqa: E731
+    if client is not None:
+        if block is not None:
+            raise ConfigError("from_ds_config(tx=...) with a ds_config 'optimizer' block: one optimizer, please. "
+                              "DeepSpeed would silently use the client's (deepspeed.initialize: 'This overrides any "
+                              "optimizer definition in the DeepSpeed json config') and accelerate refuses the pair "
+                              "('You cannot specify an optimizer in the config file and in the code at the same "
+                              "time'); drop the 'optimizer' block or the tx= argument")
+        return client_optimizer(client, sched, lr_of, model, auto)
     if block is None:
-        raise ConfigError("ds_config has no 'optimizer' block; dsfn needs one (e.g. {'type': 'AdamW', 'params': "
-                          "{'lr': 3e-4}}) — a client optimizer passed to deepspeed.initialize becomes dsfn's tx")
+        raise ConfigError("ds_config has no 'optimizer' block: the optimizer is the client's, as in "
+                          "deepspeed.initialize(model, optimizer=...). Pass it: from_ds_config(config, tx=...) with a "
+                          "dsfn optimizer, a torch.optim class, instance or factory, or tx='hf' for Hugging Face "
+                          "Trainer's AdamW (with auto=hf_trainer_auto(args)); or add an 'optimizer' block")
     block = section("optimizer", block)
     kind = block.get("type", "")
     if not isinstance(kind, str):
@@ -107,7 +121,6 @@ def read_optimizer(block: Any, sched: Any, model: Any, report: KeyReport) -> Any
     if "max_grad_norm" in p:
         raise ConfigError("ds_config optimizer.params.max_grad_norm is not supported (DeepSpeed rejects it too): "
                           "use the top-level gradient_clipping")
-    lr_of = lambda base: build("scheduler", from_config, sched, optimizer_lr=base) if sched else base
     low = kind.lower()
     if low in ("adam", "adamw"):
         return _adam(kind, p, lr_of, report)
