@@ -6,7 +6,8 @@ References are independent of dsfn's optimizer code: a plain torch loop with the
 that scheduler (tolerance: fp32 rtol 1e-6, SGD-momentum, one process), and torch's AdamW
 with Hugging Face Trainer's decay groups for tx="hf". Bad input: both a client optimizer
 and an `optimizer` block, neither, a dsfn optimizer under a scheduler block, a torch
-optimizer whose param groups differ.
+optimizer whose param groups differ. A config without batch keys takes the caller's micro
+batch (`micro_batch_size=`, the loader's) by DeepSpeed's rule.
 """
 from __future__ import annotations
 
@@ -143,3 +144,21 @@ def test_bad_client_optimizers_are_refused_by_name():
         dsfn.from_ds_config(BASE, world_size=1, tx="hf", auto={"optimizer.params.lr": 1e-3})
     with pytest.raises(ConfigError, match="factory returned"):
         dsfn.from_ds_config(BASE, world_size=1, tx=lambda params: 3)
+
+
+def test_a_config_without_batch_keys_takes_the_callers_micro_batch_by_deepspeeds_rule():
+    cfg = {"zero_optimization": {"stage": 0}}
+    sgd = dsfn.optim.sgd(0.1)
+    with pytest.raises(ConfigError, match=r"neither train_batch_size.*micro_batch_size=N"):
+        dsfn.from_ds_config(cfg, world_size=1, tx=sgd)
+    got = dsfn.from_ds_config(cfg, world_size=4, tx=sgd, micro_batch_size=3)
+    assert (got.train_batch_size, got.micro_batch_size, got.gradient_accumulation_steps) == (12, 3, 1)
+    got = dsfn.from_ds_config({**cfg, "gradient_accumulation_steps": 2}, world_size=4, tx=sgd, micro_batch_size=3)
+    assert (got.train_batch_size, got.micro_batch_size, got.gradient_accumulation_steps) == (24, 3, 2)
+    # the config's own sizes: the caller's must agree with them
+    own = {**cfg, "train_batch_size": 16, "gradient_accumulation_steps": 2}
+    assert dsfn.from_ds_config(own, world_size=4, tx=sgd, micro_batch_size=2).micro_batch_size == 2
+    with pytest.raises(ConfigError, match="disagrees with the config's batch sizes"):
+        dsfn.from_ds_config(own, world_size=4, tx=sgd, micro_batch_size=3)
+    with pytest.raises(ConfigError, match="an int >= 1"):
+        dsfn.from_ds_config(cfg, world_size=1, tx=sgd, micro_batch_size=0)

@@ -51,7 +51,29 @@ def batch_sizes(train_batch_size: int | None, micro_batch_size: int | None, grad
     return tb, mb, gas
 
 
-def read_batch_sizes(cfg: dict, dp_world_size: int) -> tuple[int, int, int]:
-    """Pop the three batch keys of `cfg` and return (train_batch_size, micro, accumulation) by `batch_sizes`."""
-    return batch_sizes(cfg.pop("train_batch_size", None), cfg.pop("train_micro_batch_size_per_gpu", None),
-                       cfg.pop("gradient_accumulation_steps", None), dp_world_size)
+def read_batch_sizes(cfg: dict, dp_world_size: int, micro_batch_size: int | None = None) -> tuple[int, int, int]:
+    """Pop the three batch keys of `cfg` and return (train_batch_size, micro, accumulation) by
+    `batch_sizes`. `micro_batch_size`: the caller's rows per rank per forward (its data
+    loader's batch size), which fills a config that gives neither train_batch_size nor
+    train_micro_batch_size_per_gpu, as accelerate fills it from the loader; given with a
+    config that has its own, the two must agree."""
+    tb, mb = cfg.pop("train_batch_size", None), cfg.pop("train_micro_batch_size_per_gpu", None)
+    gas = cfg.pop("gradient_accumulation_steps", None)
+    if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int)
+                                         or micro_batch_size < 1):
+        raise ConfigError(f"from_ds_config(micro_batch_size={micro_batch_size!r}): rows per rank per forward, an "
+                          "int >= 1")
+    if tb is None and mb is None:
+        if micro_batch_size is None:
+            raise ConfigError("ds_config gives neither train_batch_size (the global batch per optimizer step) nor "
+                              "train_micro_batch_size_per_gpu (rows per rank per forward), and DeepSpeed needs one: "
+                              "accelerate fills the micro batch from the data loader's batch_size, HF Trainer from "
+                              "per_device_train_batch_size. Pass yours: from_ds_config(..., micro_batch_size=N) (or "
+                              "auto=hf_trainer_auto(args) for an 'auto' entry), or add one of the keys")
+        mb = micro_batch_size
+    out = batch_sizes(tb, mb, gas, dp_world_size)
+    if micro_batch_size is not None and out[1] != micro_batch_size:
+        raise ConfigError(f"from_ds_config(micro_batch_size={micro_batch_size}) disagrees with the config's batch "
+                          f"sizes, whose micro batch per rank is {out[1]} (train_batch_size {out[0]}, "
+                          f"gradient_accumulation_steps {out[2]}, data-parallel world {dp_world_size}); drop one")
+    return out

@@ -22,7 +22,8 @@ from dsfn.migrate.ds_config.zero import read_zero
 
 def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world_size: int | None = None,
                    checkpoint_dir: str | os.PathLike | None = None, save_every: int | None = None,
-                   auto: Mapping[str, Any] | None = None, tx: Any = None) -> DsConfig:
+                   auto: Mapping[str, Any] | None = None, tx: Any = None,
+                   micro_batch_size: int | None = None) -> DsConfig:
     """The dsfn stack, optimizer and batch settings that reproduce a DeepSpeed run.
 
     Args:
@@ -44,6 +45,10 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
             `auto=hf_trainer_auto(args)`). The config's scheduler drives its lr and its
             gradient_clipping applies around it, as in DeepSpeed
             (`dsfn.migrate.ds_config.client_optimizer`).
+        micro_batch_size: rows per rank per forward (the data loader's batch size), for a
+            config with neither train_batch_size nor train_micro_batch_size_per_gpu (as
+            accelerate fills it); the rest by DeepSpeed's rule. Must agree with a config that
+            gives its own.
     Raises:
         ConfigError: one error listing every key dsfn does not reproduce, one listing every
             `"auto"` nothing fills, or a value (named by its key) or batch-size combination
@@ -58,7 +63,7 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
 
     # each section's keys are popped from cfg; what none reads is sorted last
     layout = read_parallel_layout(cfg, world_size, report)
-    tb, mb, gas = read_batch_sizes(cfg, layout.dp)
+    tb, mb, gas = read_batch_sizes(cfg, layout.dp, micro_batch_size)
     if layout.pp > 1:
         check_pipeline_limits(layout.pp, gas, report)
     resolved.update(zip(BATCH_KEYS, (tb, mb, gas)))
