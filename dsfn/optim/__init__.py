@@ -16,6 +16,7 @@ from dsfn.optim import schedules
 from dsfn.optim.alias import adam, adamw, sgd
 from dsfn.optim.base import EmptyState, GradientTransformation, apply_updates, chain, identity
 from dsfn.optim.clip import clip_by_global_norm, global_norm
+from dsfn.optim.lamb import LambState, lamb, scale_by_lamb
 from dsfn.optim.masks import MaskedState, PartitionState, by_name, by_ndim, masked, partition
 from dsfn.optim.muon import (MuonState, MuonTransformation, gram_newton_schulz, muon, muon_matrix_update,
                              muon_split, newton_schulz, orthogonalize)
@@ -33,5 +34,5 @@ __all__ = [
     "global_norm", "identity", "linear", "masked", "partition", "scale", "scale_by_adam",
     "scale_by_learning_rate", "schedules", "sgd", "trace",
     "MuonState", "MuonTransformation", "gram_newton_schulz", "muon", "muon_matrix_update", "muon_split",
-    "newton_schulz", "orthogonalize",
+    "newton_schulz", "orthogonalize", "LambState", "lamb", "scale_by_lamb",
 ]

@@ -30,7 +30,8 @@ Keys and defaults are DeepSpeed 0.19's (`deepspeed/runtime/config.py`, `zero/con
 | `gradient_clipping` (default **1.0**; 0 disables) | `clip_grad_norm(c)` |
 | `zero_optimization.zenflow` | `zenflow(topk_ratio, update_interval, select_interval, full_warm_up_rounds, overlap=overlap_step)` |
 | `datastates_ckpt.host_cache_size` (GB), `checkpoint.writer.decoupled` | `async_checkpoint(dir, every, host_cache_size=bytes)` when `checkpoint_dir=` is given (else `cfg.checkpoint`) |
-| `optimizer` Adam / AdamW / Muon / SGD / other `torch.optim` types | `adamw` (Adam with `adam_w_mode` true, DeepSpeed's default) / `adam` / `muon` / `sgd` / `from_torch` |
+| `optimizer` Adam / AdamW / Lamb / Muon / SGD / other `torch.optim` types | `adamw` (Adam with `adam_w_mode` true, DeepSpeed's default) / `adam` / `lamb` (FusedLamb's rule and defaults) / `muon` / `sgd` / `from_torch` |
+| no `optimizer` block (the client's) | `from_ds_config(..., tx=)`: a dsfn optimizer, a torch.optim class / instance / factory, or "hf" (`client_optimizer`) |
 | `scheduler` | `dsfn.optim.schedules.from_config` as the lr |
 
 Batch sizes follow DeepSpeed's rule (`batch`); `"auto"` values (Hugging Face Trainer's

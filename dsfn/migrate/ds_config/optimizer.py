@@ -1,7 +1,8 @@
 """`optimizer` + `scheduler` -> dsfn's tx (the schedule as its lr), and `gradient_clipping`.
 
-`optimizer` Adam / AdamW / Muon / SGD / other `torch.optim` types are `adamw` (Adam with
-`adam_w_mode` true, DeepSpeed's default) / `adam` / `muon` / `sgd` / `from_torch`;
+`optimizer` Adam / AdamW / Lamb / Muon / SGD / other `torch.optim` types are `adamw` (Adam
+with `adam_w_mode` true, DeepSpeed's default) / `adam` / `lamb` (FusedLamb) / `muon` / `sgd`
+/ `from_torch`;
 `scheduler` is `dsfn.optim.schedules.from_config` as the lr. DeepSpeed's defaults: the
 optimizer's weight decay 0 (FusedAdam / CPU Adam; torch's 0.01 with `torch_adam: true`
 for AdamW), gradient clipping 1.0.
@@ -18,7 +19,7 @@ from dsfn.migrate.ds_config.client_optimizer import client_optimizer
 from dsfn.migrate.ds_config.report import KeyReport
 from dsfn.migrate.ds_config.values import beta_pair, build, flag, number, section
 
-_UNSUPPORTED_TYPES = ("Lamb", "OneBitAdam", "OneBitLamb", "ZeroOneAdam", "Lion", "MuAdam", "MuAdamW", "MuSGD",
+_UNSUPPORTED_TYPES = ("OneBitAdam", "OneBitLamb", "ZeroOneAdam", "Lion", "MuAdam", "MuAdamW", "MuSGD",
                       "Adagrad", "CPUAdagrad")
 
 
@@ -93,6 +94,24 @@ def _sgd(p: dict, lr_of: Callable, report: KeyReport) -> Any:
     return build("optimizer", optim.sgd, lr_of(lr), **kw)
 
 
+def _lamb(p: dict, lr_of: Callable, report: KeyReport) -> Any:
+    """DeepSpeed's Lamb (FusedLamb): `lamb`, with FusedLamb's parameters and defaults."""
+    from dsfn import optim
+    if flag("optimizer.params.amsgrad", p.pop("amsgrad", False)):
+        report.refuse("optimizer.params.amsgrad", "true: DeepSpeed's FusedLamb does not support amsgrad either")
+    lr = number("optimizer.params.lr", p.pop("lr", 1e-3))
+    kw = dict(betas=beta_pair("optimizer.params.betas", p.pop("betas", (0.9, 0.999))),
+              eps=number("optimizer.params.eps", p.pop("eps", 1e-8)),
+              weight_decay=number("optimizer.params.weight_decay", p.pop("weight_decay", 0.0)),
+              bias_correction=flag("optimizer.params.bias_correction", p.pop("bias_correction", True)),
+              eps_inside_sqrt=flag("optimizer.params.eps_inside_sqrt", p.pop("eps_inside_sqrt", False)),
+              max_coeff=number("optimizer.params.max_coeff", p.pop("max_coeff", 10.0)),
+              min_coeff=number("optimizer.params.min_coeff", p.pop("min_coeff", 0.01)))
+    for k in p:
+        report.refuse(f"optimizer.params.{k}", "not a parameter of DeepSpeed's FusedLamb")
+    return build("optimizer", optim.lamb, lr_of(lr), **kw)
+
+
 def read_optimizer(block: Any, sched: Any, model: Any, report: KeyReport, client: Any = None,
                    auto: Any = None) -> Any:
     """dsfn's tx for the `optimizer` block, or for the client optimizer `client` (`tx=`:
@@ -128,9 +147,11 @@ def read_optimizer(block: Any, sched: Any, model: Any, report: KeyReport, client
         return _muon(p, lr_of, bool(sched), model, report)
     if low == "sgd":
         return _sgd(p, lr_of, report)
+    if low == "lamb":
+        return _lamb(p, lr_of, report)
     if kind in _UNSUPPORTED_TYPES or not hasattr(torch.optim, kind):
-        report.refuse("optimizer.type", f"{kind!r}: dsfn has AdamW, Adam, Muon, SGD and elementwise torch.optim "
-                      "optimizers (from_torch)")
+        report.refuse("optimizer.type", f"{kind!r}: dsfn has AdamW, Adam, Lamb, Muon, SGD and elementwise "
+                      "torch.optim optimizers (from_torch)")
         return optim.adamw(1e-3)         # placeholder; the ConfigError listing follows
     lr = number("optimizer.params.lr", p.pop("lr", 1e-3))
     return build("optimizer", optim.from_torch, getattr(torch.optim, kind), lr=lr_of(lr), **p)
