@@ -91,7 +91,12 @@ compute device (the layout's `home`, non-blocking) and all-gathers them there ju
 so the forward gets device weights and autograd hands the host shards host gradients; the update
 runs on the host, and the new shards are stored the same way (a new file for "nvme"). The
 optimizer state is made from the parameters' host view, then offloaded like the rest.
-Over one dp rank ZeRO-3 shards nothing, so there params=True is a ConfigError at `place`.
+On one rank too (ZeRO-Infinity on a single device: a model larger than the device): a shard
+of one rank is the whole tensor, kept on the host or in files, and ZeRO-3's machinery acts
+(`ShardZero.streams_params`): each unit is copied to the device just before it runs (the
+next one prefetched) and released after, gradients go to the host as backward makes them,
+and the update runs on the host. Without a shard_zero(3) outside, params=True is a
+ConfigError at `place`.
 """
 from __future__ import annotations
 
@@ -226,8 +231,7 @@ class Offload(Transform):
 
     def _check_mesh(self) -> None:
         """A ConfigError for an option that cannot act on this mesh (known once the state is
-        placed): `params=True` without ZeRO-3 shards (ZeRO-3 over one rank shards nothing), and
-        `overlap=True` with no source of gradient buckets (module docstring): a data-parallel
+        placed): `overlap=True` with no source of gradient buckets (module docstring): a data-parallel
         axis of size > 1 without a ZeRO reducer (data_parallel, shard_zero(0)), or accumulate
         with no reducer at all (offload's own source is off under accumulate)."""
         from dsfn.runtime.mesh import current_mesh
@@ -235,16 +239,11 @@ class Offload(Transform):
         facts = stack_facts(self)
         outer = facts.outside(self).with_role("data_parallel")      # (stack facts: axis, stage)
 
-        def in_effect(d) -> int:        # the ZeRO stage in effect: 0 over one rank
-            one_rank = mesh.size(d["dp_axis"]) == 1 and not d.get("zero_single_rank", False)
-            return 0 if one_rank else d.get("zero_stage", 0)
+        def in_effect(d) -> int:        # the ZeRO stage in effect: 0 over one rank, but ZeRO-3 streams
+            one_rank = mesh.size(d["dp_axis"]) == 1 and not d.get("zero_single_rank", False)   # offloaded params
+            return 0 if one_rank and not (self.params and d.get("zero_stage") == 3) else d.get("zero_stage", 0)
+        # (params=True needs a shard_zero(3) outside: check_stack; it then acts on one rank too)
         stages = [in_effect(d) for d in outer]
-        if self.params and 3 not in stages:
-            zero = next((d for d in outer if "zero" in d["roles"]), None)
-            raise ConfigError(f"offload(params=True) offloads ZeRO-3's parameter shards, and "
-                              f"shard_zero(3) over {zero['dp_axis']}={mesh.size(zero['dp_axis'])} rank shards nothing "
-                              "(one rank's shard is the whole tensor): the parameters would stay where they are. Run "
-                              f"with {zero['dp_axis']} >= 2, or drop params=True")
         if not self.overlap or any(s >= 1 for s in stages):      # a ZeRO reducer reports the buckets
             return
         wide = next((d for d in outer if mesh.size(d["dp_axis"]) > 1), None)

@@ -198,10 +198,20 @@ class ShardZero(Transform):
     def _in_effect(self) -> Any:
         """The stage's engine where it acts, else None: a shard of one rank is the whole
         tensor, so at world 1 ZeRO lays out, gathers, copies and reduces nothing — it costs
-        what `data_parallel` at world 1 costs (nothing)."""
-        if self._engine is None or (current_mesh().size(self.axis) == 1 and not self._shard_single_rank):
+        what `data_parallel` at world 1 costs (nothing) — unless it streams offloaded
+        parameters (`streams_params`)."""
+        if self._engine is None or (current_mesh().size(self.axis) == 1 and not self._shard_single_rank
+                                    and not self.streams_params()):
             return None
         return self._engine
+
+    def streams_params(self) -> bool:
+        """ZeRO-Infinity on one rank: stage 3 with `offload(params=True)` inside keeps every
+        parameter in host memory (or NVMe) and streams it to the device unit by unit (the
+        "gather" of a one-rank shard is its copy to the device, released after the unit ran;
+        gradients go to the host as backward makes them, and the update runs there), so its
+        machinery acts at world 1 too. Read off offload's published fact `offload_params`."""
+        return self.stage == 3 and bool(stack_facts(self).inside(self).first("offload_params", False))
 
     # -- layout -----------------------------------------------------------------------------------
     def place(self, state: Any) -> Any:
