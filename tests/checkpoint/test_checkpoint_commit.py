@@ -72,6 +72,28 @@ def test_crash_before_rename_leaves_previous_checkpoint(tmp_path, monkeypatch):
     assert ck.latest_step(tmp_path) == 3
 
 
+def test_host_memory_running_out_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    """A save that runs out of host memory while its tensors are written (MemoryError half-way
+    through a file) fails naming it, and the checkpoint written before it still loads bitwise:
+    the torn files are only a temporary, never `latest`."""
+    from dsfn.runtime import sfio
+    step, like = _setup()
+    s1 = _train(step, like, 1)
+    ck.save(tmp_path, s1)
+    real = sfio.write_file
+
+    def out_of_memory(path, *a, **k):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 100)                   # a half-written file
+        raise MemoryError("simulated: no host memory left for the next tensor")
+    monkeypatch.setattr(sfio, "write_file", out_of_memory)
+    with pytest.raises((ck.CheckpointError, MemoryError), match="no host memory"):
+        ck.save(tmp_path, _train(step, s1, 1, seed=5))
+    monkeypatch.setattr(sfio, "write_file", real)
+    assert ck.latest_step(tmp_path) == 1
+    assert _equal(ck.load(tmp_path, like), s1)
+
+
 def test_crash_after_rename_before_latest_still_loads_newest_committed(tmp_path, monkeypatch):
     step, like = _setup()
     s1 = _train(step, like, 1)
