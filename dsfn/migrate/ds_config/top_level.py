@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from dsfn.migrate.ds_config.report import KeyReport
-from dsfn.migrate.ds_config.tuning_keys import IGNORED_TOP
+from dsfn.migrate.ds_config.tuning_keys import IGNORED_TOP, is_comment
 from dsfn.migrate.ds_config.values import is_disabled
 
 
@@ -14,6 +14,8 @@ def sort_remaining_keys(cfg: dict, report: KeyReport) -> None:
         v = cfg.pop(k)
         if k in IGNORED_TOP:
             report.ignore(k, IGNORED_TOP[k])
+        elif is_comment(k):
+            report.ignore(k, "a comment")
         elif k == "gradient_allreduce_op" and v in ("mean", "avg"):
             continue
         elif k == "gradient_allreduce_op":
