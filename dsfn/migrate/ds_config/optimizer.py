@@ -42,7 +42,9 @@ def _adam(kind: str, p: dict, lr_of: Callable, report: KeyReport) -> Any:
     p.pop("fp32_optimizer_states", None)
     p.pop("foreach", None)
     if not flag("optimizer.params.bias_correction", p.pop("bias_correction", True)):
-        report.refuse("optimizer.params.bias_correction", "false: dsfn's Adam always corrects the bias")
+        report.refuse("optimizer.params.bias_correction", "false: dsfn's Adam / AdamW follow torch.optim, which "
+                      "always corrects the bias (only the first steps differ: by 1/(1 - beta^t)); remove the key "
+                      "(dsfn.optim.lamb takes bias_correction=False)")
     lr = number("optimizer.params.lr", p.pop("lr", 1e-3))
     wd = number("optimizer.params.weight_decay", p.pop("weight_decay", 0.01 if (torch_adam and w_mode) else 0.0))
     kw = dict(betas=beta_pair("optimizer.params.betas", p.pop("betas", (0.9, 0.999))),
@@ -149,6 +151,12 @@ def read_optimizer(block: Any, sched: Any, model: Any, report: KeyReport, client
         return _sgd(p, lr_of, report)
     if low == "lamb":
         return _lamb(p, lr_of, report)
+    if low in ("onebitadam", "onebitlamb", "zerooneadam"):
+        report.refuse("optimizer.type", f"{kind!r}: 1-bit Adam / 0/1 Adam / 1-bit Lamb compress the gradient "
+                      "all-reduce (signs with error feedback, after a warm-up); dsfn has no compressed gradient "
+                      "communication yet, so there is no equivalent: use 'AdamW' ('Lamb' for 1-bit Lamb), the same "
+                      "update with full-precision reductions")
+        return optim.adamw(1e-3)         # placeholder; the ConfigError listing follows
     if kind in _UNSUPPORTED_TYPES or not hasattr(torch.optim, kind):
         report.refuse("optimizer.type", f"{kind!r}: dsfn has AdamW, Adam, Lamb, Muon, SGD and elementwise "
                       "torch.optim optimizers (from_torch)")

@@ -8,6 +8,22 @@ from dsfn.migrate.ds_config.tuning_keys import IGNORED_TOP, is_comment
 from dsfn.migrate.ds_config.values import is_disabled
 
 
+# top-level DeepSpeed features dsfn does not reproduce: why, and what to do instead
+REFUSED_TOP = {
+    "progressive_layer_drop": "DeepSpeed's engine hands the model a per-step layer-keep probability (PLD); dsfn does "
+                              "not drive the model's forward, so there is no equivalent: drop layers in the model "
+                              "itself if you need it, or remove the section",
+    "sparse_attention": "DeepSpeed's block-sparse attention kernels (CUDA-only) replace the model's attention; no dsfn "
+                        "equivalent: use the model's own attention (SDPA / flash) and remove the section",
+    "data_efficiency": "curriculum learning and random-LTD belong to DeepSpeed's data pipeline and engine; in dsfn "
+                       "the batches are the caller's (order or sample them in your loader); random-LTD's token "
+                       "dropping has no equivalent",
+    "curriculum_learning": "DeepSpeed's data pipeline orders samples by difficulty; in dsfn the batches are the "
+                           "caller's: order them in your loader",
+    "elasticity": "DeepSpeed's elastic batch sizing; dsfn's batch sizes are fixed by the config and world size",
+}
+
+
 def sort_remaining_keys(cfg: dict, report: KeyReport) -> None:
     """Pop every key left in `cfg` into `report`: ignored, accepted (an off value), or refused."""
     for k in list(cfg):
@@ -40,5 +56,7 @@ def sort_remaining_keys(cfg: dict, report: KeyReport) -> None:
             continue
         elif k in ("amp", "torch_autocast"):
             report.refuse(k, "use bf16/fp16 (dsfn's mixed_precision) instead")
+        elif k in REFUSED_TOP:
+            report.refuse(k, REFUSED_TOP[k])
         else:
             report.refuse(k, "not supported by dsfn (or not a DeepSpeed 0.19 key)")
