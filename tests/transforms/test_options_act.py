@@ -212,8 +212,10 @@ def test_offload_options_change_where_and_how_the_update_runs(tmp_path, monkeypa
     # refused where they cannot act
     with pytest.raises(ConfigError, match="subgroup_bytes"):
         offload("cpu", subgroup_bytes=64)
-    with pytest.raises(ConfigError, match="params=True"):
-        _train([shard_zero(3), offload("cpu", params=True)], BATCHES[:1])
+    # params=True acts on one rank too (ZeRO-Infinity on one device): the parameters live on the host
+    _, placed, _ = _train([shard_zero(3), offload("cpu", params=True)], BATCHES[:1])
+    leaves = tree.leaves(placed.params, is_leaf=is_placed)
+    assert leaves and all(isinstance(x, Placed) and isinstance(x.layout, Offloaded) for x in leaves)
     with pytest.raises(ConfigError, match="overlap=True"):
         _train([accumulate(2), offload("cpu", overlap=True)], BATCHES[:1])
 
