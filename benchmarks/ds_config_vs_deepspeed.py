@@ -2,6 +2,12 @@
 ranks, the worst relative difference of the losses.
 
     python benchmarks/ds_config_vs_deepspeed.py          # ~2-4 min (DeepSpeed's first run builds its CPU op)
+    python benchmarks/ds_config_vs_deepspeed.py --corpus # the published configs of tests/migrate/configs/
+
+`--corpus` runs every published config of `tests/migrate/configs/` that from_ds_config trains
+at world 2, its "auto" entries filled as the corpus test fills them (`hf_trainer_auto`) and
+handed to DeepSpeed resolved (`DsConfig.resolved`), the client optimizer (torch AdamW, lr 1e-3)
+where it has no optimizer block; a config DeepSpeed cannot run on CPU is reported with its error.
 
 Each config is one a migrating user has (ZeRO 1/2/3, AdamW / Adam, WarmupLR / WarmupDecayLR,
 gradient clipping, bf16; client optimizers as `deepspeed.initialize(optimizer=...)` takes
@@ -57,6 +63,8 @@ def _client(kind: str | None):
         return lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
     if kind == "sgd":
         return lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    if kind == "adamw-1e-3":
+        return lambda params: torch.optim.AdamW(params, lr=1e-3)
     return None
 
 
@@ -102,20 +110,55 @@ def _dsfn(cfg: dict, client: str | None) -> list[float]:
     return losses
 
 
+def _corpus() -> dict:
+    """{file name: (resolved config for 2 ranks, client)} of the corpus files from_ds_config trains."""
+    import json
+    import warnings
+    from dsfn.migrate import hf_trainer_auto
+    from dsfn.testing.models import make_tiny_llama      # its hidden size fills the "auto" bucket sizes
+    out = {}
+    for path in sorted((ROOT / "tests" / "migrate" / "configs").glob("*.json")):
+        raw = json.loads(path.read_text())
+        kw = {"auto": hf_trainer_auto(max_steps=10, per_device_train_batch_size=4)}
+        client = None if "optimizer" in raw else "adamw-1e-3"
+        if client:
+            kw["tx"] = _client(client)
+        if not any(k in raw for k in ("train_batch_size", "train_micro_batch_size_per_gpu")):
+            kw["micro_batch_size"] = 4
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got = dsfn.from_ds_config(raw, world_size=2, model=make_tiny_llama(), **kw)
+        except Exception:  # noqa: BLE001 (refused, or needs more ranks: the corpus test covers it)
+            continue
+        if got.mesh.get("dp") != 2 or got.gradient_accumulation_steps != 1:
+            continue          # the 2-rank, one-micro-batch comparison below
+        cfg = dict(got.resolved)
+        cfg.update(train_batch_size=8, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1,
+                   steps_per_print=10**9)
+        out[path.stem] = (cfg, client)
+    return out
+
+
 def main() -> None:
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--corpus", action="store_true")
+    configs = _corpus() if ap.parse_args().corpus else CONFIGS
     worst_all = 0.0
     print(f"{'config':40s} {'DeepSpeed losses':>34s} {'dsfn losses':>34s} {'worst rel diff':>15s}")
-    for name, (cfg, client) in CONFIGS.items():
+    width = max(40, *(len(n) for n in configs))
+    for name, (cfg, client) in configs.items():
         try:
             ref = run_on_ranks(_deepspeed, 2, cfg, client, timeout=900)[0]
         except Exception as e:  # noqa: BLE001 (a config DeepSpeed cannot run here: reported, not measured)
-            print(f"{name:40s} DeepSpeed did not run on CPU: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+            print(f"{name:{width}s} DeepSpeed did not run on CPU: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
             continue
         got = run_on_ranks(_dsfn, 2, cfg, client, timeout=300)[0]
         worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
         worst_all = max(worst_all, worst)
         fmt = lambda xs: " ".join(f"{x:.6f}" for x in xs)  # noqa: E731
-        print(f"{name:40s} {fmt(ref):>34s} {fmt(got):>34s} {worst:15.2e}")
+        print(f"{name:{width}s} {fmt(ref):>34s} {fmt(got):>34s} {worst:15.2e}")
     print(f"worst relative loss difference over the configs DeepSpeed ran: {worst_all:.2e}")
 
 
