@@ -71,6 +71,20 @@ def _innermost_unit_handler(module: nn.Module, phase: str, value: Any, recompute
     return value
 
 
+def unit_chain(handlers: Sequence[Callable[..., Any]]) -> Callable[..., Any]:
+    """`handlers` (outermost first) bound into one "run_unit" chain, built once
+    (`functools.partial`), ending in the default meaning."""
+    chain: Callable[..., Any] = _innermost_unit_handler
+    for handler in reversed(list(handlers)):
+        chain = functools.partial(handler, chain)
+    return chain
+
+
+def run_unit_handlers(stack: Sequence[Any]) -> list[Callable[..., Any]]:
+    """The `handle_run_unit` methods of `stack`'s transforms, outermost first."""
+    return [t.handle_run_unit for t in stack if hasattr(t, "handle_run_unit")]
+
+
 class _UnitCall:
     """A unit's instance `forward` while its layer events are installed: the call goes down the
     "run_unit" chain as phase "call" with the forward it replaced. `previous` is what the
@@ -116,10 +130,7 @@ class UnitEvents:
                  calls: Sequence[nn.Module] = ()):
         self.units = _distinct(units)
         self.calls = _distinct(calls) if calls else []
-        chain: Callable[..., Any] = _innermost_unit_handler
-        for handler in reversed(list(handlers)):
-            chain = functools.partial(handler, chain)
-        self.chain = chain
+        self.chain = unit_chain(handlers)
         self._handles: list[Any] = []
         self._swapped: list[_UnitCall] = []
 
@@ -197,7 +208,7 @@ def unit_events_for(module: nn.Module) -> Any:
         if hit is not None and hit[0] is module:
             return contextlib.nullcontext()
     stack = active_stack()
-    handlers = [t.handle_run_unit for t in stack if hasattr(t, "handle_run_unit")]
+    handlers = run_unit_handlers(stack)
     if not handlers:
         return contextlib.nullcontext()
     units = bind("units_of", _no_units, module)
@@ -241,9 +252,7 @@ class RecomputeEvents:
 
     def __init__(self, modules: Any, handlers: Sequence[Callable[..., Any]]):
         self.modules = modules      # a mapping whose keys are the watched modules' ids (kept live by its owner)
-        chain: Callable[..., Any] = _innermost_unit_handler
-        for handler in reversed(list(handlers)):
-            chain = functools.partial(handler, chain)
+        chain = unit_chain(handlers)
         self._handles: list[Any] = []
 
         def pre(mod, args):
@@ -276,7 +285,7 @@ def recompute_events_for(modules: Any, cache: Any) -> RecomputeEvents | None:
     stack = active_stack()
 
     def make() -> RecomputeEvents | None:
-        handlers = [t.handle_run_unit for t in stack if hasattr(t, "handle_run_unit")]
+        handlers = run_unit_handlers(stack)
         return RecomputeEvents(modules, handlers) if handlers else None
     return cache.get((modules, *stack), make)
 

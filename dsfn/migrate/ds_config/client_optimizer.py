@@ -23,6 +23,7 @@ code at the same time").
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Mapping
 
 import torch
@@ -81,7 +82,6 @@ def _torch_optimizer(tx: Any) -> tuple[type, dict]:
                           "dsfn.optim.partition({label: optimizer}, labels) and pass that as tx")
     # what the class's constructor takes (a subclass's defaults may hold its base's extras:
     # AdamW's hold Adam's decoupled_weight_decay, which AdamW's __init__ does not take)
-    import inspect
     cls = type(tx)
     accepted = inspect.signature(cls.__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
@@ -91,7 +91,6 @@ def _torch_optimizer(tx: Any) -> tuple[type, dict]:
 
 
 def _default_lr(cls: type) -> float:
-    import inspect
     p = inspect.signature(cls.__init__).parameters.get("lr")
     default = p.default if p is not None else inspect.Parameter.empty
     if isinstance(default, (int, float)) and not isinstance(default, bool):
