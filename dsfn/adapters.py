@@ -90,6 +90,10 @@ class ModelAdapter(Protocol):
         """The model's own tensor-parallel plan ({module pattern: style}; `tensor_parallel("auto")`),
         or None / {} when it declares none."""
 
+    def expert_parallel_plan(self, module: nn.Module) -> dict | None:
+        """The model's own expert-parallel plan ({module pattern: style}; `expert_parallel("auto")`),
+        or None / {} when it declares none."""
+
 
 _adapters: list[ModelAdapter] = []
 

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dsfn.errors import ShapeError
+from dsfn.errors import DistributedError, ShapeError
 from dsfn.identity_cache import KeyedCache
 from dsfn.runtime import env
 from dsfn.runtime.links import group_links, link_bytes
@@ -327,6 +327,27 @@ def all_to_all(t: torch.Tensor, axis: str, *, mesh: Mesh | None = None, async_op
     counters.record(axis, "all_to_all", _nbytes(t), m)
     work = dist.all_to_all_single(out, t, group=m.comm_group(axis), async_op=async_op)
     return _result(work, out, home, async_op)
+
+
+def all_to_all_rows(t: torch.Tensor, send: list[int], recv: list[int], axis: str, *,
+                    mesh: Mesh | None = None) -> torch.Tensor:
+    """Variable-size all-to-all of rows: the first `send[0]` rows of `t` go to the rank at index 0
+    along `axis`, the next `send[1]` to index 1, ...; `recv[i]` rows arrive from index i, in
+    index order ([sum(recv), *t.shape[1:]]). `send` / `recv` are host ints (every rank's
+    `recv` is its peers' `send` to it: exchange the counts first)."""
+    m = mesh if mesh is not None else current_mesh()      # inline: once per collective
+    n = m.size(axis)
+    if n == 1:
+        return t
+    if len(send) != n or len(recv) != n or sum(send) != t.shape[0]:
+        raise DistributedError(f"all_to_all_rows over {axis!r} (size {n}): send counts {send} must be {n} "
+                               f"counts summing to the {t.shape[0]} rows sent, recv counts {recv} {n} counts")
+    home, t = t.device, _to_backend(t.contiguous())
+    out = t.new_empty((sum(recv), *t.shape[1:]))
+    counters.record(axis, "all_to_all", _nbytes(t), m)
+    dist.all_to_all_single(out, t, output_split_sizes=list(recv), input_split_sizes=list(send),
+                           group=m.comm_group(axis))
+    return out.to(home)
 
 
 def broadcast_(t: torch.Tensor, axis: str, src: int = 0, *, mesh: Mesh | None = None,

@@ -149,3 +149,64 @@ class BatchNormMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.tanh(self.norm(self.inp(x))))
+
+
+class TinyExperts(nn.Module):
+    """E experts as fused tensors, the expert on dim 0 (w_in [E, F, H], w_out [E, H, F]), with
+    Hugging Face's experts contract: `forward(hidden [T, H], top_k_index [T, k], top_k_weights
+    [T, k]) -> [T, H]` = sum_j weights[t, j] * expert_{index[t, j]}(hidden[t]), a plain
+    Python loop over the experts that were hit (the reference arithmetic)."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w_in = nn.Parameter(torch.randn(num_experts, ffn, hidden) / hidden ** 0.5)
+        self.w_out = nn.Parameter(torch.randn(num_experts, hidden, ffn) / ffn ** 0.5)
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for e in range(self.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            if token.numel() == 0:
+                continue
+            y = torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(hidden[token], self.w_in[e])),
+                                           self.w_out[e])
+            out = out.index_add(0, token, y * top_k_weights[token, slot, None])
+        return out
+
+
+class TinyMoE(nn.Module):
+    """A regression model with one MoE layer and a shared expert: x [B, S, d_in] -> [B, S, 1].
+    The router is a Linear with a bias (softmax, top-k, weights renormalised over the k, as
+    Mixtral's); `router_bias` fixes that bias (e.g. to send every token to a few experts);
+    `experts` is a `TinyExperts` (plan `{"experts": "experts"}`), `shared` an ordinary Linear."""
+
+    def __init__(self, num_experts: int = 4, k: int = 2, d_in: int = 6, hidden: int = 8, ffn: int = 12,
+                 router_bias: list[float] | None = None, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.k = k
+        self.embed = nn.Linear(d_in, hidden)
+        self.router = nn.Linear(hidden, num_experts)
+        if router_bias is not None:
+            with torch.no_grad():
+                self.router.bias.copy_(torch.tensor(router_bias))
+        self.experts = TinyExperts(num_experts, hidden, ffn)
+        self.shared = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = torch.tanh(self.embed(x)).reshape(b * s, -1)
+        probs = torch.softmax(self.router(h), dim=-1)
+        weights, index = torch.topk(probs, self.k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        h = h + self.experts(h, index, weights) + self.shared(h)
+        return self.head(h).reshape(b, s, 1)
+
+
+def moe_batches(n_batches: int, batch_size: int, seq: int, d_in: int = 6, seed: int = 0) -> list[dict]:
+    """Regression batches for `TinyMoE`: {"x": [B, S, d_in], "y": [B, S, 1]}."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(batch_size, seq, d_in, generator=g), "y": torch.randn(batch_size, seq, 1, generator=g)}
+            for _ in range(n_batches)]

@@ -1,7 +1,7 @@
 """Transforms: each module holds one; `compose` stacks them around a train step.
 
 Canonical order, outermost first: compose(sequence_parallel(), shard_zero(s) | data_parallel(),
-tensor_parallel(plan), remat(...), accumulate(n),
+tensor_parallel(plan), expert_parallel(...), remat(...), accumulate(n),
 offload(...), mixed_precision(...), loss_scale(), clip_grad_norm(c), zenflow(...)); async_checkpoint
 may sit anywhere; pipeline_parallel(...) sits inside every transform that handles the
 gradient (it runs the differentiated function itself, micro-batch by micro-batch).
@@ -18,6 +18,7 @@ from dsfn.transforms.compile_units import compile_units
 from dsfn.transforms.compose import Step, compose
 from dsfn.transforms.core import Transform
 from dsfn.transforms.data_parallel import data_parallel
+from dsfn.transforms.expert_parallel import expert_parallel
 from dsfn.transforms.loss_scale import loss_scale
 from dsfn.transforms.offload import offload
 from dsfn.transforms.pipeline_parallel import pipeline_parallel
@@ -29,5 +30,5 @@ from dsfn.transforms.zenflow import zenflow
 from dsfn.transforms.zero import shard_zero
 
 __all__ = ["Step", "Transform", "accumulate", "async_checkpoint", "clip_grad_norm", "compile_units", "compose",
-           "data_parallel", "loss_scale", "mixed_precision", "offload", "pipeline_parallel", "remat",
+           "data_parallel", "expert_parallel", "loss_scale", "mixed_precision", "offload", "pipeline_parallel", "remat",
            "sequence_parallel", "shard_zero", "tensor_parallel", "zenflow"]

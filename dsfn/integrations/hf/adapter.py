@@ -37,5 +37,8 @@ class HuggingFaceAdapter:
     def tensor_parallel_plan(self, module):
         return plan.tensor_parallel_plan(module)
 
+    def expert_parallel_plan(self, module):
+        return plan.expert_parallel_plan(module)
+
 
 register_adapter(HuggingFaceAdapter())

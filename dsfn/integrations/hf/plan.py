@@ -18,3 +18,18 @@ def tensor_parallel_plan(module: nn.Module) -> dict[str, str]:
         if plan and isinstance(base, nn.Module) and base is not module:
             plan = {f"{prefix}.{k}": v for k, v in plan.items()}
     return dict(plan)
+
+
+def expert_parallel_plan(module: nn.Module) -> dict[str, str]:
+    """A Hugging Face MoE model's expert-parallel plan ({module or parameter pattern: HF style},
+    e.g. `model.layers.*.mlp.experts: ep_dispatch_experts`, `...experts.gate_up_proj:
+    grouped_gemm`), or {}: its config's `base_model_ep_plan` under the base model's prefix
+    (transformers 5's MoE configs: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, gpt-oss, ...)."""
+    cfg = getattr(module, "config", None)
+    plan = dict(getattr(cfg, "base_model_ep_plan", None) or {})
+    prefix = getattr(module, "base_model_prefix", "")
+    base = getattr(module, prefix, None) if prefix else None
+    if plan and isinstance(base, nn.Module) and base is not module:
+        plan = {f"{prefix}.{k}": v for k, v in plan.items()}
+    return plan
+

@@ -1,0 +1,333 @@
+"""`expert_parallel(plan, model=...)`: mixture-of-experts layers with their experts sharded
+over the mesh's `ep` axis and each token sent to its experts' ranks (all-to-all).
+
+Mesh. `init_mesh(dp=2, ep=2)`: `ep` is an axis of its own beside `dp` (world = dp x ep x
+...), and *both carry data*: the global batch is split over dp (by data_parallel /
+shard_zero outside) and each dp rank's rows again over ep (here), so the world's ranks
+see disjoint rows, as DeepSpeed's and torchtitan's expert parallel "borrow" the ep ranks
+from data parallel. The last axis named varies fastest: `init_mesh(dp=..., ep=...)` puts
+an ep group on consecutive ranks (one node), where the all-to-all, the heavy traffic,
+stays. Why not ep inside the dp axis: dp's ZeRO groups would then mix ranks holding
+different experts; with ep its own axis, ZeRO over dp shards the expert pieces over exactly
+the ranks that hold the same experts (expert data parallel) and the non-expert parameters
+over dp, and nothing in ZeRO knows about experts.
+
+Parameters. A plan names experts modules (`{"model.layers.*.mlp.experts": "experts"}`;
+`plan="auto"` reads the model's `base_model_ep_plan`, transformers 5's MoE configs: an
+entry styled `ep_dispatch_experts`; its `grouped_gemm` parameter entries are checked to
+exist). An experts module is HF's contract: `forward(hidden [T, H], top_k_index [T, k],
+top_k_weights [T, k]) -> [T, H]`, an attribute `num_experts` (E), and parameters whose dim
+0 is the expert (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]). Those parameters (and
+their optimizer-state mirrors) are laid out `DimShard("ep", 0)`: ep rank r holds experts
+[r E/ep, (r+1) E/ep). Everything else — attention, the router, shared experts (Qwen2-MoE,
+DeepSeek-V3), dense layers — stays an ordinary parameter, replicated over ep.
+
+Step. The router runs locally; each planned module's call (a "run_unit" layer event,
+phase "call") becomes `dsfn.engines.expert_dispatch.ExpertDispatch.run`: dropless by
+default, or with `capacity_factor` the first C = max(min_capacity, ceil(cf * T * k / E))
+assignments of each expert on this rank kept in slot-major token order (DeepSpeed's
+top-2 order) and the rest dropped. Gradients: the non-expert parameters' are averaged over
+ep (in backward, where the model reads them: inside every gradient tap of the data-parallel
+transform outside, which then averages over dp); the
+experts' come out of the exchanges as the mean over the ep ranks' tokens and are averaged
+over dp outside. A Hugging Face model's own loss and its router balance loss are the whole
+batch's over ep too (`token_mean_over`); metrics are averaged over ep. `clip_grad_norm`
+counts each expert once (its pieces are combined over ep, "reduce_leaves"). Checkpoints
+hold the logical experts (DimShard pieces are gathered), so any ep loads them.
+
+Metrics added to the step's: `ep_dropped_share` (dropped / routed assignments over the ep
+group), `ep_load_imbalance` (max / mean assignments per expert over the ep group, summed
+over the MoE layers), `ep_tokens_max` / `ep_tokens_min` (of those counts); the last step's
+counts per expert ([E], this ep group's) are `transform.last_tokens_per_expert`.
+
+Composes with `data_parallel`, `shard_zero(1 | 2)` (outside), `accumulate`,
+`mixed_precision`, `loss_scale`, `clip_grad_norm`, `remat` and the model's own gradient
+checkpointing. Refused for now with a StackError (not silently wrong): shard_zero(3),
+pipeline_parallel, tensor_parallel, sequence_parallel, offload, zenflow.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsfn import tree
+from dsfn.adapters import adapter_for
+from dsfn.effects import scratch
+from dsfn.engines.data_parallel import average_metrics, split_batch
+from dsfn.engines.expert_dispatch import DispatchStats, ExpertDispatch
+from dsfn.engines.grad_stats import reduce_over_axis
+from dsfn.engines.tp_plan import matches
+from dsfn.errors import ConfigError, MeshError, StackError
+from dsfn.placed import Placed
+from dsfn.runtime import collectives as C
+from dsfn.runtime.mesh import current_mesh
+from dsfn.state.layout import DimShard, map_with_mirrors, place
+from dsfn.transforms.core import Transform, make_transform, with_role
+
+_EXPERTS_STYLES = ("experts", "ep_dispatch_experts")
+_PARAM_STYLES = ("grouped_gemm",)
+_REFUSED = {
+    "pipeline": "pipeline_parallel", "tensor_parallel": "tensor_parallel",
+    "sequence_parallel": "sequence_parallel", "offload": "offload", "zenflow": "zenflow",
+}
+
+
+def _suffix_match(pattern: str, name: str) -> bool:
+    """`pattern` matches the last segments of `name` (a plan written for the base model matches
+    under a wrapper's prefixes too; `*` is one segment)."""
+    p = pattern.split(".")
+    n = name.split(".")
+    return len(n) >= len(p) and matches(pattern, ".".join(n[len(n) - len(p):]))
+
+
+class _MeanOverAxis(torch.autograd.Function):
+    """Identity in forward; backward averages the gradient over `axis` (a parameter replicated
+    over ep whose ranks saw different tokens)."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_reduce(grad.contiguous(), ctx.axis, "avg"), None
+
+
+class ExpertParallel(Transform):
+    name = "expert_parallel"
+    roles = frozenset({"expert_parallel"})
+
+    def __init__(self, plan: Mapping[str, str] | str = "auto", model: Any = None, axis: str = "ep",
+                 capacity_factor: float | None = None, min_capacity: int = 0):
+        if model is not None and not isinstance(model, nn.Module):
+            inner = getattr(model, "module", None)       # an apply_fn from functionalize
+            if not isinstance(inner, nn.Module):
+                raise ConfigError(f"expert_parallel(model={type(model).__name__}): pass the nn.Module (or the "
+                                  "apply_fn dsfn.functionalize returned for it)")
+            model = inner
+        if model is None:
+            raise ConfigError("expert_parallel needs the model to find its experts: expert_parallel('auto', "
+                              "model=model) (or a plan dict with model=model)")
+        if plan != "auto" and not isinstance(plan, Mapping):
+            raise ConfigError(f"expert_parallel(plan={plan!r}): 'auto' (the model's base_model_ep_plan) or a dict "
+                              "{module pattern: 'experts'}")
+        if capacity_factor is not None and (isinstance(capacity_factor, bool)
+                                            or not isinstance(capacity_factor, (int, float))
+                                            or not capacity_factor > 0):
+            raise ConfigError(f"expert_parallel(capacity_factor={capacity_factor!r}): a number > 0 (1.0: each "
+                              "expert keeps its even share of the assignments; 1.25 is DeepSpeed's usual "
+                              "training value), or None for dropless")
+        if isinstance(min_capacity, bool) or not isinstance(min_capacity, int) or min_capacity < 0:
+            raise ConfigError(f"expert_parallel(min_capacity={min_capacity!r}): an int >= 0")
+        if not isinstance(axis, str):
+            raise ConfigError(f"expert_parallel(axis={axis!r}): the name of a mesh axis, e.g. 'ep'")
+        self.axis, self.model = axis, model
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.min_capacity = min_capacity
+        self.experts = self._resolve(plan)             # {module name: (module, E)}
+        self._modules = tuple(m for m, _ in self.experts.values())
+        self._names = {id(m): n for n, (m, _) in self.experts.items()}
+        self._dispatch = {id(m): ExpertDispatch(axis, e, self.capacity_factor, min_capacity)
+                          for m, e in self.experts.values()}
+        self.num_experts = next(iter(self.experts.values()))[1]
+        self.last_tokens_per_expert: torch.Tensor | None = None     # a report of the last step
+
+    # -- plan -----------------------------------------------------------------------------------
+    def _resolve(self, plan: Mapping[str, str] | str) -> dict[str, tuple[nn.Module, int]]:
+        model = self.model
+        if plan == "auto":
+            adapter = adapter_for(model)
+            getter = getattr(adapter, "expert_parallel_plan", None)
+            plan = (getter(model) if getter is not None else None) or {}
+            if not plan:
+                raise ConfigError(f"expert_parallel('auto'): {type(model).__name__} declares no expert plan (no "
+                                  "config.base_model_ep_plan); pass plan={'<pattern of the experts modules>': "
+                                  "'experts'}, e.g. {'layers.*.mlp.experts': 'experts'}")
+        named = dict(model.named_modules())
+        params = dict(model.named_parameters())
+        out: dict[str, tuple[nn.Module, int]] = {}
+        for pattern, style in dict(plan).items():
+            if style in _PARAM_STYLES:
+                if not any(_suffix_match(pattern, n) for n in params):
+                    raise ConfigError(f"expert_parallel: plan entry {pattern!r} ({style}) names no parameter of "
+                                      f"{type(model).__name__}; parameters look like {list(params)[:4]}")
+                continue
+            if style not in _EXPERTS_STYLES:
+                raise ConfigError(f"expert_parallel: plan entry {pattern!r} has style {style!r}; styles are "
+                                  f"{_EXPERTS_STYLES} (an experts module) and {_PARAM_STYLES} (its parameters)")
+            hits = [n for n in named if n and _suffix_match(pattern, n)]
+            if not hits:
+                raise ConfigError(f"expert_parallel: plan pattern {pattern!r} matches no module of "
+                                  f"{type(model).__name__}; module names look like {[n for n in named if n][:5]} "
+                                  "('*' matches one name segment)")
+            for n in hits:
+                out[n] = (named[n], _check_experts(n, named[n]))
+        if not out:
+            raise ConfigError(f"expert_parallel: the plan names no experts module of {type(model).__name__}; "
+                              "pass plan={'<pattern>': 'experts'}")
+        counts = {e for _, e in out.values()}
+        if len(counts) > 1:
+            raise ConfigError(f"expert_parallel: the experts modules hold different numbers of experts {counts}; "
+                              "one ep degree must divide each: plan them separately is not supported yet")
+        return out
+
+    def expert_params(self) -> dict[str, tuple[int, ...]]:
+        """{parameter name: shape} of the planned experts' parameters (dim 0 = expert)."""
+        out = {}
+        for name, (mod, e) in self.experts.items():
+            for pname, p in mod.named_parameters():
+                out[f"{name}.{pname}"] = tuple(p.shape)
+        return out
+
+    # -- stack ----------------------------------------------------------------------------------
+    def facts(self) -> dict[str, Any]:
+        return {"ep_axis": self.axis}
+
+    def check_stack(self, stack, index):
+        for role, name in _REFUSED.items():
+            for t in with_role(stack, role):
+                raise StackError(f"expert_parallel does not compose with {name} yet: it is not built or tested "
+                                 f"together, so the stack would not be known to train equal; remove {name}() or "
+                                 "expert_parallel()")
+        for t in stack:
+            if getattr(t, "stage", None) == 3 and "zero" in getattr(t, "roles", ()):
+                raise StackError("expert_parallel does not compose with shard_zero(3) yet (its unit gathers would "
+                                 "gather the ep pieces over dp only, which is right, but that stack is not tested); "
+                                 "use shard_zero(1) or shard_zero(2), or data_parallel()")
+        for t in with_role(stack[index + 1:], "data_parallel"):
+            raise StackError(f"{t.name} must be outside expert_parallel (it shards or averages the expert pieces over "
+                             f"dp): write compose({t.name}(...), expert_parallel(...), ...)")
+
+    def _check_mesh(self) -> int:
+        n = current_mesh().size(self.axis)
+        if self.num_experts % n:
+            ok = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]
+            raise MeshError(f"expert_parallel: {self.num_experts} experts do not divide over ep={n} ranks; "
+                            f"use an ep size among {ok} (init_mesh(..., {self.axis}=...))")
+        return n
+
+    def explain_note(self) -> str:
+        n = current_mesh().size(self.axis)
+        me = current_mesh().local_rank(self.axis)
+        local = self.num_experts // max(n, 1)
+        mode = ("dropless" if self.capacity_factor is None else
+                f"capacity_factor {self.capacity_factor} (min_capacity {self.min_capacity})")
+        return (f"expert_parallel over {self.axis!r} (size {n}): {len(self.experts)} MoE layers of "
+                f"{self.num_experts} experts, this rank holds experts [{me * local}, {(me + 1) * local}); {mode}; "
+                "per layer 2 all-to-alls of the routed rows (tokens x k x hidden) in forward and 2 in backward")
+
+    # -- layout ---------------------------------------------------------------------------------
+    def place(self, state: Any) -> Any:
+        n = self._check_mesh()
+        if n == 1:
+            return state
+        shapes = self.expert_params()
+        have = {p for p, _ in tree.leaves_with_path(state.params)}
+        missing = [p for p in shapes if p not in have]
+        if missing:
+            raise ConfigError(f"expert_parallel: the experts' parameter {missing[0]!r} is not in the state's params "
+                              f"(frozen, or the state is of another model); they look like {sorted(have)[:3]}")
+        layouts = {p: DimShard(self.axis, 0, s) for p, s in shapes.items()}
+        return map_with_mirrors(state, lambda owner, x: place(x, layouts[owner]) if owner in layouts else x)
+
+    # -- the step -------------------------------------------------------------------------------
+    def wrap_step(self, fn):
+        def step(state, batch):
+            n = current_mesh().size(self.axis)
+            if n == 1:
+                return fn(state, batch)
+            notes = scratch(self)
+            notes.stats = DispatchStats(self.num_experts)
+            state, metrics = fn(state, split_batch(batch, self.axis))
+            return state, {**metrics, **self._load_metrics(notes.stats)}
+        return step
+
+    def _load_metrics(self, stats: DispatchStats) -> dict[str, torch.Tensor]:
+        if stats.routed is None:
+            return {}
+        vec = torch.cat([stats.routed.double(), torch.tensor([float(stats.dropped)], dtype=torch.float64)])
+        vec = C.all_reduce(vec, self.axis, "sum")
+        routed, dropped = vec[:-1], vec[-1]
+        total = routed.sum()
+        self.last_tokens_per_expert = routed.long()
+        return {"ep_tokens_max": routed.max().float(), "ep_tokens_min": routed.min().float(),
+                "ep_dropped_share": (dropped / total.clamp_min(1)).float(),
+                "ep_load_imbalance": (routed.max() / (total / routed.numel()).clamp_min(1e-12)).float()}
+
+    def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
+        if current_mesh().size(self.axis) == 1:
+            return call_next(apply_fn, params, args, kwargs)
+        module = getattr(apply_fn, "module", None)
+        # the non-expert parameters' gradients averaged over ep, right where the model reads them
+        # (inside every gradient tap of the transforms outside: they see the ep average)
+        axis = self.axis
+        params = {k: (v.data if isinstance(v, Placed) else
+                      _MeanOverAxis.apply(v, axis) if isinstance(v, torch.Tensor) and v.requires_grad else v)
+                  for k, v in params.items()}
+        adapter = adapter_for(module)
+        if adapter is None:
+            return call_next(apply_fn, params, args, kwargs)
+        with adapter.token_mean_over(module, [self.axis], args, kwargs):
+            return call_next(apply_fn, params, args, kwargs)
+
+    def handle_reduce_metrics(self, call_next, metrics):
+        return call_next(average_metrics(metrics, self.axis))
+
+    def handle_reduce_leaves(self, call_next, partials, pending, op):
+        """Expert pieces (DimShard over ep) are combined over ep: each expert counted once."""
+        return call_next(*reduce_over_axis(partials, pending, self.axis, op), op)
+
+    # -- layer events: each experts module's call is a dispatch ----------------------------------
+    def handle_unit_calls_of(self, call_next, module):
+        if current_mesh().size(self.axis) == 1:
+            return call_next(module)
+        return call_next(module) + self._modules
+
+    def handle_run_unit(self, call_next, module, phase, value, recompute):
+        dispatch = self._dispatch.get(id(module)) if phase == "call" else None
+        if dispatch is None:
+            return call_next(module, phase, value, recompute)
+        forward, args, kwargs = value
+        hidden, index, weights = _expert_inputs(self._names[id(module)], args, kwargs)
+        inner = lambda *a: call_next(module, phase, (forward, a, {}), recompute)   # noqa: E731
+        stats = None if recompute else getattr(scratch(self), "stats", None)
+        return dispatch.run(module, inner, hidden, index, weights, stats, self._names[id(module)])
+
+
+def _expert_inputs(name: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    names = ("hidden_states", "top_k_index", "top_k_weights")
+    values = list(args) + [kwargs[k] for k in names[len(args):] if k in kwargs]
+    if len(values) != 3:
+        raise ConfigError(f"expert_parallel: experts module {name!r} was called with {len(args)} positional and "
+                          f"{sorted(kwargs)} keyword arguments; an experts module takes (hidden_states [T, H], "
+                          "top_k_index [T, k], top_k_weights [T, k])")
+    return values[0], values[1], values[2]
+
+
+def _check_experts(name: str, mod: nn.Module) -> int:
+    e = getattr(mod, "num_experts", None)
+    if not isinstance(e, int) or e < 1:
+        raise ConfigError(f"expert_parallel: {name!r} ({type(mod).__name__}) has no int attribute num_experts; an "
+                          "experts module holds its experts as tensors with the expert on dim 0 and says how many "
+                          "(transformers' MixtralExperts / Qwen3MoeExperts do); plan that module, not its parent")
+    params = list(mod.named_parameters())
+    if not params:
+        raise ConfigError(f"expert_parallel: {name!r} holds no parameters to shard")
+    for pname, p in params:
+        if p.dim() < 1 or p.shape[0] != e:
+            raise ConfigError(f"expert_parallel: {name}.{pname} has shape {tuple(p.shape)}, not [num_experts={e}, "
+                              "...]; an experts module's parameters hold the expert on dim 0")
+        if not p.requires_grad:
+            raise ConfigError(f"expert_parallel: {name}.{pname} is frozen; frozen experts (a LoRA base) are not "
+                              "supported under expert_parallel yet")
+    return e
+
+
+def expert_parallel(*args: Any, **kwargs: Any) -> ExpertParallel:
+    """`expert_parallel(plan="auto", model=..., axis="ep", capacity_factor=None, min_capacity=0)`;
+    see the module docstring."""
+    return make_transform(ExpertParallel, "expert_parallel", args, kwargs)

@@ -1,0 +1,258 @@
+"""expert_parallel: experts sharded over ep, tokens dispatched with variable all-to-alls,
+equal to the single process.
+
+Equality: SGD-momentum, 3 steps; losses and the final logical state (params and momentum)
+at rtol 1e-5 / atol 1e-6 (fp32: the combine sums a token's k expert outputs in another
+order than the reference's loop over experts, and dp/ep average in another order).
+
+Models: transformers' tiny Mixtral (`plan="auto"`: its `base_model_ep_plan`, with its
+router balance loss) and `dsfn.testing.models.TinyMoE` (an explicit plan; a shared expert
+that stays an ordinary parameter; a router bias to force skewed routing).
+
+Negative controls (the test must fail when the feature breaks): a token sent to the wrong
+expert, and the experts' gradients not made the mean over the ep ranks' tokens.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dsfn
+from dsfn.engines import expert_dispatch
+from dsfn.errors import ConfigError, MeshError, StackError
+from dsfn.runtime import init_mesh
+from dsfn.runtime.mesh import Mesh, on_virtual_mesh
+from dsfn.testing import run_on_ranks
+from dsfn.testing.asserts import assert_trees_close
+from dsfn.testing.models import TinyExperts, TinyMoE, make_tiny_causal_lm, moe_batches
+from dsfn.testing.reference import mse_loss, run_steps, train_step_for
+from dsfn.transforms import (clip_grad_norm, compose, data_parallel, expert_parallel, sequence_parallel,
+                             shard_zero)
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+PLAN = {"experts": "experts"}
+
+
+# -- the tiny models' runs ------------------------------------------------------------------------
+
+def _outer(name):
+    return {"none": (), "dp": (data_parallel(),), "zero1": (shard_zero(1),), "zero2": (shard_zero(2),)}[name]
+
+
+def train_toy(outer="none", mesh=None, ep=True, model_kw=None, cf=None, clip=None, sabotage=None, steps=3):
+    if mesh:
+        init_mesh(**mesh)
+    if sabotage:
+        _sabotage(sabotage)
+    model = TinyMoE(**(model_kw or {}))
+    apply_fn, params = dsfn.functionalize(model)
+    inner = (clip_grad_norm(clip),) if clip else ()
+    ts = (*_outer(outer), expert_parallel(PLAN, model=model, capacity_factor=cf), *inner) if ep else inner
+    step = compose(*ts)(train_step_for(apply_fn, mse_loss))
+    state = step.init_state(params, dsfn.optim.sgd(0.1, momentum=0.9))
+    losses, metrics = [], []
+    for batch in moe_batches(steps, 4, 8, seed=3):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+        metrics.append({k: float(v) for k, v in m.items()})
+    full = step.gather(state)
+    return losses, {"params": full.params, "opt_state": full.opt_state}, metrics
+
+
+def _sabotage(kind):
+    """Inject a bug into the dispatch (negative controls)."""
+    run = expert_dispatch.ExpertDispatch.run
+    if kind == "wrong_expert":      # every token's assignment goes to the next expert
+        def wrong(self, module, forward, hidden, index, weights, *a, **k):
+            return run(self, module, forward, hidden, (index + 1) % self.experts, weights, *a, **k)
+        expert_dispatch.ExpertDispatch.run = wrong
+    elif kind == "expert_grad_sum":  # the experts' gradients left the sum over the ep ranks' tokens
+        apply = expert_dispatch._Exchange.apply
+        expert_dispatch._Exchange.apply = lambda x, s, r, axis, scale: apply(x, s, r, axis, 1.0)
+
+
+def _close(a, b):
+    torch.testing.assert_close(torch.tensor(a[0]), torch.tensor(b[0]), **TOL)
+    assert_trees_close(a[1], b[1], **TOL)
+
+
+TOY_STACKS = {                       # name: (outer transforms, world, mesh)
+    "ep2": ("none", 2, {"ep": 2}),
+    "ep4": ("none", 4, {"ep": 4}),
+    "dp2xep2": ("dp", 4, {"dp": 2, "ep": 2}),
+    "zero1+ep2": ("zero1", 2, {"dp": 1, "ep": 2}),
+}
+
+
+@pytest.mark.parametrize("stack", sorted(TOY_STACKS))
+def test_dropless_equals_the_single_process(stack):
+    outer, world, mesh = TOY_STACKS[stack]
+    ref = train_toy(ep=False)
+    for got in run_on_ranks(train_toy, world, outer, mesh, timeout=240):
+        _close(got, ref)
+
+
+@pytest.mark.parametrize("k,experts", [(1, 4), (2, 4), (8, 8)])
+def test_top_k_routing_equals_the_single_process(k, experts):
+    kw = dict(num_experts=experts, k=k)
+    ref = train_toy(ep=False, model_kw=kw)
+    for got in run_on_ranks(train_toy, 2, "none", {"ep": 2}, True, kw, timeout=240):
+        _close(got, ref)
+
+
+def test_skewed_routing_an_idle_expert_rank_and_a_rank_sending_everything_away():
+    """Every token picks experts 0 and 1 (rank 0's): rank 1's experts receive nothing, rank 1's
+    tokens all leave it; equal to the single process, and the load metrics say so."""
+    kw = dict(router_bias=[8.0, 8.0, -8.0, -8.0])
+    ref = train_toy(ep=False, model_kw=kw)
+    for got in run_on_ranks(train_toy, 2, "none", {"ep": 2}, True, kw, timeout=240):
+        _close(got, ref)
+        m = got[2][0]
+        assert m["ep_tokens_min"] == 0 and m["ep_load_imbalance"] == pytest.approx(2.0)
+        assert m["ep_dropped_share"] == 0
+
+
+def test_clip_grad_norm_counts_each_expert_once():
+    ref = train_toy(ep=False, clip=0.05)
+    for got in run_on_ranks(train_toy, 4, "dp", {"dp": 2, "ep": 2}, True, None, None, 0.05, timeout=240):
+        _close(got, ref)
+
+
+# -- capacity: the tokens over an expert's capacity are dropped, as a plain-torch reference drops them
+
+def _dropping_forward(ranks, cf, min_capacity):
+    """TinyExperts.forward with each rank's assignments over capacity dropped (weight 0),
+    written independently of the engine: rank r holds tokens [r T/ranks, (r+1) T/ranks) of
+    the flattened batch; each expert keeps its first C of them, first choices in token order,
+    then second choices."""
+    original = TinyExperts.forward
+
+    def forward(self, hidden, index, weights):
+        t, k = index.shape
+        per = t // ranks
+        keep = torch.zeros(t, k, dtype=torch.bool)
+        for r in range(ranks):
+            cap = max(min_capacity, math.ceil(cf * per * k / self.num_experts))
+            used = [0] * self.num_experts
+            for j in range(k):
+                for tok in range(r * per, (r + 1) * per):
+                    e = int(index[tok, j])
+                    if used[e] < cap:
+                        keep[tok, j] = True
+                        used[e] += 1
+        return original(self, hidden, index, weights * keep)
+    return forward
+
+
+@pytest.mark.parametrize("cf,world,mesh,outer", [(1.0, 2, {"ep": 2}, "none"), (0.5, 4, {"dp": 2, "ep": 2}, "dp")])
+def test_capacity_factor_equals_a_reference_that_drops_the_same_tokens(cf, world, mesh, outer, monkeypatch):
+    monkeypatch.setattr(TinyExperts, "forward", _dropping_forward(world, cf, 0))
+    ref = train_toy(ep=False)
+    monkeypatch.undo()
+    for got in run_on_ranks(train_toy, world, outer, mesh, True, None, cf, timeout=240):
+        _close(got, ref)
+        assert got[2][0]["ep_dropped_share"] > 0          # the capacity did drop tokens
+    dropless = train_toy(ep=False)
+    assert not torch.allclose(torch.tensor(dropless[0]), torch.tensor(ref[0]), **TOL)
+
+
+def test_kept_assignments_keep_first_choices_first_and_the_first_tokens():
+    index = torch.tensor([[0, 1], [0, 1], [1, 0], [0, 2]])      # 4 tokens, top-2, 3 experts
+    kept = expert_dispatch.kept_assignments(index, 3, capacity=2)
+    chosen = {(int(p) // 2, int(p) % 2) for p in kept}            # (token, slot)
+    # expert 0: first choices of tokens 0, 1, 3 -> tokens 0 and 1 kept; token 2's second choice dropped
+    # expert 1: token 2's first choice, then token 0's second (token 1's second is dropped)
+    assert chosen == {(0, 0), (1, 0), (2, 0), (0, 1), (3, 1)}
+    assert expert_dispatch.kept_assignments(index, 3, capacity=None).numel() == 8
+    assert expert_dispatch.capacity_of(16, 2, 4, 1.25, 0) == 10 and expert_dispatch.capacity_of(4, 1, 8, 1.0, 4) == 4
+
+
+# -- negative controls -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bug", ["wrong_expert", "expert_grad_sum"])
+def test_negative_control_a_broken_dispatch_differs(bug):
+    ref = train_toy(ep=False)
+    got = run_on_ranks(train_toy, 2, "none", {"ep": 2}, True, None, None, None, bug, timeout=240)[0]
+    assert not (torch.allclose(torch.tensor(got[0]), torch.tensor(ref[0]), **TOL)
+                and all(torch.allclose(a, b, **TOL) for a, b in zip(dsfn.tree.leaves(got[1]),
+                                                                     dsfn.tree.leaves(ref[1])))), bug
+
+
+# -- a Hugging Face MoE model: plan="auto", its own loss and router balance loss -----------------
+
+def train_mixtral(outer="none", mesh=None, ep=True):
+    if mesh:
+        init_mesh(**mesh)
+    model = make_tiny_causal_lm("mixtral")
+    apply_fn, params = dsfn.functionalize(model)
+    ts = (*_outer(outer), expert_parallel("auto", model=model)) if ep else ()
+
+    def loss(apply_fn, params, batch):
+        return apply_fn(params, input_ids=batch["input_ids"], labels=batch["labels"]).loss
+    step = compose(*ts)(train_step_for(apply_fn, loss))
+    state = step.init_state(params, dsfn.optim.sgd(0.5, momentum=0.9))
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(0, 101, (4, 16), generator=g)
+        batches.append({"input_ids": ids, "labels": ids.masked_fill(ids % 7 == 0, -100)})
+    return run_steps(step, state, batches)
+
+
+@pytest.mark.parametrize("outer,world,mesh", [("none", 2, {"ep": 2}), ("zero2", 4, {"dp": 2, "ep": 2})])
+def test_mixtral_auto_plan_equals_the_single_process(outer, world, mesh):
+    pytest.importorskip("transformers")
+    ref = train_mixtral(ep=False)
+    for got in run_on_ranks(train_mixtral, world, outer, mesh, timeout=300):
+        _close(got, ref)
+
+
+def test_experts_are_laid_out_over_ep_and_the_rest_is_whole():
+    def placed():
+        init_mesh(ep=2)
+        model = TinyMoE()
+        apply_fn, params = dsfn.functionalize(model)
+        step = compose(expert_parallel(PLAN, model=model))(train_step_for(apply_fn, mse_loss))
+        state = step.init_state(params, dsfn.optim.sgd(0.1, momentum=0.9))
+        return {k: tuple(v.data.shape) if hasattr(v, "layout") else tuple(v.shape) for k, v in state.params.items()}
+    shapes = run_on_ranks(placed, 2, timeout=120)[0]
+    assert shapes["experts.w_in"] == (2, 12, 8) and shapes["experts.w_out"] == (2, 8, 12)
+    assert shapes["shared.weight"] == (8, 8) and shapes["router.weight"] == (4, 8)
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+def test_bad_input_is_a_named_error():
+    model = TinyMoE()
+    with pytest.raises(ConfigError, match="capacity_factor"):
+        expert_parallel(PLAN, model=model, capacity_factor=0)
+    with pytest.raises(ConfigError, match="matches no module"):
+        expert_parallel({"layers.*.experts": "experts"}, model=model)
+    with pytest.raises(ConfigError, match="names no parameter"):
+        expert_parallel({"experts": "experts", "experts.gate_up_proj": "grouped_gemm"}, model=model)
+    with pytest.raises(ConfigError, match="no int attribute num_experts"):
+        expert_parallel({"router": "experts"}, model=model)
+    with pytest.raises(ConfigError, match="model="):
+        expert_parallel("auto")
+    with pytest.raises(ConfigError, match="declares no expert plan"):
+        expert_parallel("auto", model=model)
+    with pytest.raises(MeshError, match="multiply to"):
+        Mesh({"ep": 3})
+    apply_fn, params = dsfn.functionalize(model)
+    step = compose(expert_parallel(PLAN, model=model))(train_step_for(apply_fn, mse_loss))
+    with on_virtual_mesh(Mesh.virtual({"ep": 3})), pytest.raises(MeshError, match="4 experts do not divide over ep=3"):
+        step.place(dsfn.TrainState.create(params, dsfn.optim.sgd(0.1)))
+
+
+def test_stacks_not_built_yet_are_refused():
+    model = TinyMoE()
+    apply_fn, _ = dsfn.functionalize(model)
+    f = train_step_for(apply_fn, mse_loss)
+    with pytest.raises(StackError, match="shard_zero\\(3\\)"):
+        compose(shard_zero(3), expert_parallel(PLAN, model=model))(f)
+    with pytest.raises(StackError, match="outside expert_parallel"):
+        compose(expert_parallel(PLAN, model=model), data_parallel())(f)
+    with pytest.raises(StackError, match="sequence_parallel"):
+        compose(sequence_parallel(), expert_parallel(PLAN, model=model))(f)
