@@ -179,7 +179,8 @@ def _placed_meta(stack: tuple, facts: Any, shapes: dict, dtype: torch.dtype, tx:
 def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = (), world_size: int = 1, *,
                     tx: Any = None, tp: int | None = None, sp: int | None = None, pp: int | None = None,
                     pp_rank: int | None = None, batch: tuple[int, int] | None = None,
-                    dtype: torch.dtype | None = None, ranks_per_node: int | None = None) -> MemoryEstimate:
+                    dtype: torch.dtype | None = None, ranks_per_node: int | None = None,
+                    ep: int | None = None) -> MemoryEstimate:
     """Per-rank bytes of parameters, gradients, optimizer state, master weights, the largest
     gathered unit, buckets, host and NVMe (see docs/estimate.md).
 
@@ -190,6 +191,8 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
         tx: the optimizer (default: `dsfn.optim.adamw`); its state is made on meta tensors.
         tp, sp, pp: mesh sizes (default: 2 if the stack has tensor_parallel / sequence_parallel /
             pipeline_parallel and world_size allows, else 1 — pass them for any other mesh).
+        ep: the expert-parallel size (default: 2 if the stack has expert_parallel and world_size
+            allows, else 1); dp = world / (tp * sp * pp * ep).
         pp_rank: with pipeline_parallel, the pipeline rank (index along its axis) to estimate;
             default: the rank with the largest device peak.
         batch: (rows, seq_len) of the step's whole batch, for a pipeline's modelled activations
@@ -213,19 +216,23 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
     sp = sp if sp is not None else (2 if whole.has_role("sequence_parallel") and world_size % (2 * tp) == 0 else 1)
     pipe = next(iter(whole.with_role("pipeline")), None)
     pp = pp if pp is not None else (2 if pipe is not None and world_size % (2 * tp * sp) == 0 else 1)
-    if world_size % (tp * sp * pp):
+    # expert parallel: an axis of its own that carries data (dsfn.transforms.expert_parallel)
+    ep = ep if ep is not None else (2 if whole.has_role("expert_parallel") and world_size % (2 * tp * sp * pp) == 0
+                                    else 1)
+    if world_size % (tp * sp * pp * ep):
         raise ConfigError(f"estimate_memory: world_size {world_size} is not divisible by tp {tp} x sp {sp}"
-                          + (f" x pp {pp}" if pp > 1 else ""))
+                          + (f" x pp {pp}" if pp > 1 else "") + (f" x ep {ep}" if ep > 1 else ""))
     if pipe is not None and pp_rank is None:
         # the rank whose stages weigh the most (a pipeline's ranks differ: embeddings, head)
-        ranks = [estimate_memory(model, stack, world_size, tx=tx, tp=tp, sp=sp, pp=pp, pp_rank=r, batch=batch,
+        ranks = [estimate_memory(model, stack, world_size, tx=tx, tp=tp, sp=sp, pp=pp, pp_rank=r, batch=batch, ep=ep,
                                  dtype=dtype, ranks_per_node=ranks_per_node) for r in range(pp)]
         return max(ranks, key=lambda e: (e.device, -e.pp_rank))
-    dp = world_size // (tp * sp * pp)
+    dp = world_size // (tp * sp * pp * ep)
     zero = next(iter(whole.with_role("zero")), {})
     stage, dp_axis = zero.get("zero_stage", 0), whole.first("dp_axis", "dp")
     cut = pipeline_cut(pipe, module, list(shapes), pp, pp_rank) if pipe is not None else None
-    sizes = {"dp": dp, "sp": sp, "tp": tp, **({"pp": pp} if pp > 1 else {})}     # dp outermost
+    sizes = {"dp": dp, "sp": sp, "tp": tp, **({"ep": ep} if ep > 1 else {}),
+             **({"pp": pp} if pp > 1 else {})}     # dp outermost
     mesh = Mesh.virtual({**sizes, "pp": pp}, {"pp": pp_rank or 0}, _topology(world_size, ranks_per_node, zero))
     with on_virtual_mesh(mesh):
         state = _placed_meta(stack, facts, shapes, dtype or model_dtype, tx)
@@ -235,7 +242,8 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
     hybrid = mesh.splits.get(dp_axis) if stage >= 1 else None      # the shard group ZeRO's place split dp into
     n_shard = hybrid or (dp if replicas else 1)
     est = MemoryEstimate(num_params=sum(math.prod(s) for s in shapes.values()), world_size=world_size,
-                         mesh={"dp": dp, "tp": tp, "sp": sp, **({"pp": pp} if pp > 1 else {})}, stage=stage,
+                         mesh={"dp": dp, "tp": tp, "sp": sp, **({"ep": ep} if ep > 1 else {}),
+                               **({"pp": pp} if pp > 1 else {})}, stage=stage,
                          offload=whole.first("offload"), offload_params=bool(whole.first("offload_params", False)),
                          shard_group=hybrid, hpz=None if hpz == dp else hpz)
     for k, v in state_fields(leaf_records(state)).items():

@@ -256,3 +256,59 @@ def test_stacks_not_built_yet_are_refused():
         compose(expert_parallel(PLAN, model=model), data_parallel())(f)
     with pytest.raises(StackError, match="sequence_parallel"):
         compose(sequence_parallel(), expert_parallel(PLAN, model=model))(f)
+
+
+# -- checkpoints: the experts are saved as logical tensors, so any ep (or none) loads them --------
+
+def _save_at_ep2(root):
+    init_mesh(ep=2)
+    model = TinyMoE()
+    apply_fn, params = dsfn.functionalize(model)
+    step = compose(expert_parallel(PLAN, model=model))(train_step_for(apply_fn, mse_loss))
+    state = step.init_state(params, dsfn.optim.sgd(0.1, momentum=0.9))
+    for batch in moe_batches(3, 4, 8, seed=3)[:2]:
+        state, _ = step(state, batch)
+    dsfn.checkpoint.save(root, state)
+
+
+def _resume(root, kind, mesh=None, model_kw=None):
+    if mesh:
+        init_mesh(**mesh)
+    model = TinyMoE(**(model_kw or {}))
+    apply_fn, params = dsfn.functionalize(model)
+    ts = {"single": (), "ep2": (expert_parallel(PLAN, model=model),), "dp2": (data_parallel(),)}[kind]
+    step = compose(*ts)(train_step_for(apply_fn, mse_loss))
+    state = dsfn.checkpoint.load(root, like=step.init_state(params, dsfn.optim.sgd(0.1, momentum=0.9)))
+    state, m = step(state, moe_batches(3, 4, 8, seed=3)[2])
+    full = step.gather(state)
+    return [float(m["loss"])], {"params": full.params, "opt_state": full.opt_state}
+
+
+def test_a_checkpoint_saved_at_ep2_resumes_at_ep2_ep1_and_dp2_equal(tmp_path):
+    root = str(tmp_path / "ck")
+    run_on_ranks(_save_at_ep2, 2, root, timeout=120)
+    ref = train_toy(ep=False)
+    want = ([ref[0][2]], ref[1])
+    _close(run_on_ranks(_resume, 1, root, "single", timeout=120)[0], want)
+    for kind, mesh in (("ep2", {"ep": 2}), ("dp2", {"dp": 2})):
+        for got in run_on_ranks(_resume, 2, root, kind, mesh, timeout=120):
+            _close(got, want)
+
+
+def test_a_checkpoint_with_another_expert_count_is_refused(tmp_path):
+    root = str(tmp_path / "ck")
+    run_on_ranks(_save_at_ep2, 2, root, timeout=120)
+    with pytest.raises(Exception) as err:
+        _resume(root, "single", model_kw=dict(num_experts=8))
+    assert isinstance(err.value, dsfn.errors.DsfnError) and "experts.w_in" in str(err.value), err.value
+
+
+def test_estimate_memory_holds_one_ep_share_of_the_experts():
+    from dsfn.estimate import estimate_memory
+    model = TinyMoE(num_experts=8)
+    tx = dsfn.optim.sgd(0.1, momentum=0.9)
+    whole = estimate_memory(model, [data_parallel()], 2, tx=tx)
+    ep = estimate_memory(model, [data_parallel(), expert_parallel(PLAN, model=model)], 2, tx=tx)
+    expert_bytes = sum(p.numel() * 4 for p in model.experts.parameters())
+    assert whole.params - ep.params == expert_bytes // 2
+    assert whole.optimizer - ep.optimizer == expert_bytes // 2         # momentum mirrors the params
