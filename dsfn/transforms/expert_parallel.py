@@ -66,6 +66,7 @@ from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import DimShard, map_with_mirrors, place
 from dsfn.transforms.core import Transform, make_transform, with_role
+from dsfn.transforms.facts import StackFacts
 
 _EXPERTS_STYLES = ("experts", "ep_dispatch_experts")
 _PARAM_STYLES = ("grouped_gemm",)
@@ -193,11 +194,10 @@ class ExpertParallel(Transform):
                 raise StackError(f"expert_parallel does not compose with {name} yet: it is not built or tested "
                                  f"together, so the stack would not be known to train equal; remove {name}() or "
                                  "expert_parallel()")
-        for t in stack:
-            if getattr(t, "stage", None) == 3 and "zero" in getattr(t, "roles", ()):
-                raise StackError("expert_parallel does not compose with shard_zero(3) yet (its unit gathers would "
-                                 "gather the ep pieces over dp only, which is right, but that stack is not tested); "
-                                 "use shard_zero(1) or shard_zero(2), or data_parallel()")
+        if any(z.get("zero_stage") == 3 for z in StackFacts(stack).whole.with_role("zero")):
+            raise StackError("expert_parallel does not compose with shard_zero(3) yet (its unit gathers would "
+                             "gather the ep pieces over dp only, which is right, but that stack is not tested); "
+                             "use shard_zero(1) or shard_zero(2), or data_parallel()")
         for t in with_role(stack[index + 1:], "data_parallel"):
             raise StackError(f"{t.name} must be outside expert_parallel (it shards or averages the expert pieces over "
                              f"dp): write compose({t.name}(...), expert_parallel(...), ...)")
