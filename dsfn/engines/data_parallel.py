@@ -27,7 +27,7 @@ from dsfn import tree
 from dsfn.adapters import adapter_for
 from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.errors import ShapeError
-from dsfn.placed import Placed, is_placed
+from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import buckets as B
 from dsfn.runtime import collectives as C
 from dsfn.runtime.buckets import all_reduce_buckets
@@ -82,6 +82,28 @@ class Replicas:
     def reduce_leaves(self, partials, pending, op):
         """Leaves split over this axis (ZeRO's shards) are combined over it."""
         return reduce_over_axis(partials, pending, self.axis, op)
+
+    def mean_over_batch_axes(self, grads: Any, axes: Sequence[str], facts: Any) -> Any:
+        """`grads` (reduced over this axis) also averaged over the batch axes of a transform
+        inside (`axes`: the stack fact "batch_axis", e.g. expert parallel's ep, whose ranks
+        saw different rows of this rank's batch): every leaf not laid out over such an axis
+        is a replica there, its gradient the mean over the axis's ranks (one bucketed
+        all-reduce per axis, after the reduction: program order on every rank); a leaf laid
+        out over it (an expert's piece) comes out of its transform's exchanges already the
+        mean. Every layout's leaves alike: whole tensors, ZeRO's shards, tp's pieces."""
+        mesh = current_mesh()
+        axes = [a for a in axes if mesh.size(a) > 1]
+        if not axes:
+            return grads
+        leaves, spec = tree.flatten(grads, is_leaf=is_placed)
+        for axis in axes:
+            which = [k for k, g in enumerate(leaves) if isinstance(data_of(g), torch.Tensor)
+                     and not (isinstance(g, Placed) and axis in g.layout.axes())]
+            reduced = reduce_grads([data_of(leaves[k]) for k in which], axis, self.bucket_bytes, "avg", facts)
+            for k, r in zip(which, reduced):
+                g = leaves[k]
+                leaves[k] = Placed(r, g.layout) if isinstance(g, Placed) else r
+        return tree.unflatten(spec, leaves)
 
     def token_mean(self, apply_fn: Any, args: tuple, kwargs: dict):
         """A model's own loss (a Hugging Face causal LM's) normalised by the whole batch's token

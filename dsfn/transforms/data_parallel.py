@@ -83,7 +83,9 @@ class DataParallel(Transform):
         overlap = not facts.inside(self).has_role("accumulate")
         reduction = self._replicas.begin_reduction(params, facts, overlap)
         value, grads = call_next(reduction.differentiated(fn), params, args, kwargs, has_aux)
-        return value, reduction.finish(grads)
+        # and over the batch axes of a transform inside (expert parallel's ep)
+        return value, self._replicas.mean_over_batch_axes(reduction.finish(grads),
+                                                          facts.inside(self).all("batch_axis"), facts)
 
     def handle_reduce_metrics(self, call_next, metrics):
         return call_next(self._replicas.average_metrics(metrics))

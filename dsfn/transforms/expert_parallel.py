@@ -56,7 +56,7 @@ from torch import nn
 from dsfn import tree
 from dsfn.adapters import adapter_for
 from dsfn.effects import scratch
-from dsfn.engines.data_parallel import average_metrics, split_batch
+from dsfn.engines.data_parallel import Replicas, average_metrics, split_batch
 from dsfn.engines.expert_dispatch import DispatchStats, ExpertDispatch
 from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.engines.tp_plan import matches
@@ -66,7 +66,7 @@ from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import DimShard, map_with_mirrors, place
 from dsfn.transforms.core import Transform, make_transform, with_role
-from dsfn.transforms.facts import StackFacts
+from dsfn.transforms.facts import stack_facts
 
 _EXPERTS_STYLES = ("experts", "ep_dispatch_experts")
 _PARAM_STYLES = ("grouped_gemm",)
@@ -82,20 +82,6 @@ def _suffix_match(pattern: str, name: str) -> bool:
     p = pattern.split(".")
     n = name.split(".")
     return len(n) >= len(p) and matches(pattern, ".".join(n[len(n) - len(p):]))
-
-
-class _MeanOverAxis(torch.autograd.Function):
-    """Identity in forward; backward averages the gradient over `axis` (a parameter replicated
-    over ep whose ranks saw different tokens)."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return C.all_reduce(grad.contiguous(), ctx.axis, "avg"), None
 
 
 class ExpertParallel(Transform):
@@ -186,7 +172,9 @@ class ExpertParallel(Transform):
 
     # -- stack ----------------------------------------------------------------------------------
     def facts(self) -> dict[str, Any]:
-        return {"ep_axis": self.axis}
+        # "batch_axis": ep splits each dp rank's rows again; the data-parallel reduction outside
+        # averages the gradients of every leaf not laid out over it (the non-expert ones) over it
+        return {"ep_axis": self.axis, "batch_axis": self.axis}
 
     def check_stack(self, stack, index):
         for role, name in _REFUSED.items():
@@ -194,10 +182,6 @@ class ExpertParallel(Transform):
                 raise StackError(f"expert_parallel does not compose with {name} yet: it is not built or tested "
                                  f"together, so the stack would not be known to train equal; remove {name}() or "
                                  "expert_parallel()")
-        if any(z.get("zero_stage") == 3 for z in StackFacts(stack).whole.with_role("zero")):
-            raise StackError("expert_parallel does not compose with shard_zero(3) yet (its unit gathers would "
-                             "gather the ep pieces over dp only, which is right, but that stack is not tested); "
-                             "use shard_zero(1) or shard_zero(2), or data_parallel()")
         for t in with_role(stack[index + 1:], "data_parallel"):
             raise StackError(f"{t.name} must be outside expert_parallel (it shards or averages the expert pieces over "
                              f"dp): write compose({t.name}(...), expert_parallel(...), ...)")
@@ -258,16 +242,21 @@ class ExpertParallel(Transform):
                 "ep_dropped_share": (dropped / total.clamp_min(1)).float(),
                 "ep_load_imbalance": (routed.max() / (total / routed.numel()).clamp_min(1e-12)).float()}
 
+    def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
+        """The non-expert gradients averaged over ep: by the data-parallel reduction outside
+        when there is one (the "batch_axis" fact: after its reduce-scatters, on its shards),
+        else here, after backward (one bucketed all-reduce)."""
+        value, grads = call_next(fn, params, args, kwargs, has_aux)
+        if current_mesh().size(self.axis) == 1 or stack_facts(self).outside(self).has_role("data_parallel"):
+            return value, grads
+        facts = stack_facts(self)
+        return value, Replicas(self.axis, 25 * 2**20).mean_over_batch_axes(grads, (self.axis,), facts)
+
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
         if current_mesh().size(self.axis) == 1:
             return call_next(apply_fn, params, args, kwargs)
         module = getattr(apply_fn, "module", None)
-        # the non-expert parameters' gradients averaged over ep, right where the model reads them
-        # (inside every gradient tap of the transforms outside: they see the ep average)
-        axis = self.axis
-        params = {k: (v.data if isinstance(v, Placed) else
-                      _MeanOverAxis.apply(v, axis) if isinstance(v, torch.Tensor) and v.requires_grad else v)
-                  for k, v in params.items()}
+        params = {k: (v.data if isinstance(v, Placed) else v) for k, v in params.items()}
         adapter = adapter_for(module)
         if adapter is None:
             return call_next(apply_fn, params, args, kwargs)

@@ -109,7 +109,7 @@ from dsfn.runtime.flat import map_whole
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.train_state import never_placed
 from dsfn.transforms.core import Transform, make_transform, with_role
-from dsfn.transforms.facts import stack_facts
+from dsfn.transforms.facts import StackFacts, stack_facts
 
 
 class ShardZero(Transform):
@@ -158,6 +158,12 @@ class ShardZero(Transform):
             if t is not self:
                 raise StackError("shard_zero already does data parallelism over "
                                  f"{self.axis!r}; remove {t.name}() from the stack")
+        inside = StackFacts(stack[index + 1:]).whole
+        if inside.first("hears_grad_buckets") and inside.all("batch_axis"):
+            # the buckets would be heard before the mean over the batch axis (`_batch_mean`)
+            raise StackError(f"shard_zero: a transform inside hears reduced gradient buckets (offload's overlap) "
+                             f"while another splits the batch over {inside.all('batch_axis')}: not supported "
+                             "together; drop offload(overlap=True)")
 
     def facts(self) -> dict[str, Any]:
         return {"dp_axis": self.axis, "zero_stage": self.stage, "reduce_bucket_size": self.reduce_bucket_size,
@@ -236,7 +242,7 @@ class ShardZero(Transform):
             reduction = self._replicas.begin_reduction(params, facts,
                                                        overlap=not facts.inside(self).has_role("accumulate"))
             value, grads = call_next(reduction.differentiated(fn), params, args, kwargs, has_aux)
-            return value, reduction.finish(grads)
+            return value, self._batch_mean(reduction.finish(grads), facts)
         # a transform inside that hears reduced buckets (offload's overlapped host update)
         hears = facts.inside(self).first("hears_grad_buckets", False)
         reduction = engine.Reduction(engine, fn, params, facts, hears)
@@ -245,7 +251,14 @@ class ShardZero(Transform):
         except BaseException:
             reduction.close()
             raise
-        return value, reduction.finish(grads)
+        return value, self._batch_mean(reduction.finish(grads), facts)
+
+    def _batch_mean(self, grads: Any, facts: Any) -> Any:
+        """The reduced gradients also averaged over the batch axes of a transform inside (expert
+        parallel's ep: the fact "batch_axis"), leaves laid out over such an axis excepted
+        (data parallel's rule, `Replicas.mean_over_batch_axes`): after the reduce-scatters, on
+        the shards, so it costs 1/dp of the gradients under stages 1-3."""
+        return self._replicas.mean_over_batch_axes(grads, facts.inside(self).all("batch_axis"), facts)
 
     def handle_micro_batch(self, call_next, event):
         """Micro-batch j's forward or backward begins: the running reduction hears whether the
