@@ -127,7 +127,9 @@ def map_whole(fn: Callable[[int, torch.Tensor], torch.Tensor], pieces: Sequence[
 
     `fn` must give a tensor of whole_i's shape and dtype (on whole_i's device), and be
     deterministic: under tensor parallel every rank of a tp group computes it. Collective
-    when any piece is split.
+    when any piece is split. On a tensor of more than 2 dims, `fn` acts on each dim-0 index
+    alone (a stack of matrices: Muon's batched NS on stacked experts `[E, out, in]`), so
+    expert parallel runs it on this rank's experts only.
     """
     pieces = list(pieces)
     if not any(isinstance(x, Placed) for x in pieces) and not active_stack():

@@ -26,13 +26,16 @@ Step. The router runs locally; each planned module's call (a "run_unit" layer ev
 phase "call") becomes `dsfn.engines.expert_dispatch.ExpertDispatch.run`: dropless by
 default, or with `capacity_factor` the first C = max(min_capacity, ceil(cf * T * k / E))
 assignments of each expert on this rank kept in slot-major token order (DeepSpeed's
-top-2 order) and the rest dropped. Gradients: the non-expert parameters' are averaged over
-ep (in backward, where the model reads them: inside every gradient tap of the data-parallel
-transform outside, which then averages over dp); the
-experts' come out of the exchanges as the mean over the ep ranks' tokens and are averaged
-over dp outside. A Hugging Face model's own loss and its router balance loss are the whole
-batch's over ep too (`token_mean_over`); metrics are averaged over ep. `clip_grad_norm`
-counts each expert once (its pieces are combined over ep, "reduce_leaves"). Checkpoints
+top-2 order) and the rest dropped. Gradients: the experts' come out of the exchanges as the
+mean over the ep ranks' tokens; the non-expert parameters' (replicas over ep whose ranks saw
+other rows) are averaged over ep by the data-parallel reduction outside — ep publishes the
+stack fact "batch_axis", and data_parallel / shard_zero 1-3 average every gradient leaf not
+laid out over it, after their own reduce-scatters (on ZeRO's shards: 1/dp of the bytes, one
+bucketed all-reduce) — or, with no data-parallel transform in the stack, here after backward.
+A Hugging Face model's own loss and its router balance loss are the whole batch's over ep too
+(`token_mean_over`); metrics are averaged over ep. `clip_grad_norm` counts each expert once
+(its pieces are combined over ep, "reduce_leaves"). Muon orthogonalises each expert's matrix
+on its owner, on the piece ("map_whole": NS is batched over the stacked experts). Checkpoints
 hold the logical experts (DimShard pieces are gathered), so any ep loads them.
 
 Metrics added to the step's: `ep_dropped_share` (dropped / routed assignments over the ep
@@ -40,10 +43,12 @@ group), `ep_load_imbalance` (max / mean assignments per expert over the ep group
 over the MoE layers), `ep_tokens_max` / `ep_tokens_min` (of those counts); the last step's
 counts per expert ([E], this ep group's) are `transform.last_tokens_per_expert`.
 
-Composes with `data_parallel`, `shard_zero(1 | 2)` (outside), `accumulate`,
-`mixed_precision`, `loss_scale`, `clip_grad_norm`, `remat` and the model's own gradient
-checkpointing. Refused for now with a StackError (not silently wrong): shard_zero(3),
-pipeline_parallel, tensor_parallel, sequence_parallel, offload, zenflow.
+Composes with `data_parallel`, `shard_zero(1 | 2 | 3)` and HSDP (`shard_group`) outside —
+under ZeRO the expert pieces are sharded further over dp (`Nested(DimShard(ep), FlatShard(dp))`:
+the expert-data-parallel ranks), the rest over dp —, `accumulate`, `mixed_precision`,
+`loss_scale`, `clip_grad_norm`, Muon, `remat` and the model's own gradient checkpointing.
+Refused for now with a StackError (not silently wrong): pipeline_parallel, tensor_parallel,
+sequence_parallel, offload, zenflow.
 """
 from __future__ import annotations
 
@@ -269,6 +274,25 @@ class ExpertParallel(Transform):
     def handle_reduce_leaves(self, call_next, partials, pending, op):
         """Expert pieces (DimShard over ep) are combined over ep: each expert counted once."""
         return call_next(*reduce_over_axis(partials, pending, self.axis, op), op)
+
+    def handle_map_whole(self, call_next, fn, pieces):
+        """Whole-tensor functions (Muon's orthogonalisation) of the expert pieces run on their
+        owner, on the piece: an experts tensor stacks E matrices on dim 0 and such a function
+        acts per matrix (`dsfn.logical.map_whole`'s contract for a >2-D tensor; Muon's NS is
+        batched), so the piece's result is the whole's rows of this rank's experts, with no
+        gather and each expert orthogonalised once. The other leaves go on to the transforms inside."""
+        ours = [k for k, x in enumerate(pieces) if isinstance(x, Placed) and isinstance(x.layout, DimShard)
+                and x.layout.axis == self.axis and x.layout.dim == 0 and len(x.layout.shape) >= 3]
+        if not ours:
+            return call_next(fn, pieces)
+        out = list(pieces)
+        for k in ours:
+            out[k] = Placed(fn(k, pieces[k].data), pieces[k].layout)
+        rest = [k for k in range(len(pieces)) if k not in set(ours)]
+        if rest:
+            for k, r in zip(rest, call_next(lambda j, w: fn(rest[j], w), [pieces[k] for k in rest])):
+                out[k] = r
+        return out
 
     # -- layer events: each experts module's call is a dispatch ----------------------------------
     def handle_unit_calls_of(self, call_next, module):

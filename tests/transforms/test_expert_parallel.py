@@ -28,8 +28,8 @@ from dsfn.testing import run_on_ranks
 from dsfn.testing.asserts import assert_trees_close
 from dsfn.testing.models import TinyExperts, TinyMoE, make_tiny_causal_lm, moe_batches
 from dsfn.testing.reference import mse_loss, run_steps, train_step_for
-from dsfn.transforms import (clip_grad_norm, compose, data_parallel, expert_parallel, sequence_parallel,
-                             shard_zero)
+from dsfn.transforms import (accumulate, clip_grad_norm, compose, data_parallel, expert_parallel, loss_scale,
+                             mixed_precision, remat, sequence_parallel, shard_zero)
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 PLAN = {"experts": "experts"}
@@ -40,6 +40,8 @@ PLAN = {"experts": "experts"}
 def _outer(name):
     return {"none": (), "dp": (data_parallel(),), "zero1": (shard_zero(1),), "zero2": (shard_zero(2),),
             "zero3": (shard_zero(3),),
+            # HSDP: shards over groups of 2 dp ranks, copies across the groups
+            "hsdp3": (shard_zero(3, shard_group=2),),
             # small leaves kept whole (all-reduced), the rest sharded: both paths of ZeRO-3
             "zero3_persist": (shard_zero(3, param_persistence_threshold=64),)}[name]
 
@@ -56,7 +58,7 @@ def train_toy(outer="none", mesh=None, ep=True, model_kw=None, cf=None, clip=Non
     step = compose(*ts)(train_step_for(apply_fn, mse_loss))
     state = step.init_state(params, dsfn.optim.sgd(0.1, momentum=0.9))
     losses, metrics = [], []
-    for batch in moe_batches(steps, 4, 8, seed=3):
+    for batch in moe_batches(steps, 8, 8, seed=3):
         state, m = step(state, batch)
         losses.append(float(m["loss"]))
         metrics.append({k: float(v) for k, v in m.items()})
@@ -89,6 +91,7 @@ TOY_STACKS = {                       # name: (outer transforms, world, mesh)
     "zero3+ep2": ("zero3", 2, {"dp": 1, "ep": 2}),
     "zero3xdp2xep2": ("zero3", 4, {"dp": 2, "ep": 2}),
     "zero3_persistxdp2xep2": ("zero3_persist", 4, {"dp": 2, "ep": 2}),
+    "hsdp3xdp4xep2": ("hsdp3", 8, {"dp": 4, "ep": 2}),
 }
 
 
@@ -207,7 +210,8 @@ def train_mixtral(outer="none", mesh=None, ep=True):
     return run_steps(step, state, batches)
 
 
-@pytest.mark.parametrize("outer,world,mesh", [("none", 2, {"ep": 2}), ("zero2", 4, {"dp": 2, "ep": 2})])
+@pytest.mark.parametrize("outer,world,mesh", [("none", 2, {"ep": 2}), ("zero2", 4, {"dp": 2, "ep": 2}),
+                                              ("zero3", 4, {"dp": 2, "ep": 2})])
 def test_mixtral_auto_plan_equals_the_single_process(outer, world, mesh):
     pytest.importorskip("transformers")
     ref = train_mixtral(ep=False)
@@ -264,13 +268,13 @@ def test_stacks_not_built_yet_are_refused():
 
 # -- checkpoints: the experts are saved as logical tensors, so any ep (or none) loads them --------
 
-def _save_at_ep2(root):
-    init_mesh(ep=2)
+def _save_at_ep4(root):
+    init_mesh(ep=4)
     model = TinyMoE()
     apply_fn, params = dsfn.functionalize(model)
     step = compose(expert_parallel(PLAN, model=model))(train_step_for(apply_fn, mse_loss))
     state = step.init_state(params, dsfn.optim.sgd(0.1, momentum=0.9))
-    for batch in moe_batches(3, 4, 8, seed=3)[:2]:
+    for batch in moe_batches(3, 8, 8, seed=3)[:2]:
         state, _ = step(state, batch)
     dsfn.checkpoint.save(root, state)
 
@@ -280,28 +284,29 @@ def _resume(root, kind, mesh=None, model_kw=None):
         init_mesh(**mesh)
     model = TinyMoE(**(model_kw or {}))
     apply_fn, params = dsfn.functionalize(model)
-    ts = {"single": (), "ep2": (expert_parallel(PLAN, model=model),), "dp2": (data_parallel(),)}[kind]
+    ts = {"single": (), "ep2": (expert_parallel(PLAN, model=model),), "dp2": (data_parallel(),),
+          "zero3xep2": (shard_zero(3), expert_parallel(PLAN, model=model))}[kind]
     step = compose(*ts)(train_step_for(apply_fn, mse_loss))
     state = dsfn.checkpoint.load(root, like=step.init_state(params, dsfn.optim.sgd(0.1, momentum=0.9)))
-    state, m = step(state, moe_batches(3, 4, 8, seed=3)[2])
+    state, m = step(state, moe_batches(3, 8, 8, seed=3)[2])
     full = step.gather(state)
     return [float(m["loss"])], {"params": full.params, "opt_state": full.opt_state}
 
 
-def test_a_checkpoint_saved_at_ep2_resumes_at_ep2_ep1_and_dp2_equal(tmp_path):
+def test_a_checkpoint_saved_at_ep4_resumes_at_ep2_ep1_dp2_and_zero3_dp2xep2_equal(tmp_path):
     root = str(tmp_path / "ck")
-    run_on_ranks(_save_at_ep2, 2, root, timeout=120)
+    run_on_ranks(_save_at_ep4, 4, root, timeout=120)
     ref = train_toy(ep=False)
     want = ([ref[0][2]], ref[1])
     _close(run_on_ranks(_resume, 1, root, "single", timeout=120)[0], want)
-    for kind, mesh in (("ep2", {"ep": 2}), ("dp2", {"dp": 2})):
-        for got in run_on_ranks(_resume, 2, root, kind, mesh, timeout=120):
+    for kind, mesh in (("ep2", {"ep": 2}), ("dp2", {"dp": 2}), ("zero3xep2", {"dp": 2, "ep": 2})):
+        for got in run_on_ranks(_resume, math.prod(mesh.values()), root, kind, mesh, timeout=120):
             _close(got, want)
 
 
 def test_a_checkpoint_with_another_expert_count_is_refused(tmp_path):
     root = str(tmp_path / "ck")
-    run_on_ranks(_save_at_ep2, 2, root, timeout=120)
+    run_on_ranks(_save_at_ep4, 4, root, timeout=120)
     with pytest.raises(Exception) as err:
         _resume(root, "single", model_kw=dict(num_experts=8))
     assert isinstance(err.value, dsfn.errors.DsfnError) and "experts.w_in" in str(err.value), err.value
@@ -316,3 +321,45 @@ def test_estimate_memory_holds_one_ep_share_of_the_experts():
     expert_bytes = sum(p.numel() * 4 for p in model.experts.parameters())
     assert whole.params - ep.params == expert_bytes // 2
     assert whole.optimizer - ep.optimizer == expert_bytes // 2         # momentum mirrors the params
+
+
+# -- the training transforms a user stacks around (and inside) expert_parallel ---------------------
+
+def _inner(name):
+    """(transforms between ep and the outer data parallel, transforms inside ep, optimizer)."""
+    sgd = dsfn.optim.sgd(0.1, momentum=0.9)
+    return {
+        "accumulate": ((accumulate(2),), (), sgd),
+        "bf16": ((), (mixed_precision(torch.bfloat16),), sgd),
+        "fp16+loss_scale": ((loss_scale(init_scale=2.0 ** 10),), (mixed_precision(torch.float16),), sgd),
+        "remat_experts": ((), (remat(modules=["experts"]),), sgd),
+        "muon": ((), (), dsfn.optim.muon(lr=0.02, adam_lr=1e-3)),
+    }[name]
+
+
+def train_composed(name, outer="none", mesh=None, ep=True):
+    if mesh:
+        init_mesh(**mesh)
+    model = TinyMoE()
+    apply_fn, params = dsfn.functionalize(model)
+    between, inside, tx = _inner(name)
+    ts = ((*_outer(outer), *between, expert_parallel(PLAN, model=model), *inside) if ep else (*between, *inside))
+    step = compose(*ts)(train_step_for(apply_fn, mse_loss))
+    return run_steps(step, step.init_state(params, tx), moe_batches(3, 8, 8, seed=3))
+
+
+# fp32 stacks at the equality tolerance; half-precision compute: its reference runs the same
+# mixed precision in one process, and the experts' matmuls see other row batches (bf16 rounding
+# of the sums) — a tolerance of a few bf16 / fp16 ulps of the values, stated here
+COMPOSED_TOL = {"bf16": dict(rtol=2e-2, atol=2e-2), "fp16+loss_scale": dict(rtol=5e-3, atol=5e-3),
+                "muon": dict(rtol=1e-4, atol=1e-5)}
+
+
+@pytest.mark.parametrize("name", ["accumulate", "bf16", "fp16+loss_scale", "remat_experts", "muon"])
+@pytest.mark.parametrize("outer,world,mesh", [("zero2", 4, {"dp": 2, "ep": 2}), ("zero3", 4, {"dp": 2, "ep": 2})])
+def test_training_transforms_compose_equal_to_the_single_process(name, outer, world, mesh):
+    ref = train_composed(name, ep=False)
+    tol = COMPOSED_TOL.get(name, TOL)
+    for got in run_on_ranks(train_composed, world, name, outer, mesh, timeout=300):
+        torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref[0]), **tol)
+        assert_trees_close(got[1], ref[1], **tol)
