@@ -191,10 +191,12 @@ def test_negative_control_a_broken_dispatch_differs(bug):
 
 # -- a Hugging Face MoE model: plan="auto", its own loss and router balance loss -----------------
 
-def train_mixtral(outer="none", mesh=None, ep=True):
+def train_mixtral(outer="none", mesh=None, ep=True, checkpointing=False):
     if mesh:
         init_mesh(**mesh)
     model = make_tiny_causal_lm("mixtral")
+    if checkpointing:      # the model's own gradient checkpointing: the dispatch runs again in backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     apply_fn, params = dsfn.functionalize(model)
     ts = (*_outer(outer), expert_parallel("auto", model=model)) if ep else ()
 
@@ -216,6 +218,13 @@ def test_mixtral_auto_plan_equals_the_single_process(outer, world, mesh):
     pytest.importorskip("transformers")
     ref = train_mixtral(ep=False)
     for got in run_on_ranks(train_mixtral, world, outer, mesh, timeout=300):
+        _close(got, ref)
+
+
+def test_mixtral_with_its_own_gradient_checkpointing_under_zero3_equals_the_single_process():
+    pytest.importorskip("transformers")
+    ref = train_mixtral(ep=False)
+    for got in run_on_ranks(train_mixtral, 4, "zero3", {"dp": 2, "ep": 2}, True, True, timeout=300):
         _close(got, ref)
 
 
