@@ -64,8 +64,9 @@ def make_tiny_causal_lm(family: str = "llama", seed: int = 0, **config):
     `family`: "llama" (tied embeddings), "qwen2" (q/k/v biases, untied), "qwen3" (per-head
     q/k RMSNorms, which its tp plan marks `replicated_with_grad_allreduce`), "gemma2"
     (tied, soft-capped logits, explicit head_dim 16), "mistral" (sdpa, a sliding window of 5
-    on every layer) or "mixtral" (4 experts, top-2, its router load-balancing loss added to
-    the loss with coefficient 0.5). Defaults: vocab 101 (odd, so vocabulary
+    on every layer), "mixtral" (4 experts, top-2, its router load-balancing loss added to
+    the loss with coefficient 0.5) or "qwen2_moe" (the same, and a gated shared expert on
+    every layer: an ordinary parameter under expert parallel). Defaults: vocab 101 (odd, so vocabulary
     splits pad), hidden 64, intermediate 90, 2 layers, 8 query / 4 key-value heads (tp 2
     and 4 divide them); `config` overrides any field.
     """
@@ -81,10 +82,15 @@ def make_tiny_causal_lm(family: str = "llama", seed: int = 0, **config):
              "mistral": dict(sliding_window=5, attn_implementation="sdpa"),
              # intermediate 96: torch's grouped_mm (HF's MoE kernel) wants 16-byte strides
              "mixtral": dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
-                             output_router_logits=True, router_aux_loss_coef=0.5)}
+                             output_router_logits=True, router_aux_loss_coef=0.5),
+             # Qwen2-MoE: 4 routed experts (top-2) and a gated shared expert on every layer
+             "qwen2_moe": dict(moe_intermediate_size=96, shared_expert_intermediate_size=96, num_experts=4,
+                               num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                               output_router_logits=True, router_aux_loss_coef=0.5, tie_word_embeddings=False)}
     classes = {"llama": ("LlamaForCausalLM", "LlamaConfig"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
                "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"), "gemma2": ("Gemma2ForCausalLM", "Gemma2Config"),
-               "mistral": ("MistralForCausalLM", "MistralConfig"), "mixtral": ("MixtralForCausalLM", "MixtralConfig")}
+               "mistral": ("MistralForCausalLM", "MistralConfig"), "mixtral": ("MixtralForCausalLM", "MixtralConfig"),
+               "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig")}
     if family not in classes:
         raise ValueError(f"make_tiny_causal_lm: family {family!r}; choose one of {sorted(classes)}")
     model_cls, cfg_cls = (getattr(transformers, n) for n in classes[family])

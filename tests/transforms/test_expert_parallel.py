@@ -191,10 +191,10 @@ def test_negative_control_a_broken_dispatch_differs(bug):
 
 # -- a Hugging Face MoE model: plan="auto", its own loss and router balance loss -----------------
 
-def train_mixtral(outer="none", mesh=None, ep=True, checkpointing=False):
+def train_mixtral(outer="none", mesh=None, ep=True, checkpointing=False, family="mixtral"):
     if mesh:
         init_mesh(**mesh)
-    model = make_tiny_causal_lm("mixtral")
+    model = make_tiny_causal_lm(family)
     if checkpointing:      # the model's own gradient checkpointing: the dispatch runs again in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     apply_fn, params = dsfn.functionalize(model)
@@ -218,6 +218,15 @@ def test_mixtral_auto_plan_equals_the_single_process(outer, world, mesh):
     pytest.importorskip("transformers")
     ref = train_mixtral(ep=False)
     for got in run_on_ranks(train_mixtral, world, outer, mesh, timeout=300):
+        _close(got, ref)
+
+
+@pytest.mark.parametrize("outer,world,mesh", [("none", 2, {"ep": 2}), ("zero3", 4, {"dp": 2, "ep": 2})])
+def test_qwen2_moe_with_shared_experts_auto_plan_equals_the_single_process(outer, world, mesh):
+    """Qwen2-MoE: routed experts over ep, its gated shared expert an ordinary parameter."""
+    pytest.importorskip("transformers")
+    ref = train_mixtral(ep=False, family="qwen2_moe")
+    for got in run_on_ranks(train_mixtral, world, outer, mesh, True, False, "qwen2_moe", timeout=300):
         _close(got, ref)
 
 
