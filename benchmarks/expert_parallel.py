@@ -10,9 +10,11 @@ Layouts (fresh processes each, `dsfn.testing.run_on_ranks`, fork, gloo):
 
 Printed per layout: the expert parameter + optimizer bytes this rank holds (measured on
 the placed state) beside `estimate_memory`'s; the all-to-all bytes of one step at the
-runtime's counters beside the closed form 2 x (T x k) x H x 4 bytes per MoE layer in
-forward and the same in backward (T: this rank's tokens, dropless) plus the count
-exchange (E int64 per layer, forward only); the median step time (slowest rank), as a
+runtime's counters, per rank and summed, beside the closed form for both ranks: 2 x (T x k)
+x H x 4 bytes per MoE layer in forward (dispatch and return) and the same in backward (T: the
+step's tokens, dropless), plus each rank's count exchange (E int64 per layer, forward only).
+A rank sends 2 (S + R) H x 4 per layer (S its rows, R what its experts received): its share
+follows the routing, the sum does not; the median step time (slowest rank), as a
 ratio ep2 / zero3 from the same run; and the aten ops per MoE experts call.
 """
 from __future__ import annotations
@@ -85,17 +87,22 @@ def main() -> None:
     for layout in ("ep2", "zero3"):
         ranks = run_on_ranks(_run, 2, layout, steps, timeout=600)
         out[layout] = dict(ranks[0], time=statistics.median(max(r["times"][i] for r in ranks)
-                                                           for i in range(len(ranks[0]["times"]))))
+                                                           for i in range(len(ranks[0]["times"]))),
+                           a2a_ranks=[r["a2a"] for r in ranks])
     model = _model()
     expert_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
-    tokens = ROWS * SEQ // 2
-    closed = LAYERS * (2 * tokens * K * HIDDEN * 4 * 2 + EXPERTS * 8)
+    # over the 2 ranks: every row sent is received once, so the rows make 4 x T x k x H x 4 bytes
+    # per layer (T the step's tokens; dispatch + return, forward + backward), plus each rank's
+    # E int64 counts per layer; one rank's share depends on what its experts were sent
+    tokens = ROWS * SEQ
+    closed = LAYERS * (4 * tokens * K * HIDDEN * 4 + 2 * EXPERTS * 8)
     print("| layout | expert params+AdamW bytes / rank (measured) | estimate (params+opt, whole model) | "
-          "all-to-all bytes / step (counters) | closed form | step s (median) |")
+          "all-to-all bytes / step, rank 0 + rank 1 (counters) | closed form (both ranks) | step s (median) |")
     print("|---|---|---|---|---|---|")
     for layout, r in out.items():
-        print(f"| {layout} | {r['held']:,} | {r['est_params'] + r['est_opt']:,} | {r['a2a']:,} | "
-              f"{closed if layout == 'ep2' else 0:,} | {r['time']:.4f} |")
+        ranks_ = " + ".join(f"{b:,}" for b in r["a2a_ranks"])
+        print(f"| {layout} | {r['held']:,} | {r['est_params'] + r['est_opt']:,} | {ranks_} = "
+              f"{sum(r['a2a_ranks']):,} | {closed if layout == 'ep2' else 0:,} | {r['time']:.4f} |")
     print(f"experts' logical params + AdamW (m, v) = {3 * expert_bytes:,} bytes; ep2 holds "
           f"{out['ep2']['held'] / (3 * expert_bytes):.3f} of it")
     print(f"step time ep2 / zero3 = {out['ep2']['time'] / out['zero3']['time']:.2f}")

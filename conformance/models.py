@@ -69,6 +69,17 @@ class ModelSpec:
     reference_make: Callable[[], nn.Module] | None = None   # the reference's model, when it differs
     rtol: float = 1e-5               # a model's own floor, where one needs it
     layers: int = 2                  # repeated blocks (pipeline stages are cut from them)
+    experts: str | dict | None = None  # expert parallel's plan: "auto" (HF's ep plan) | a dict | None (no MoE)
+
+
+def _moe():
+    from dsfn.testing.models import TinyMoE
+    return TinyMoE(seed=1)
+
+
+def _moe_batches():
+    from dsfn.testing.models import moe_batches
+    return moe_batches(STEPS, 8, 4, seed=3)
 
 
 def _tokens():
@@ -86,6 +97,14 @@ MODELS: dict[str, ModelSpec] = {
     "batchnorm": ModelSpec(lambda: BatchNormMLP(seed=1), lambda: regression_batches(STEPS, 32, 6, 3, seed=3), _mse_loss,
                            batch_stats=True),
     "gpt": ModelSpec(_gpt, _tokens, _lm_loss, attention=True, tp="gpt"),
+    # mixtures of experts: a tiny HF Mixtral (4 experts, top-2, its own loss; `plan="auto"`) and
+    # dsfn's TinyMoE (a shared expert beside 4 routed ones, an explicit plan). Without the
+    # router's balance loss here: it is not linear in the rows, so the stacks that split a
+    # step into micro-batches (accumulate, pipelines, mixed precision's reference) refuse it;
+    # tests/transforms/test_expert_parallel.py trains it under expert parallel
+    "mixtral": ModelSpec(lambda: make_tiny_causal_lm("mixtral", output_router_logits=False), _tokens,
+                         _hf_labels_loss, attention=True, tp="auto", experts="auto"),
+    "moe": ModelSpec(_moe, _moe_batches, _mse_loss, experts={"experts": "experts"}),
     "llama": ModelSpec(lambda: make_tiny_causal_lm("llama"), _tokens, _lm_loss, attention=True, tp="auto"),
     "qwen2": ModelSpec(lambda: make_tiny_causal_lm("qwen2"), _tokens, _lm_loss, attention=True, tp="auto"),
     "gemma2": ModelSpec(lambda: make_tiny_causal_lm("gemma2"), _tokens, _lm_loss, attention=True, tp="auto"),

@@ -170,6 +170,31 @@ def _whole_batch():
     return mock.patch.object(data_parallel, "split_batch", lambda batch, axis: batch)
 
 
+def _ep_wrong_expert():
+    """Expert parallel sends every assignment to the next expert (index + 1 mod E)."""
+    from dsfn.engines import expert_dispatch
+    orig = expert_dispatch.ExpertDispatch.run
+
+    def run(self, module, forward, hidden, index, weights, *args, **kwargs):
+        return orig(self, module, forward, hidden, (index + 1) % self.experts, weights, *args, **kwargs)
+    return mock.patch.object(expert_dispatch.ExpertDispatch, "run", run)
+
+
+def _ep_expert_grad_sum():
+    """The experts' gradients left the sum over the ep ranks' tokens (the return exchange's
+    backward not scaled by 1/ep), not the mean over the expert-data-parallel tokens."""
+    from dsfn.engines import expert_dispatch
+    orig = expert_dispatch._Exchange.apply
+    return mock.patch.object(expert_dispatch._Exchange, "apply",
+                             lambda x, send, recv, axis, scale: orig(x, send, recv, axis, 1.0))
+
+
+def _ep_replicas_not_averaged():
+    """The non-expert gradients not averaged over ep (the "batch_axis" mean skipped)."""
+    from dsfn.engines import data_parallel
+    return mock.patch.object(data_parallel.Replicas, "mean_over_batch_axes", lambda self, grads, axes, facts: grads)
+
+
 # ------------------------------------------------------------------------------------------
 # which rows each must fail
 
@@ -193,6 +218,10 @@ def _scale_blind(case) -> bool:
 def _uses_host_adamw(case) -> bool:
     return "offload" in case.stack and "remat_offload" not in case.stack and \
         case.optimizer in ("adamw", "clip+adamw", "muon")
+
+
+def _ep_row(case) -> bool:
+    return "ep" in case.stack.split("+")
 
 
 # a rank given the whole batch computes the same mean loss and gradient as the reference
@@ -228,6 +257,14 @@ MUTATIONS: dict[str, Mutation] = {m.name: m for m in [
              lambda c: _dp(c) > 1 and c.model in _SPLIT_SEEN, ("tests/transforms/test_data_parallel.py",)),
     Mutation("update_scaled", "the update scaled by 0.75 (in the ranks)", _update_scaled, lambda c: True,
              ("tests/transforms/test_data_parallel.py",), ranks_only=True),
+    # expert parallel: every row of an ep stack (the models without experts refuse it)
+    Mutation("ep_wrong_expert", "expert parallel sends each token to the wrong expert", _ep_wrong_expert,
+             _ep_row, ("tests/transforms/test_expert_parallel.py",)),
+    Mutation("ep_expert_grad_sum", "the experts' gradients summed over the ep ranks' tokens, not averaged",
+             _ep_expert_grad_sum, lambda c: _ep_row(c) and not _scale_blind(c),
+             ("tests/transforms/test_expert_parallel.py",)),
+    Mutation("ep_replicas_not_averaged", "the non-expert gradients not averaged over ep", _ep_replicas_not_averaged,
+             _ep_row, ("tests/transforms/test_expert_parallel.py",)),
 ]}
 
 

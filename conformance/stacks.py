@@ -48,6 +48,10 @@ def _gpt_plan(model):
     return tp_plan()
 
 
+def _ep(model, spec):
+    return _T().expert_parallel(spec.experts or "auto", model=model)
+
+
 def _tp(model, spec):
     T = _T()
     if spec.tp == "gpt":
@@ -134,6 +138,11 @@ STACKS: dict[str, StackSpec] = {
     # stage boundary to the same sp rank of the next stage
     "sp+pp": StackSpec(lambda m, s, d: [_T().sequence_parallel(), _T().pipeline_parallel("1f1b", 2, model=m)],
                        mesh=lambda w: {"sp": 2, "pp": w // 2}, worlds=(4,)),
+    # expert parallel: the experts over ep (its ranks also split the batch), the rest replicated;
+    # with ZeRO-3 over dp the expert pieces are sharded over the ranks holding the same experts
+    "ep": StackSpec(lambda m, s, d: [_ep(m, s)], mesh=lambda w: {"ep": w}, worlds=(2, 4)),
+    "zero3+ep": StackSpec(lambda m, s, d: [_T().shard_zero(3), _ep(m, s)], mesh=lambda w: {"dp": w // 2, "ep": 2},
+                          worlds=(4,)),
     "hsdp3+tp": StackSpec(lambda m, s, d: [_T().shard_zero(3, shard_group="node"), _tp(m, s)],
                           mesh=lambda w: {"dp": w // 2, "tp": 2}, worlds=(8,), nodes=2),
 }

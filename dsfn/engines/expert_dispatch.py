@@ -36,8 +36,12 @@ The non-expert parameters' gradients are averaged over ep by the transform.
 Every rank runs both exchanges of every layer in forward and in backward, whatever its
 tokens chose (a rank whose experts receive nothing still joins them).
 
-Bytes: each exchange moves the kept assignments' rows, S x H elements of the hidden dtype,
-twice in forward (dispatch, return) and twice in backward; S = T * k when dropless.
+Bytes: the dispatch sends this rank's kept rows S (S = T * k when dropless), the return
+sends back the R rows it received, each H elements of the hidden dtype; backward sends the
+same again (the return's gradient S rows, the dispatch's R): 2 (S + R) H bytes-per-element
+per layer and step on this rank, plus the counts (n L int64, forward). Summed over the ep
+group, sum R = sum S: 4 x (tokens x k) x H per layer, the closed form; one rank's share
+depends on its routing (R: what its experts were sent).
 """
 from __future__ import annotations
 
@@ -104,16 +108,18 @@ class DispatchStats:
     assignments: int = 0
     rows_sent: int = 0
     bytes_sent: int = 0
-    layers: list = field(default_factory=list)   # per dispatch: (module name, rows sent)
+    # per dispatch: (module name, rows this rank sends, rows it receives, bytes per row)
+    layers: list = field(default_factory=list)
 
-    def add(self, name: str, idx: torch.Tensor, kept: int, row_bytes: int) -> None:
+    def add(self, name: str, idx: torch.Tensor, kept: int, received: int, row_bytes: int) -> None:
         counts = torch.bincount(idx.reshape(-1).long(), minlength=self.experts).cpu()
         self.routed = counts if self.routed is None else self.routed + counts
         self.assignments += idx.numel()
         self.dropped += idx.numel() - kept
         self.rows_sent += kept
-        self.bytes_sent += 2 * kept * row_bytes        # dispatch + return
-        self.layers.append((name, kept))
+        # forward: the dispatch sends this rank's kept rows, the return the rows it received
+        self.bytes_sent += (kept + received) * row_bytes
+        self.layers.append((name, kept, received, row_bytes))
 
 
 class ExpertDispatch:
@@ -147,7 +153,7 @@ class ExpertDispatch:
             local_ids = torch.repeat_interleave(torch.arange(local, device=hidden.device).repeat(n),
                                                 incoming.reshape(-1).to(hidden.device))
         if stats is not None:
-            stats.add(name, top_k_index, order.numel(), hidden.shape[-1] * hidden.element_size())
+            stats.add(name, top_k_index, order.numel(), sum(recv), hidden.shape[-1] * hidden.element_size())
         tokens = order // k
         rows = _Exchange.apply(hidden[tokens], send, recv, self.axis, float(n))
         ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)

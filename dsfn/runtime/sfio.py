@@ -64,7 +64,12 @@ def element_size(dtype: torch.dtype) -> int:
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (any dtype, 0-d included)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    flat = t.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        # one element whose stride is not 1 (a column of a [n, c] ZeRO buffer: contiguous to
+        # torch, but not viewable as bytes): copied, it is one element
+        flat = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device).copy_(flat)
+    return memoryview(flat.view(torch.uint8).numpy())
 
 
 class _BlockHasher:

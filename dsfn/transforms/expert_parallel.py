@@ -127,6 +127,7 @@ class ExpertParallel(Transform):
                           for m, e in self.experts.values()}
         self.num_experts = next(iter(self.experts.values()))[1]
         self.last_tokens_per_expert: torch.Tensor | None = None     # a report of the last step
+        self.last_dispatch: DispatchStats | None = None              # the last step's dispatches
 
     # -- plan -----------------------------------------------------------------------------------
     def _resolve(self, plan: Mapping[str, str] | str) -> dict[str, tuple[nn.Module, int]]:
@@ -205,9 +206,23 @@ class ExpertParallel(Transform):
         local = self.num_experts // max(n, 1)
         mode = ("dropless" if self.capacity_factor is None else
                 f"capacity_factor {self.capacity_factor} (min_capacity {self.min_capacity})")
-        return (f"expert_parallel over {self.axis!r} (size {n}): {len(self.experts)} MoE layers of "
+        note = (f"expert_parallel over {self.axis!r} (size {n}): {len(self.experts)} MoE layers of "
                 f"{self.num_experts} experts, this rank holds experts [{me * local}, {(me + 1) * local}); {mode}; "
-                "per layer 2 all-to-alls of the routed rows (tokens x k x hidden) in forward and 2 in backward")
+                "per layer 2 all-to-alls of the routed rows in forward (dispatch, return) and 2 in backward")
+        stats = self.last_dispatch
+        if not stats or not stats.layers:
+            return note
+        lines = [note, "  last step, per MoE layer call: rows sent / received, all-to-all bytes this rank sends "
+                       "(forward + backward), dispatched-row activations held for backward"]
+        total = 0
+        for name, sent, received, row_bytes in stats.layers:
+            wire = 2 * (sent + received) * row_bytes
+            total += wire
+            # held: the rows gathered for sending (S), the received rows and the experts' outputs (2 R)
+            lines.append(f"    {name}: {sent} / {received} rows, {wire:,} B, {(sent + 2 * received) * row_bytes:,} B held")
+        lines.append(f"  all-to-all bytes per step (rows, this rank): {total:,}; over the ep group the rows sent "
+                     f"equal the rows received, 4 x tokens x k x hidden x bytes per layer in all when dropless")
+        return "\n".join(lines)
 
     # -- layout ---------------------------------------------------------------------------------
     def place(self, state: Any) -> Any:
@@ -232,6 +247,7 @@ class ExpertParallel(Transform):
             notes = scratch(self)
             notes.stats = DispatchStats(self.num_experts)
             state, metrics = fn(state, split_batch(batch, self.axis))
+            self.last_dispatch = notes.stats        # a report of the last step (explain)
             return state, {**metrics, **self._load_metrics(notes.stats)}
         return step
 

@@ -131,3 +131,13 @@ def test_forked_ranks_do_not_share_the_staging_buffer(tmp_path):
     run_on_ranks(_write_from_rank, 2, str(tmp_path), items, timeout=60)
     for r in range(2):
         assert torch.equal(load_file(str(tmp_path / f"r{r}.st"))["x"], items[0][1] + r)
+
+
+def test_a_one_element_view_with_a_stride_reads_as_its_bytes():
+    """A 1-element column of a [n, c] buffer (ZeRO's shard of a 1-element bias) is contiguous
+    to torch but has stride c: its bytes are still the element's."""
+    from dsfn.runtime.sfio import byte_view
+    buf = torch.arange(6, dtype=torch.float32).view(2, 3)
+    one = buf[:, 1][:1]
+    assert one.is_contiguous() and one.stride(0) == 3
+    assert bytes(byte_view(one)) == bytes(byte_view(torch.tensor([1.0])))

@@ -381,3 +381,34 @@ def test_training_transforms_compose_equal_to_the_single_process(name, outer, wo
     for got in run_on_ranks(train_composed, world, name, outer, mesh, timeout=300):
         torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref[0]), **tol)
         assert_trees_close(got[1], ref[1], **tol)
+
+
+# -- explain: the all-to-all bytes per layer and per step ------------------------------------------
+
+def _explain_at_ep2():
+    init_mesh(ep=2)
+    model = TinyMoE(router_bias=[2.0, 0.0, 0.0, -2.0])      # uneven routing: the ranks' shares differ
+    apply_fn, params = dsfn.functionalize(model)
+    t = expert_parallel(PLAN, model=model)
+    step = compose(t)(train_step_for(apply_fn, mse_loss))
+    state = step.init_state(params, dsfn.optim.sgd(0.1))
+    ex = step.explain(state, moe_batches(1, 8, 8, seed=3)[0])
+    calls, nbytes = ex.collectives[("ep", "all_to_all")]
+    return nbytes, [(s, r, b) for _, s, r, b in t.last_dispatch.layers], str(ex)
+
+
+def test_explain_counts_the_all_to_all_bytes_per_layer_as_the_closed_form():
+    """At the counters: each rank sends 2 (S + R) x H x 4 bytes of rows per layer (S its rows,
+    R what its experts received) and E int64 counts; over the ranks sum R = sum S, so the rows
+    total 4 x tokens x k x H x 4 bytes (dropless): the closed form."""
+    got = run_on_ranks(_explain_at_ep2, 2, timeout=120)
+    tokens, k, hidden, experts = 8 * 8, 2, 8, 4
+    rows_total = 0
+    for nbytes, layers, text in got:
+        (sent, received, row_bytes), = layers
+        assert row_bytes == hidden * 4 and sent == tokens // 2 * k
+        assert nbytes == 2 * (sent + received) * row_bytes + experts * 8
+        assert "rows sent / received" in text and f"{sent} / {received} rows" in text
+        rows_total += nbytes - experts * 8
+    assert got[0][1][0][1] != got[1][1][0][1]          # the routing is uneven: the shares differ
+    assert rows_total == 4 * tokens * k * hidden * 4
