@@ -62,12 +62,12 @@ def from_ds_config(config: str | os.PathLike | Mapping, model: Any = None, world
     resolved = json_copy(cfg)
 
     # each section's keys are popped from cfg; what none reads is sorted last
-    layout = read_parallel_layout(cfg, world_size, report)
+    layout = read_parallel_layout(cfg, world_size, report, model)
     tb, mb, gas = read_batch_sizes(cfg, layout.dp, micro_batch_size)
     if layout.pp > 1:
         check_pipeline_limits(layout.pp, gas, report)
     resolved.update(zip(BATCH_KEYS, (tb, mb, gas)))
-    zero = read_zero(cfg.pop("zero_optimization", None), layout.dp, layout.sp * layout.tp, report)
+    zero = read_zero(cfg.pop("zero_optimization", None), layout.zero_dp, layout.sp * layout.tp, report)
     precision, scaler = read_precision(cfg, report)
     clip = read_gradient_clipping(cfg)
     tx = read_optimizer(cfg.pop("optimizer", None), cfg.pop("scheduler", None), model, report, tx, auto)

@@ -16,16 +16,25 @@ class ParallelLayout:
     """The mesh sizes (pp outermost, then dp, sp, tp), with the pipeline's partition method
     and activation_checkpoint_interval (read with its stage count)."""
     pp: int
-    dp: int
+    dp: int          # the data-parallel ranks (DeepSpeed's dp: the batch rule's), ep included
     sp: int
     tp: int
     partition: str
     interval: int
+    ep: int = 1      # AutoEP's autoep_size: borrowed from dp (the mesh's dp is dp / ep)
+
+    @property
+    def zero_dp(self) -> int:
+        """The mesh's dp axis: what ZeRO shards over (dp / ep)."""
+        return self.dp // self.ep
 
     @property
     def mesh(self) -> dict[str, int]:
-        """{"pp", "dp", "sp", "tp"} sizes, as `DsConfig.mesh`."""
-        return {"pp": self.pp, "dp": self.dp, "sp": self.sp, "tp": self.tp}
+        """{"pp", "dp", "sp", "tp"} sizes (and "ep" with expert parallel), as `DsConfig.mesh`."""
+        out = {"pp": self.pp, "dp": self.zero_dp, "sp": self.sp, "tp": self.tp}
+        if self.ep > 1:
+            out["ep"] = self.ep
+        return out
 
 
 def launcher_world_size(world_size: int | None) -> int:
@@ -61,9 +70,12 @@ def read_tensor_parallel(block: Any, report: KeyReport) -> int:
     return tp
 
 
-def read_parallel_layout(cfg: dict, world_size: int, report: KeyReport) -> ParallelLayout:
-    """Pop `sequence_parallel_size`, `tensor_parallel` and `pipeline` from `cfg`; the data-parallel
-    size is what the world leaves (a ConfigError when pp x sp x tp does not divide it)."""
+def read_parallel_layout(cfg: dict, world_size: int, report: KeyReport, model: Any = None) -> ParallelLayout:
+    """Pop `sequence_parallel_size`, `tensor_parallel`, `pipeline` and `expert_parallel` from
+    `cfg`; the data-parallel size is what the world leaves (a ConfigError when pp x sp x tp
+    does not divide it, or autoep_size does not divide the data-parallel ranks)."""
+    from dsfn.migrate.ds_config.expert import read_expert_parallel
+    ep = read_expert_parallel(cfg.pop("expert_parallel", None), model, report)
     sp = whole_number("sequence_parallel_size", cfg.pop("sequence_parallel_size", 1) or 1)
     tp = read_tensor_parallel(cfg.pop("tensor_parallel", None), report)
     pp, partition, interval = read_pipeline(cfg.pop("pipeline", None), report)
@@ -72,4 +84,9 @@ def read_parallel_layout(cfg: dict, world_size: int, report: KeyReport) -> Paral
         raise ConfigError(f"ds_config: world size {world_size} is not divisible by {what}sequence_parallel_size "
                           f"({sp}) x tensor_parallel.autotp_size ({tp}); the data-parallel size is world / "
                           f"({'pp x ' if pp > 1 else ''}sp x tp)")
-    return ParallelLayout(pp, world_size // (pp * sp * tp), sp, tp, partition, interval)
+    dp = world_size // (pp * sp * tp)
+    if dp % ep:
+        ok = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise ConfigError(f"ds_config expert_parallel.autoep_size={ep} must divide the data-parallel ranks "
+                          f"(world {world_size} / (pp x sp x tp) = {dp}); valid sizes: {ok}")
+    return ParallelLayout(pp, dp, sp, tp, partition, interval, ep)

@@ -1,6 +1,6 @@
 """The stack a ds_config builds, in canonical order (outermost first).
 
-sequence_parallel, shard_zero, tensor_parallel (without a pipeline), remat, accumulate
+sequence_parallel, shard_zero, tensor_parallel (without a pipeline), expert_parallel, remat, accumulate
 (without a pipeline), offload, mixed_precision, loss_scale, clip_grad_norm, zenflow,
 async_checkpoint, and innermost pipeline_parallel (it runs the differentiated function
 itself, micro-batch by micro-batch) with tensor_parallel inside it.
@@ -31,6 +31,8 @@ def assemble_stack(layout: ParallelLayout, accumulation: int, zero: ZeroSettings
                           "from_ds_config(config, model=model)")
     if tp > 1 and pp == 1:
         stack.append(T.tensor_parallel("auto", model=model))
+    if layout.ep > 1:       # inside ZeRO (it shards the expert pieces over dp)
+        stack.append(T.expert_parallel("auto", model=model))
     stack += remat
     if accumulation > 1 and pp == 1:
         stack.append(T.accumulate(accumulation))
