@@ -40,6 +40,7 @@ reads pickles. This module turns what they hold into logical tensors and dsfn st
 """
 from __future__ import annotations
 
+import glob
 import math
 import os
 from dataclasses import dataclass, field
@@ -108,6 +109,15 @@ def read_deepspeed(path: str | os.PathLike, *, trust_pickle: bool = False,
     """
     require_trust(trust_pickle)
     d, kind = resolve_checkpoint_dir(os.fspath(path), tag)
+    experts = sorted(glob.glob(os.path.join(d, "*expert_*model_states.pt")))
+    if experts:
+        # DeepSpeed MoE keeps each expert's weights in files of their own (`layer_L_expert_E_mp_rank_M_
+        # model_states.pt`), outside the flat ZeRO partitions this reader splits
+        raise CheckpointError(f"{d} holds DeepSpeed MoE expert files ({os.path.basename(experts[0])}, "
+                              f"{len(experts)} in all), which dsfn does not read: the experts would be missing "
+                              "from the state. Convert the checkpoint with DeepSpeed's ds_to_universal and read "
+                              "the universal checkpoint (one consolidated tensor per parameter), or load it with "
+                              "DeepSpeed and save the model's state_dict")
     ms = load_ds_file(model_states_file(d))
     shapes_groups = ms.get("param_shapes")
     if isinstance(shapes_groups, dict):

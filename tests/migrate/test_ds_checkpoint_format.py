@@ -205,3 +205,15 @@ def test_pickles_need_explicit_trust_and_errors_name_the_problem(tmp_path, tenso
         read_deepspeed(str(tmp_path / "z3"), trust_pickle=True)
     with pytest.raises(CheckpointError, match="holds no DeepSpeed checkpoint"):
         read_deepspeed(str(tmp_path), trust_pickle=True)
+
+
+def test_a_deepspeed_moe_checkpoint_with_expert_files_is_refused_by_name(tmp_path, tensors):
+    """DeepSpeed MoE writes each expert's weights to files of their own: read as a plain ZeRO
+    checkpoint the experts would be missing, so the reader refuses and says what to do."""
+    values, moments = tensors
+    d = tmp_path / "z3"
+    write_zero3(str(d), values, moments, 2)
+    read_deepspeed(str(d), trust_pickle=True)                   # without expert files it reads
+    torch.save({"w": torch.zeros(2)}, d / "layer_0_expert_0_mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError, match="MoE expert files .*layer_0_expert_0.*ds_to_universal"):
+        read_deepspeed(str(d), trust_pickle=True)
