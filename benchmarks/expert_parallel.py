@@ -15,7 +15,9 @@ x H x 4 bytes per MoE layer in forward (dispatch and return) and the same in bac
 step's tokens, dropless), plus each rank's count exchange (E int64 per layer, forward only).
 A rank sends 2 (S + R) H x 4 per layer (S its rows, R what its experts received): its share
 follows the routing, the sum does not; the median step time (slowest rank), as a
-ratio ep2 / zero3 from the same run; and the aten ops per MoE experts call.
+ratio ep2 / zero3 from the same run; and the kernel-launching aten ops of one experts call on
+its owner for HF's experts implementations (eager loop, grouped_mm, batched_mm), at E/ep and E
+local experts: the grouped ones do not grow with the experts.
 """
 from __future__ import annotations
 
@@ -77,6 +79,21 @@ def _run(layout: str, steps: int):
     return dict(held=held, est_params=est.params, est_opt=est.optimizer, a2a=a2a, times=times[2:])
 
 
+def experts_ops(impl: str, local: int, rows: int = 256) -> int:
+    """Kernel-launching aten ops (views excluded: `OpCounter.computing`) of one experts call on
+    an owner rank, forward and backward: `local` experts, `rows` dispatched rows, top-1 ids
+    (the dispatch hands the owner one local id per row), every expert hit."""
+    from dsfn.testing.opcount import OpCounter
+    m = make_tiny_causal_lm("mixtral", hidden_size=HIDDEN, intermediate_size=256, num_local_experts=local,
+                            num_experts_per_tok=1, num_hidden_layers=1, experts_implementation=impl)
+    experts = m.model.layers[0].mlp.experts
+    h = torch.randn(rows, HIDDEN, requires_grad=True)
+    ids = (torch.arange(rows) % local).sort().values.unsqueeze(1)
+    with OpCounter() as c:
+        experts(h, ids, torch.ones(rows, 1)).sum().backward()
+    return c.computing
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
@@ -106,6 +123,12 @@ def main() -> None:
     print(f"experts' logical params + AdamW (m, v) = {3 * expert_bytes:,} bytes; ep2 holds "
           f"{out['ep2']['held'] / (3 * expert_bytes):.3f} of it")
     print(f"step time ep2 / zero3 = {out['ep2']['time'] / out['zero3']['time']:.2f}")
+    print("kernel-launching ops per experts call on its owner (forward + backward), by HF experts implementation:")
+    print("| experts on the rank | eager (a Python loop over experts) | grouped_mm | batched_mm |")
+    print("|---|---|---|---|")
+    for local in (EXPERTS // 2, EXPERTS):
+        print(f"| {local} | {experts_ops('eager', local)} | {experts_ops('grouped_mm', local)} | "
+              f"{experts_ops('batched_mm', local)} |")
 
 
 if __name__ == "__main__":

@@ -191,10 +191,10 @@ def test_negative_control_a_broken_dispatch_differs(bug):
 
 # -- a Hugging Face MoE model: plan="auto", its own loss and router balance loss -----------------
 
-def train_mixtral(outer="none", mesh=None, ep=True, checkpointing=False, family="mixtral"):
+def train_mixtral(outer="none", mesh=None, ep=True, checkpointing=False, family="mixtral", impl=None):
     if mesh:
         init_mesh(**mesh)
-    model = make_tiny_causal_lm(family)
+    model = make_tiny_causal_lm(family, **({"experts_implementation": impl} if impl else {}))
     if checkpointing:      # the model's own gradient checkpointing: the dispatch runs again in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     apply_fn, params = dsfn.functionalize(model)
@@ -227,6 +227,16 @@ def test_qwen2_moe_with_shared_experts_auto_plan_equals_the_single_process(outer
     pytest.importorskip("transformers")
     ref = train_mixtral(ep=False, family="qwen2_moe")
     for got in run_on_ranks(train_mixtral, world, outer, mesh, True, False, "qwen2_moe", timeout=300):
+        _close(got, ref)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_mixtral_with_hf_grouped_experts_kernels_equals_the_single_process(impl):
+    """HF's experts implementations (torch's grouped matmul, batched matmuls) run on each rank's
+    experts: the dispatch hands them local ids, as the eager loop."""
+    pytest.importorskip("transformers")
+    ref = train_mixtral(ep=False)                          # the eager loop, one process
+    for got in run_on_ranks(train_mixtral, 2, "none", {"ep": 2}, True, False, "mixtral", impl, timeout=300):
         _close(got, ref)
 
 
