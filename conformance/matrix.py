@@ -34,12 +34,13 @@ def pipelined(stack: str) -> bool:
 
 
 REFUSALS: list[Refusal] = [
-    Refusal(lambda s, o, m: "tp" in s.split("+") and m == "llama+lora", ConfigError, "matches no module of PeftModel",
-            "the HF tp plan names the inner model's modules; peft's wrapper (and its LoRA layers) has no plan: "
-            "a clear error, not a silent replicated run"),
+    # first: expert_parallel is built before the transforms inside it (their refusals come after)
     Refusal(lambda s, o, m: "ep" in s.split("+") and MODELS[m].experts is None, ConfigError,
             "declares no expert plan", "expert parallel shards a mixture of experts' experts; the model has "
             "none (or no plan for them: pass plan={'<experts module>': 'experts'})"),
+    Refusal(lambda s, o, m: "tp" in s.split("+") and m == "llama+lora", ConfigError, "matches no module of PeftModel",
+            "the HF tp plan names the inner model's modules; peft's wrapper (and its LoRA layers) has no plan: "
+            "a clear error, not a silent replicated run"),
     Refusal(lambda s, o, m: "remat" in s and m in ("batchnorm", "moe") and not pipelined(s), ConfigError,
             "no repeated blocks to checkpoint",
             "remat's default picks the model's repeated blocks; this model has none (name them: modules=[...])"),

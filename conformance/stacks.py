@@ -143,6 +143,11 @@ STACKS: dict[str, StackSpec] = {
     "ep": StackSpec(lambda m, s, d: [_ep(m, s)], mesh=lambda w: {"ep": w}, worlds=(2, 4)),
     "zero3+ep": StackSpec(lambda m, s, d: [_T().shard_zero(3), _ep(m, s)], mesh=lambda w: {"dp": w // 2, "ep": 2},
                           worlds=(4,)),
+    # tensor parallel of the attention (and dense, shared-expert) layers inside expert parallel:
+    # each tp group runs the same routed experts; zero1 over dp around both at world 8
+    "ep+tp": StackSpec(lambda m, s, d: [_ep(m, s), _tp(m, s)], mesh=lambda w: {"ep": 2, "tp": w // 2}, worlds=(4,)),
+    "zero1+ep+tp": StackSpec(lambda m, s, d: [_T().shard_zero(1), _ep(m, s), _tp(m, s)],
+                             mesh=lambda w: {"dp": w // 4, "ep": 2, "tp": 2}, worlds=(8,)),
     "hsdp3+tp": StackSpec(lambda m, s, d: [_T().shard_zero(3, shard_group="node"), _tp(m, s)],
                           mesh=lambda w: {"dp": w // 2, "tp": 2}, worlds=(8,), nodes=2),
 }

@@ -76,7 +76,7 @@ from dsfn.transforms.facts import stack_facts
 _EXPERTS_STYLES = ("experts", "ep_dispatch_experts")
 _PARAM_STYLES = ("grouped_gemm",)
 _REFUSED = {
-    "pipeline": "pipeline_parallel", "tensor_parallel": "tensor_parallel",
+    "pipeline": "pipeline_parallel",
     "sequence_parallel": "sequence_parallel", "offload": "offload", "zenflow": "zenflow",
 }
 
@@ -188,6 +188,10 @@ class ExpertParallel(Transform):
                 raise StackError(f"expert_parallel does not compose with {name} yet: it is not built or tested "
                                  f"together, so the stack would not be known to train equal; remove {name}() or "
                                  "expert_parallel()")
+        for t in with_role(stack[:index], "tensor_parallel"):
+            # inside, tensor parallel places first: a plan that splits the experts is then caught here
+            raise StackError(f"{t.name} must be inside expert_parallel: write compose(expert_parallel(...), "
+                             f"{t.name}(...))")
         for t in with_role(stack[index + 1:], "data_parallel"):
             raise StackError(f"{t.name} must be outside expert_parallel (it shards or averages the expert pieces over "
                              f"dp): write compose({t.name}(...), expert_parallel(...), ...)")
@@ -235,6 +239,12 @@ class ExpertParallel(Transform):
         if missing:
             raise ConfigError(f"expert_parallel: the experts' parameter {missing[0]!r} is not in the state's params "
                               f"(frozen, or the state is of another model); they look like {sorted(have)[:3]}")
+        params = dict(tree.leaves_with_path(state.params, is_leaf=lambda x: isinstance(x, Placed)))
+        split = [p for p in shapes if isinstance(params[p], Placed)]
+        if split:
+            raise ConfigError(f"expert_parallel: the expert parameter {split[0]!r} is already laid out as "
+                              f"{params[split[0]].layout!r} by a transform inside (a tensor_parallel plan naming the "
+                              "experts: expert tensor parallel is not supported); leave the experts out of that plan")
         layouts = {p: DimShard(self.axis, 0, s) for p, s in shapes.items()}
         return map_with_mirrors(state, lambda owner, x: place(x, layouts[owner]) if owner in layouts else x)
 

@@ -194,8 +194,15 @@ class TensorParallel(Transform):
             raise ConfigError("tensor_parallel: the model is not known yet; pass model=...")
         named = dict(module.named_modules())
         out: dict[str, str | Packed | SharedKV] = {}
+        hits_of = {pattern: [n for n in named if n and matches(pattern, n)] for pattern in plan}
+        # the HF plan is the model family's: an entry for modules this model lacks (the dense MLP
+        # of Qwen2-MoE / Qwen3-MoE / DeepSeek-V3 when every layer is sparse) is passed over, as
+        # transformers does, once another of its entries fits; a user's entry must match
+        family_fits = any(hits_of[p] for p in plan if p not in self.plan)
         for pattern, style in plan.items():
-            hits = [n for n in named if n and matches(pattern, n)]
+            hits = hits_of[pattern]
+            if not hits and family_fits and pattern not in self.plan:
+                continue
             if not hits:
                 examples = [n for n in named if n][:6]
                 raise ConfigError(f"tensor_parallel: plan pattern {pattern!r} matches no module of "

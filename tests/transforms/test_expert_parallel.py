@@ -29,7 +29,7 @@ from dsfn.testing.asserts import assert_trees_close
 from dsfn.testing.models import TinyExperts, TinyMoE, make_tiny_causal_lm, moe_batches
 from dsfn.testing.reference import mse_loss, run_steps, train_step_for
 from dsfn.transforms import (accumulate, clip_grad_norm, compose, data_parallel, expert_parallel, loss_scale,
-                             mixed_precision, remat, sequence_parallel, shard_zero)
+                             mixed_precision, remat, sequence_parallel, shard_zero, tensor_parallel)
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 PLAN = {"experts": "experts"}
@@ -39,6 +39,7 @@ PLAN = {"experts": "experts"}
 
 def _outer(name):
     return {"none": (), "dp": (data_parallel(),), "zero1": (shard_zero(1),), "zero2": (shard_zero(2),),
+            "zero2_tp": (shard_zero(2),),       # with tensor_parallel('auto') inside expert_parallel
             "zero3": (shard_zero(3),),
             # HSDP: shards over groups of 2 dp ranks, copies across the groups
             "hsdp3": (shard_zero(3, shard_group=2),),
@@ -198,7 +199,8 @@ def train_mixtral(outer="none", mesh=None, ep=True, checkpointing=False, family=
     if checkpointing:      # the model's own gradient checkpointing: the dispatch runs again in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     apply_fn, params = dsfn.functionalize(model)
-    ts = (*_outer(outer), expert_parallel("auto", model=model)) if ep else ()
+    inner = (tensor_parallel("auto", model=model),) if outer.endswith("_tp") else ()
+    ts = (*_outer(outer), expert_parallel("auto", model=model), *inner) if ep else ()
 
     def loss(apply_fn, params, batch):
         return apply_fn(params, input_ids=batch["input_ids"], labels=batch["labels"]).loss
@@ -221,7 +223,8 @@ def test_mixtral_auto_plan_equals_the_single_process(outer, world, mesh):
         _close(got, ref)
 
 
-@pytest.mark.parametrize("outer,world,mesh", [("none", 2, {"ep": 2}), ("zero3", 4, {"dp": 2, "ep": 2})])
+@pytest.mark.parametrize("outer,world,mesh", [("none", 2, {"ep": 2}), ("zero3", 4, {"dp": 2, "ep": 2}),
+                                              ("zero2_tp", 8, {"dp": 2, "ep": 2, "tp": 2})])
 def test_qwen2_moe_with_shared_experts_auto_plan_equals_the_single_process(outer, world, mesh):
     """Qwen2-MoE: routed experts over ep, its gated shared expert an ordinary parameter."""
     pytest.importorskip("transformers")

@@ -408,3 +408,19 @@ def test_batch_fingerprint_is_computed_where_the_batch_lives():
     fp = batch_fingerprint(ids)
     assert fp[:3].tolist() == [15, 3, 5] and int(fp[5]) == int(ids.view(torch.uint8).long().sum())
     assert not torch.equal(fp, batch_fingerprint(ids.flip(1)))      # the weighted sum sees the order
+
+
+def test_hf_plan_entries_for_modules_the_model_lacks_are_passed_over_but_a_users_are_not():
+    """Qwen2-MoE's HF tp plan names a dense MLP (`layers.*.mlp.gate_proj`) that a model whose
+    every layer is sparse lacks: passed over, as transformers does; the same pattern written
+    by the user is an error, and so is an HF plan none of whose entries fit (a wrapper)."""
+    pytest.importorskip("transformers")
+    from dsfn.testing.models import make_tiny_causal_lm
+    from dsfn.runtime.mesh import Mesh, on_virtual_mesh
+    from dsfn.transforms import tensor_parallel
+    model = make_tiny_causal_lm("qwen2_moe")
+    with on_virtual_mesh(Mesh.virtual({"tp": 2})):
+        styles = tensor_parallel("auto", model=model).module_styles()
+        assert "model.layers.0.self_attn.q_proj" in styles and not any(".mlp." in n for n in styles)
+        with pytest.raises(ConfigError, match="'model.layers.\\*.mlp.gate_proj' matches no module"):
+            tensor_parallel({"model.layers.*.mlp.gate_proj": "colwise"}, model=model).module_styles()
