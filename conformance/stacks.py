@@ -148,6 +148,13 @@ STACKS: dict[str, StackSpec] = {
     "ep+tp": StackSpec(lambda m, s, d: [_ep(m, s), _tp(m, s)], mesh=lambda w: {"ep": 2, "tp": w // 2}, worlds=(4,)),
     "zero1+ep+tp": StackSpec(lambda m, s, d: [_T().shard_zero(1), _ep(m, s), _tp(m, s)],
                              mesh=lambda w: {"dp": w // 4, "ep": 2, "tp": 2}, worlds=(8,)),
+    # MoE layers inside pipeline stages: each stage's experts over its ep ranks (the pipeline
+    # innermost: it runs the differentiated function), ZeRO-3 over dp around both at world 8
+    "ep+pp": StackSpec(lambda m, s, d: [_ep(m, s), _T().pipeline_parallel("1f1b", 4, model=m)],
+                       mesh=lambda w: {"pp": 2, "ep": w // 2}, worlds=(4,)),
+    "zero3+ep+pp": StackSpec(lambda m, s, d: [_T().shard_zero(3, reduce_bucket_size=3000), _ep(m, s),
+                                              _T().pipeline_parallel("1f1b", 2, model=m)],
+                             mesh=lambda w: {"dp": w // 4, "pp": 2, "ep": 2}, worlds=(8,)),
     "hsdp3+tp": StackSpec(lambda m, s, d: [_T().shard_zero(3, shard_group="node"), _tp(m, s)],
                           mesh=lambda w: {"dp": w // 2, "tp": 2}, worlds=(8,), nodes=2),
 }

@@ -45,10 +45,13 @@ counts per expert ([E], this ep group's) are `transform.last_tokens_per_expert`.
 
 Composes with `data_parallel`, `shard_zero(1 | 2 | 3)` and HSDP (`shard_group`) outside —
 under ZeRO the expert pieces are sharded further over dp (`Nested(DimShard(ep), FlatShard(dp))`:
-the expert-data-parallel ranks), the rest over dp —, `accumulate`, `mixed_precision`,
+the expert-data-parallel ranks), the rest over dp —; `tensor_parallel` inside (the attention,
+dense and shared-expert layers split over tp; the routed experts replicated over tp, each tp
+rank running the same dispatch: a tp plan naming the experts is refused); `pipeline_parallel`
+inside (each stage's MoE layers dispatch over that stage's ep ranks; the experts'
+pieces are `Nested(StageOwned(pp), DimShard(ep))`); `accumulate`, `mixed_precision`,
 `loss_scale`, `clip_grad_norm`, Muon, `remat` and the model's own gradient checkpointing.
-Refused for now with a StackError (not silently wrong): pipeline_parallel, tensor_parallel,
-sequence_parallel, offload, zenflow.
+Refused for now with a StackError (not silently wrong): sequence_parallel, offload, zenflow.
 """
 from __future__ import annotations
 
@@ -66,17 +69,16 @@ from dsfn.engines.expert_dispatch import DispatchStats, ExpertDispatch
 from dsfn.engines.grad_stats import reduce_over_axis
 from dsfn.engines.tp_plan import matches
 from dsfn.errors import ConfigError, MeshError, StackError
-from dsfn.placed import Placed
+from dsfn.placed import Placed, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
-from dsfn.state.layout import DimShard, map_with_mirrors, place
+from dsfn.state.layout import DimShard, Nested, map_with_mirrors, shard_further
 from dsfn.transforms.core import Transform, make_transform, with_role
 from dsfn.transforms.facts import stack_facts
 
 _EXPERTS_STYLES = ("experts", "ep_dispatch_experts")
 _PARAM_STYLES = ("grouped_gemm",)
 _REFUSED = {
-    "pipeline": "pipeline_parallel",
     "sequence_parallel": "sequence_parallel", "offload": "offload", "zenflow": "zenflow",
 }
 
@@ -234,19 +236,20 @@ class ExpertParallel(Transform):
         if n == 1:
             return state
         shapes = self.expert_params()
-        have = {p for p, _ in tree.leaves_with_path(state.params)}
-        missing = [p for p in shapes if p not in have]
+        params = dict(tree.leaves_with_path(state.params, is_leaf=is_placed))
+        missing = [p for p in shapes if p not in params]
         if missing:
             raise ConfigError(f"expert_parallel: the experts' parameter {missing[0]!r} is not in the state's params "
-                              f"(frozen, or the state is of another model); they look like {sorted(have)[:3]}")
-        params = dict(tree.leaves_with_path(state.params, is_leaf=lambda x: isinstance(x, Placed)))
-        split = [p for p in shapes if isinstance(params[p], Placed)]
+                              f"(frozen, or the state is of another model); they look like {sorted(params)[:3]}")
+        split = [p for p in shapes if not _whole_here(params[p])]
         if split:
-            raise ConfigError(f"expert_parallel: the expert parameter {split[0]!r} is already laid out as "
+            raise ConfigError(f"expert_parallel: the expert parameter {split[0]!r} is already split as "
                               f"{params[split[0]].layout!r} by a transform inside (a tensor_parallel plan naming the "
                               "experts: expert tensor parallel is not supported); leave the experts out of that plan")
-        layouts = {p: DimShard(self.axis, 0, s) for p, s in shapes.items()}
-        return map_with_mirrors(state, lambda owner, x: place(x, layouts[owner]) if owner in layouts else x)
+        # on top of what a transform inside laid out (a pipeline stage's StageOwned: whole on its stage)
+        axis = self.axis
+        return map_with_mirrors(state, lambda owner, x: shard_further(x, lambda shape: DimShard(axis, 0, shape))
+                                if owner in shapes and isinstance(x, (torch.Tensor, Placed)) else x)
 
     # -- the step -------------------------------------------------------------------------------
     def wrap_step(self, fn):
@@ -307,8 +310,7 @@ class ExpertParallel(Transform):
         acts per matrix (`dsfn.logical.map_whole`'s contract for a >2-D tensor; Muon's NS is
         batched), so the piece's result is the whole's rows of this rank's experts, with no
         gather and each expert orthogonalised once. The other leaves go on to the transforms inside."""
-        ours = [k for k, x in enumerate(pieces) if isinstance(x, Placed) and isinstance(x.layout, DimShard)
-                and x.layout.axis == self.axis and x.layout.dim == 0 and len(x.layout.shape) >= 3]
+        ours = [k for k, x in enumerate(pieces) if _expert_piece(x, self.axis)]
         if not ours:
             return call_next(fn, pieces)
         out = list(pieces)
@@ -335,6 +337,23 @@ class ExpertParallel(Transform):
         inner = lambda *a: call_next(module, phase, (forward, a, {}), recompute)   # noqa: E731
         stats = None if recompute else getattr(scratch(self), "stats", None)
         return dispatch.run(module, inner, hidden, index, weights, stats, self._names[id(module)])
+
+
+def _whole_here(x: Any) -> bool:
+    """A leaf this rank holds whole, or not at all (a plain tensor; a pipeline stage's piece)."""
+    return (not isinstance(x, Placed) or not x.layout.holds()
+            or tuple(x.data.shape) == tuple(x.layout.shape))
+
+
+def _expert_piece(x: Any, axis: str) -> bool:
+    """An experts tensor's piece over `axis` (dim 0, > 2 dims): `DimShard(axis, 0)`, alone or on
+    top of a layout that leaves the tensor whole here (a pipeline stage's)."""
+    if not isinstance(x, Placed):
+        return False
+    layout = x.layout
+    if isinstance(layout, Nested):
+        layout = layout.outer
+    return (isinstance(layout, DimShard) and layout.axis == axis and layout.dim == 0 and len(layout.shape) >= 3)
 
 
 def _expert_inputs(name: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
