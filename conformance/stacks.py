@@ -155,6 +155,10 @@ STACKS: dict[str, StackSpec] = {
     "zero3+ep+pp": StackSpec(lambda m, s, d: [_T().shard_zero(3, reduce_bucket_size=3000), _ep(m, s),
                                               _T().pipeline_parallel("1f1b", 2, model=m)],
                              mesh=lambda w: {"dp": w // 4, "pp": 2, "ep": 2}, worlds=(8,)),
+    "sp+ep": StackSpec(lambda m, s, d: [_T().sequence_parallel(), _ep(m, s)], mesh=lambda w: {"sp": 2, "ep": w // 2},
+                       worlds=(4,)),
+    "sp+zero3+ep": StackSpec(lambda m, s, d: [_T().sequence_parallel(), _T().shard_zero(3), _ep(m, s)],
+                             mesh=lambda w: {"dp": w // 4, "sp": 2, "ep": 2}, worlds=(8,)),
     "hsdp3+tp": StackSpec(lambda m, s, d: [_T().shard_zero(3, shard_group="node"), _tp(m, s)],
                           mesh=lambda w: {"dp": w // 2, "tp": 2}, worlds=(8,), nodes=2),
 }

@@ -49,9 +49,11 @@ the expert-data-parallel ranks), the rest over dp —; `tensor_parallel` inside 
 dense and shared-expert layers split over tp; the routed experts replicated over tp, each tp
 rank running the same dispatch: a tp plan naming the experts is refused); `pipeline_parallel`
 inside (each stage's MoE layers dispatch over that stage's ep ranks; the experts'
-pieces are `Nested(StageOwned(pp), DimShard(ep))`); `accumulate`, `mixed_precision`,
-`loss_scale`, `clip_grad_norm`, Muon, `remat` and the model's own gradient checkpointing.
-Refused for now with a StackError (not silently wrong): sequence_parallel, offload, zenflow.
+pieces are `Nested(StageOwned(pp), DimShard(ep))`); `sequence_parallel` (Ulysses, outermost:
+each sp rank's tokens are dispatched; sp counts ep among the axes its loss averages over, the
+"batch_axis" fact); `accumulate`, `mixed_precision`, `loss_scale`, `clip_grad_norm`, Muon,
+`remat` and the model's own gradient checkpointing.
+Refused for now with a StackError (not silently wrong): offload, zenflow.
 """
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ from dsfn.transforms.facts import stack_facts
 _EXPERTS_STYLES = ("experts", "ep_dispatch_experts")
 _PARAM_STYLES = ("grouped_gemm",)
 _REFUSED = {
-    "sequence_parallel": "sequence_parallel", "offload": "offload", "zenflow": "zenflow",
+    "offload": "offload", "zenflow": "zenflow",
 }
 
 

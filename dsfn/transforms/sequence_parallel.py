@@ -170,8 +170,10 @@ class SequenceParallel(Transform):
 
     @property
     def _dp_axes(self) -> tuple[str, ...]:
-        """The data-parallel axes inside (they average over their axis): a stack fact."""
-        return stack_facts(self).inside(self).all("dp_axis")
+        """The axes inside that split the batch and average over it (stack facts): data
+        parallel's "dp_axis", and a "batch_axis" (expert parallel's ep, whose ranks see other rows)."""
+        inside = stack_facts(self).inside(self)
+        return inside.all("dp_axis") + tuple(a for a in inside.all("batch_axis") if a not in inside.all("dp_axis"))
 
     def explain_note(self) -> str:
         return f"sequence_parallel over {self.axis!r} (size {current_mesh().size(self.axis)}): Ulysses all-to-all"

@@ -29,7 +29,7 @@ from dsfn.testing.asserts import assert_trees_close
 from dsfn.testing.models import TinyExperts, TinyMoE, make_tiny_causal_lm, moe_batches
 from dsfn.testing.reference import mse_loss, run_steps, train_step_for
 from dsfn.transforms import (accumulate, clip_grad_norm, compose, data_parallel, expert_parallel, loss_scale,
-                             mixed_precision, remat, sequence_parallel, shard_zero, tensor_parallel)
+                             mixed_precision, offload, remat, sequence_parallel, shard_zero, tensor_parallel)
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 PLAN = {"experts": "experts"}
@@ -40,6 +40,7 @@ PLAN = {"experts": "experts"}
 def _outer(name):
     return {"none": (), "dp": (data_parallel(),), "zero1": (shard_zero(1),), "zero2": (shard_zero(2),),
             "zero2_tp": (shard_zero(2),),       # with tensor_parallel('auto') inside expert_parallel
+            "sp": (sequence_parallel(),), "sp_zero3": (sequence_parallel(), shard_zero(3)),
             "zero3": (shard_zero(3),),
             # HSDP: shards over groups of 2 dp ranks, copies across the groups
             "hsdp3": (shard_zero(3, shard_group=2),),
@@ -215,7 +216,11 @@ def train_mixtral(outer="none", mesh=None, ep=True, checkpointing=False, family=
 
 
 @pytest.mark.parametrize("outer,world,mesh", [("none", 2, {"ep": 2}), ("zero2", 4, {"dp": 2, "ep": 2}),
-                                              ("zero3", 4, {"dp": 2, "ep": 2})])
+                                              ("zero3", 4, {"dp": 2, "ep": 2}),
+                                              # Ulysses: each sp rank's tokens dispatched; the router
+                                              # balance loss still the whole batch's
+                                              ("sp", 4, {"sp": 2, "ep": 2}),
+                                              ("sp_zero3", 8, {"dp": 2, "sp": 2, "ep": 2})])
 def test_mixtral_auto_plan_equals_the_single_process(outer, world, mesh):
     pytest.importorskip("transformers")
     ref = train_mixtral(ep=False)
@@ -293,8 +298,10 @@ def test_stacks_not_built_yet_are_refused():
     f = train_step_for(apply_fn, mse_loss)
     with pytest.raises(StackError, match="outside expert_parallel"):
         compose(expert_parallel(PLAN, model=model), data_parallel())(f)
-    with pytest.raises(StackError, match="sequence_parallel"):
-        compose(sequence_parallel(), expert_parallel(PLAN, model=model))(f)
+    with pytest.raises(StackError, match="offload"):
+        compose(expert_parallel(PLAN, model=model), offload("cpu"))(f)
+    with pytest.raises(StackError, match="tensor_parallel must be inside expert_parallel"):
+        compose(tensor_parallel({"shared": "colwise"}, model=model), expert_parallel(PLAN, model=model))(f)
 
 
 # -- checkpoints: the experts are saved as logical tensors, so any ep (or none) loads them --------
