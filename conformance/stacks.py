@@ -159,6 +159,10 @@ STACKS: dict[str, StackSpec] = {
                        worlds=(4,)),
     "sp+zero3+ep": StackSpec(lambda m, s, d: [_T().sequence_parallel(), _T().shard_zero(3), _ep(m, s)],
                              mesh=lambda w: {"dp": w // 4, "sp": 2, "ep": 2}, worlds=(8,)),
+    "zero3+ep+offload_cpu": StackSpec(lambda m, s, d: [_T().shard_zero(3), _ep(m, s), _T().offload("cpu")],
+                                      mesh=lambda w: {"dp": w // 2, "ep": 2}, worlds=(4,)),
+    "zero2+ep+offload_nvme": StackSpec(lambda m, s, d: [_T().shard_zero(2), _ep(m, s), _T().offload("nvme", path=d)],
+                                       mesh=lambda w: {"dp": w // 2, "ep": 2}, worlds=(4,)),
     "hsdp3+tp": StackSpec(lambda m, s, d: [_T().shard_zero(3, shard_group="node"), _tp(m, s)],
                           mesh=lambda w: {"dp": w // 2, "tp": 2}, worlds=(8,), nodes=2),
 }

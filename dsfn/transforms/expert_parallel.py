@@ -81,7 +81,7 @@ from dsfn.transforms.facts import stack_facts
 _EXPERTS_STYLES = ("experts", "ep_dispatch_experts")
 _PARAM_STYLES = ("grouped_gemm",)
 _REFUSED = {
-    "offload": "offload", "zenflow": "zenflow",
+    "zenflow": "zenflow",
 }
 
 

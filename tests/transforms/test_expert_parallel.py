@@ -29,7 +29,8 @@ from dsfn.testing.asserts import assert_trees_close
 from dsfn.testing.models import TinyExperts, TinyMoE, make_tiny_causal_lm, moe_batches
 from dsfn.testing.reference import mse_loss, run_steps, train_step_for
 from dsfn.transforms import (accumulate, clip_grad_norm, compose, data_parallel, expert_parallel, loss_scale,
-                             mixed_precision, offload, remat, sequence_parallel, shard_zero, tensor_parallel)
+                             mixed_precision, offload, remat, sequence_parallel, shard_zero, tensor_parallel,
+                             zenflow)
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 PLAN = {"experts": "experts"}
@@ -298,8 +299,11 @@ def test_stacks_not_built_yet_are_refused():
     f = train_step_for(apply_fn, mse_loss)
     with pytest.raises(StackError, match="outside expert_parallel"):
         compose(expert_parallel(PLAN, model=model), data_parallel())(f)
-    with pytest.raises(StackError, match="offload"):
-        compose(expert_parallel(PLAN, model=model), offload("cpu"))(f)
+    with pytest.raises(StackError, match="zenflow"):
+        compose(shard_zero(2), expert_parallel(PLAN, model=model), zenflow(topk_ratio=0.1))(f)
+    # offload's overlapped host update would hear the buckets before their mean over ep
+    with pytest.raises(StackError, match="hears reduced gradient buckets"):
+        compose(shard_zero(2), expert_parallel(PLAN, model=model), offload("cpu", overlap=True))(f)
     with pytest.raises(StackError, match="tensor_parallel must be inside expert_parallel"):
         compose(tensor_parallel({"shared": "colwise"}, model=model), expert_parallel(PLAN, model=model))(f)
 
