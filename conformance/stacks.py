@@ -163,6 +163,9 @@ STACKS: dict[str, StackSpec] = {
                                       mesh=lambda w: {"dp": w // 2, "ep": 2}, worlds=(4,)),
     "zero2+ep+offload_nvme": StackSpec(lambda m, s, d: [_T().shard_zero(2), _ep(m, s), _T().offload("nvme", path=d)],
                                        mesh=lambda w: {"dp": w // 2, "ep": 2}, worlds=(4,)),
+    "zero2+ep+async_checkpoint+resume": StackSpec(
+        lambda m, s, d: [_T().shard_zero(2), _ep(m, s), _T().async_checkpoint(os.path.join(d, "ckpt"), every=2)],
+        mesh=lambda w: {"dp": w // 2, "ep": 2}, worlds=(4,), resume=True),
     "hsdp3+tp": StackSpec(lambda m, s, d: [_T().shard_zero(3, shard_group="node"), _tp(m, s)],
                           mesh=lambda w: {"dp": w // 2, "tp": 2}, worlds=(8,), nodes=2),
 }

@@ -436,3 +436,33 @@ def test_explain_counts_the_all_to_all_bytes_per_layer_as_the_closed_form():
         rows_total += nbytes - experts * 8
     assert got[0][1][0][1] != got[1][1][0][1]          # the routing is uneven: the shares differ
     assert rows_total == 4 * tokens * k * hidden * 4
+
+
+# -- export: the model's own safetensors layout, from a live ep x ZeRO-3 state ------------------
+
+def _train_and_export(out):
+    init_mesh(dp=2, ep=2)
+    model = make_tiny_causal_lm("mixtral")
+    apply_fn, params = dsfn.functionalize(model)
+
+    def loss(apply_fn, params, batch):
+        return apply_fn(params, input_ids=batch["input_ids"], labels=batch["labels"]).loss
+    step = compose(shard_zero(3), expert_parallel("auto", model=model))(train_step_for(apply_fn, loss))
+    state = step.init_state(params, dsfn.optim.sgd(0.5, momentum=0.9))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 101, (4, 16), generator=g)
+        state, _ = step(state, {"input_ids": ids, "labels": ids.masked_fill(ids % 7 == 0, -100)})
+    return dsfn.checkpoint.export_state(state, out)
+
+
+def test_export_from_ep_x_zero3_is_the_models_own_state_dict_equal_to_the_single_process(tmp_path):
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+    ref = train_mixtral(ep=False)[1]["params"]
+    written = run_on_ranks(_train_and_export, 4, str(tmp_path / "hf"), timeout=300)
+    sd = load_file(written[0])
+    model = make_tiny_causal_lm("mixtral")
+    model.load_state_dict(sd, strict=True)            # HF's names and shapes: whole [E, ...] experts
+    assert sd["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
+    assert_trees_close({k: sd[k] for k in ref}, dict(ref), **TOL)
