@@ -64,6 +64,8 @@ class MemoryEstimate:
     peak_microbatches: float = 0.0  # simulate(schedule).peak_activations[pp_rank]: stage micro-batches held at once
     microbatch_activations: int = 0  # one micro-batch's modelled activations through this rank's stages (all v)
     activation_note: str = ""       # what the activation figure assumed, or why it is 0
+    dispatched: int = 0             # expert parallel: the dispatched rows held for backward (docs/estimate.md)
+    dispatched_note: str = ""
 
     @property
     def state(self) -> int:
@@ -76,7 +78,7 @@ class MemoryEstimate:
         (+ hpZ's secondary shards, all held while backward starts; + a pipeline's modelled
         activations)."""
         return (self.params + self.optimizer + self.master + self.grads + self.largest_unit + self.buckets
-                + self.secondary + self.activations)
+                + self.secondary + self.activations + self.dispatched)
 
     def deepspeed(self, gpus_per_node: int = 8) -> dict[str, int]:
         """DeepSpeed's published formulas for this model and dp size: {"gpu": per GPU, "cpu":
@@ -111,6 +113,8 @@ class MemoryEstimate:
                          "forward)")
         if self.pipeline_schedule is not None:
             lines.append(f"  {'activations':13s} {_human(self.activations)}   ({activation_detail(self)})")
+        if self.dispatched or self.dispatched_note:
+            lines.append(f"  {'dispatched':13s} {_human(self.dispatched)}   (expert parallel: {self.dispatched_note})")
         lines.append(f"  {'device peak':13s} {_human(self.device)}   (state on this rank: {_human(self.state)})")
         return "\n".join(lines)
 
@@ -252,7 +256,29 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
     if cut is not None:
         pipeline_activations(est, cut, pipe, next(iter(whole.with_role("remat")), None), pp_rank, batch,
                              dp if replicas else 1, tp, sp, pb)
+    _dispatched(est, next(iter(whole.with_role("expert_parallel")), None), batch, dp if replicas else 1, ep, sp,
+                pb, pipe, whole)
     return est
+
+
+def _dispatched(est, facts, batch, dp, ep, sp, pb, pipe, whole) -> None:
+    """Expert parallel's dispatched rows into `est`: per MoE layer a rank sends S = T x k rows
+    (T its tokens) and receives R of them, S = R under even routing (the mean over the ranks);
+    it holds the sent rows, the received ones and the experts' outputs for backward: 3 S x H
+    x `pb` bytes per layer (what `explain` measures per layer, there with the real R)."""
+    if facts is None or ep == 1:
+        return
+    if batch is None or facts.get("ep_top_k") is None or pipe is not None or whole.has_role("accumulate"):
+        est.dispatched_note = ("needs batch=(rows, seq)" if batch is None else
+                               "the model's top-k is not known" if facts.get("ep_top_k") is None else
+                               "per micro-batch under a pipeline / accumulate: not modelled")
+        return
+    rows, seq = batch
+    tokens = rows * seq / (dp * ep * sp)
+    s = tokens * facts["ep_top_k"]
+    est.dispatched = int(facts["ep_moe_layers"] * 3 * s * facts["ep_hidden"] * pb)
+    est.dispatched_note = (f"{facts['ep_moe_layers']} MoE layers x 3 x {s:g} rows (tokens x k, even routing) x "
+                           f"hidden {facts['ep_hidden']} x {pb} B")
 
 
 def _transients(est, state, whole, zero, stage, n_shard, replicas, module, shapes, tp) -> int:

@@ -184,7 +184,23 @@ class ExpertParallel(Transform):
     def facts(self) -> dict[str, Any]:
         # "batch_axis": ep splits each dp rank's rows again; the data-parallel reduction outside
         # averages the gradients of every leaf not laid out over it (the non-expert ones) over it
-        return {"ep_axis": self.axis, "batch_axis": self.axis}
+        return {"ep_axis": self.axis, "batch_axis": self.axis,
+                # for estimate_memory's dispatched rows: MoE layers, hidden size, top-k (None: unknown)
+                "ep_moe_layers": len(self.experts), "ep_hidden": self._hidden(), "ep_top_k": self._top_k()}
+
+    def _hidden(self) -> int:
+        """The rows' width: the model's hidden size, else the experts' first tensor's last dim
+        (`gate_up_proj` [E, 2I, H], TinyExperts' `w_in` [E, F, H])."""
+        h = getattr(getattr(self.model, "config", None), "hidden_size", None)
+        if isinstance(h, int):
+            return h
+        mod = next(iter(self.experts.values()))[0]
+        return int(next(iter(mod.parameters())).shape[-1])
+
+    def _top_k(self) -> int | None:
+        k = getattr(getattr(self.model, "config", None), "num_experts_per_tok", None)
+        k = k if k is not None else getattr(self.model, "k", None)
+        return k if isinstance(k, int) else None
 
     def check_stack(self, stack, index):
         for role, name in _REFUSED.items():

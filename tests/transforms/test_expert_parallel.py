@@ -466,3 +466,16 @@ def test_export_from_ep_x_zero3_is_the_models_own_state_dict_equal_to_the_single
     model.load_state_dict(sd, strict=True)            # HF's names and shapes: whole [E, ...] experts
     assert sd["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
     assert_trees_close({k: sd[k] for k in ref}, dict(ref), **TOL)
+
+
+def test_estimate_memory_models_the_dispatched_rows_as_explain_measures_them_on_average():
+    """3 x tokens x k x H x 4 bytes per MoE layer held for backward: the sent rows, the received
+    ones and the experts' outputs; measured per rank by `explain` (its R follows the routing),
+    their mean over the ep ranks is the estimate (sum R = sum S)."""
+    from dsfn.estimate import estimate_memory
+    got = run_on_ranks(_explain_at_ep2, 2, timeout=120)
+    held = [sum((s + 2 * r) * b for s, r, b in layers) for _, layers, _ in got]
+    est = estimate_memory(TinyMoE(), [expert_parallel(PLAN, model=TinyMoE())], 2, tx=dsfn.optim.sgd(0.1),
+                          batch=(8, 8))
+    assert est.dispatched == sum(held) / 2 and held[0] != held[1]
+    assert "dispatched" in str(est) and "3 x 64 rows" in str(est)
