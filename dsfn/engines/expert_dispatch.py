@@ -110,10 +110,12 @@ class DispatchStats:
     bytes_sent: int = 0
     # per dispatch: (module name, rows this rank sends, rows it receives, bytes per row)
     layers: list = field(default_factory=list)
+    per_layer: dict = field(default_factory=dict)    # module name -> [E] assignments (summed over its calls)
 
     def add(self, name: str, idx: torch.Tensor, kept: int, received: int, row_bytes: int) -> None:
         counts = torch.bincount(idx.reshape(-1).long(), minlength=self.experts).cpu()
         self.routed = counts if self.routed is None else self.routed + counts
+        self.per_layer[name] = counts if name not in self.per_layer else self.per_layer[name] + counts
         self.assignments += idx.numel()
         self.dropped += idx.numel() - kept
         self.rows_sent += kept

@@ -66,7 +66,8 @@ def make_tiny_causal_lm(family: str = "llama", seed: int = 0, **config):
     (tied, soft-capped logits, explicit head_dim 16), "mistral" (sdpa, a sliding window of 5
     on every layer), "mixtral" (4 experts, top-2, its router load-balancing loss added to
     the loss with coefficient 0.5) or "qwen2_moe" (the same, and a gated shared expert on
-    every layer: an ordinary parameter under expert parallel). Defaults: vocab 101 (odd, so vocabulary
+    every layer: an ordinary parameter under expert parallel) or "deepseek_v3" (MLA, a sigmoid
+    router with an `e_score_correction_bias` buffer, a shared expert). Defaults: vocab 101 (odd, so vocabulary
     splits pad), hidden 64, intermediate 90, 2 layers, 8 query / 4 key-value heads (tp 2
     and 4 divide them); `config` overrides any field.
     """
@@ -83,6 +84,12 @@ def make_tiny_causal_lm(family: str = "llama", seed: int = 0, **config):
              # intermediate 96: torch's grouped_mm (HF's MoE kernel) wants 16-byte strides
              "mixtral": dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
                              output_router_logits=True, router_aux_loss_coef=0.5),
+             # DeepSeek-V3: MLA attention, a sigmoid router with its e_score_correction_bias buffer
+             # (aux-loss-free balancing), 4 routed experts (top-2) and a shared expert, every layer MoE
+             "deepseek_v3": dict(moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+                                 num_experts_per_tok=2, first_k_dense_replace=0, n_group=1, topk_group=1,
+                                 q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                 v_head_dim=16, num_key_value_heads=8, tie_word_embeddings=False),
              # Qwen2-MoE: 4 routed experts (top-2) and a gated shared expert on every layer
              "qwen2_moe": dict(moe_intermediate_size=96, shared_expert_intermediate_size=96, num_experts=4,
                                num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
@@ -90,7 +97,8 @@ def make_tiny_causal_lm(family: str = "llama", seed: int = 0, **config):
     classes = {"llama": ("LlamaForCausalLM", "LlamaConfig"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
                "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"), "gemma2": ("Gemma2ForCausalLM", "Gemma2Config"),
                "mistral": ("MistralForCausalLM", "MistralConfig"), "mixtral": ("MixtralForCausalLM", "MixtralConfig"),
-               "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig")}
+               "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig"),
+               "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config")}
     if family not in classes:
         raise ValueError(f"make_tiny_causal_lm: family {family!r}; choose one of {sorted(classes)}")
     model_cls, cfg_cls = (getattr(transformers, n) for n in classes[family])

@@ -38,6 +38,14 @@ A Hugging Face model's own loss and its router balance loss are the whole batch'
 on its owner, on the piece ("map_whole": NS is batched over the stacked experts). Checkpoints
 hold the logical experts (DimShard pieces are gathered), so any ep loads them.
 
+Aux-loss-free balancing (DeepSeek-V3's, `bias_update_rate=gamma`): the router of each MoE
+block holds a bias (`bias_buffer`, default `e_score_correction_bias`: DeepSeek-V3's, added to
+the scores that choose the experts, not to the gate weights) as a persistent buffer of the
+state; after each step, b_i += gamma * sign(mean_j c_j - c_i), c_i that layer's assignments to
+expert i over the whole global batch (summed over every mesh axis but tensor parallel's). Also
+at ep 1. A block without such a buffer is a ConfigError; the state must hold the buffers
+(`init_state(params, tx, buffers=apply_fn.buffers)`).
+
 Metrics added to the step's: `ep_dropped_share` (dropped / routed assignments over the ep
 group), `ep_load_imbalance` (max / mean assignments per expert over the ep group, summed
 over the MoE layers), `ep_tokens_max` / `ep_tokens_min` (of those counts); the last step's
@@ -98,7 +106,8 @@ class ExpertParallel(Transform):
     roles = frozenset({"expert_parallel"})
 
     def __init__(self, plan: Mapping[str, str] | str = "auto", model: Any = None, axis: str = "ep",
-                 capacity_factor: float | None = None, min_capacity: int = 0):
+                 capacity_factor: float | None = None, min_capacity: int = 0,
+                 bias_update_rate: float | None = None, bias_buffer: str = "e_score_correction_bias"):
         if model is not None and not isinstance(model, nn.Module):
             inner = getattr(model, "module", None)       # an apply_fn from functionalize
             if not isinstance(inner, nn.Module):
@@ -121,7 +130,13 @@ class ExpertParallel(Transform):
             raise ConfigError(f"expert_parallel(min_capacity={min_capacity!r}): an int >= 0")
         if not isinstance(axis, str):
             raise ConfigError(f"expert_parallel(axis={axis!r}): the name of a mesh axis, e.g. 'ep'")
+        if bias_update_rate is not None and (isinstance(bias_update_rate, bool)
+                                             or not isinstance(bias_update_rate, (int, float))
+                                             or not bias_update_rate > 0):
+            raise ConfigError(f"expert_parallel(bias_update_rate={bias_update_rate!r}): a number > 0 (DeepSeek-V3's "
+                              "gamma is 0.001), or None for no aux-loss-free balancing")
         self.axis, self.model = axis, model
+        self.bias_update_rate = None if bias_update_rate is None else float(bias_update_rate)
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
         self.min_capacity = min_capacity
         self.experts = self._resolve(plan)             # {module name: (module, E)}
@@ -130,6 +145,8 @@ class ExpertParallel(Transform):
         self._dispatch = {id(m): ExpertDispatch(axis, e, self.capacity_factor, min_capacity)
                           for m, e in self.experts.values()}
         self.num_experts = next(iter(self.experts.values()))[1]
+        # experts module name -> its router's bias buffer (aux-loss-free balancing), when asked
+        self._bias = self._resolve_bias(bias_buffer) if self.bias_update_rate is not None else {}
         self.last_tokens_per_expert: torch.Tensor | None = None     # a report of the last step
         self.last_dispatch: DispatchStats | None = None              # the last step's dispatches
 
@@ -170,6 +187,24 @@ class ExpertParallel(Transform):
         if len(counts) > 1:
             raise ConfigError(f"expert_parallel: the experts modules hold different numbers of experts {counts}; "
                               "one ep degree must divide each: plan them separately is not supported yet")
+        return out
+
+    def _resolve_bias(self, buffer: str) -> dict[str, str]:
+        """{experts module: the buffer `buffer` of its MoE block (the router's: DeepSeek-V3's
+        `mlp.gate.e_score_correction_bias`, added to the scores that choose the experts)}."""
+        buffers = dict(self.model.named_buffers())
+        out = {}
+        for name, (_, e) in self.experts.items():
+            block = name.rsplit(".", 1)[0] + "." if "." in name else ""
+            hits = [b for b in buffers if b.startswith(block) and b.rsplit(".", 1)[-1] == buffer
+                    and tuple(buffers[b].shape) == (e,)]
+            if len(hits) != 1:
+                raise ConfigError(f"expert_parallel(bias_update_rate=...): the MoE block of {name!r} holds "
+                                  f"{'no' if not hits else len(hits)} [{e}] buffer named {buffer!r} (DeepSeek-V3's "
+                                  "router adds e_score_correction_bias to the scores that choose the experts); "
+                                  "aux-loss-free balancing needs a router with such a bias: name it with "
+                                  "bias_buffer=..., or drop bias_update_rate")
+            out[name] = hits[0]
         return out
 
     def expert_params(self) -> dict[str, tuple[int, ...]]:
@@ -270,17 +305,47 @@ class ExpertParallel(Transform):
                                 if owner in shapes and isinstance(x, (torch.Tensor, Placed)) else x)
 
     # -- the step -------------------------------------------------------------------------------
+    def _counting(self) -> bool:
+        """Whether the experts modules' calls go through this transform: ep > 1, or the
+        aux-loss-free bias, which counts each layer's assignments (also at ep 1)."""
+        return current_mesh().size(self.axis) > 1 or self.bias_update_rate is not None
+
     def wrap_step(self, fn):
         def step(state, batch):
-            n = current_mesh().size(self.axis)
-            if n == 1:
+            if not self._counting():
                 return fn(state, batch)
             notes = scratch(self)
             notes.stats = DispatchStats(self.num_experts)
             state, metrics = fn(state, split_batch(batch, self.axis))
             self.last_dispatch = notes.stats        # a report of the last step (explain)
+            if self._bias:
+                state = self._update_bias(state, notes.stats)
             return state, {**metrics, **self._load_metrics(notes.stats)}
         return step
+
+    def _update_bias(self, state: Any, stats: DispatchStats) -> Any:
+        """DeepSeek-V3's aux-loss-free balancing after the step: each MoE layer's router bias
+        b_i += rate * sign(mean_j c_j - c_i), c_i the layer's assignments to expert i over the
+        whole global batch (summed over every mesh axis but tensor parallel's, whose ranks route
+        the same tokens; a pipeline stage's layers are counted by their stage, 0 elsewhere)."""
+        missing = [b for b in self._bias.values() if b not in state.buffers]
+        if missing:
+            raise ConfigError(f"expert_parallel(bias_update_rate=...): the state holds no buffer {missing[0]!r}; "
+                              "create it with its buffers: step.init_state(params, tx, buffers=apply_fn.buffers)")
+        names = list(self._bias)
+        zero = torch.zeros(self.num_experts, dtype=torch.float64)
+        counts = torch.stack([stats.per_layer.get(n, zero).double() for n in names])
+        mesh = current_mesh()
+        replicated = set(stack_facts(self).whole.all("tp_axis"))
+        for axis, size in mesh.axes.items():
+            if size > 1 and axis not in replicated:
+                counts = C.all_reduce(counts, axis, "sum")
+        step_ = torch.sign(counts.mean(dim=1, keepdim=True) - counts) * self.bias_update_rate
+        buffers = dict(state.buffers)
+        for n, delta in zip(names, step_):
+            b = buffers[self._bias[n]]
+            buffers[self._bias[n]] = b + delta.to(b.dtype, copy=False).to(b.device)
+        return state.replace(buffers=buffers)
 
     def _load_metrics(self, stats: DispatchStats) -> dict[str, torch.Tensor]:
         if stats.routed is None:
@@ -342,7 +407,7 @@ class ExpertParallel(Transform):
 
     # -- layer events: each experts module's call is a dispatch ----------------------------------
     def handle_unit_calls_of(self, call_next, module):
-        if current_mesh().size(self.axis) == 1:
+        if not self._counting():
             return call_next(module)
         return call_next(module) + self._modules
 
@@ -352,8 +417,12 @@ class ExpertParallel(Transform):
             return call_next(module, phase, value, recompute)
         forward, args, kwargs = value
         hidden, index, weights = _expert_inputs(self._names[id(module)], args, kwargs)
-        inner = lambda *a: call_next(module, phase, (forward, a, {}), recompute)   # noqa: E731
         stats = None if recompute else getattr(scratch(self), "stats", None)
+        if current_mesh().size(self.axis) == 1:          # counted only (aux-loss-free bias at ep 1)
+            if stats is not None:
+                stats.add(self._names[id(module)], index, index.numel(), 0, 0)
+            return call_next(module, phase, value, recompute)
+        inner = lambda *a: call_next(module, phase, (forward, a, {}), recompute)   # noqa: E731
         return dispatch.run(module, inner, hidden, index, weights, stats, self._names[id(module)])
 
 
@@ -404,6 +473,6 @@ def _check_experts(name: str, mod: nn.Module) -> int:
 
 
 def expert_parallel(*args: Any, **kwargs: Any) -> ExpertParallel:
-    """`expert_parallel(plan="auto", model=..., axis="ep", capacity_factor=None, min_capacity=0)`;
-    see the module docstring."""
+    """`expert_parallel(plan="auto", model=..., axis="ep", capacity_factor=None, min_capacity=0,
+    bias_update_rate=None, bias_buffer="e_score_correction_bias")`; see the module docstring."""
     return make_transform(ExpertParallel, "expert_parallel", args, kwargs)

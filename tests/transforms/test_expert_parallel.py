@@ -479,3 +479,84 @@ def test_estimate_memory_models_the_dispatched_rows_as_explain_measures_them_on_
                           batch=(8, 8))
     assert est.dispatched == sum(held) / 2 and held[0] != held[1]
     assert "dispatched" in str(est) and "3 x 64 rows" in str(est)
+
+
+# -- aux-loss-free balancing (DeepSeek-V3's router bias) -------------------------------------------
+
+RATE = 0.05
+
+
+def _ds3_batches():
+    g = torch.Generator().manual_seed(2)
+    return [{"input_ids": torch.randint(0, 101, (4, 16), generator=g)} for _ in range(3)]
+
+
+def _ds3_loss(apply_fn, params, batch):
+    return apply_fn(params, input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+
+def train_ds3(mesh=None, outer="none"):
+    """DeepSeek-V3 under expert_parallel(bias_update_rate=RATE)."""
+    if mesh:
+        init_mesh(**mesh)
+    model = make_tiny_causal_lm("deepseek_v3")
+    apply_fn, params = dsfn.functionalize(model)
+    step = compose(*_outer(outer), expert_parallel("auto", model=model, bias_update_rate=RATE))(
+        train_step_for(apply_fn, _ds3_loss))
+    state = step.init_state(params, dsfn.optim.sgd(0.5, momentum=0.9), buffers=apply_fn.buffers)
+    losses = []
+    for batch in _ds3_batches():
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    full = step.gather(state)
+    return losses, {"params": full.params, "buffers": full.buffers}
+
+
+def _ds3_reference():
+    """The same training in one process with the bias update written out in plain torch: each
+    router's chosen experts counted by a forward hook, b += rate * sign(mean - count)."""
+    model = make_tiny_causal_lm("deepseek_v3")
+    apply_fn, params = dsfn.functionalize(model)
+    counts = {}
+
+    def hook(name):
+        def count(module, args, out):
+            counts[name] = counts.get(name, 0) + torch.bincount(out[2].reshape(-1), minlength=4).double()
+        return count
+    for name, m in model.named_modules():
+        if name.endswith("mlp.gate"):
+            m.register_forward_hook(hook(name))
+    step = compose()(train_step_for(apply_fn, _ds3_loss))
+    state = step.init_state(params, dsfn.optim.sgd(0.5, momentum=0.9), buffers=apply_fn.buffers)
+    losses = []
+    for batch in _ds3_batches():
+        counts.clear()
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+        buffers = dict(state.buffers)
+        for name, c in counts.items():
+            key = f"{name}.e_score_correction_bias"
+            buffers[key] = buffers[key] + RATE * torch.sign(c.mean() - c).float()
+        state = state.replace(buffers=buffers)
+    full = step.gather(state)
+    return losses, {"params": full.params, "buffers": full.buffers}
+
+
+@pytest.mark.parametrize("outer,world,mesh", [("none", 1, {"ep": 1}), ("none", 2, {"ep": 2}),
+                                              ("zero3", 4, {"dp": 2, "ep": 2})])
+def test_aux_loss_free_bias_equals_a_plain_torch_reference(outer, world, mesh):
+    pytest.importorskip("transformers")
+    ref = _ds3_reference()
+    assert any(b.abs().sum() > 0 for k, b in ref[1]["buffers"].items() if k.endswith("e_score_correction_bias"))
+    got = run_on_ranks(train_ds3, world, mesh, outer, timeout=300)
+    for losses, state in got:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[0]), **TOL)
+        assert_trees_close(state, ref[1], **TOL)
+
+
+def test_aux_loss_free_bias_needs_a_router_bias_and_the_states_buffers():
+    model = TinyMoE()
+    with pytest.raises(ConfigError, match="no \\[4\\] buffer named 'e_score_correction_bias'"):
+        expert_parallel(PLAN, model=model, bias_update_rate=0.001)
+    with pytest.raises(ConfigError, match="bias_update_rate=-1"):
+        expert_parallel(PLAN, model=model, bias_update_rate=-1)
