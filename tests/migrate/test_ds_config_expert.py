@@ -89,3 +89,30 @@ def test_the_kernel_keys_are_ignored_with_a_warning():
     with pytest.warns(UserWarning, match="expert_parallel.use_grouped_mm"):
         ds = from_ds_config(_config(use_grouped_mm=True), model=make_tiny_causal_lm("mixtral"), world_size=4)
     assert ds.mesh["ep"] == 2
+
+
+# -- DeepSpeed's classic MoE layer arguments ------------------------------------------------------
+
+def test_ds_moe_layer_arguments_map_to_expert_parallel_options():
+    from dsfn.migrate import from_ds_moe
+    from dsfn.transforms.expert_parallel import ExpertParallel
+    model = make_tiny_causal_lm("mixtral")
+    out = from_ds_moe(ep_size=2, k=2, capacity_factor=1.25, min_capacity=4, use_rts=False,
+                      top2_2nd_expert_sampling=False, model=model)
+    assert out == {"ep": 2, "options": {"capacity_factor": 1.25, "min_capacity": 4}}
+    t = ExpertParallel("auto", model=model, **out["options"])
+    assert (t.capacity_factor, t.min_capacity) == (1.25, 4)
+    assert from_ds_moe(k=2, drop_tokens=False, top2_2nd_expert_sampling=False)["options"] == {"capacity_factor": None}
+
+
+def test_ds_moe_arguments_dsfn_does_not_reproduce_are_named():
+    from dsfn.migrate import from_ds_moe
+    with pytest.raises(ConfigError) as err:
+        from_ds_moe(ep_size=2, k=2, noisy_gate_policy="RSample", use_residual=True, model=make_tiny_causal_lm("mixtral",
+                                                                                            num_experts_per_tok=1))
+    text = str(err.value)
+    for needle in ("use_rts=True", "noisy_gate_policy='RSample'", "use_residual=True", "top2_2nd_expert_sampling",
+                   "k=2: the model's router chooses top-1"):
+        assert needle in text, needle
+    with pytest.warns(UserWarning, match="eval_capacity_factor=2.0 is ignored"):
+        from_ds_moe(k=1, use_rts=False, eval_capacity_factor=2.0)
