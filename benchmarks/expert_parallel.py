@@ -58,25 +58,41 @@ def _run(layout: str, steps: int):
     tx = dsfn.optim.adamw(1e-3)
     state = step.init_state(params, tx)
     experts = {n for n, _ in model.named_parameters() if ".experts." in n}
-    held = 0
+    held = whole = 0
     for tree_ in (state.params, state.opt_state):
         for path, x in dsfn.tree.leaves_with_path(tree_, is_leaf=lambda v: hasattr(v, "layout")):
+            d = x.data if hasattr(x, "layout") else x
+            whole += d.numel() * d.element_size()
             if any(e in path for e in experts):
-                d = x.data if hasattr(x, "layout") else x
                 held += d.numel() * d.element_size()
     from dsfn.estimate import estimate_memory
     est = estimate_memory(_model(), [t], 2, tx=tx)
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, 101, (ROWS, SEQ), generator=g)} for _ in range(steps + 2)]
-    times = []
+    times, in_a2a = [], []
+    spent = [0.0]
+    rows = C.all_to_all_rows
+
+    def timed_rows(*a, **k):        # time inside the dispatch's exchanges (blocking under gloo)
+        t0 = time.perf_counter()
+        try:
+            return rows(*a, **k)
+        finally:
+            spent[0] += time.perf_counter() - t0
+    C.all_to_all_rows = timed_rows
     for i, batch in enumerate(batches):
         C.counters.reset()
         dsfn.runtime.collectives.barrier()
+        spent[0] = 0.0
         t0 = time.perf_counter()
         state, m = step(state, batch)
         times.append(time.perf_counter() - t0)
+        in_a2a.append(spent[0])
+    C.all_to_all_rows = rows
     a2a = C.counters.bytes(op="all_to_all")
-    return dict(held=held, est_params=est.params, est_opt=est.optimizer, a2a=a2a, times=times[2:])
+    wire = {op: C.counters.bytes(op=op) for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")}
+    return dict(held=held, whole=whole, est_params=est.params, est_opt=est.optimizer, a2a=a2a, wire=wire,
+                times=times[2:], in_a2a=in_a2a[2:])
 
 
 def experts_ops(impl: str, local: int, rows: int = 256) -> int:
@@ -123,6 +139,14 @@ def main() -> None:
     print(f"experts' logical params + AdamW (m, v) = {3 * expert_bytes:,} bytes; ep2 holds "
           f"{out['ep2']['held'] / (3 * expert_bytes):.3f} of it")
     print(f"step time ep2 / zero3 = {out['ep2']['time'] / out['zero3']['time']:.2f}")
+    print("state bytes per rank (params + optimizer, measured on the placed state) vs estimate_memory:")
+    for layout, r in out.items():
+        print(f"  {layout}: measured {r['whole']:,}  estimate {r['est_params'] + r['est_opt']:,}")
+    print("where the time goes (rank 0, last step): bytes each collective op sent; ep2's time inside its exchanges")
+    for layout, r in out.items():
+        print(f"  {layout}: " + ", ".join(f"{op} {b:,} B" for op, b in r["wire"].items() if b)
+              + (f"; all_to_all_rows {statistics.median(r['in_a2a']) * 1e3:.1f} ms of the step"
+                 if layout == "ep2" else ""))
     print("kernel-launching ops per experts call on its owner (forward + backward), by HF experts implementation:")
     print("| experts on the rank | eager (a Python loop over experts) | grouped_mm | batched_mm |")
     print("|---|---|---|---|")
