@@ -350,6 +350,42 @@ def all_to_all_rows(t: torch.Tensor, send: list[int], recv: list[int], axis: str
     return out.to(home)
 
 
+class RingShift:
+    """In-flight ring shift (`ring_shift`): `wait()` gives the tensors received from the
+    previous rank along the axis, in the order sent."""
+
+    def __init__(self, works: list, received: list[torch.Tensor], homes: list[torch.device], sent: list):
+        self._works, self._received, self._homes, self._sent = works, received, homes, sent
+
+    def wait(self) -> list[torch.Tensor]:
+        for w in self._works:
+            w.wait()
+        self._works, self._sent = [], []
+        return [r.to(h) for r, h in zip(self._received, self._homes)]
+
+
+def ring_shift(ts: list[torch.Tensor], axis: str, *, mesh: Mesh | None = None) -> RingShift:
+    """Send each of `ts` to the next rank along `axis` (index + 1, wrapping) and receive the
+    previous rank's, asynchronously (one batch of isend / irecv: ring attention's K/V
+    rotation). Every rank of the axis calls it with tensors of the same shapes and dtypes.
+    Size-1 axis: `wait()` returns `ts` themselves. Counted as a "send" of the bytes sent (to the
+    next rank: its link decides intra- or inter-node)."""
+    m = mesh if mesh is not None else current_mesh()      # inline: once per collective
+    n = m.size(axis)
+    if n == 1:
+        return RingShift([], list(ts), [t.device for t in ts], [])
+    ranks, me = m.ranks(axis), m.local_rank(axis)
+    nxt, prev = ranks[(me + 1) % n], ranks[(me - 1) % n]
+    group = m.comm_group(axis)
+    sent = [_to_backend(t.contiguous()) for t in ts]
+    received = [torch.empty_like(t) for t in sent]
+    counters.record(axis, "send", sum(_nbytes(t) for t in sent), m, nxt)
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in sent] + \
+          [dist.P2POp(dist.irecv, r, prev, group) for r in received]
+    works = dist.batch_isend_irecv(ops)
+    return RingShift(works, received, [t.device for t in ts], sent)
+
+
 def broadcast_(t: torch.Tensor, axis: str, src: int = 0, *, mesh: Mesh | None = None,
                async_op: bool = False):
     """In-place broadcast from the rank at index `src` along `axis`."""
