@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["pad_sequences", "shift_left", "slice_sequences"]
+__all__ = ["pad_sequences", "shift_left", "slice_sequences", "take_positions"]
 
 
 def shift_left(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -53,4 +53,12 @@ def slice_sequences(batch: dict[str, Any], r: int, c: int) -> dict[str, Any]:
     model may .view() them (HF's loss does, which a column slice of several rows does not
     allow); other values as they are."""
     return {k: (x[:, r * c:(r + 1) * c].contiguous() if isinstance(x, torch.Tensor) and x.dim() >= 2 else x)
+            for k, x in batch.items()}
+
+
+def take_positions(batch: dict[str, Any], positions: torch.Tensor) -> dict[str, Any]:
+    """The tokens at `positions` ([c] global indices, e.g. context parallel's head and tail
+    chunks) of every tensor of dim >= 2 (dim 1), contiguous; other values as they are."""
+    return {k: (x.index_select(1, positions.to(x.device)).contiguous()
+                if isinstance(x, torch.Tensor) and x.dim() >= 2 else x)
             for k, x in batch.items()}

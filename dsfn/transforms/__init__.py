@@ -16,6 +16,7 @@ from dsfn.transforms.async_checkpoint import async_checkpoint
 from dsfn.transforms.clip import clip_grad_norm
 from dsfn.transforms.compile_units import compile_units
 from dsfn.transforms.compose import Step, compose
+from dsfn.transforms.context_parallel import context_parallel
 from dsfn.transforms.core import Transform
 from dsfn.transforms.data_parallel import data_parallel
 from dsfn.transforms.expert_parallel import expert_parallel
@@ -30,5 +31,6 @@ from dsfn.transforms.zenflow import zenflow
 from dsfn.transforms.zero import shard_zero
 
 __all__ = ["Step", "Transform", "accumulate", "async_checkpoint", "clip_grad_norm", "compile_units", "compose",
+           "context_parallel",
            "data_parallel", "expert_parallel", "loss_scale", "mixed_precision", "offload", "pipeline_parallel", "remat",
            "sequence_parallel", "shard_zero", "tensor_parallel", "zenflow"]

@@ -1,0 +1,124 @@
+"""context_parallel(): ring attention over cp, the sequence in head-tail chunks, equal to the
+single process (SGD-momentum, 3 steps, losses and the final state at rtol 1e-5 / atol 1e-6:
+the ring's softmax sums reassociate across blocks). The loss is the train step's own, from
+the whole-sequence `shift_labels` the transform adds before cutting the sequence; the
+single-process reference computes the same shifted labels itself.
+
+Negative control: the head-tail layout undone on the labels only (the labels cut in
+contiguous chunks while the tokens are head-tail) fails."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsfn
+from dsfn.engines.sequence_shards import shift_left
+from dsfn.errors import ConfigError, ShapeError
+from dsfn.models.gpt import GPT, GPTConfig
+from dsfn.runtime import init_mesh
+from dsfn.testing import run_on_ranks
+from dsfn.testing.asserts import assert_trees_close
+from dsfn.testing.models import make_tiny_causal_lm, token_batches
+from dsfn.testing.reference import run_steps, train_step_for
+from dsfn.transforms import compose, context_parallel, shard_zero
+
+VOCAB = 61
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def make_gpt():
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=32, n_layer=2, n_head=4, d_model=32))
+
+
+def make_batches(lengths=(16, 13, 24), rows=4, seed=0):
+    out = []
+    for i, t in enumerate(lengths):
+        b = token_batches(1, rows, t, VOCAB, seed=seed + i)[0]
+        lab = b["labels"].clone()
+        for r in range(0, rows, 2):       # uneven valid targets over the chunks, the same in each dp half
+            lab[r, :5] = -100
+        out.append({"input_ids": b["input_ids"], "labels": lab})
+    return out
+
+
+def shifted_loss(apply_fn, params, batch):
+    labels = batch["shift_labels"] if "shift_labels" in batch else shift_left(batch["labels"], -100)
+    logits = apply_fn(params, batch["input_ids"])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+
+
+def train(outer=(), mesh=None, cp=True, bug=None):
+    if mesh:
+        init_mesh(**mesh)
+    if bug == "labels_contiguous":        # the labels cut in contiguous chunks, the tokens head-tail
+        from dsfn.transforms.context_parallel import ContextParallel
+        orig = ContextParallel._take
+
+        def take(self, batch, t, n, r, device):
+            out = orig(self, batch, t, n, r, device)
+            c = t // n
+            out["shift_labels"] = batch["shift_labels"][:, r * c:(r + 1) * c].contiguous()
+            return out
+        ContextParallel._take = take
+    model = make_gpt()
+    apply_fn, params = dsfn.functionalize(model)
+    ts = (context_parallel(), *outer) if cp else ()
+    step = compose(*ts)(train_step_for(apply_fn, shifted_loss))
+    state = step.init_state(params, dsfn.optim.sgd(0.5, momentum=0.9))
+    return run_steps(step, state, make_batches())
+
+
+def _close(got, ref):
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref[0]), **TOL)
+    assert_trees_close(got[1], ref[1], **TOL)
+
+
+@pytest.mark.parametrize("world,mesh,outer", [(2, {"cp": 2}, ()), (4, {"cp": 4}, ()),
+                                              (4, {"dp": 2, "cp": 2}, ("zero3",)),
+                                              (4, {"dp": 2, "cp": 2}, ("zero1",))])
+def test_ring_attention_training_equals_the_single_process(world, mesh, outer):
+    ref = train(cp=False)
+    zero = tuple(shard_zero(int(o[-1])) for o in outer)
+    for got in run_on_ranks(train, world, zero, mesh, timeout=300):
+        _close(got, ref)
+
+
+def test_negative_control_labels_in_contiguous_chunks_differ():
+    ref = train(cp=False)
+    got = run_on_ranks(train, 2, (), {"cp": 2}, True, "labels_contiguous", timeout=300)
+    assert any(not torch.allclose(torch.tensor(g[0]), torch.tensor(ref[0]), **TOL) for g in got)
+
+
+def _refusal(kind):
+    init_mesh(cp=2)
+    model = make_tiny_causal_lm("llama") if kind == "hf" else make_gpt()
+    apply_fn, params = dsfn.functionalize(model)
+    step = compose(context_parallel())(train_step_for(apply_fn, shifted_loss if kind != "hf" else
+                                                      lambda f, p, b: f(p, input_ids=b["input_ids"]).logits.sum()))
+    state = step.init_state(params, dsfn.optim.sgd(0.1))
+    batch = make_batches((16,))[0]
+    if kind == "padding":
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        batch["attention_mask"][1, -3:] = 0
+    try:
+        step(state, batch)
+    except (ConfigError, ShapeError) as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.parametrize("kind,match", [("hf", "Hugging Face model"), ("padding", "padding in ring attention")])
+def test_what_is_not_built_yet_is_a_named_error(kind, match):
+    got = run_on_ranks(_refusal, 2, kind, timeout=120)
+    assert got[0] is not None and match in got[0][1], got[0]
+
+
+def test_it_must_be_outermost_and_not_beside_ulysses_yet():
+    from dsfn.errors import StackError
+    from dsfn.transforms import sequence_parallel
+    apply_fn, _ = dsfn.functionalize(make_gpt())
+    f = train_step_for(apply_fn, shifted_loss)
+    with pytest.raises(StackError, match="context_parallel must be the outermost"):
+        compose(shard_zero(1), context_parallel())(f)
+    with pytest.raises(StackError, match="must be the outermost"):
+        compose(sequence_parallel(), context_parallel())(f)
