@@ -46,7 +46,11 @@ class SequenceSplit:
     `shift_labels` before it was split; in_grad: the model runs inside value_and_grad (else
     its loss is an evaluation's: the group's value); originals: id(labels the transform made
     valid for a zero weight) -> (those labels, the batch's); normalised: called once per loss
-    made the group's token mean inside a gradient (the transform then weighs it 1)."""
+    made the group's token mean inside a gradient (the transform then weighs it 1);
+    shifted: for a layout whose slices are not contiguous (context parallel's head and tail
+    chunks: a slice's last target is not its neighbour's first label), None; else
+    id(this rank's labels) -> (those labels, their whole-sequence shift taken at this rank's
+    positions), which a model given `labels=` is then scored against."""
     axis: str
     dp_axes: tuple[str, ...]
     local_len: int
@@ -55,11 +59,28 @@ class SequenceSplit:
     in_grad: bool
     originals: Mapping[int, tuple[torch.Tensor, torch.Tensor]]
     normalised: Callable[[], None]
+    shifted: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def original(self, t: Any) -> Any:
         """The batch's labels for `t` where the transform patched them, else `t`."""
         got = self.originals.get(id(t)) if t is not None else None
         return got[1] if got is not None and got[0] is t else t
+
+    def shifted_of(self, labels: torch.Tensor) -> torch.Tensor | None:
+        """`labels`' whole-sequence shift at this rank's positions (non-contiguous layouts), or None.
+        `labels` is the transform's tensor, or rows of it (a view: the data-parallel split or a
+        micro-batch inside take the batch's rows by slicing), whose shift is the same rows."""
+        shifted = self.shifted or {}
+        got = shifted.get(id(labels))
+        if got is not None and got[0] is labels:
+            return got[1]
+        base = labels._base
+        got = shifted.get(id(base)) if base is not None else None
+        if got is None or got[0] is not base or labels.dim() != 2 or base.dim() != 2 \
+                or labels.shape[1] != base.shape[1] or labels.stride() != base.stride():
+            return None
+        first = (labels.storage_offset() - base.storage_offset()) // base.stride(0)
+        return got[1][first:first + labels.shape[0]]
 
 
 class ModelAdapter(Protocol):
@@ -82,6 +103,11 @@ class ModelAdapter(Protocol):
     def sequence_attention(self, module: nn.Module, axis: str, consecutive: torch.Tensor | None,
                            padded: bool) -> ContextManager:
         """The model's attention as Ulysses attention over `axis`."""
+
+    def ring_attention(self, module: nn.Module, axis: str, positions: torch.Tensor,
+                       documents: torch.Tensor | None) -> ContextManager:
+        """The model's attention as ring attention over `axis` (this rank's rows at global
+        `positions` [T]; `documents` [B, T]: -1 padding, else the row's document)."""
 
     def loss_modules(self, module: nn.Module) -> list[nn.Module]:
         """The modules that compute `module`'s own loss (wrappers looked through)."""

@@ -20,10 +20,15 @@ summed over cp (the machinery shared with sequence parallel: `SplitSequence` wit
 and ring attention instead of Ulysses). Positions are global: a forward that takes
 `position_ids` gets the rank's global positions.
 
-Which attention: a non-Hugging-Face model's causal `scaled_dot_product_attention` calls
-(no mask; `dsfn.models.gpt`) are intercepted (`RingSDPA`). Not built yet, refused with a
-ConfigError: Hugging Face models (their attention registration and own loss), and padding
-or packed documents in the batch; in the stack, sequence_parallel together with it (2-D).
+Which attention: a Hugging Face model's attention runs as the registered "dsfn_ring"
+(`dsfn.integrations.hf.ring`): causal over the global positions, with the layer's sliding
+window, packed documents (position_ids that restart: a key only for queries of its
+document) and padding (attention_mask 0: a key for nobody), computed over the whole batch
+before it is cut; its own loss (`labels=`) is scored against the transform's whole-sequence
+shift of those labels, the token mean over the whole sequence and batch. A non-HF model's
+causal `scaled_dot_product_attention` calls (no mask; `dsfn.models.gpt`) are intercepted
+(`RingSDPA`; no documents, right padding only, as sequence parallel's AutoSP). Not built yet,
+refused: sequence_parallel in the same stack (2-D), Gemma2's logit soft-capping.
 
 Nothing in the state is laid out over cp: checkpoints are unchanged. Stack: outermost
 (only `async_checkpoint` may sit outside), as sequence_parallel.
@@ -34,10 +39,8 @@ from typing import Any
 
 import torch
 
-from dsfn.adapters import adapter_for
 from dsfn.engines.ring_attention import RingSDPA, head_tail_positions
 from dsfn.engines.sequence_shards import take_positions
-from dsfn.errors import ConfigError, ShapeError
 from dsfn.runtime.mesh import current_mesh
 from dsfn.transforms.core import make_transform
 from dsfn.transforms.sequence_split import SplitSequence
@@ -59,28 +62,52 @@ class ContextParallel(SplitSequence):
                 f"layer pass around the ring (sequence in {2 * n} chunks, a head and a tail per rank)")
 
     def _take(self, batch: dict, t: int, n: int, r: int, device: Any) -> dict:
-        mask = batch.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and not bool(mask.bool().all()):
-            raise ShapeError("context_parallel: the batch's attention_mask has padding; padding in ring attention is "
-                             "not built yet: pack or cut the rows to full length")
-        if "position_ids" in batch:
-            raise ShapeError("context_parallel: the batch holds position_ids (packed documents?); documents in ring "
-                             "attention are not built yet")
         pos = head_tail_positions(t, n, r).to(device)
-        self._notes().positions = pos[None]
-        self._notes().arange = None
-        self._notes().ring_positions = pos
-        return take_positions(batch, pos)
+        notes = self._notes()
+        notes.positions = pos[None]
+        notes.arange = None
+        notes.ring_positions = pos
+        rows = batch[self.seq_key].shape[0]
+        notes.ring_documents = _documents(batch, rows, t).index_select(1, pos.cpu()) if _has_documents(batch) else None
+        out = take_positions(batch, pos)
+        labels = out.get(self.labels_key)
+        # a model given labels= is scored against their whole-sequence shift (a chunk's last
+        # target is another chunk's first token): the pair the transform made
+        notes.shifted = ({id(labels): (labels, out["shift_labels"])} if isinstance(labels, torch.Tensor)
+                         and isinstance(out.get("shift_labels"), torch.Tensor) else {})
+        return out
 
-    def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
-        if current_mesh().size(self.axis) > 1 and adapter_for(apply_fn.module) is not None:
-            raise ConfigError(f"context_parallel: {type(apply_fn.module).__name__} is a Hugging Face model; its "
-                              "attention registration and own loss under ring attention are not built yet. Use "
-                              "sequence_parallel() (Ulysses) for it")
-        return super().handle_apply_module(call_next, apply_fn, params, args, kwargs)
+    def _shifted_labels(self) -> Any:
+        return getattr(self._notes(), "shifted", {})
+
+    def _hf_attention(self, adapter: Any, module: Any) -> Any:
+        notes = self._notes()
+        return adapter.ring_attention(module, self.axis, notes.ring_positions, notes.ring_documents)
 
     def _sdpa_mode(self) -> Any:
         return RingSDPA(self.axis, self._notes().ring_positions)
+
+
+def _has_documents(batch: dict) -> bool:
+    mask = batch.get("attention_mask")
+    return isinstance(batch.get("position_ids"), torch.Tensor) or (
+        isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.bool().all()))
+
+
+def _documents(batch: dict, rows: int, t: int) -> torch.Tensor:
+    """[B, t] each position's document over the whole sequence: a new one where a position id
+    is not its predecessor + 1 (HF's `find_packed_sequence_indices`), -1 where the
+    attention_mask is 0 (padding: no query sees it)."""
+    docs = torch.zeros(rows, t, dtype=torch.long)
+    pid = batch.get("position_ids")
+    if isinstance(pid, torch.Tensor):
+        pid = pid.expand(rows, -1) if pid.dim() == 2 else pid[None].expand(rows, -1)
+        diff = torch.diff(pid.cpu(), prepend=pid[:, :1].cpu() - 1, dim=-1)
+        docs = (diff != 1).long().cumsum(-1)
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        docs = docs.masked_fill(~mask.bool().cpu(), -1)
+    return docs
 
 
 def context_parallel(*args: Any, **kwargs: Any) -> ContextParallel:

@@ -262,7 +262,12 @@ class SplitSequence(Transform):
         """What a model's own loss needs to know of this step's split (a plain record)."""
         return SequenceSplit(axis=self.axis, dp_axes=tuple(self._dp_axes), local_len=self._notes().local_len,
                              real_len=self._notes().real_len, batch_shifted=self._notes().batch_shifted, in_grad=bool(self._notes().in_grad),
-                             originals=self._notes().unpatched, normalised=self._normalised)
+                             originals=self._notes().unpatched, normalised=self._normalised,
+                             shifted=self._shifted_labels())
+
+    def _shifted_labels(self) -> Any:
+        """Contiguous slices: None (a model's own loss shifts its labels over the neighbours)."""
+        return None
 
     def _normalised(self) -> None:
         """The adapter made a model's own loss the group's token mean (its sp weight is 1)."""
@@ -292,8 +297,7 @@ class SplitSequence(Transform):
             with adapter.own_loss(module, self._split(), args, kwargs), \
                     adapter.global_router_balance(module, [self.axis], list(self._dp_axes), valid), \
                     self._watching(module, via, kwargs.get("position_ids")):
-                with until_backward(adapter.sequence_attention(module, self.axis, self._notes().arange,  # recomputes alike
-                                                               padded=self._notes().padded)):
+                with until_backward(self._hf_attention(adapter, module)):      # recomputes alike
                     return call_next(apply_fn, params, args, kwargs)
         if not self._notes().right_padded:
             raise ShapeError(f"sequence_parallel: the batch's attention_mask has left padding or holes, and "
@@ -304,6 +308,10 @@ class SplitSequence(Transform):
             return call_next(apply_fn, params, args, kwargs)
         with until_backward(self._sdpa_mode()):
             return call_next(apply_fn, params, args, kwargs)
+
+    def _hf_attention(self, adapter: Any, module: Any) -> Any:
+        """A Hugging Face model's attention over the axis (Ulysses: `dsfn_ulysses`)."""
+        return adapter.sequence_attention(module, self.axis, self._notes().arange, padded=self._notes().padded)
 
     def _sdpa_mode(self) -> Any:
         """The mode that runs a non-HF model's causal sdpa calls over the axis (AutoSP: Ulysses)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsfn.adapters import register_adapter
-from dsfn.integrations.hf import attention, detect, losses, plan, router
+from dsfn.integrations.hf import attention, detect, losses, plan, ring, router
 
 
 class HuggingFaceAdapter:
@@ -30,6 +30,9 @@ class HuggingFaceAdapter:
 
     def sequence_attention(self, module, axis, consecutive=None, padded=False):
         return attention.ulysses_attention(module, axis, consecutive, padded)
+
+    def ring_attention(self, module, axis, positions, documents=None):
+        return ring.ring_attention_context(module, axis, positions, documents)
 
     def loss_modules(self, module):
         return detect.loss_modules(module)

@@ -180,6 +180,14 @@ def sequence_loss(split: SequenceSplit, inner: Any, module: nn.Module) -> Any:
                     "whole sequence), or use sequence_parallel(shift_labels=True) and pass "
                     "shift_labels=batch['shift_labels']")
             target = shift_labels
+        elif labels is not None and split.shifted is not None:
+            # not contiguous (context parallel's head and tail chunks): the transform's shift of these labels
+            target = split.shifted_of(labels)
+            if target is None:
+                raise ConfigError(
+                    f"context_parallel: {type(module).__name__} got labels= that are not the batch's labels (as "
+                    "the transform cut them); their targets cannot be shifted inside this rank's chunks. Pass the "
+                    "batch's labels, or shift_labels=batch['shift_labels']")
         elif labels is not None:
             target = _shift_over_sp(split, labels, ignore_index, module)
         else:
@@ -206,10 +214,11 @@ def sequence_loss(split: SequenceSplit, inner: Any, module: nn.Module) -> Any:
             # under accumulate: the valid targets of the whole batch, every micro-batch's
             # (`dsfn.adapters.MicroBatchCounts`), / dp / the number of micro-batches
             shifted = shift_labels is not None
+            shift = ((lambda t: t) if shifted else (lambda t: split.shifted_of(t)) if split.shifted is not None
+                     else (lambda t: _shift_over_sp(split, t, ignore_index, module)))
             items = counts.num_items(
                 given if counts.whole_of.get(id(given)) is not None else (shift_labels if shifted else labels),
-                (lambda t: t) if shifted else (lambda t: _shift_over_sp(split, t, ignore_index, module)),
-                ignore_index, reduce, dp, module)
+                shift, ignore_index, reduce, dp, module)
         elif num_items_in_batch is None:
             items = reduce((target != ignore_index).sum().to(torch.float64)) / dp
         else:       # the caller's count of the whole batch (e.g. over accumulated micro-batches)
