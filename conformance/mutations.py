@@ -195,6 +195,36 @@ def _ep_replicas_not_averaged():
     return mock.patch.object(data_parallel.Replicas, "mean_over_batch_axes", lambda self, grads, axes, facts: grads)
 
 
+def _cp_skips_block():
+    """Ring attention leaves out the last visible chunk pair of every K/V block that has two or more."""
+    from dsfn.engines import ring_attention
+    orig = ring_attention._pairs
+
+    def pairs(mask, cq, ck):
+        out = list(orig(mask, cq, ck))
+        return out[:-1] if len(out) > 1 else out
+    return mock.patch.object(ring_attention, "_pairs", pairs)
+
+
+def _cp_labels_contiguous():
+    """Context parallel takes the tokens in head and tail chunks but the labels (and their shift)
+    in contiguous slices: the head-tail layout undone on the labels only."""
+    from dsfn.transforms.context_parallel import ContextParallel
+    orig = ContextParallel._take
+
+    def take(self, batch, t, n, r, device):
+        out = orig(self, batch, t, n, r, device)
+        c = t // n
+        for key in (self.labels_key, "shift_labels"):
+            if isinstance(batch.get(key), torch.Tensor) and key != self.seq_key:
+                out[key] = batch[key][:, r * c:(r + 1) * c].contiguous()
+        labels, shifted = out.get(self.labels_key), out.get("shift_labels")
+        if isinstance(labels, torch.Tensor) and isinstance(shifted, torch.Tensor):
+            self._notes().shifted = {id(labels): (labels, shifted)}     # a model's own loss scores these
+        return out
+    return mock.patch.object(ContextParallel, "_take", take)
+
+
 # ------------------------------------------------------------------------------------------
 # which rows each must fail
 
@@ -265,6 +295,12 @@ MUTATIONS: dict[str, Mutation] = {m.name: m for m in [
              ("tests/transforms/test_expert_parallel.py",)),
     Mutation("ep_replicas_not_averaged", "the non-expert gradients not averaged over ep", _ep_replicas_not_averaged,
              _ep_row, ("tests/transforms/test_expert_parallel.py",)),
+    # context parallel: every cp row (the models without a token sequence refuse it)
+    Mutation("cp_skips_block", "ring attention skips a K/V block", _cp_skips_block,
+             lambda c: "cp" in c.stack.split("+"), ("tests/engines/test_ring_attention.py",)),
+    Mutation("cp_labels_contiguous", "context parallel's head-tail layout undone on the labels only",
+             _cp_labels_contiguous, lambda c: "cp" in c.stack.split("+"),
+             ("tests/transforms/test_context_parallel.py",)),
 ]}
 
 

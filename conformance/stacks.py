@@ -52,6 +52,16 @@ def _ep(model, spec):
     return _T().expert_parallel(spec.experts or "auto", model=model)
 
 
+def _cp(model, spec):
+    """Context parallel: a model's own loss (labels= its inputs) shifts over the whole sequence;
+    the other losses' labels are each position's target already."""
+    from conformance.models import _hf_labels_loss
+    T = _T()
+    if spec.loss is _hf_labels_loss:       # labels=batch["hf_labels"], else the input ids themselves
+        return T.context_parallel(labels_key="hf_labels" if "hf_labels" in spec.batches()[0] else "input_ids")
+    return T.context_parallel(shift_labels=False)
+
+
 def _tp(model, spec):
     T = _T()
     if spec.tp == "gpt":
@@ -166,6 +176,10 @@ STACKS: dict[str, StackSpec] = {
     "zero2+ep+async_checkpoint+resume": StackSpec(
         lambda m, s, d: [_T().shard_zero(2), _ep(m, s), _T().async_checkpoint(os.path.join(d, "ckpt"), every=2)],
         mesh=lambda w: {"dp": w // 2, "ep": 2}, worlds=(4,), resume=True),
+    # context parallel: ring attention over cp, the sequence in head and tail chunks
+    "cp": StackSpec(lambda m, s, d: [_cp(m, s)], mesh=lambda w: {"cp": w}, worlds=(2, 4)),
+    "cp+zero3": StackSpec(lambda m, s, d: [_cp(m, s), _T().shard_zero(3)], mesh=lambda w: {"dp": w // 2, "cp": 2},
+                          worlds=(4,)),
     "hsdp3+tp": StackSpec(lambda m, s, d: [_T().shard_zero(3, shard_group="node"), _tp(m, s)],
                           mesh=lambda w: {"dp": w // 2, "tp": 2}, worlds=(8,), nodes=2),
 }

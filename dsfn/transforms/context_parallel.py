@@ -12,9 +12,10 @@ dK / dV around the ring the same way. Grouped-query attention sends its few K/V 
 
 The batch: every sequence-shaped tensor (dim 1) is taken at the rank's positions (padded at
 the end to a multiple of 2 x cp: ignored labels, mask 0). The labels are shifted left by
-one over the whole sequence before that (`batch["shift_labels"]`, always: a chunk's last
-target is another chunk's first token), and the loss the train step computes from
-`batch["shift_labels"]` is made the token mean over the whole sequence and batch: this
+one over the whole sequence before that (`batch["shift_labels"]`: a chunk's last target is
+another chunk's first token; `shift_labels=False` when the labels are already each
+position's target), and the loss the train step computes from `batch["shift_labels"]` (or
+the labels) is made the token mean over the whole sequence and batch: this
 rank's mean is weighted by its share of the valid targets, and values and gradients are
 summed over cp (the machinery shared with sequence parallel: `SplitSequence` with a head-tail layout
 and ring attention instead of Ulysses). Positions are global: a forward that takes
@@ -52,8 +53,8 @@ class ContextParallel(SplitSequence):
     pieces_per_rank = 2                 # a head and a tail chunk
 
     def __init__(self, axis: str = "cp", seq_key: str = "input_ids", labels_key: str = "labels",
-                 ignore_index: int = -100, pad_token_id: int = 0):
-        super().__init__(axis=axis, seq_key=seq_key, labels_key=labels_key, shift_labels=True,
+                 shift_labels: bool = True, ignore_index: int = -100, pad_token_id: int = 0):
+        super().__init__(axis=axis, seq_key=seq_key, labels_key=labels_key, shift_labels=shift_labels,
                          ignore_index=ignore_index, pad_token_id=pad_token_id)
 
     def explain_note(self) -> str:
@@ -111,6 +112,9 @@ def _documents(batch: dict, rows: int, t: int) -> torch.Tensor:
 
 
 def context_parallel(*args: Any, **kwargs: Any) -> ContextParallel:
-    """`context_parallel(axis="cp", seq_key="input_ids", labels_key="labels", ignore_index=-100,
-    pad_token_id=0)`; see the module docstring."""
+    """`context_parallel(axis="cp", seq_key="input_ids", labels_key="labels", shift_labels=True,
+    ignore_index=-100, pad_token_id=0)`; see the module docstring. `shift_labels=False`: the
+    batch's labels are already each position's target (`labels[t]` = token t + 1), so they
+    are cut as they are and the loss is weighted by them (a model's own loss, which shifts
+    `labels=` itself, then needs shift_labels=True)."""
     return make_transform(ContextParallel, "context_parallel", args, kwargs)

@@ -114,7 +114,7 @@ class SplitSequence(Transform):
     def shard_batch(self, batch: Any) -> Any:
         """This rank's slice of every sequence-shaped tensor (see the module docstring)."""
         if not isinstance(batch, dict) or self.seq_key not in batch:
-            raise ShapeError(f"sequence_parallel: the batch must be a dict with {self.seq_key!r} "
+            raise ShapeError(f"{self.name}: the batch must be a dict with {self.seq_key!r} "
                              f"[batch, seq]; got {type(batch).__name__}"
                              + (f" with keys {sorted(batch)}" if isinstance(batch, dict) else ""))
         ids = batch[self.seq_key]

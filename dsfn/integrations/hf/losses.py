@@ -186,8 +186,9 @@ def sequence_loss(split: SequenceSplit, inner: Any, module: nn.Module) -> Any:
             if target is None:
                 raise ConfigError(
                     f"context_parallel: {type(module).__name__} got labels= that are not the batch's labels (as "
-                    "the transform cut them); their targets cannot be shifted inside this rank's chunks. Pass the "
-                    "batch's labels, or shift_labels=batch['shift_labels']")
+                    "the transform cut them, under context_parallel(shift_labels=True, labels_key=<their key>)); "
+                    "their targets cannot be shifted inside this rank's chunks. Pass the batch's labels, or "
+                    "shift_labels=batch['shift_labels']")
         elif labels is not None:
             target = _shift_over_sp(split, labels, ignore_index, module)
         else:
