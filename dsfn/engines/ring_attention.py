@@ -37,6 +37,7 @@ import torch
 from dsfn.errors import ShapeError
 from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
+from dsfn.engines.sdpa_mode import CausalSDPAMode
 
 __all__ = ["head_tail_positions", "ring_attention", "visible"]
 
@@ -183,39 +184,20 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str,
                        bool(causal), window, scale, chunk)
 
 
-class RingSDPA(torch.overrides.TorchFunctionMode):
+class RingSDPA(CausalSDPAMode):
     """Runs every causal `F.scaled_dot_product_attention` call (no mask: a non-HF model's
     attention, e.g. `dsfn.models.gpt`) as ring attention over `axis`, the local rows at global
     `positions` [T] (the head-tail layout)."""
 
+    who = "context_parallel"
+
     def __init__(self, axis: str, positions: torch.Tensor):
-        super().__init__()
-        self.axis, self.positions = axis, positions
-        self._inert = False
+        super().__init__(axis)
+        self.positions = positions
 
-    def __enter__(self):
-        from torch.overrides import _get_current_function_mode_stack
-        # one already on the stack for this axis (a later forward of the same step): stay off it
-        self._inert = any(isinstance(m, RingSDPA) and m.axis == self.axis for m in _get_current_function_mode_stack())
-        return self if self._inert else super().__enter__()
-
-    def __exit__(self, *exc):
-        return False if self._inert else super().__exit__(*exc)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        import torch.nn.functional as F
+    def attend(self, func, q, k, v, args):
         from dsfn.errors import ConfigError
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-        a = {**dict(zip(names, args)), **kwargs}
-        if a.get("attn_mask") is not None or not a.get("is_causal", False):
-            raise ConfigError("context_parallel: an intercepted scaled_dot_product_attention call has an explicit "
-                              "mask or is not causal; ring attention of a non-Hugging-Face model handles causal "
-                              "attention without masks (is_causal=True)")
-        if a.get("dropout_p", 0.0):
+        if args.get("dropout_p", 0.0):
             raise ConfigError("context_parallel: attention dropout is not supported by ring attention; set the "
                               "model's attention dropout to 0")
-        return ring_attention(a["query"], a["key"], a["value"], self.axis, self.positions, causal=True,
-                              scale=a.get("scale"))
+        return ring_attention(q, k, v, self.axis, self.positions, causal=True, scale=args.get("scale"))

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from dsfn.errors import ConfigError, MeshError
+from dsfn.errors import MeshError
 from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
+from dsfn.engines.sdpa_mode import CausalSDPAMode
 
 __all__ = ["UlyssesSDPA", "heads_to_seq", "kv_replication", "replicate_kv", "seq_to_heads", "ulysses_sdpa"]
 
@@ -106,40 +106,14 @@ def replicate_kv(x: torch.Tensor, f: int) -> torch.Tensor:
     return x if f == 1 else x.repeat_interleave(f, dim=1)
 
 
-class UlyssesSDPA(TorchFunctionMode):
+class UlyssesSDPA(CausalSDPAMode):
     """Runs every causal `F.scaled_dot_product_attention` call as Ulysses attention."""
 
-    def __init__(self, axis: str):
-        super().__init__()
-        self.axis = axis
-        self._inert = False
-
-    def __enter__(self):
-        # an instance for this axis on the mode stack already (a later forward of the same step,
-        # whose set-up lives until backward: a pipeline's outstanding micro-batches): this one
-        # stays off the stack, else the outer mode would make the inner one's attention
-        # Ulysses twice
-        self._inert = any(isinstance(m, UlyssesSDPA) and m.axis == self.axis
-                          for m in _get_current_function_mode_stack())
-        return self if self._inert else super().__enter__()
-
-    def __exit__(self, *exc):
-        return False if self._inert else super().__exit__(*exc)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-        a = {**dict(zip(names, args)), **kwargs}
-        if a.get("attn_mask") is not None or not a.get("is_causal", False):
-            raise ConfigError("sequence_parallel: an intercepted scaled_dot_product_attention call has an explicit "
-                              "mask or is not causal; AutoSP handles causal attention without masks (is_causal=True)")
-        q, k, v = a["query"], a["key"], a["value"]
+    def attend(self, func, q, k, v, args):
         n = current_mesh().size(self.axis)
         f = kv_replication(q.shape[1], k.shape[1], n, "a scaled_dot_product_attention call")
         k, v = replicate_kv(k, f), replicate_kv(v, f)
         q, k, v = (seq_to_heads(t, self.axis) for t in (q, k, v))
-        rest = {key: a[key] for key in ("dropout_p", "scale", "enable_gqa") if key in a}
+        rest = {key: args[key] for key in ("dropout_p", "scale", "enable_gqa") if key in args}
         out = func(q, k, v, is_causal=True, **rest)      # the mode is off inside its own handler
         return heads_to_seq(out, self.axis)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from dsfn.errors import ConfigError
+from dsfn.integrations.hf import detect
 
 NAME = "dsfn_ulysses"
 
@@ -198,17 +199,8 @@ def ulysses_attention(model: nn.Module, axis: str, consecutive: torch.Tensor | N
     (the transform's own), for which no documents are looked for. `padded`: the batch's
     attention_mask has zeros, so the model's padding mask is applied over the whole sequence."""
     _register()
-    configs = [c for c in {id(m.config): m.config for m in model.modules()
-                           if hasattr(getattr(m, "config", None), "_attn_implementation_internal")}.values()]
-    chunked = [c for c in configs if getattr(c, "attention_chunk_size", None)
-               and "chunked_attention" in (getattr(c, "layer_types", None) or ["chunked_attention"])]
-    if chunked:
-        raise ConfigError(f"sequence_parallel: {type(model).__name__} uses chunked attention "
-                          f"(attention_chunk_size={chunked[0].attention_chunk_size}: tokens attend only within "
-                          "their chunk), which dsfn's Ulysses attention does not build over the whole sequence; "
-                          "it would attend across chunks. Train it without sequence_parallel (tensor_parallel and "
-                          "ZeRO work)")
-    saved = before = [c._attn_implementation_internal for c in configs]
+    configs = detect.attention_configs(model, "sequence_parallel")
+    saved = [c._attn_implementation_internal for c in configs]
     if _ACTIVE and all(s == NAME for s in saved):
         # Ulysses is installed already (an earlier forward of the same step, whose set-up lives
         # until backward: a pipeline's outstanding micro-batches): this forward's context wraps
@@ -221,10 +213,7 @@ def ulysses_attention(model: nn.Module, axis: str, consecutive: torch.Tensor | N
                           "(e.g. 'sdpa' for all parts)")
     _ACTIVE.append(_Context(axis, inner.pop(), consecutive, padded))
     try:
-        for c in configs:
-            c._attn_implementation_internal = NAME
-        yield
+        with detect.attention_implementation(configs, NAME):
+            yield
     finally:
-        for c, s in zip(configs, before):
-            c._attn_implementation_internal = s
         _ACTIVE.pop()

@@ -5,6 +5,7 @@ wrappers: peft, torch.compile, a user's nn.Module; cached per model) and `holds_
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from typing import Any
@@ -60,3 +61,33 @@ def holds_hf_model(module: Any) -> bool:
     handled as HF's (or refused when its loss cannot be found)."""
     return isinstance(module, nn.Module) and (is_hf_model(module) or bool(loss_modules(module))
                                               or getattr(module, "loss_function", None) is not None)
+
+
+def attention_configs(model: Any, who: str) -> list:
+    """The model's configs (its own and its sub-configs') that name an attention
+    implementation; a ConfigError for chunked attention (Llama4's attention_chunk_size: tokens
+    attend only inside their chunk), which dsfn's sequence-splitting attention does not build."""
+    from dsfn.errors import ConfigError
+    configs = [c for c in {id(m.config): m.config for m in model.modules()
+                           if hasattr(getattr(m, "config", None), "_attn_implementation_internal")}.values()]
+    chunked = [c for c in configs if getattr(c, "attention_chunk_size", None)
+               and "chunked_attention" in (getattr(c, "layer_types", None) or ["chunked_attention"])]
+    if chunked:
+        raise ConfigError(f"{who}: {type(model).__name__} uses chunked attention (attention_chunk_size="
+                          f"{chunked[0].attention_chunk_size}: tokens attend only within their chunk), which dsfn's "
+                          f"{who} attention does not build over the whole sequence. Train it without {who} "
+                          "(tensor_parallel and ZeRO work)")
+    return configs
+
+
+@contextlib.contextmanager
+def attention_implementation(configs: list, name: str):
+    """Every config of `configs` names attention implementation `name` inside the context."""
+    before = [c._attn_implementation_internal for c in configs]
+    try:
+        for c in configs:
+            c._attn_implementation_internal = name
+        yield
+    finally:
+        for c, s in zip(configs, before):
+            c._attn_implementation_internal = s

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from dsfn.errors import ConfigError
+from dsfn.integrations.hf import detect
 
 NAME = "dsfn_ring"
 _ACTIVE: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []     # (axis, positions, documents), innermost last
@@ -59,20 +60,10 @@ def ring_attention_context(model: nn.Module, axis: str, positions: torch.Tensor,
                            documents: torch.Tensor | None = None) -> Iterator[None]:
     """Make `model` (and its sub-configs) use ring attention over `axis` inside the context."""
     _register()
-    configs = [c for c in {id(m.config): m.config for m in model.modules()
-                           if hasattr(getattr(m, "config", None), "_attn_implementation_internal")}.values()]
-    chunked = [c for c in configs if getattr(c, "attention_chunk_size", None)
-               and "chunked_attention" in (getattr(c, "layer_types", None) or ["chunked_attention"])]
-    if chunked:
-        raise ConfigError(f"context_parallel: {type(model).__name__} uses chunked attention (attention_chunk_size="
-                          f"{chunked[0].attention_chunk_size}), which ring attention does not build")
-    before = [c._attn_implementation_internal for c in configs]
+    configs = detect.attention_configs(model, "context_parallel")
     _ACTIVE.append((axis, positions, documents))
     try:
-        for c in configs:
-            c._attn_implementation_internal = NAME
-        yield
+        with detect.attention_implementation(configs, NAME):
+            yield
     finally:
-        for c, s in zip(configs, before):
-            c._attn_implementation_internal = s
         _ACTIVE.pop()
