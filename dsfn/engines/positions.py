@@ -12,7 +12,16 @@ from typing import Any
 from dsfn.adapters import adapter_for
 from dsfn.errors import ConfigError
 
-__all__ = ["PositionsWatch", "passed_on", "takes"]
+__all__ = ["PositionsWatch", "document_ids", "passed_on", "takes"]
+
+
+def document_ids(position_ids: Any) -> Any:
+    """[b, T] each position's document in rows of packed sequences: a new document starts where
+    a position id is not its predecessor + 1 (HF's `find_packed_sequence_indices`); 0 throughout
+    a row holding one document."""
+    import torch
+    diff = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    return (diff != 1).long().cumsum(-1)
 
 
 def takes(module: Any, name: str) -> bool:

@@ -88,6 +88,13 @@ def _pairs(mask: torch.Tensor, cq: int, ck: int):
                 yield slice(i, i + cq), slice(j, j + ck), sub
 
 
+def _scores(qf: torch.Tensor, kf: torch.Tensor, qs: slice, ks: slice, sub: torch.Tensor, scale: float) -> torch.Tensor:
+    """Scaled scores of one (query chunk, key chunk) pair, -inf where the mask hides the key
+    (forward and backward's recompute alike)."""
+    sc = (qf[:, :, qs] @ kf[:, :, ks].transpose(-1, -2)) * scale
+    return sc.masked_fill(~sub.unsqueeze(1), -math.inf)
+
+
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, axis, q_pos, q_doc, causal, window, scale, chunk):
@@ -104,8 +111,7 @@ class _Ring(torch.autograd.Function):
             mask = visible(q_pos, k_pos, q_doc, block[3] if q_doc is not None else None, causal, window)
             kf, vf = _repeat(kk.float(), groups), _repeat(vv.float(), groups)
             for qs, ks, sub in _pairs(mask, chunk, chunk):
-                sc = (qf[:, :, qs] @ kf[:, :, ks].transpose(-1, -2)) * scale
-                sc = sc.masked_fill(~sub.unsqueeze(1), -math.inf)
+                sc = _scores(qf, kf, qs, ks, sub, scale)
                 m = sc.amax(-1)
                 m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
                 p = torch.exp(sc - m.unsqueeze(-1))
@@ -147,8 +153,7 @@ class _Ring(torch.autograd.Function):
             dk_blk = torch.zeros_like(kf)
             dv_blk = torch.zeros_like(vf)
             for qs, ks, sub in _pairs(mask, chunk, chunk):
-                sc = (qf[:, :, qs] @ kf[:, :, ks].transpose(-1, -2)) * scale
-                sc = sc.masked_fill(~sub.unsqueeze(1), -math.inf)
+                sc = _scores(qf, kf, qs, ks, sub, scale)
                 p = torch.exp(sc - safe_lse[:, :, qs].unsqueeze(-1))
                 p = torch.where(torch.isinf(lse[:, :, qs]).unsqueeze(-1), torch.zeros_like(p), p)
                 dv_blk[:, :, ks] += p.transpose(-1, -2) @ do[:, :, qs]

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from dsfn.engines.positions import document_ids
 from dsfn.engines.ring_attention import RingSDPA, head_tail_positions
 from dsfn.engines.sequence_shards import take_positions
 from dsfn.runtime.mesh import current_mesh
@@ -96,15 +97,13 @@ def _has_documents(batch: dict) -> bool:
 
 
 def _documents(batch: dict, rows: int, t: int) -> torch.Tensor:
-    """[B, t] each position's document over the whole sequence: a new one where a position id
-    is not its predecessor + 1 (HF's `find_packed_sequence_indices`), -1 where the
-    attention_mask is 0 (padding: no query sees it)."""
+    """[B, t] each position's document over the whole sequence (`document_ids` of the batch's
+    position_ids), -1 where the attention_mask is 0 (padding: no query sees it)."""
     docs = torch.zeros(rows, t, dtype=torch.long)
     pid = batch.get("position_ids")
     if isinstance(pid, torch.Tensor):
         pid = pid.expand(rows, -1) if pid.dim() == 2 else pid[None].expand(rows, -1)
-        diff = torch.diff(pid.cpu(), prepend=pid[:, :1].cpu() - 1, dim=-1)
-        docs = (diff != 1).long().cumsum(-1)
+        docs = document_ids(pid.cpu())
     mask = batch.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         docs = docs.masked_fill(~mask.bool().cpu(), -1)

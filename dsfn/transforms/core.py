@@ -155,6 +155,17 @@ def with_role(stack: Sequence[Transform], role: str) -> list[Transform]:
     return [t for t in stack if role in t.roles]
 
 
+def map_rest_inside(call_next: Any, fn: Any, pieces: Sequence[Any], rest: Sequence[int], out: list) -> list:
+    """A "map_whole" handler's leaves it does not own (`rest`: indices into `pieces`) handed to
+    the transforms inside in one call, `fn` still called with each leaf's own index; their
+    results written into `out` (the handler's list, its own leaves already mapped)."""
+    if rest:
+        rest = list(rest)
+        for k, r in zip(rest, call_next(lambda j, w: fn(rest[j], w), [pieces[k] for k in rest])):
+            out[k] = r
+    return out
+
+
 def make_transform(cls: type[Transform], factory_name: str, args: tuple, kwargs: dict) -> Transform:
     """Build `cls(*args, **kwargs)`, turning a bad signature into an actionable ConfigError."""
     sig = inspect.signature(cls.__init__)

@@ -60,8 +60,9 @@ inside (each stage's MoE layers dispatch over that stage's ep ranks; the experts
 pieces are `Nested(StageOwned(pp), DimShard(ep))`); `sequence_parallel` (Ulysses, outermost:
 each sp rank's tokens are dispatched; sp counts ep among the axes its loss averages over, the
 "batch_axis" fact); `accumulate`, `mixed_precision`, `loss_scale`, `clip_grad_norm`, Muon,
-`remat` and the model's own gradient checkpointing.
-Refused for now with a StackError (not silently wrong): offload, zenflow.
+`remat`, the model's own gradient checkpointing, and `offload("cpu" | "nvme")` under ZeRO.
+Refused for now with a StackError (not silently wrong): zenflow; `offload(overlap=True)`
+(ZeRO refuses it: its host update would hear the gradient buckets before their mean over ep).
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ from dsfn.placed import Placed, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.layout import DimShard, Nested, map_with_mirrors, shard_further
-from dsfn.transforms.core import Transform, make_transform, with_role
+from dsfn.transforms.core import Transform, make_transform, map_rest_inside, with_role
 from dsfn.transforms.facts import stack_facts
 
 _EXPERTS_STYLES = ("experts", "ep_dispatch_experts")
@@ -149,6 +150,8 @@ class ExpertParallel(Transform):
         self._bias = self._resolve_bias(bias_buffer) if self.bias_update_rate is not None else {}
         self.last_tokens_per_expert: torch.Tensor | None = None     # a report of the last step
         self.last_dispatch: DispatchStats | None = None              # the last step's dispatches
+        # the ep mean of the non-expert gradients when no data-parallel transform is outside
+        self._replicas = Replicas(axis, 25 * 2**20)
 
     # -- plan -----------------------------------------------------------------------------------
     def _resolve(self, plan: Mapping[str, str] | str) -> dict[str, tuple[nn.Module, int]]:
@@ -364,10 +367,10 @@ class ExpertParallel(Transform):
         when there is one (the "batch_axis" fact: after its reduce-scatters, on its shards),
         else here, after backward (one bucketed all-reduce)."""
         value, grads = call_next(fn, params, args, kwargs, has_aux)
-        if current_mesh().size(self.axis) == 1 or stack_facts(self).outside(self).has_role("data_parallel"):
-            return value, grads
         facts = stack_facts(self)
-        return value, Replicas(self.axis, 25 * 2**20).mean_over_batch_axes(grads, (self.axis,), facts)
+        if current_mesh().size(self.axis) == 1 or facts.outside(self).has_role("data_parallel"):
+            return value, grads
+        return value, self._replicas.mean_over_batch_axes(grads, (self.axis,), facts)
 
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
         if current_mesh().size(self.axis) == 1:
@@ -399,11 +402,8 @@ class ExpertParallel(Transform):
         out = list(pieces)
         for k in ours:
             out[k] = Placed(fn(k, pieces[k].data), pieces[k].layout)
-        rest = [k for k in range(len(pieces)) if k not in set(ours)]
-        if rest:
-            for k, r in zip(rest, call_next(lambda j, w: fn(rest[j], w), [pieces[k] for k in rest])):
-                out[k] = r
-        return out
+        mine = set(ours)
+        return map_rest_inside(call_next, fn, pieces, [k for k in range(len(pieces)) if k not in mine], out)
 
     # -- layer events: each experts module's call is a dispatch ----------------------------------
     def handle_unit_calls_of(self, call_next, module):

@@ -358,12 +358,9 @@ class TensorParallel(Transform):
                 out[k] = Placed(layout.shard(new).to(x.data.device), x.layout)
             else:
                 rest.append(k)
-        if rest and len(rest) < len(pieces):
-            for k, r in zip(rest, call_next(lambda j, w: fn(rest[j], w), [pieces[k] for k in rest])):
-                out[k] = r
-        elif rest:
+        if rest and len(rest) == len(pieces):
             return call_next(fn, pieces)
-        return out
+        return map_rest_inside(call_next, fn, pieces, rest, out)
 
     # -- batches --------------------------------------------------------------------------------
     def wrap_step(self, fn):

@@ -108,7 +108,7 @@ from dsfn.placed import data_of
 from dsfn.runtime.flat import map_whole
 from dsfn.runtime.mesh import current_mesh
 from dsfn.state.train_state import never_placed
-from dsfn.transforms.core import Transform, make_transform, with_role
+from dsfn.transforms.core import Transform, make_transform, map_rest_inside, with_role
 from dsfn.transforms.facts import StackFacts, stack_facts
 
 
@@ -311,11 +311,7 @@ class ShardZero(Transform):
             k = job.ours[j]
             return data_of(call_next(lambda _i, w: fn(k, w), [job.inner(j, piece)])[0])
         out = job.placed(map_whole(whole, job.shards, job.shapes, job.axis))
-        rest = job.rest
-        if rest:
-            for k, r in zip(rest, call_next(lambda j, w: fn(rest[j], w), [pieces[k] for k in rest])):
-                out[k] = r
-        return out
+        return map_rest_inside(call_next, fn, pieces, job.rest, out)
 
     def handle_init_optimizer(self, call_next, state):
         """The optimizer state is made for what the update will see (stages 1-2: shards)."""

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from dsfn.errors import ConfigError
+from dsfn.engines.positions import document_ids
 from dsfn.integrations.hf import detect
 
 NAME = "dsfn_ulysses"
@@ -116,8 +117,7 @@ def _documents(ctx: _Context, position_ids: torch.Tensor | None) -> tuple[torch.
     b, c = pos.shape
     full = C.all_gather(pos.contiguous(), ctx.axis).reshape(n, b, c).permute(1, 0, 2).reshape(b, n * c)
     full = full.to(position_ids.device)
-    diff = torch.diff(full, prepend=full[:, :1] - 1, dim=-1)
-    docs = (diff != 1).cumsum(-1)
+    docs = document_ids(full)
     if bool((docs[:, -1] == 0).all()):
         full, docs = None, None
     ctx.documents[id(position_ids)] = (position_ids, full, docs)
