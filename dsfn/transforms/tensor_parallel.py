@@ -104,7 +104,7 @@ from dsfn.runtime.mesh import current_mesh
 from dsfn.state.init import place_frozen
 from dsfn.state.layout import (DimShard, GroupDimShard, Layout, Offloaded, PackedDimShard, Placed, Replicated,
                                map_with_mirrors, place)
-from dsfn.transforms.core import Transform, make_transform, with_role
+from dsfn.transforms.core import Transform, make_transform, map_rest_inside, with_role
 from dsfn.transforms.facts import stack_facts
 from dsfn.engines.grad_stats import reduce_over_axis
 # the machinery (engines.tensor_parallel) and the plan's styles (engines.tp_plan); names
