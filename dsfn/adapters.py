@@ -50,7 +50,9 @@ class SequenceSplit:
     shifted: for a layout whose slices are not contiguous (context parallel's head and tail
     chunks: a slice's last target is not its neighbour's first label), None; else
     id(this rank's labels) -> (those labels, their whole-sequence shift taken at this rank's
-    positions), which a model given `labels=` is then scored against."""
+    positions), which a model given `labels=` is then scored against; sum_axes: the axes of a
+    splitter outside this one (2-D: context parallel's cp around Ulysses), over which the
+    loss's count and value are summed as over `axis`."""
     axis: str
     dp_axes: tuple[str, ...]
     local_len: int
@@ -60,6 +62,7 @@ class SequenceSplit:
     originals: Mapping[int, tuple[torch.Tensor, torch.Tensor]]
     normalised: Callable[[], None]
     shifted: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    sum_axes: tuple[str, ...] = ()
 
     def original(self, t: Any) -> Any:
         """The batch's labels for `t` where the transform patched them, else `t`."""

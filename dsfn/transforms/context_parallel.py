@@ -52,6 +52,8 @@ class ContextParallel(SplitSequence):
     name = "context_parallel"
     roles = frozenset({"context_parallel"})
     pieces_per_rank = 2                 # a head and a tail chunk
+    contiguous = False
+    wrapped_by_inner = True             # 2-D: Ulysses inside runs its all-to-all around this ring
 
     def __init__(self, axis: str = "cp", seq_key: str = "input_ids", labels_key: str = "labels",
                  shift_labels: bool = True, ignore_index: int = -100, pad_token_id: int = 0):
@@ -69,6 +71,7 @@ class ContextParallel(SplitSequence):
         notes.positions = pos[None]
         notes.arange = None
         notes.ring_positions = pos
+        notes.index = pos
         rows = batch[self.seq_key].shape[0]
         notes.ring_documents = _documents(batch, rows, t).index_select(1, pos.cpu()) if _has_documents(batch) else None
         out = take_positions(batch, pos)
@@ -78,9 +81,6 @@ class ContextParallel(SplitSequence):
         notes.shifted = ({id(labels): (labels, out["shift_labels"])} if isinstance(labels, torch.Tensor)
                          and isinstance(out.get("shift_labels"), torch.Tensor) else {})
         return out
-
-    def _shifted_labels(self) -> Any:
-        return getattr(self._notes(), "shifted", {})
 
     def _hf_attention(self, adapter: Any, module: Any) -> Any:
         notes = self._notes()

@@ -110,6 +110,7 @@ from dsfn.transforms.sequence_split import SplitSequence
 
 class SequenceParallel(SplitSequence):
     """Ulysses over `axis`: contiguous slices, the all-to-alls around attention (module docstring)."""
+    wraps_outer_attention = True        # 2-D: right inside context_parallel, its attention is the ring
 
 
 def sequence_parallel(*args: Any, **kwargs: Any) -> SequenceParallel:

@@ -74,12 +74,43 @@ class SplitSequence(Transform):
         # lengths, its padding, the labels _weigh patched, the HF losses normalised, the watches
         self._manual_ok: set[int] = set()      # id(module) found not to be a HF model (auto=False)
 
+    # 2-D (`context_parallel` outside `sequence_parallel`): the inner splitter's attention wraps
+    # the outer's (Ulysses' all-to-all, then the ring over the outer axis), so only a transform
+    # whose attention is wrapped may sit right outside one that wraps
+    wraps_outer_attention = False       # Ulysses: True (its attention calls the one installed before it)
+    wrapped_by_inner = False            # ring attention: True (it takes the whole outer-local sequence)
+
+    def facts(self) -> dict[str, Any]:
+        # "sequence_axis": a splitter outside or inside another shares the loss and the padding
+        # (2-D: the whole sequence is cut over both axes; see `_outer_axes` / `_inner_axes`)
+        return {"sequence_axis": self.axis, "sequence_wrapped_by_inner": self.wrapped_by_inner}
+
     def check_stack(self, stack, index):
         outside = [t for t in stack[:index] if "checkpoint" not in t.roles]
+        splitters = [i for i, t in enumerate(stack[:index]) if "sequence_axis" in t.facts()]
+        if self.wraps_outer_attention and len(splitters) == 1 and outside and outside[-1] is stack[splitters[0]] \
+                and stack[splitters[0]].facts().get("sequence_wrapped_by_inner") \
+                and all("checkpoint" in t.roles for t in stack[:splitters[0]]):
+            return      # 2-D: right inside a ring (context_parallel), itself outermost
         if outside:
-            raise StackError(f"{self.name} must be the outermost transform (async_checkpoint may sit outside); "
-                             f"{outside[0].name} is outside it: write compose({self.name}(), "
-                             f"{outside[0].name}(...), ...)")
+            two_d = (" or right inside an outermost context_parallel (2-D)" if self.wraps_outer_attention else "")
+            other = [t for t in outside if "sequence_axis" not in t.facts()] or outside
+            front = "".join(f"{stack[i].name}(), " for i in splitters if self.wraps_outer_attention)
+            raise StackError(f"{self.name} must be the outermost transform (async_checkpoint may sit outside){two_d}; "
+                             f"{other[0].name} is outside it: write compose({front}{self.name}(), "
+                             f"{other[0].name}(...), ...)")
+
+    @property
+    def _outer_axes(self) -> tuple[str, ...]:
+        """The sequence axes of a splitter outside this one (2-D: context_parallel's cp outside
+        Ulysses): this rank's tokens are a slice of that one's, the loss is weighed over both."""
+        return stack_facts(self).outside(self).all("sequence_axis")
+
+    @property
+    def _inner_axes(self) -> tuple[str, ...]:
+        """The sequence axes of a splitter inside this one (2-D): it weighs the loss over both
+        and cuts this one's slice again, so this one pads to a multiple of its pieces too."""
+        return stack_facts(self).inside(self).all("sequence_axis")
 
     @property
     def _dp_axes(self) -> tuple[str, ...]:
@@ -103,13 +134,16 @@ class SplitSequence(Transform):
         notes = scratch(self)
         if not hasattr(notes, "in_grad"):
             notes.__dict__.update(positions=None, arange=None, batch_shifted=False, local_len=None, real_len=None,
-                                  padded=False, right_padded=True, unpatched={}, in_grad=0, hf_losses=0, watches={})
+                                  padded=False, right_padded=True, unpatched={}, in_grad=0, hf_losses=0, watches={},
+                                  index=None, pre_split_len=None, shifted={})
         return notes
 
     # -- the batch ------------------------------------------------------------------------------
     @property
     def loss_labels_key(self) -> str:
-        return "shift_labels" if self.shift_labels else self.labels_key
+        # 2-D, inside: the splitter outside shifted the labels over the whole sequence
+        shifted = self.shift_labels or (self._outer_axes and self._notes().batch_shifted)
+        return "shift_labels" if shifted else self.labels_key
 
     def shard_batch(self, batch: Any) -> Any:
         """This rank's slice of every sequence-shaped tensor (see the module docstring)."""
@@ -141,20 +175,34 @@ class SplitSequence(Transform):
         n = current_mesh().size(self.axis)
         self._notes().real_len = t          # before padding: labels the model is given are cut there
         pieces = self.pieces_per_rank * n
+        for ax in self._inner_axes:         # 2-D: the splitter inside cuts each rank's part again
+            pieces *= current_mesh().size(ax)
         if t % pieces:
             if not self.seq_length_is_variable:
                 raise ShapeError(f"{self.name}: the fixed seq_length {t} is not divisible by {pieces} "
-                                 f"({self.axis}={n} x {self.pieces_per_rank} chunks)")
+                                 f"({self.axis}={n} x {self.pieces_per_rank} chunks"
+                                 + "".join(f" x {a}={current_mesh().size(a)}" for a in self._inner_axes)
+                                 + "); choose a seq_length that is a multiple of it, or seq_length_is_variable=True "
+                                 "(padded)")
             batch = pad_sequences(batch, t, -(-t // pieces) * pieces, seq_key=self.seq_key,
                                   ignore_index=self.ignore_index, labels_keys=(self.labels_key, "shift_labels"),
                                   pad_token_id=self.pad_token_id)
             t = batch[self.seq_key].shape[1]
         self._notes().batch_shifted = isinstance(batch.get("shift_labels"), torch.Tensor)
         self._notes().local_len = t // n
-        return self._take(batch, t, n, current_mesh().local_rank(self.axis), ids.device)
+        self._notes().pre_split_len = t
+        out = self._take(batch, t, n, current_mesh().local_rank(self.axis), ids.device)
+        if self._outer_axes and not self._notes().shifted:
+            # 2-D, inside: the outer splitter's chunks are not contiguous, so a model's own loss is
+            # scored against the batch's whole-sequence shift_labels, as this rank's slice holds them
+            labels = out.get(self.labels_key)
+            if isinstance(labels, torch.Tensor) and isinstance(out.get("shift_labels"), torch.Tensor):
+                self._notes().shifted = {id(labels): (labels, out["shift_labels"])}
+        return out
 
     # the layout: rank r's contiguous slice [r*c, (r+1)*c) (context parallel: a head and a tail chunk)
     pieces_per_rank = 1
+    contiguous = True
 
     def _take(self, batch: dict, t: int, n: int, r: int, device: Any) -> dict:
         c = t // n
@@ -162,6 +210,7 @@ class SplitSequence(Transform):
         # split further); a batch's own position_ids are taken from the batch the loss sees
         self._notes().positions = torch.arange(r * c, (r + 1) * c, device=device)[None]
         self._notes().arange = self._notes().positions      # known consecutive: Ulysses attention needs no all-gather of them
+        self._notes().index = self._notes().positions[0]
         return slice_sequences(batch, r, c)
 
     def _with_shift_labels(self, batch: dict) -> dict:
@@ -188,6 +237,9 @@ class SplitSequence(Transform):
     def handle_value_and_grad(self, call_next, fn, params, args, kwargs, has_aux):
         if current_mesh().size(self.axis) == 1:
             return call_next(fn, params, args, kwargs, has_aux)
+        if self._inner_axes:
+            # 2-D, outside: the splitter inside weighs the loss over both axes; this one sums
+            return self._summed(call_next(fn, params, args, kwargs, has_aux), has_aux)
         args, kwargs, weight = self._weigh(args, kwargs)
 
         def weighted(p, *a, **k):
@@ -212,10 +264,16 @@ class SplitSequence(Transform):
             self._notes().in_grad -= 1
             if not self._notes().in_grad:
                 self._notes().unpatched = {}
+        return self._summed((value, grads), has_aux)
+
+    def _summed(self, value_grads: tuple, has_aux: bool) -> tuple:
+        """The value and gradients summed over the axis (the ranks' weighted parts add up to the group's)."""
+        value, grads = value_grads
+        aux = None
         if has_aux:
             value, aux = value
         value = C.all_reduce(value.reshape(1), self.axis, "sum").reshape(())
-        # the ranks' weighted gradients add up to the group's (bucketed: few, large all-reduces)
+        # bucketed: few, large all-reduces
         leaves, spec = tree.flatten(grads)
         facts = stack_facts(self)        # (in the stack's wire dtype)
         return ((value, aux) if has_aux else value), tree.unflatten(
@@ -244,7 +302,10 @@ class SplitSequence(Transform):
         labels = batch[key]
         valid = labels != self.ignore_index
         n_local = valid.sum().to(torch.float64)
-        n_group = C.all_reduce(n_local.reshape(1), self.axis, "sum").reshape(())
+        n_group = n_local.reshape(1)
+        for ax in (self.axis, *self._outer_axes):       # 2-D: the whole sequence is over both
+            n_group = C.all_reduce(n_group, ax, "sum")
+        n_group = n_group.reshape(())
         if int(n_group) == 0:
             raise ShapeError(f"sequence_parallel: no valid label in the whole batch ({key!r} is all "
                              f"{self.ignore_index}); the token-weighted loss is undefined")
@@ -263,11 +324,14 @@ class SplitSequence(Transform):
         return SequenceSplit(axis=self.axis, dp_axes=tuple(self._dp_axes), local_len=self._notes().local_len,
                              real_len=self._notes().real_len, batch_shifted=self._notes().batch_shifted, in_grad=bool(self._notes().in_grad),
                              originals=self._notes().unpatched, normalised=self._normalised,
-                             shifted=self._shifted_labels())
+                             shifted=self._shifted_labels(), sum_axes=self._outer_axes)
 
     def _shifted_labels(self) -> Any:
-        """Contiguous slices: None (a model's own loss shifts its labels over the neighbours)."""
-        return None
+        """The labels this rank's loss is scored against, for layouts whose slices are not
+        contiguous (context parallel; a slice of its chunks in 2-D): id(labels) -> (labels,
+        their whole-sequence shift). None for contiguous slices (a model's own loss shifts its
+        labels over the neighbours)."""
+        return self._notes().shifted if (not self.contiguous or self._outer_axes) else None
 
     def _normalised(self) -> None:
         """The adapter made a model's own loss the group's token mean (its sp weight is 1)."""
@@ -281,6 +345,10 @@ class SplitSequence(Transform):
             return call_next(apply_fn, params, args, kwargs)
         module = apply_fn.module
         via = []        # inner models that get position_ids through the forward's **kwargs (peft)
+        given = kwargs.get("position_ids")
+        if self._outer_axes and isinstance(given, torch.Tensor) and given.shape[-1] == self._notes().pre_split_len:
+            # 2-D, inside: the outer splitter's positions of its tokens, cut as this one cut the tokens
+            kwargs = {**kwargs, "position_ids": given.index_select(-1, self._notes().index.to(given.device))}
         if "position_ids" not in kwargs:
             if not takes(module, "position_ids"):
                 via = passed_on(module, "position_ids")
@@ -293,9 +361,13 @@ class SplitSequence(Transform):
                                   "the model uses no positions (or gets them another way)")
         adapter = adapter_for(module)        # a Hugging Face model's loss, router and attention rules
         if adapter is not None:
-            valid = self._notes().positions[0] < self._notes().real_len       # this rank's positions that are tokens
-            with adapter.own_loss(module, self._split(), args, kwargs), \
-                    adapter.global_router_balance(module, [self.axis], list(self._dp_axes), valid), \
+            valid = self._notes().index < self._notes().real_len       # this rank's positions that are tokens
+            # 2-D: the splitter inside makes the model's loss and router balance those of the whole
+            # sequence (over both axes); this one only cuts and attends
+            inner = bool(self._inner_axes)
+            with (contextlib.nullcontext() if inner else adapter.own_loss(module, self._split(), args, kwargs)), \
+                    (contextlib.nullcontext() if inner else adapter.global_router_balance(
+                        module, [self.axis, *self._outer_axes], list(self._dp_axes), valid)), \
                     self._watching(module, via, kwargs.get("position_ids")):
                 with until_backward(self._hf_attention(adapter, module)):      # recomputes alike
                     return call_next(apply_fn, params, args, kwargs)

@@ -138,6 +138,16 @@ def _ulysses_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     n = current_mesh().size(axis)
     f = ulysses.kv_replication(query.shape[1], key.shape[1], n, type(module).__name__)
     key, value = ulysses.replicate_kv(key, f), ulysses.replicate_kv(value, f)
+    if impl in detect.MASKS_ITSELF:
+        # 2-D: the implementation outside (context parallel's "dsfn_ring") takes the whole
+        # outer-local sequence this all-to-all makes and applies the causal mask, window,
+        # documents and padding itself, from its own notes of the whole batch
+        q, k, v = (ulysses.seq_to_heads(t, axis) for t in (query, key, value))
+        rest = {k_: v_ for k_, v_ in kwargs.items() if k_ not in {"position_ids", "labels", "shift_labels",
+                                                                   "num_items_in_batch"}}
+        out, _ = _inner_forward(module, impl)(module, q, k, v, None, **rest)          # [B, T, H/sp, d]
+        out = ulysses.heads_to_seq(out.transpose(1, 2).contiguous(), axis)
+        return out.transpose(1, 2), None
     full_positions, docs = _documents(ctx, kwargs.get("position_ids"))
     keys = (_valid_keys(ctx, attention_mask) if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
             else None)                                                       # [b, T]: padding (left, right, holes)

@@ -12,6 +12,11 @@ from typing import Any
 
 from torch import nn
 
+# attention implementations dsfn registers that take a whole sequence (after another's
+# all-to-all) and apply every mask themselves: Ulysses passes such an outer one q, k, v and
+# no mask (2-D sequence parallelism; "dsfn_ring" adds itself)
+MASKS_ITSELF: set[str] = set()
+
 
 def is_hf_model(module: Any) -> bool:
     cfg = getattr(module, "config", None)

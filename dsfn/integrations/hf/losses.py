@@ -203,8 +203,8 @@ def sequence_loss(split: SequenceSplit, inner: Any, module: nn.Module) -> Any:
         target = target.contiguous()
 
         def reduce(n):
-            n = C.all_reduce(n.reshape(1), axis, "sum")
-            for ax in split.dp_axes:
+            n = n.reshape(1)
+            for ax in (axis, *split.sum_axes, *split.dp_axes):
                 n = C.all_reduce(n, ax, "sum")
             return n.reshape(())
         dp = 1
@@ -231,7 +231,10 @@ def sequence_loss(split: SequenceSplit, inner: Any, module: nn.Module) -> Any:
             with torch.no_grad():
                 part = inner(logits, None, vocab_size, num_items_in_batch=items,
                              ignore_index=ignore_index, shift_labels=target, **kw)
-                return C.all_reduce(part.detach().reshape(1), axis, "sum").reshape(())
+                part = part.detach().reshape(1)
+                for ax in (axis, *split.sum_axes):
+                    part = C.all_reduce(part, ax, "sum")
+                return part.reshape(())
         split.normalised()
         return inner(logits, None, vocab_size, num_items_in_batch=items,
                      ignore_index=ignore_index, shift_labels=target, **kw)

@@ -25,6 +25,7 @@ from dsfn.errors import ConfigError
 from dsfn.integrations.hf import detect
 
 NAME = "dsfn_ring"
+detect.MASKS_ITSELF.add(NAME)
 _ACTIVE: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []     # (axis, positions, documents), innermost last
 
 
