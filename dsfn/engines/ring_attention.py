@@ -31,6 +31,8 @@ reassociation of the softmax sums.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -39,7 +41,43 @@ from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
 from dsfn.engines.sdpa_mode import CausalSDPAMode
 
-__all__ = ["head_tail_positions", "ring_attention", "visible"]
+__all__ = ["RingCall", "head_tail_positions", "ring_attention", "visible"]
+
+
+@dataclass(frozen=True)
+class RingCall:
+    """One ring attention call on this rank, as `explain` reports it (`record=` of
+    `ring_attention`): n ranks, the K/V block's shape [B, Hkv, T, D] and element bytes,
+    whether documents travel with it, and the (query chunk, key chunk) pairs computed of
+    the n x 4 (the others are fully masked: skipped) with their query-key products."""
+    n: int
+    rows: int
+    kv_heads: int
+    heads: int
+    seq: int
+    head_dim: int
+    itemsize: int
+    documents: bool
+    pairs: int
+    pairs_total: int
+    products: int           # visible query-key pairs x heads x rows over the computed pairs
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one travelling block: K and V, their positions (int64) and documents (int64)."""
+        kv = 2 * self.rows * self.kv_heads * self.seq * self.head_dim * self.itemsize
+        return kv + 8 * self.seq + (8 * self.rows * self.seq if self.documents else 0)
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the dK / dV (fp32) that travel with a block in backward."""
+        return 2 * self.rows * self.kv_heads * self.seq * self.head_dim * 4
+
+    @property
+    def wire_bytes(self) -> int:
+        """This rank's bytes sent for the call: n - 1 shifts of the block in forward, n in
+        backward with its dK / dV (the last brings them home)."""
+        return (self.n - 1) * self.block_bytes + self.n * (self.block_bytes + self.grad_bytes)
 
 
 def head_tail_positions(seq_len: int, n: int, rank: int) -> torch.Tensor:
@@ -97,8 +135,9 @@ def _scores(qf: torch.Tensor, kf: torch.Tensor, qs: slice, ks: slice, sub: torch
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, axis, q_pos, q_doc, causal, window, scale, chunk):
+    def forward(ctx, q, k, v, axis, q_pos, q_doc, causal, window, scale, chunk, record):
         n = current_mesh().size(axis)
+        pairs = products = 0
         groups = q.shape[1] // k.shape[1]
         b, h, t, d = q.shape
         out = torch.zeros(b, h, t, d, dtype=torch.float32, device=q.device)
@@ -111,6 +150,9 @@ class _Ring(torch.autograd.Function):
             mask = visible(q_pos, k_pos, q_doc, block[3] if q_doc is not None else None, causal, window)
             kf, vf = _repeat(kk.float(), groups), _repeat(vv.float(), groups)
             for qs, ks, sub in _pairs(mask, chunk, chunk):
+                pairs += 1
+                if record is not None:          # (a host sync: only when explain asks)
+                    products += int(sub.sum()) * h * (b // sub.shape[0])
                 sc = _scores(qf, kf, qs, ks, sub, scale)
                 m = sc.amax(-1)
                 m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
@@ -129,6 +171,9 @@ class _Ring(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, q_pos, *([q_doc] if q_doc is not None else []))
         ctx.axis, ctx.causal, ctx.window, ctx.scale, ctx.chunk = axis, causal, window, scale, chunk
         ctx.has_doc = q_doc is not None
+        if record is not None:
+            record(RingCall(n, b, k.shape[1], h, t, d, k.element_size(), q_doc is not None, pairs,
+                            n * (t // chunk) ** 2, products))
         return out.to(q.dtype)
 
     @staticmethod
@@ -166,15 +211,17 @@ class _Ring(torch.autograd.Function):
             # the block moves on with its gradients; after n shifts they are home
             shifted = C.ring_shift(block + [dk_acc, dv_acc], axis).wait()
             block, (dk_acc, dv_acc) = shifted[:width], shifted[width:]
-        return (dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None, None, None, None)
+        return (dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None, None, None, None,
+                None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str, positions: torch.Tensor,
                    documents: torch.Tensor | None = None, causal: bool = True, window: int | None = None,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, record: Callable[[RingCall], None] | None = None) -> torch.Tensor:
     """Softmax attention of this rank's queries over the keys of every rank along `axis`
     ([B, H, T, D], module docstring); `positions` [T] this rank's global indices (two chunks of
-    T / 2 under the head-tail layout: the chunk pairs are skipped or computed as units)."""
+    T / 2 under the head-tail layout: the chunk pairs are skipped or computed as units).
+    `record`: called with the forward's `RingCall` (explain's figures)."""
     if q.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:] \
             or q.shape[1] % k.shape[1]:
         raise ShapeError(f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
@@ -186,7 +233,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str,
     chunk = q.shape[2] // 2 if q.shape[2] % 2 == 0 else q.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _Ring.apply(q, k, v, axis, positions.long(), None if documents is None else documents.long(),
-                       bool(causal), window, scale, chunk)
+                       bool(causal), window, scale, chunk, record)
 
 
 class RingSDPA(CausalSDPAMode):
@@ -196,13 +243,14 @@ class RingSDPA(CausalSDPAMode):
 
     who = "context_parallel"
 
-    def __init__(self, axis: str, positions: torch.Tensor):
+    def __init__(self, axis: str, positions: torch.Tensor, record: Callable[[RingCall], None] | None = None):
         super().__init__(axis)
-        self.positions = positions
+        self.positions, self.record = positions, record
 
     def attend(self, func, q, k, v, args):
         from dsfn.errors import ConfigError
         if args.get("dropout_p", 0.0):
             raise ConfigError("context_parallel: attention dropout is not supported by ring attention; set the "
                               "model's attention dropout to 0")
-        return ring_attention(q, k, v, self.axis, self.positions, causal=True, scale=args.get("scale"))
+        return ring_attention(q, k, v, self.axis, self.positions, causal=True, scale=args.get("scale"),
+                              record=self.record)

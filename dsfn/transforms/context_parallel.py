@@ -41,11 +41,11 @@ from typing import Any
 import torch
 
 from dsfn.engines.positions import document_ids
-from dsfn.engines.ring_attention import RingSDPA, head_tail_positions
+from dsfn.engines.ring_attention import RingCall, RingSDPA, head_tail_positions
 from dsfn.engines.sequence_shards import take_positions
 from dsfn.runtime.mesh import current_mesh
 from dsfn.transforms.core import make_transform
-from dsfn.transforms.sequence_split import SplitSequence
+from dsfn.transforms.sequence_split import SplitSequence, crossing
 
 
 class ContextParallel(SplitSequence):
@@ -59,11 +59,30 @@ class ContextParallel(SplitSequence):
                  shift_labels: bool = True, ignore_index: int = -100, pad_token_id: int = 0):
         super().__init__(axis=axis, seq_key=seq_key, labels_key=labels_key, shift_labels=shift_labels,
                          ignore_index=ignore_index, pad_token_id=pad_token_id)
+        self.last_ring: list[RingCall] = []         # the last step's ring attention calls (explain)
 
     def explain_note(self) -> str:
-        n = current_mesh().size(self.axis)
-        return (f"context_parallel over {self.axis!r} (size {n}): ring attention, {n} K/V blocks per attention "
-                f"layer pass around the ring (sequence in {2 * n} chunks, a head and a tail per rank)")
+        mesh = current_mesh()
+        n = mesh.size(self.axis)
+        lines = [f"context_parallel over {self.axis!r} (size {n}, {crossing(mesh, self.axis)}): ring attention, "
+                 f"{n} K/V blocks per attention layer pass around the ring (sequence in {2 * n} chunks, a head and "
+                 "a tail per rank)"]
+        for ax in self._inner_axes:
+            lines.append(f"  2-D: sequence_parallel over {ax!r} (size {mesh.size(ax)}, {crossing(mesh, ax)}) inside: "
+                         f"Ulysses' all-to-all over {ax!r} within each {self.axis!r} rank's chunks, the ring over "
+                         f"{self.axis!r} across")
+        calls = self.last_ring
+        if calls:
+            c = calls[0]
+            total = sum(x.wire_bytes for x in calls)
+            lines.append(f"  last step: {len(calls)} ring attention calls; per call a K/V block of {c.block_bytes:,} B "
+                         f"(K, V [{c.rows}, {c.kv_heads}, {c.seq}, {c.head_dim}] x {c.itemsize} B + positions"
+                         f"{' + documents' if c.documents else ''}) makes {c.n - 1} shifts in forward and {c.n} in "
+                         f"backward with its dK / dV ({c.grad_bytes:,} B fp32): {c.wire_bytes:,} B sent per call, "
+                         f"{total:,} B this step; chunk pairs computed {sum(x.pairs for x in calls)} of "
+                         f"{sum(x.pairs_total for x in calls)} (the rest fully masked, skipped); one block in flight "
+                         f"beside the rank's own: {c.block_bytes:,} B")
+        return "\n".join(lines)
 
     def _take(self, batch: dict, t: int, n: int, r: int, device: Any) -> dict:
         pos = head_tail_positions(t, n, r).to(device)
@@ -72,6 +91,7 @@ class ContextParallel(SplitSequence):
         notes.arange = None
         notes.ring_positions = pos
         notes.index = pos
+        self.last_ring = notes.ring_calls = []      # filled by this step's ring attention calls
         rows = batch[self.seq_key].shape[0]
         notes.ring_documents = _documents(batch, rows, t).index_select(1, pos.cpu()) if _has_documents(batch) else None
         out = take_positions(batch, pos)
@@ -84,10 +104,11 @@ class ContextParallel(SplitSequence):
 
     def _hf_attention(self, adapter: Any, module: Any) -> Any:
         notes = self._notes()
-        return adapter.ring_attention(module, self.axis, notes.ring_positions, notes.ring_documents)
+        return adapter.ring_attention(module, self.axis, notes.ring_positions, notes.ring_documents,
+                                      notes.ring_calls.append)
 
     def _sdpa_mode(self) -> Any:
-        return RingSDPA(self.axis, self._notes().ring_positions)
+        return RingSDPA(self.axis, self._notes().ring_positions, self._notes().ring_calls.append)
 
 
 def _has_documents(batch: dict) -> bool:

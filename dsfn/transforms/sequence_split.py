@@ -29,6 +29,11 @@ from dsfn.transforms.core import Transform, scratch
 from dsfn.transforms.facts import stack_facts
 
 
+def crossing(mesh: Any, axis: str) -> str:
+    """Whether the axis's groups cross nodes (the slow links), as explain says it."""
+    return "crosses nodes" if mesh.spans_nodes(axis) else "within a node"
+
+
 # ---------------------------------------------------------------------------------------------
 # the transform
 # ---------------------------------------------------------------------------------------------
@@ -120,7 +125,10 @@ class SplitSequence(Transform):
         return inside.all("dp_axis") + tuple(a for a in inside.all("batch_axis") if a not in inside.all("dp_axis"))
 
     def explain_note(self) -> str:
-        return f"sequence_parallel over {self.axis!r} (size {current_mesh().size(self.axis)}): Ulysses all-to-all"
+        mesh = current_mesh()
+        outer = "".join(f"; 2-D: inside the ring over {a!r} ({crossing(mesh, a)})" for a in self._outer_axes)
+        return (f"sequence_parallel over {self.axis!r} (size {mesh.size(self.axis)}, {crossing(mesh, self.axis)}): "
+                f"Ulysses all-to-all{outer}")
 
     def _notes(self) -> SimpleNamespace:
         """This step's notes (the Step's scratch, `dsfn.effects.scratch`), with their defaults:

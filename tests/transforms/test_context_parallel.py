@@ -230,3 +230,42 @@ def test_training_transforms_inside_equal_the_single_process(name):
     for got in run_on_ranks(train_inner, 2, name, {"cp": 2}, timeout=300):
         torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref[0]), **tol)
         assert_trees_close(got[1], ref[1], **tol)
+
+
+# -- explain: which axis crosses nodes, the K/V bytes on the wire ---------------------------------------
+
+def explain_2d(mesh, two):
+    from dsfn.runtime import collectives as C
+    init_mesh(**mesh)
+    model = make_tiny_causal_lm("llama")
+    apply_fn, params = dsfn.functionalize(model)
+    ts = (context_parallel(), sequence_parallel()) if two else (context_parallel(),)
+    step = compose(*ts)(train_step_for(apply_fn, hf_loss))
+    state = step.init_state(params, dsfn.optim.sgd(0.5, momentum=0.9))
+    batch = hf_batches("packed")[0]
+    text = str(step.explain(state, batch))
+    C.counters.reset()
+    step(state, batch)
+    cfg = model.config
+    return text, C.counters.bytes("cp", "send"), cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, \
+        cfg.num_hidden_layers
+
+
+@pytest.mark.parametrize("order,cp_crosses", [(("cp", "sp"), True), (("sp", "cp"), False)])
+def test_explain_says_which_axis_crosses_nodes_and_the_wire_bytes_equal_the_closed_form(order, cp_crosses):
+    """4 ranks on 2 nodes of 2: the mesh's outer axis crosses nodes. The ring's bytes sent per
+    step (the runtime's counters) equal explain's and the closed form: per layer a block of
+    K, V [B, Hkv/sp, S/cp, D] fp32 + positions + documents (int64) makes 2cp - 1 shifts, and
+    its dK / dV (fp32) cp."""
+    pytest.importorskip("transformers")
+    mesh = {a: 2 for a in order}
+    for text, sent, hkv, d, layers in run_on_ranks(explain_2d, 4, mesh, True, ranks_per_node=2, timeout=300):
+        cp_says, sp_says = ("crosses nodes", "within a node") if cp_crosses else ("within a node", "crosses nodes")
+        assert f"context_parallel over 'cp' (size 2, {cp_says})" in text
+        assert f"2-D: sequence_parallel over 'sp' (size 2, {sp_says}) inside" in text
+        rows, t, n = 4, 16 // 2, 2
+        block = 2 * rows * (hkv // 2) * t * d * 4 + 8 * t + 8 * rows * t
+        grads = 2 * rows * (hkv // 2) * t * d * 4
+        closed = layers * ((2 * n - 1) * block + n * grads)
+        assert sent == closed
+        assert f"{closed:,} B this step" in text

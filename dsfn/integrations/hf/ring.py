@@ -26,7 +26,7 @@ from dsfn.integrations.hf import detect
 
 NAME = "dsfn_ring"
 detect.MASKS_ITSELF.add(NAME)
-_ACTIVE: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []     # (axis, positions, documents), innermost last
+_ACTIVE: list[tuple[str, torch.Tensor, torch.Tensor | None, Any]] = []   # (axis, positions, documents, record)
 
 
 def _register() -> None:
@@ -42,7 +42,7 @@ def _ring_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
                   sliding_window: int | None = None, softcap: float | None = None, **kwargs: Any):
     """HF attention signature -> ([B, T, H, d], None)."""
     from dsfn.engines.ring_attention import ring_attention
-    axis, positions, documents = _ACTIVE[-1]
+    axis, positions, documents, record = _ACTIVE[-1]
     name = type(module).__name__
     if softcap:
         raise ConfigError(f"context_parallel: {name} soft-caps its attention logits (softcap={softcap}), which ring "
@@ -52,17 +52,18 @@ def _ring_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
                           "the model's attention_dropout to 0")
     out = ring_attention(query, key, value, axis, positions.to(query.device),
                          None if documents is None else documents.to(query.device), causal=True,
-                         window=sliding_window, scale=scaling)
+                         window=sliding_window, scale=scaling, record=record)
     return out.transpose(1, 2).contiguous(), None
 
 
 @contextlib.contextmanager
 def ring_attention_context(model: nn.Module, axis: str, positions: torch.Tensor,
-                           documents: torch.Tensor | None = None) -> Iterator[None]:
-    """Make `model` (and its sub-configs) use ring attention over `axis` inside the context."""
+                           documents: torch.Tensor | None = None, record: Any = None) -> Iterator[None]:
+    """Make `model` (and its sub-configs) use ring attention over `axis` inside the context
+    (`record`: each call's `RingCall`, see `ring_attention`)."""
     _register()
     configs = detect.attention_configs(model, "context_parallel")
-    _ACTIVE.append((axis, positions, documents))
+    _ACTIVE.append((axis, positions, documents, record))
     try:
         with detect.attention_implementation(configs, NAME):
             yield
