@@ -27,7 +27,7 @@ from torch import nn
 from dsfn import tree
 from dsfn.errors import ConfigError
 from dsfn.estimate_activations import (ACT_VALUES_PER_LAYER, activation_detail, pipeline_activations, pipeline_cut,
-                                       pipeline_line)
+                                       pipeline_line, ring_activations)
 from dsfn.estimate_activations import human_bytes as _human
 from dsfn.estimate_deepspeed import deepspeed_zero2_estimate, deepspeed_zero3_estimate
 
@@ -66,6 +66,7 @@ class MemoryEstimate:
     activation_note: str = ""       # what the activation figure assumed, or why it is 0
     dispatched: int = 0             # expert parallel: the dispatched rows held for backward (docs/estimate.md)
     dispatched_note: str = ""
+    ring_in_flight: int = 0         # context parallel: the K/V block received while the rank's own is used
 
     @property
     def state(self) -> int:
@@ -78,7 +79,7 @@ class MemoryEstimate:
         (+ hpZ's secondary shards, all held while backward starts; + a pipeline's modelled
         activations)."""
         return (self.params + self.optimizer + self.master + self.grads + self.largest_unit + self.buckets
-                + self.secondary + self.activations + self.dispatched)
+                + self.secondary + self.activations + self.dispatched + self.ring_in_flight)
 
     def deepspeed(self, gpus_per_node: int = 8) -> dict[str, int]:
         """DeepSpeed's published formulas for this model and dp size: {"gpu": per GPU, "cpu":
@@ -113,6 +114,10 @@ class MemoryEstimate:
                          "forward)")
         if self.pipeline_schedule is not None:
             lines.append(f"  {'activations':13s} {_human(self.activations)}   ({activation_detail(self)})")
+        elif self.mesh.get("cp", 1) > 1:
+            lines.append(f"  {'activations':13s} {_human(self.activations)}   (modelled; {self.activation_note})")
+            lines.append(f"  {'ring block':13s} {_human(self.ring_in_flight)}   (context parallel: one K/V block in "
+                         "flight beside the rank's own)")
         if self.dispatched or self.dispatched_note:
             lines.append(f"  {'dispatched':13s} {_human(self.dispatched)}   (expert parallel: {self.dispatched_note})")
         lines.append(f"  {'device peak':13s} {_human(self.device)}   (state on this rank: {_human(self.state)})")
@@ -184,7 +189,7 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
                     tx: Any = None, tp: int | None = None, sp: int | None = None, pp: int | None = None,
                     pp_rank: int | None = None, batch: tuple[int, int] | None = None,
                     dtype: torch.dtype | None = None, ranks_per_node: int | None = None,
-                    ep: int | None = None) -> MemoryEstimate:
+                    ep: int | None = None, cp: int | None = None) -> MemoryEstimate:
     """Per-rank bytes of parameters, gradients, optimizer state, master weights, the largest
     gathered unit, buckets, host and NVMe (see docs/estimate.md).
 
@@ -197,6 +202,10 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
             pipeline_parallel and world_size allows, else 1 — pass them for any other mesh).
         ep: the expert-parallel size (default: 2 if the stack has expert_parallel and world_size
             allows, else 1); dp = world / (tp * sp * pp * ep).
+        cp: the context-parallel size (default: 2 if the stack has context_parallel and world_size
+            allows, else 1); dp = world / (tp * sp * pp * ep * cp). With batch=, a context-parallel
+            stack's activations per rank are modelled (its tokens: rows / dp x seq / (cp x sp))
+            and the ring's K/V block in flight counted.
         pp_rank: with pipeline_parallel, the pipeline rank (index along its axis) to estimate;
             default: the rank with the largest device peak.
         batch: (rows, seq_len) of the step's whole batch, for a pipeline's modelled activations
@@ -223,19 +232,22 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
     # expert parallel: an axis of its own that carries data (dsfn.transforms.expert_parallel)
     ep = ep if ep is not None else (2 if whole.has_role("expert_parallel") and world_size % (2 * tp * sp * pp) == 0
                                     else 1)
-    if world_size % (tp * sp * pp * ep):
+    cp = cp if cp is not None else (2 if whole.has_role("context_parallel")
+                                    and world_size % (2 * tp * sp * pp * ep) == 0 else 1)
+    if world_size % (tp * sp * pp * ep * cp):
         raise ConfigError(f"estimate_memory: world_size {world_size} is not divisible by tp {tp} x sp {sp}"
-                          + (f" x pp {pp}" if pp > 1 else "") + (f" x ep {ep}" if ep > 1 else ""))
+                          + (f" x pp {pp}" if pp > 1 else "") + (f" x ep {ep}" if ep > 1 else "")
+                          + (f" x cp {cp}" if cp > 1 else ""))
     if pipe is not None and pp_rank is None:
         # the rank whose stages weigh the most (a pipeline's ranks differ: embeddings, head)
         ranks = [estimate_memory(model, stack, world_size, tx=tx, tp=tp, sp=sp, pp=pp, pp_rank=r, batch=batch, ep=ep,
-                                 dtype=dtype, ranks_per_node=ranks_per_node) for r in range(pp)]
+                                 dtype=dtype, ranks_per_node=ranks_per_node, cp=cp) for r in range(pp)]
         return max(ranks, key=lambda e: (e.device, -e.pp_rank))
-    dp = world_size // (tp * sp * pp * ep)
+    dp = world_size // (tp * sp * pp * ep * cp)
     zero = next(iter(whole.with_role("zero")), {})
     stage, dp_axis = zero.get("zero_stage", 0), whole.first("dp_axis", "dp")
     cut = pipeline_cut(pipe, module, list(shapes), pp, pp_rank) if pipe is not None else None
-    sizes = {"dp": dp, "sp": sp, "tp": tp, **({"ep": ep} if ep > 1 else {}),
+    sizes = {"dp": dp, **({"cp": cp} if cp > 1 else {}), "sp": sp, "tp": tp, **({"ep": ep} if ep > 1 else {}),
              **({"pp": pp} if pp > 1 else {})}     # dp outermost
     mesh = Mesh.virtual({**sizes, "pp": pp}, {"pp": pp_rank or 0}, _topology(world_size, ranks_per_node, zero))
     with on_virtual_mesh(mesh):
@@ -247,7 +259,7 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
     n_shard = hybrid or (dp if replicas else 1)
     est = MemoryEstimate(num_params=sum(math.prod(s) for s in shapes.values()), world_size=world_size,
                          mesh={"dp": dp, "tp": tp, "sp": sp, **({"ep": ep} if ep > 1 else {}),
-                               **({"pp": pp} if pp > 1 else {})}, stage=stage,
+                               **({"pp": pp} if pp > 1 else {}), **({"cp": cp} if cp > 1 else {})}, stage=stage,
                          offload=whole.first("offload"), offload_params=bool(whole.first("offload_params", False)),
                          shard_group=hybrid, hpz=None if hpz == dp else hpz)
     for k, v in state_fields(leaf_records(state)).items():
@@ -258,6 +270,8 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
                              dp if replicas else 1, tp, sp, pb)
     _dispatched(est, next(iter(whole.with_role("expert_parallel")), None), batch, dp if replicas else 1, ep, sp,
                 pb, pipe, whole)
+    if cp > 1 and cut is None:
+        ring_activations(est, module, batch, dp if replicas else 1, tp, sp, cp, pb)
     return est
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from dsfn.errors import ConfigError
 
 __all__ = ["ACT_VALUES_PER_LAYER", "activation_detail", "human_bytes", "pipeline_activations", "pipeline_cut",
-           "pipeline_line"]
+           "pipeline_line", "ring_activations"]
 
 ACT_VALUES_PER_LAYER = 17
 """Activation values kept per token per hidden unit by one transformer layer for its backward:
@@ -57,6 +57,49 @@ def _model_dims(module: nn.Module) -> tuple[int | None, int | None]:
                    if isinstance(getattr(config, k, None), int)), None)
     vocab = getattr(config, "vocab_size", None)
     return hidden, vocab if isinstance(vocab, int) else None
+
+
+def _attention_dims(module: nn.Module) -> tuple[int | None, int | None, int | None]:
+    """(layers, key/value heads, head dim) from the model's config (HF names; dsfn GPT's n_layer / n_head)."""
+    config = getattr(module, "config", None)
+    get = lambda *ks: next((getattr(config, k) for k in ks if isinstance(getattr(config, k, None), int)), None)  # noqa: E731
+    layers = get("num_hidden_layers", "n_layer")
+    heads = get("num_attention_heads", "n_head")
+    kv = get("num_key_value_heads") or heads
+    hidden, _ = _model_dims(module)
+    head_dim = get("head_dim") or (hidden // heads if hidden and heads else None)
+    return layers, kv, head_dim
+
+
+def ring_activations(est: Any, module: nn.Module | None, batch: tuple[int, int] | None, dp_split: int, tp: int,
+                     sp: int, cp: int, act_bytes: int) -> None:
+    """A context-parallel rank's activations into `est` (a MemoryEstimate; docs/estimate.md): its
+    tokens, rows / dp x seq / (cp x sp), keep ACT_VALUES_PER_LAYER values per hidden unit per
+    layer (1/tp of them under tensor parallel), plus the embedding's output and the logits;
+    and the ring's one K/V block in flight ([rows / dp, kv heads / (tp x sp), seq / cp, head
+    dim] twice, + int64 positions), received while the rank's own is used. A model."""
+    if batch is None or module is None:
+        est.activation_note = "bytes not estimated: pass batch=(rows, seq_len) of the step's batch and the model"
+        return
+    hidden, vocab = _model_dims(module)
+    layers, kv, head_dim = _attention_dims(module)
+    if hidden is None or layers is None or head_dim is None:
+        est.activation_note = "bytes not estimated: the model's config names no hidden size, layers or heads"
+        return
+    rows, seq = batch
+    if rows % dp_split:
+        raise ConfigError(f"estimate_memory(batch={tuple(batch)}): {rows} rows do not split over {dp_split} dp ranks")
+    padded = -(-seq // (2 * cp * sp)) * 2 * cp * sp          # the transforms pad to whole chunks
+    local_rows, local_seq = rows // dp_split, padded // (cp * sp)
+    tokens = local_rows * local_seq
+    values = layers * ACT_VALUES_PER_LAYER * tokens * hidden // tp + tokens * hidden + tokens * (vocab or 0)
+    est.activations = values * act_bytes
+    ring_seq = padded // cp                                  # the ring's block: the cp-local sequence (after Ulysses)
+    est.ring_in_flight = (2 * local_rows * max(kv // (tp * sp), 1) * ring_seq * head_dim * act_bytes + 8 * ring_seq)
+    est.activation_note = (f"{ACT_VALUES_PER_LAYER} values per token per hidden unit per layer x {layers} layers, "
+                           f"{local_rows} row{'s' if local_rows != 1 else ''} x {local_seq} tokens on this rank "
+                           f"(seq {seq} / cp {cp}{f' / sp {sp}' if sp > 1 else ''}), hidden {hidden}"
+                           f"{f', vocabulary {vocab}' if vocab else ''}, {act_bytes} B per value")
 
 
 def _recomputed_layers(remat: Mapping[str, Any] | None, plan: Any) -> tuple[set[int], set[int], str]:

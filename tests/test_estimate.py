@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import dsfn
-from dsfn.estimate import (deepspeed_zero2_estimate, deepspeed_zero3_estimate, estimate_memory,
+from dsfn.estimate import (MemoryEstimate, deepspeed_zero2_estimate, deepspeed_zero3_estimate, estimate_memory,
                            measured_state_bytes)
 from dsfn.models.gpt import GPT, GPTConfig, tp_plan
 from dsfn.runtime import init_mesh
@@ -412,3 +412,32 @@ def test_the_estimate_finds_no_transform_by_name_and_reads_none_of_their_attribu
            "zero = next(t for t in stack if t.name == 'shard_zero')\n"
            "stage = zero.stage\nrb = getattr(zero, 'reduce_bucket_size', None)\n")
     assert len(_reads_of_transforms(old)) == 4, _reads_of_transforms(old)
+
+
+def test_context_parallel_activations_are_a_cp_th_and_one_kv_block_rides_along():
+    """estimate_memory(batch=) for a context-parallel stack: per-rank activations of rows (/ dp
+    under a data-parallel transform) x seq / (cp x sp) tokens (1/cp of the cp-1 model's), and one K/V block [rows, Hkv/sp, seq/cp, D]
+    x 2 + int64 positions in flight; dp = world / cp. The saved bytes of a real run are
+    measured against it in benchmarks/context_parallel.py."""
+    pytest.importorskip("transformers")
+    from dsfn.estimate_activations import ring_activations
+    from dsfn.testing.models import make_tiny_causal_lm
+    from dsfn.transforms import context_parallel, sequence_parallel
+    m = make_tiny_causal_lm("llama")
+    cfg = m.config
+    d = cfg.hidden_size // cfg.num_attention_heads
+    by = {}
+    for cp in (2, 4):
+        est = estimate_memory(m, (context_parallel(),), 2 * cp, batch=(4, 64), cp=cp)
+        assert est.mesh["cp"] == cp and est.mesh["dp"] == 2
+        by[cp] = est
+        # no data-parallel transform: every rank keeps all 4 rows
+        assert est.ring_in_flight == 2 * 4 * cfg.num_key_value_heads * (64 // cp) * d * 4 + 8 * (64 // cp)
+        assert "activations" in str(est) and "ring block" in str(est)
+    assert by[2].activations == 2 * by[4].activations
+    one = MemoryEstimate()
+    ring_activations(one, m, (4, 64), 1, 1, 1, 1, 4)
+    assert by[2].activations * 2 == one.activations
+    est = estimate_memory(m, (context_parallel(), sequence_parallel()), 4, batch=(4, 64))
+    assert est.mesh["cp"] == 2 and est.mesh["sp"] == 2 and est.activations == by[4].activations
+    assert est.ring_in_flight == 2 * 4 * (cfg.num_key_value_heads // 2) * 32 * d * 4 + 8 * 32

@@ -140,7 +140,9 @@ class _Ring(torch.autograd.Function):
         pairs = products = 0
         groups = q.shape[1] // k.shape[1]
         b, h, t, d = q.shape
-        out = torch.zeros(b, h, t, d, dtype=torch.float32, device=q.device)
+        # [B, H, T, D] laid out as [B, T, H, D]: the caller's transpose back to the model's layout
+        # is then a view, and the output saved for backward is the one the model uses (no copy)
+        out = torch.zeros(b, t, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full((b, h, t), -math.inf, dtype=torch.float32, device=q.device)
         qf = q.float()
         block = [k, v, q_pos] + ([q_doc] if q_doc is not None else [])
