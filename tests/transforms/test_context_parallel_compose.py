@@ -163,13 +163,6 @@ LAYOUTS_OF = {"tp": {("DimShard", "tp"), ("PackedDimShard", "tp")},      # qkv p
 def train(name, mesh=None, cp=True):
     if mesh:
         init_mesh(**mesh)
-    if cp and name == "fp16":    # INJECTED: the overflow verdict is not agreed over the mesh
-        import sys as _sys; LS = _sys.modules["dsfn.transforms.loss_scale"]   # (the package attribute is the factory)
-        from dsfn import tree as _t
-        def local(grads):
-            print("INJECTED local overflow check", flush=True)
-            return any(not bool(torch.isfinite(x).all()) for x in _t.leaves(grads))
-        LS.any_nonfinite_everywhere = local
     model, loss, inner, ref_inner = _setup(name)
     apply_fn, params = dsfn.functionalize(model)
     ts = (context_parallel(), *inner(model)) if cp else ref_inner(model)

@@ -1,7 +1,7 @@
 """pipeline_parallel with tensor_parallel and sequence_parallel inside each stage: Megatron's
 TP x PP (x DP) trains equal to the single process.
 
-The documented order is compose([sequence_parallel(),] [shard_zero(1),] pipeline_parallel(...),
+The documented order is compose([sequence_parallel() or context_parallel(),] [shard_zero(1),] pipeline_parallel(...),
 tensor_parallel(...)): the pipeline cuts the model into stages, each stage's parameters are split
 over its tp group (`Nested(StageOwned("pp"), DimShard("tp"))`: pp rank s's tp group holds the
 pieces, the other stages an empty tensor). Models: dsfn's GPT (tied embedding and head, a fused
@@ -28,8 +28,8 @@ from dsfn.testing.asserts import assert_trees_close
 from dsfn.testing.models import token_batches
 from dsfn.testing.pipelines import FP32, PIPELINE_OPTS, pipeline_model
 from dsfn.testing.reference import lm_loss
-from dsfn.transforms import (async_checkpoint, clip_grad_norm, pipeline_parallel, sequence_parallel, shard_zero,
-                             tensor_parallel)
+from dsfn.transforms import (async_checkpoint, clip_grad_norm, context_parallel, pipeline_parallel, sequence_parallel,
+                             shard_zero, tensor_parallel)
 
 BATCHES = token_batches(3, 8, 12, 101, seed=1)
 OPTS = PIPELINE_OPTS
@@ -185,6 +185,18 @@ def test_pp2_x_sp2_sends_each_sequence_shard_to_the_same_sp_rank(family, tp):
     ref = _train(family, "sgd")
     mesh = {"pp": 2, "sp": 2, "tp": tp}
     out = run_on_ranks(_train, 4 * tp, family, "sgd", mesh, [sequence_parallel()], timeout=300)
+    _check(out, ref, "sgd")
+    _check_links(out, mesh)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_pp2_x_cp2_runs_ring_attention_inside_each_stage(family):
+    """context_parallel outside the pipeline: each stage's attention is the ring over its cp
+    group (head and tail chunks; the labels, already targets, cut alike: shift_labels=False),
+    each cp rank's stage sending its chunks' hidden states to the same cp rank of the next."""
+    ref = _train(family, "sgd")
+    mesh = {"pp": 2, "cp": 2}
+    out = run_on_ranks(_train, 4, family, "sgd", mesh, [context_parallel(shift_labels=False)], timeout=300)
     _check(out, ref, "sgd")
     _check_links(out, mesh)
 
