@@ -109,7 +109,10 @@ def default_sample(seed: int = SAMPLE_SEED) -> list[Case]:
       Adam-like one (the same stack with a scale-sensitive and a scale-blind update);
     - within a family the optimizer, and the model, are the least used so far among those the
       stack runs (ties broken by `random.Random(seed)`), so every optimizer and every model
-      appears at world >= 2 (`tests/conformance/test_matrix.py` asserts it).
+      appears at world >= 2 (`tests/conformance/test_matrix.py` asserts it);
+    - one more row per model a stack names (`StackSpec.models`: the sequence-splitting stacks'
+      causal, windowed and packed models), the families alternating; models with
+      `drawn=False` appear only there.
     Refused combinations are not drawn: each listed refusal has its own test.
     """
     rng = random.Random(seed)
@@ -125,7 +128,7 @@ def default_sample(seed: int = SAMPLE_SEED) -> list[Case]:
         opts = [o for o, spec in OPTIMIZERS.items() if spec.family == family
                 and any(refusal(stack, o, m) is None for m in MODELS)]
         o = least(used_opt, opts)
-        m = least(used_model, [m for m in MODELS if refusal(stack, o, m) is None])
+        m = least(used_model, [m for m in MODELS if MODELS[m].drawn and refusal(stack, o, m) is None])
         used_opt[o] += 1
         used_model[m] += 1
         out.append(Case(stack, o, m, world))
@@ -134,4 +137,11 @@ def default_sample(seed: int = SAMPLE_SEED) -> list[Case]:
             draw(stack, family, sspec.full_world())
         for k, world in enumerate(sspec.also_sampled):      # one more row each, the families alternating
             draw(stack, ("sgd", "adam")[(len(out) + k) % 2], world)
+        for k, model in enumerate(sspec.models):            # the models the stack names, one row each
+            family = ("sgd", "adam")[(len(out) + k) % 2]
+            o = least(used_opt, [o for o, spec in OPTIMIZERS.items() if spec.family == family
+                                 and refusal(stack, o, model) is None])
+            used_opt[o] += 1
+            used_model[model] += 1
+            out.append(Case(stack, o, model, sspec.full_world()))
     return out

@@ -70,6 +70,8 @@ class ModelSpec:
     rtol: float = 1e-5               # a model's own floor, where one needs it
     layers: int = 2                  # repeated blocks (pipeline stages are cut from them)
     experts: str | dict | None = None  # expert parallel's plan: "auto" (HF's ep plan) | a dict | None (no MoE)
+    drawn: bool = True               # drawn by the default sample's least-used choice; False: only in the
+    #                                  rows a stack names it for (`StackSpec.models`)
 
 
 def _moe():
@@ -84,6 +86,25 @@ def _moe_batches():
 
 def _tokens():
     return token_batches(STEPS, 8, 12, VOCAB, seed=1)     # rows divisible by world 4 x accumulate 2
+
+
+def _packed_tokens():
+    """`_tokens` as packed rows: position_ids restart where a new document begins (after 5 or
+    7 tokens, differing by row), so no token may attend across a boundary."""
+    out = []
+    for b in _tokens():
+        rows, t = b["input_ids"].shape
+        pid = torch.stack([torch.cat([torch.arange(5 + 2 * (r % 2)), torch.arange(t - 5 - 2 * (r % 2))])
+                           for r in range(rows)])
+        out.append({**b, "position_ids": pid})
+    return out
+
+
+def _packed_loss(apply_fn, params, batch):
+    # use_cache=False: with a cache, Hugging Face masks packed rows only causally
+    logits = apply_fn(params, input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch["labels"].reshape(-1),
+                           ignore_index=-100)
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -109,6 +130,12 @@ MODELS: dict[str, ModelSpec] = {
     "llama": ModelSpec(lambda: make_tiny_causal_lm("llama"), _tokens, _lm_loss, attention=True, tp="auto"),
     "qwen2": ModelSpec(lambda: make_tiny_causal_lm("qwen2"), _tokens, _lm_loss, attention=True, tp="auto"),
     "gemma2": ModelSpec(lambda: make_tiny_causal_lm("gemma2"), _tokens, _lm_loss, attention=True, tp="auto"),
+    # the mask axis (the sequence-splitting stacks name them): a sliding window of 5 (Mistral,
+    # sdpa) and packed documents (position_ids restarting: a block-diagonal causal mask)
+    "mistral": ModelSpec(lambda: make_tiny_causal_lm("mistral"), _tokens, _lm_loss, attention=True, tp="auto",
+                         drawn=False),
+    "llama+packed": ModelSpec(lambda: make_tiny_causal_lm("llama"), _packed_tokens, _packed_loss, attention=True,
+                              tp="auto", drawn=False),
     # the loss axis: Hugging Face's own loss (labels=), sequence parallel shifting the labels
     # over the whole sequence; llama's labels ignore prompts of uneven lengths
     "llama+labels": ModelSpec(lambda: make_tiny_causal_lm("llama"), _prompted_tokens, _hf_labels_loss,

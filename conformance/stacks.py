@@ -25,6 +25,7 @@ class StackSpec:
     clipped: bool = False           # a clip below the gradient norm normalises every update
     nodes: int | None = None        # the ranks spread over this many nodes (launcher topology; None: one)
     also_sampled: tuple[int, ...] = ()   # more worlds the default sample runs it at (one row each)
+    models: tuple[str, ...] = ()    # models the default sample also runs it with (one row each, full world)
 
     def ranks_per_node(self, world: int) -> int | None:
         return world // self.nodes if self.nodes and world > 1 else None
@@ -68,6 +69,8 @@ def _tp(model, spec):
         return T.tensor_parallel(_gpt_plan(model), model=model)
     return T.tensor_parallel("auto", model=model)
 
+
+MASKS = ("llama", "mistral", "llama+packed")      # causal, a sliding window, packed documents
 
 STACKS: dict[str, StackSpec] = {
     "data_parallel": StackSpec(lambda m, s, d: [_T().data_parallel()]),
@@ -177,9 +180,16 @@ STACKS: dict[str, StackSpec] = {
         lambda m, s, d: [_T().shard_zero(2), _ep(m, s), _T().async_checkpoint(os.path.join(d, "ckpt"), every=2)],
         mesh=lambda w: {"dp": w // 2, "ep": 2}, worlds=(4,), resume=True),
     # context parallel: ring attention over cp, the sequence in head and tail chunks
-    "cp": StackSpec(lambda m, s, d: [_cp(m, s)], mesh=lambda w: {"cp": w}, worlds=(2, 4)),
+    # (each with a causal, a windowed and a packed-documents model too)
+    "cp": StackSpec(lambda m, s, d: [_cp(m, s)], mesh=lambda w: {"cp": w}, worlds=(2, 4), models=MASKS),
     "cp+zero3": StackSpec(lambda m, s, d: [_cp(m, s), _T().shard_zero(3)], mesh=lambda w: {"dp": w // 2, "cp": 2},
-                          worlds=(4,)),
+                          worlds=(4,), models=MASKS),
+    # 2-D (USP): Ulysses over sp inside each cp rank's chunks, the ring over cp across
+    "cp+sp": StackSpec(lambda m, s, d: [_cp(m, s), _T().sequence_parallel()], mesh=lambda w: {"cp": 2, "sp": w // 2},
+                       worlds=(4,), models=MASKS),
+    # the ring inside each pipeline stage
+    "cp+pp": StackSpec(lambda m, s, d: [_cp(m, s), _T().pipeline_parallel("1f1b", 2, model=m)],
+                       mesh=lambda w: {"cp": 2, "pp": w // 2}, worlds=(4,), models=MASKS),
     "hsdp3+tp": StackSpec(lambda m, s, d: [_T().shard_zero(3, shard_group="node"), _tp(m, s)],
                           mesh=lambda w: {"dp": w // 2, "tp": 2}, worlds=(8,), nodes=2),
 }

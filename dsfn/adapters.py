@@ -107,11 +107,12 @@ class ModelAdapter(Protocol):
                            padded: bool) -> ContextManager:
         """The model's attention as Ulysses attention over `axis`."""
 
-    def ring_attention(self, module: nn.Module, axis: str, positions: torch.Tensor,
-                       documents: torch.Tensor | None, record: Callable | None = None) -> ContextManager:
-        """The model's attention as ring attention over `axis` (this rank's rows at global
-        `positions` [T]; `documents` [B, T]: -1 padding, else the row's document; `record`:
-        called with each call's `dsfn.engines.ring_attention.RingCall`)."""
+    def ring_attention(self, module: nn.Module, axis: str, positions: torch.Tensor, consecutive: Any = None,
+                       padded: bool = False, record: Callable | None = None) -> ContextManager:
+        """The model's attention as ring attention over `axis` (this rank's tokens at global
+        `positions` [T]; `consecutive`: the position_ids the transform gave, holding no
+        documents; `padded`: the batch's attention_mask has zeros; `record`: called with each
+        call's `dsfn.engines.ring_attention.RingCall`)."""
 
     def loss_modules(self, module: nn.Module) -> list[nn.Module]:
         """The modules that compute `module`'s own loss (wrappers looked through)."""

@@ -24,15 +24,24 @@ and ring attention instead of Ulysses). Positions are global: a forward that tak
 Which attention: a Hugging Face model's attention runs as the registered "dsfn_ring"
 (`dsfn.integrations.hf.ring`): causal over the global positions, with the layer's sliding
 window, packed documents (position_ids that restart: a key only for queries of its
-document) and padding (attention_mask 0: a key for nobody), computed over the whole batch
-before it is cut; its own loss (`labels=`) is scored against the transform's whole-sequence
+document) and padding (attention_mask 0: a key for nobody), from the position_ids and 2-D
+mask the layer gets (the rows it runs), made whole over cp; a mask of another shape is a
+ShapeError; its own loss (`labels=`) is scored against the transform's whole-sequence
 shift of those labels, the token mean over the whole sequence and batch. A non-HF model's
 causal `scaled_dot_product_attention` calls (no mask; `dsfn.models.gpt`) are intercepted
-(`RingSDPA`; no documents, right padding only, as sequence parallel's AutoSP). Not built yet,
-refused: sequence_parallel in the same stack (2-D), Gemma2's logit soft-capping.
+(`RingSDPA`; no documents, right padding only, as sequence parallel's AutoSP). Refused:
+Gemma2's logit soft-capping (ConfigError: Ulysses keeps it), attention dropout.
+
+2-D (unified sequence parallelism): `compose(context_parallel(), sequence_parallel(), ...)`
+on a mesh with cp and sp axes. The ring runs over cp, Ulysses over sp inside each cp rank's
+chunks: sp slices those chunks contiguously, its all-to-all hands the ring the cp-local
+sequence for H / sp heads (and K/V heads), and the ring applies every mask; the splitter
+inside weighs the loss over both axes. Put sp on the fast links: `init_mesh(cp=..., sp=...)`
+lays the later axis inside a node; `explain` says which axis crosses nodes.
 
 Nothing in the state is laid out over cp: checkpoints are unchanged. Stack: outermost
-(only `async_checkpoint` may sit outside), as sequence_parallel.
+(only `async_checkpoint` may sit outside), as sequence_parallel; `pipeline_parallel` inside
+runs the ring in each stage.
 """
 from __future__ import annotations
 
@@ -40,10 +49,10 @@ from typing import Any
 
 import torch
 
-from dsfn.engines.positions import document_ids
 from dsfn.engines.ring_attention import RingCall, RingSDPA, head_tail_positions
 from dsfn.engines.sequence_shards import take_positions
 from dsfn.runtime.mesh import current_mesh
+from dsfn.errors import ShapeError
 from dsfn.transforms.core import make_transform
 from dsfn.transforms.sequence_split import SplitSequence, crossing
 
@@ -88,12 +97,17 @@ class ContextParallel(SplitSequence):
         pos = head_tail_positions(t, n, r).to(device)
         notes = self._notes()
         notes.positions = pos[None]
+        notes.own_positions = notes.positions      # the ones this transform made: no documents in them
         notes.arange = None
         notes.ring_positions = pos
         notes.index = pos
         self.last_ring = notes.ring_calls = []      # filled by this step's ring attention calls
-        rows = batch[self.seq_key].shape[0]
-        notes.ring_documents = _documents(batch, rows, t).index_select(1, pos.cpu()) if _has_documents(batch) else None
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() != 2:
+            raise ShapeError(f"context_parallel: the batch's attention_mask has shape {tuple(mask.shape)}; ring "
+                             "attention applies a 2-D padding mask [batch, seq] (and packed documents from "
+                             "position_ids) over the whole sequence, not a custom mask: express it as padding or "
+                             "documents, or use sequence_parallel() (Ulysses)")
         out = take_positions(batch, pos)
         labels = out.get(self.labels_key)
         # a model given labels= is scored against their whole-sequence shift (a chunk's last
@@ -104,31 +118,11 @@ class ContextParallel(SplitSequence):
 
     def _hf_attention(self, adapter: Any, module: Any) -> Any:
         notes = self._notes()
-        return adapter.ring_attention(module, self.axis, notes.ring_positions, notes.ring_documents,
+        return adapter.ring_attention(module, self.axis, notes.ring_positions, notes.own_positions, notes.padded,
                                       notes.ring_calls.append)
 
     def _sdpa_mode(self) -> Any:
         return RingSDPA(self.axis, self._notes().ring_positions, self._notes().ring_calls.append)
-
-
-def _has_documents(batch: dict) -> bool:
-    mask = batch.get("attention_mask")
-    return isinstance(batch.get("position_ids"), torch.Tensor) or (
-        isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.bool().all()))
-
-
-def _documents(batch: dict, rows: int, t: int) -> torch.Tensor:
-    """[B, t] each position's document over the whole sequence (`document_ids` of the batch's
-    position_ids), -1 where the attention_mask is 0 (padding: no query sees it)."""
-    docs = torch.zeros(rows, t, dtype=torch.long)
-    pid = batch.get("position_ids")
-    if isinstance(pid, torch.Tensor):
-        pid = pid.expand(rows, -1) if pid.dim() == 2 else pid[None].expand(rows, -1)
-        docs = document_ids(pid.cpu())
-    mask = batch.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        docs = docs.masked_fill(~mask.bool().cpu(), -1)
-    return docs
 
 
 def context_parallel(*args: Any, **kwargs: Any) -> ContextParallel:

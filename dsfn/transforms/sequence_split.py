@@ -88,7 +88,8 @@ class SplitSequence(Transform):
     def facts(self) -> dict[str, Any]:
         # "sequence_axis": a splitter outside or inside another shares the loss and the padding
         # (2-D: the whole sequence is cut over both axes; see `_outer_axes` / `_inner_axes`)
-        return {"sequence_axis": self.axis, "sequence_wrapped_by_inner": self.wrapped_by_inner}
+        return {"sequence_axis": self.axis, "sequence_wrapped_by_inner": self.wrapped_by_inner,
+                "sequence_labels_key": self.labels_key}
 
     def check_stack(self, stack, index):
         outside = [t for t in stack[:index] if "checkpoint" not in t.roles]
@@ -177,6 +178,13 @@ class SplitSequence(Transform):
         # attention over the whole sequence. Decided on the whole batch, so every rank agrees
         # (the mask's slices are all-gathered only then)
         self._notes().padded = isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.bool().all())
+        if self._outer_axes and isinstance(mask, torch.Tensor):
+            # 2-D, inside: this rank's part of the batch is one of the outer splitter's; every rank
+            # must agree (the attention outside gathers the mask over its axis only when it has one)
+            flag = torch.tensor([float(self._notes().padded)])
+            for ax in self._outer_axes:
+                flag = C.all_reduce(flag, ax, "max")
+            self._notes().padded = bool(flag.item())
         # right padding (1...1 0...0) is exact even without the mask: no real token sees a pad key
         self._notes().right_padded = not self._notes().padded or bool((mask[:, 1:] <= mask[:, :-1]).all())
         batch = self._with_shift_labels(batch)
@@ -193,7 +201,10 @@ class SplitSequence(Transform):
                                  + "); choose a seq_length that is a multiple of it, or seq_length_is_variable=True "
                                  "(padded)")
             batch = pad_sequences(batch, t, -(-t // pieces) * pieces, seq_key=self.seq_key,
-                                  ignore_index=self.ignore_index, labels_keys=(self.labels_key, "shift_labels"),
+                                  ignore_index=self.ignore_index,
+                                  # labels that are the input ids themselves pad as tokens (their
+                                  # targets, shift_labels, are made before and pad as ignored)
+                                  labels_keys=tuple(k for k in (self.labels_key, "shift_labels") if k != self.seq_key),
                                   pad_token_id=self.pad_token_id)
             t = batch[self.seq_key].shape[1]
         self._notes().batch_shifted = isinstance(batch.get("shift_labels"), torch.Tensor)
@@ -202,8 +213,10 @@ class SplitSequence(Transform):
         out = self._take(batch, t, n, current_mesh().local_rank(self.axis), ids.device)
         if self._outer_axes and not self._notes().shifted:
             # 2-D, inside: the outer splitter's chunks are not contiguous, so a model's own loss is
-            # scored against the batch's whole-sequence shift_labels, as this rank's slice holds them
-            labels = out.get(self.labels_key)
+            # scored against the batch's whole-sequence shift_labels (made by the outer one from
+            # its labels key), as this rank's slice holds them
+            key = stack_facts(self).outside(self).first("sequence_labels_key", self.labels_key)
+            labels = out.get(key)
             if isinstance(labels, torch.Tensor) and isinstance(out.get("shift_labels"), torch.Tensor):
                 self._notes().shifted = {id(labels): (labels, out["shift_labels"])}
         return out

@@ -31,8 +31,8 @@ class HuggingFaceAdapter:
     def sequence_attention(self, module, axis, consecutive=None, padded=False):
         return attention.ulysses_attention(module, axis, consecutive, padded)
 
-    def ring_attention(self, module, axis, positions, documents=None, record=None):
-        return ring.ring_attention_context(module, axis, positions, documents, record)
+    def ring_attention(self, module, axis, positions, consecutive=None, padded=False, record=None):
+        return ring.ring_attention_context(module, axis, positions, consecutive, padded, record)
 
     def loss_modules(self, module):
         return detect.loss_modules(module)

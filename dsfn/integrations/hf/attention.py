@@ -76,7 +76,7 @@ class _Context:
 
     def __init__(self, axis: str, inner: str | None, consecutive: torch.Tensor | None, padded: bool = False):
         self.axis, self.inner, self.consecutive, self.padded = axis, inner, consecutive, padded
-        self.documents: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
+        self.documents: dict[Any, tuple] = {}   # id(position_ids) (or ("whole", id)) -> what was found
         self.keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}      # padding masks gathered this forward
 
 
@@ -97,6 +97,22 @@ def _valid_keys(ctx: _Context, mask: torch.Tensor) -> torch.Tensor:
 
 
 _ACTIVE: list[_Context] = []   # innermost last
+
+
+def _whole_sequence(ctx: _Context, position_ids: torch.Tensor) -> torch.Tensor:
+    """[b, T] the whole sequence's position_ids from this rank's slice [b, T/sp] (all-gathered
+    over sp once per tensor and forward, kept for every layer and a recompute)."""
+    got = ctx.documents.get(("whole", id(position_ids)))
+    if got is not None and got[0] is position_ids:
+        return got[1]
+    from dsfn.runtime import collectives as C
+    from dsfn.runtime.mesh import current_mesh
+    n = current_mesh().size(ctx.axis)
+    b, c = position_ids.shape
+    full = C.all_gather(position_ids.contiguous(), ctx.axis).reshape(n, b, c).permute(1, 0, 2).reshape(b, n * c)
+    full = full.to(position_ids.device)
+    ctx.documents[("whole", id(position_ids))] = (position_ids, full)
+    return full
 
 
 def _documents(ctx: _Context, position_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -145,7 +161,14 @@ def _ulysses_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         q, k, v = (ulysses.seq_to_heads(t, axis) for t in (query, key, value))
         rest = {k_: v_ for k_, v_ in kwargs.items() if k_ not in {"position_ids", "labels", "shift_labels",
                                                                    "num_items_in_batch"}}
-        out, _ = _inner_forward(module, impl)(module, q, k, v, None, **rest)          # [B, T, H/sp, d]
+        # the position_ids and padding mask of the outer-local sequence (all-gathered over sp,
+        # once per tensor and forward), from which it finds documents and padding
+        pid = kwargs.get("position_ids")
+        if isinstance(pid, torch.Tensor) and pid.dim() in (1, 2) and pid is not ctx.consecutive:
+            rest["position_ids"] = _whole_sequence(ctx, pid if pid.dim() == 2 else pid[None])
+        mask = (_valid_keys(ctx, attention_mask).long() if isinstance(attention_mask, torch.Tensor)
+                and attention_mask.dim() == 2 else None)
+        out, _ = _inner_forward(module, impl)(module, q, k, v, mask, **rest)          # [B, T, H/sp, d]
         out = ulysses.heads_to_seq(out.transpose(1, 2).contiguous(), axis)
         return out.transpose(1, 2), None
     full_positions, docs = _documents(ctx, kwargs.get("position_ids"))
