@@ -27,6 +27,7 @@ class CausalSDPAMode(TorchFunctionMode):
         super().__init__()
         self.axis = axis
         self._inert = False
+        self.calls = 0          # the sdpa calls run over the axis (none: the model's attention is not sdpa)
 
     def __enter__(self):
         # an instance of this kind for this axis on the mode stack already (a later forward of the
@@ -34,6 +35,11 @@ class CausalSDPAMode(TorchFunctionMode):
         # this one stays off the stack, else the outer mode would run the inner one's attention twice
         self._inert = any(type(m) is type(self) and m.axis == self.axis for m in _get_current_function_mode_stack())
         return self if self._inert else super().__enter__()
+
+    @property
+    def inert(self) -> bool:
+        """Whether this instance stayed off the mode stack (another of its kind runs the calls)."""
+        return self._inert
 
     def __exit__(self, *exc):
         return False if self._inert else super().__exit__(*exc)
@@ -46,6 +52,7 @@ class CausalSDPAMode(TorchFunctionMode):
         if a.get("attn_mask") is not None or not a.get("is_causal", False):
             raise ConfigError(f"{self.who}: an intercepted scaled_dot_product_attention call has an explicit mask or "
                               "is not causal; only causal attention without masks (is_causal=True) is run this way")
+        self.calls += 1
         return self.attend(func, a["query"], a["key"], a["value"], a)
 
     def attend(self, func: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: dict) -> torch.Tensor:

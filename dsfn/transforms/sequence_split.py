@@ -399,8 +399,19 @@ class SplitSequence(Transform):
                              "sequence with no mask. Right-pad (1...1 0...0) or pack such rows")
         if not self.auto:       # the model calls ulysses_sdpa itself
             return call_next(apply_fn, params, args, kwargs)
-        with until_backward(self._sdpa_mode()):
-            return call_next(apply_fn, params, args, kwargs)
+        mode = self._sdpa_mode()
+        with until_backward(mode):
+            out = call_next(apply_fn, params, args, kwargs)
+        if not mode.calls and not mode.inert:
+            # attention computed another way would see only this rank's tokens: silently wrong
+            raise ConfigError(f"{self.name}: {type(module).__name__}'s forward made no causal "
+                              "scaled_dot_product_attention call, so dsfn found no attention to run over "
+                              f"{self.axis!r}; attention computed another way would see only this rank's tokens. "
+                              "Compute attention with torch.nn.functional.scaled_dot_product_attention(q, k, v, "
+                              "is_causal=True), use a Hugging Face model"
+                              + (", or call ulysses_sdpa yourself with sequence_parallel(auto=False)"
+                                 if self.wraps_outer_attention else ""))
+        return out
 
     def _hf_attention(self, adapter: Any, module: Any) -> Any:
         """A Hugging Face model's attention over the axis (Ulysses: `dsfn_ulysses`)."""

@@ -269,3 +269,68 @@ def test_explain_says_which_axis_crosses_nodes_and_the_wire_bytes_equal_the_clos
         closed = layers * ((2 * n - 1) * block + n * grads)
         assert sent == closed
         assert f"{closed:,} B this step" in text
+
+
+# -- bad input: named errors ----------------------------------------------------------------------------
+
+class ManualAttention(torch.nn.Module):
+    """Attention written out (softmax of q k^T): no sdpa call for the ring to run."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, ids, position_ids=None):
+        x = self.emb(ids)
+        q, k, v = self.qkv(x).chunk(3, -1)
+        t = ids.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        att = (q @ k.transpose(-1, -2) / 4).masked_fill(~causal, float("-inf")).softmax(-1)
+        return self.head(att @ v)
+
+
+def bad_input(kind, axis="cp"):
+    init_mesh(**{axis: 2})
+    model = ManualAttention() if kind == "manual" else make_tiny_causal_lm("llama")
+    apply_fn, params = dsfn.functionalize(model)
+    loss = shifted_loss if kind == "manual" else hf_loss
+    split = context_parallel() if axis == "cp" else sequence_parallel(shift_labels=True)
+    step = compose(split)(train_step_for(apply_fn, loss))
+    state = step.init_state(params, dsfn.optim.sgd(0.1))
+    batch = make_batches()[0] if kind == "manual" else hf_batches("plain")[0]
+    if kind == "mask3d":
+        batch["attention_mask"] = torch.ones(4, 16, 16, dtype=torch.long).tril()
+    if kind == "short_labels":
+        batch["labels"] = batch["labels"][:, :-1]
+    if kind == "position_ids":
+        batch["position_ids"] = torch.arange(15)[None].repeat(4, 1)
+    try:
+        step(state, batch)
+    except (ConfigError, ShapeError) as e:
+        return type(e).__name__, str(e)
+    return None, ""
+
+
+@pytest.mark.parametrize("kind,error,match", [
+    ("manual", "ConfigError", r"made no causal scaled_dot_product_attention call.*only this rank's tokens"),
+    ("mask3d", "ShapeError", r"attention_mask has shape \(4, 16, 16\).*2-D padding mask"),
+    ("short_labels", "ShapeError", r"batch\['labels'\] has shape \(4, 15\).*same length"),
+    ("position_ids", "ShapeError", r"batch\['position_ids'\] has shape \(4, 15\).*same length"),
+])
+def test_bad_input_is_a_named_error(kind, error, match):
+    """A model whose attention dsfn cannot find (it would attend within the rank's chunks
+    only), a mask the ring cannot honour, labels / position ids of another length."""
+    import re
+    if kind != "manual":
+        pytest.importorskip("transformers")
+    for name, text in run_on_ranks(bad_input, 2, kind, timeout=120):
+        assert name == error and re.search(match, text), (name, text)
+
+
+def test_ulysses_refuses_a_model_without_sdpa_alike():
+    """The same check guards sequence_parallel's AutoSP (its attention would be the slice's)."""
+    for name, text in run_on_ranks(bad_input, 2, "manual", "sp", timeout=120):
+        assert name == "ConfigError" and "sequence_parallel: ManualAttention's forward made no causal" in text, text
+        assert "ulysses_sdpa yourself with sequence_parallel(auto=False)" in text
