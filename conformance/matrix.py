@@ -50,8 +50,6 @@ REFUSALS: list[Refusal] = [
             "(name them: layers='...')"),
     Refusal(lambda s, o, m: "tp" in s.split("+") and MODELS[m].tp is None, ConfigError,
             "declares no tp plan", "tensor parallel needs a plan; the model has none (pass plan=...)"),
-    Refusal(lambda s, o, m: m == "gemma2" and "cp" in s.split("+"), ConfigError, "soft-caps its attention logits",
-            "ring attention has no logit soft-capping (Gemma2's); Ulysses keeps the model's own attention"),
     Refusal(lambda s, o, m: ("sp" in s.split("+") or "cp" in s.split("+")) and not pipelined(s)
             and not MODELS[m].attention, ShapeError,
             "the batch must be a dict with 'input_ids' [batch, seq]",

@@ -126,16 +126,22 @@ def _pairs(mask: torch.Tensor, cq: int, ck: int):
                 yield slice(i, i + cq), slice(j, j + ck), sub
 
 
-def _scores(qf: torch.Tensor, kf: torch.Tensor, qs: slice, ks: slice, sub: torch.Tensor, scale: float) -> torch.Tensor:
+def _scores(qf: torch.Tensor, kf: torch.Tensor, qs: slice, ks: slice, sub: torch.Tensor, scale: float,
+            softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scaled scores of one (query chunk, key chunk) pair, -inf where the mask hides the key
-    (forward and backward's recompute alike)."""
+    (forward and backward's recompute alike); with `softcap` c (Gemma2's logit soft-capping)
+    c * tanh(s / c), and the tanh itself (backward's factor 1 - tanh^2), else None."""
     sc = (qf[:, :, qs] @ kf[:, :, ks].transpose(-1, -2)) * scale
-    return sc.masked_fill(~sub.unsqueeze(1), -math.inf)
+    th = None
+    if softcap:
+        th = torch.tanh(sc / softcap)
+        sc = th * softcap
+    return sc.masked_fill(~sub.unsqueeze(1), -math.inf), th
 
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, axis, q_pos, q_doc, causal, window, scale, chunk, record):
+    def forward(ctx, q, k, v, axis, q_pos, q_doc, causal, window, scale, chunk, record, softcap):
         n = current_mesh().size(axis)
         pairs = products = 0
         groups = q.shape[1] // k.shape[1]
@@ -155,7 +161,7 @@ class _Ring(torch.autograd.Function):
                 pairs += 1
                 if record is not None:          # (a host sync: only when explain asks)
                     products += int(sub.sum()) * h * (b // sub.shape[0])
-                sc = _scores(qf, kf, qs, ks, sub, scale)
+                sc, _ = _scores(qf, kf, qs, ks, sub, scale, softcap)
                 m = sc.amax(-1)
                 m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
                 p = torch.exp(sc - m.unsqueeze(-1))
@@ -172,6 +178,7 @@ class _Ring(torch.autograd.Function):
                 block = shift.wait()
         ctx.save_for_backward(q, k, v, out, lse, q_pos, *([q_doc] if q_doc is not None else []))
         ctx.axis, ctx.causal, ctx.window, ctx.scale, ctx.chunk = axis, causal, window, scale, chunk
+        ctx.softcap = softcap
         ctx.has_doc = q_doc is not None
         if record is not None:
             record(RingCall(n, b, k.shape[1], h, t, d, k.element_size(), q_doc is not None, pairs,
@@ -200,12 +207,14 @@ class _Ring(torch.autograd.Function):
             dk_blk = torch.zeros_like(kf)
             dv_blk = torch.zeros_like(vf)
             for qs, ks, sub in _pairs(mask, chunk, chunk):
-                sc = _scores(qf, kf, qs, ks, sub, scale)
+                sc, th = _scores(qf, kf, qs, ks, sub, scale, ctx.softcap)
                 p = torch.exp(sc - safe_lse[:, :, qs].unsqueeze(-1))
                 p = torch.where(torch.isinf(lse[:, :, qs]).unsqueeze(-1), torch.zeros_like(p), p)
                 dv_blk[:, :, ks] += p.transpose(-1, -2) @ do[:, :, qs]
                 dp = do[:, :, qs] @ vf[:, :, ks].transpose(-1, -2)
                 ds = p * (dp - delta[:, :, qs].unsqueeze(-1))
+                if th is not None:           # through the cap: d(c tanh(s/c))/ds = 1 - tanh^2
+                    ds = ds * (1 - th * th)
                 dq[:, :, qs] += (ds @ kf[:, :, ks]) * scale
                 dk_blk[:, :, ks] += (ds.transpose(-1, -2) @ qf[:, :, qs]) * scale
             dk_acc = dk_acc + _fold(dk_blk, groups)
@@ -214,16 +223,18 @@ class _Ring(torch.autograd.Function):
             shifted = C.ring_shift(block + [dk_acc, dv_acc], axis).wait()
             block, (dk_acc, dv_acc) = shifted[:width], shifted[width:]
         return (dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None, None, None, None,
-                None)
+                None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str, positions: torch.Tensor,
                    documents: torch.Tensor | None = None, causal: bool = True, window: int | None = None,
-                   scale: float | None = None, record: Callable[[RingCall], None] | None = None) -> torch.Tensor:
+                   scale: float | None = None, record: Callable[[RingCall], None] | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
     """Softmax attention of this rank's queries over the keys of every rank along `axis`
     ([B, H, T, D], module docstring); `positions` [T] this rank's global indices (two chunks of
     T / 2 under the head-tail layout: the chunk pairs are skipped or computed as units).
-    `record`: called with the forward's `RingCall` (explain's figures)."""
+    `record`: called with the forward's `RingCall` (explain's figures). `softcap` c: scores
+    soft-capped to c * tanh(s / c) before the softmax (Gemma2's attention logits)."""
     if q.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:] \
             or q.shape[1] % k.shape[1]:
         raise ShapeError(f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
@@ -235,7 +246,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str,
     chunk = q.shape[2] // 2 if q.shape[2] % 2 == 0 else q.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _Ring.apply(q, k, v, axis, positions.long(), None if documents is None else documents.long(),
-                       bool(causal), window, scale, chunk, record)
+                       bool(causal), window, scale, chunk, record, float(softcap) if softcap else None)
 
 
 class RingSDPA(CausalSDPAMode):

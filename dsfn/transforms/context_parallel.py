@@ -29,8 +29,8 @@ mask the layer gets (the rows it runs), made whole over cp; a mask of another sh
 ShapeError; its own loss (`labels=`) is scored against the transform's whole-sequence
 shift of those labels, the token mean over the whole sequence and batch. A non-HF model's
 causal `scaled_dot_product_attention` calls (no mask; `dsfn.models.gpt`) are intercepted
-(`RingSDPA`; no documents, right padding only, as sequence parallel's AutoSP). Refused:
-Gemma2's logit soft-capping (ConfigError: Ulysses keeps it), attention dropout.
+(`RingSDPA`; no documents, right padding only, as sequence parallel's AutoSP). Gemma2's
+logit soft-capping runs inside the ring's blocks. Refused: attention dropout.
 
 2-D (unified sequence parallelism): `compose(context_parallel(), sequence_parallel(), ...)`
 on a mesh with cp and sp axes. The ring runs over cp, Ulysses over sp inside each cp rank's

@@ -118,3 +118,41 @@ def test_negative_control_a_skipped_block_or_a_contiguous_layout_differs():
     # the ring's rows read against contiguous chunks instead of the head-tail ones
     got = run_on_ranks(_ring, 2, 2, seq, True, None, None, timeout=120)
     assert any(not torch.allclose(out, ref[0][:, :, r * 12:(r + 1) * 12], **TOL) for r, (_, out, *_r) in enumerate(got))
+
+
+def _softcap_reference(seq, cap, window):
+    """Eager attention with Gemma2's logit soft-capping: c * tanh(q k^T scale / c), then the mask."""
+    q, k, v, dout = _inputs(seq)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    pos = torch.arange(seq)
+    mask = R.visible(pos, pos, None, None, True, window)
+    s = q @ k.repeat_interleave(H // HKV, 1).transpose(-1, -2) * D ** -0.5
+    s = (torch.tanh(s / cap) * cap).masked_fill(~mask.unsqueeze(1), float("-inf"))
+    out = s.softmax(-1) @ v.repeat_interleave(H // HKV, 1)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _ring_softcap(n, seq, cap, window):
+    init_mesh(cp=n)
+    q, k, v, dout = _inputs(seq)
+    pos = R.head_tail_positions(seq, n, current_mesh().local_rank("cp"))
+    ql, kl, vl = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
+    out = R.ring_attention(ql, kl, vl, "cp", pos, None, True, window, softcap=cap)
+    out.backward(dout[:, :, pos])
+    return pos, out.detach(), ql.grad, kl.grad, vl.grad
+
+
+@pytest.mark.parametrize("n,window", [(2, None), (3, 7)])
+def test_soft_capped_scores_equal_eager_attention(n, window):
+    """Gemma2's soft-capping (cap 1.5: it bites, the scores of these inputs reach ~4) in the
+    forward and through the cap's derivative in backward."""
+    seq, cap = 24, 1.5
+    ref = _softcap_reference(seq, cap, window)
+    plain = _reference(seq, True, window, None)
+    assert not torch.allclose(ref[0], plain[0], **TOL), "the cap must change the output for the test to see it"
+    for pos, out, dq, dk, dv in run_on_ranks(_ring_softcap, n, n, seq, cap, window, timeout=120):
+        torch.testing.assert_close(out, ref[0][:, :, pos], **TOL)
+        torch.testing.assert_close(dq, ref[1][:, :, pos], **TOL)
+        torch.testing.assert_close(dk, ref[2][:, :, pos], **TOL)
+        torch.testing.assert_close(dv, ref[3][:, :, pos], **TOL)

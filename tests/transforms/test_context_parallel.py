@@ -116,10 +116,15 @@ def hf_loss(apply_fn, params, batch):
     return apply_fn(params, input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False, **extra).loss
 
 
+# Gemma2 with a cap and a window that bite at these sizes (the defaults, 50 and 4096, do not)
+FAMILY_CONFIG = {"gemma2": dict(attn_logit_softcapping=0.5, sliding_window=6)}
+
+
 def train_hf(family, kind, mesh=None, cp=True, outer=()):
     if mesh:
         init_mesh(**mesh)
-    model = make_tiny_causal_lm(family)
+    family, _, impl = family.partition(":")          # "llama:eager": the model loaded with that attention
+    model = make_tiny_causal_lm(family, **({"attn_implementation": impl} if impl else {}), **FAMILY_CONFIG.get(family, {}))
     apply_fn, params = dsfn.functionalize(model)
     step = compose(*((context_parallel(), *outer) if cp else ()))(train_step_for(apply_fn, hf_loss))
     state = step.init_state(params, dsfn.optim.sgd(0.5, momentum=0.9))
@@ -131,6 +136,9 @@ def train_hf(family, kind, mesh=None, cp=True, outer=()):
     ("qwen2", "plain", 2, {"cp": 2}),            # GQA: 8 query / 4 kv heads, biases
     ("mistral", "plain", 4, {"cp": 4}),          # a sliding window of 5 (sdpa)
     ("llama", "packed", 2, {"cp": 2}), ("llama", "padded", 2, {"cp": 2}),
+    ("llama:eager", "packed", 2, {"cp": 2}),     # eager attention: the ring replaces it alike
+    ("qwen3", "plain", 2, {"cp": 2}),            # per-head q / k norms
+    ("gemma2", "plain", 2, {"cp": 2}),           # logit soft-capping, a window on alternate layers
 ])
 def test_hf_models_train_equal_to_the_single_process(family, kind, world, mesh):
     pytest.importorskip("transformers")
@@ -175,7 +183,7 @@ def train_2d(mesh=None, two=True, outer=()):
 def train_hf_2d(family, kind, mesh=None, two=True):
     if mesh:
         init_mesh(**mesh)
-    apply_fn, params = dsfn.functionalize(make_tiny_causal_lm(family))
+    apply_fn, params = dsfn.functionalize(make_tiny_causal_lm(family, **FAMILY_CONFIG.get(family, {})))
     step = compose(*((context_parallel(), sequence_parallel()) if two else ()))(train_step_for(apply_fn, hf_loss))
     state = step.init_state(params, dsfn.optim.sgd(0.5, momentum=0.9))
     return run_steps(step, state, hf_batches(kind))
@@ -189,7 +197,7 @@ def test_2d_cp2_x_sp2_equals_the_single_process():
 
 
 @pytest.mark.parametrize("family,kind", [("llama", "plain"), ("llama", "packed"), ("llama", "padded"),
-                                         ("mistral", "plain"), ("qwen2", "plain")])
+                                         ("mistral", "plain"), ("qwen2", "plain"), ("gemma2", "plain")])
 def test_2d_hf_models_equal_the_single_process(family, kind):
     """The model's own loss over the whole sequence; Ulysses' all-to-all hands the ring the
     cp-local sequence (window, documents, padding applied by the ring)."""

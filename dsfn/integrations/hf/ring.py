@@ -9,13 +9,12 @@ passes a 2-D padding mask on.
 `dsfn.engines.ring_attention.ring_attention` over `axis`: causal over the global
 `positions`, the layer's `sliding_window` (HF's: a key is seen while q - k < window), the
 documents of packed rows (position_ids that restart) and padding (a 2-D attention_mask), the
-layer's `scaling`. The documents come from the position_ids and attention_mask the layer
+layer's `scaling` and its logit soft-capping (Gemma2's `softcap`). The documents come from the position_ids and attention_mask the layer
 itself gets (the rows the model runs: a data-parallel split or a micro-batch), made whole
 over cp by one all-gather per forward. A model with a cache (`use_cache=True`) is masked by
 documents too (Hugging Face's single process then masks only causally: train packed rows
 with use_cache=False). Grouped-query heads stay Hkv on the wire. Refused
-(ConfigError): attention logit soft-capping (Gemma2's `softcap`), attention dropout while
-training, chunked attention. `dsfn.transforms.context_parallel` enters it around every forward.
+(ConfigError): attention dropout while training, a custom (not 2-D) attention mask. `dsfn.transforms.context_parallel` enters it around every forward.
 """
 from __future__ import annotations
 
@@ -122,9 +121,6 @@ def _ring_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     from dsfn.engines.ring_attention import ring_attention
     ctx = _ACTIVE[-1]
     name = type(module).__name__
-    if softcap:
-        raise ConfigError(f"context_parallel: {name} soft-caps its attention logits (softcap={softcap}), which ring "
-                          "attention does not; use sequence_parallel() (Ulysses) for this model")
     if dropout and module.training:
         raise ConfigError(f"context_parallel: {name} has attention dropout {dropout}; ring attention has none: set "
                           "the model's attention_dropout to 0")
@@ -135,7 +131,7 @@ def _ring_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
                           "custom mask: express it as padding or documents, or use sequence_parallel() (Ulysses)")
     documents = _documents(ctx, kwargs.get("position_ids"), attention_mask, query.shape[0], query.shape[2])
     out = ring_attention(query, key, value, ctx.axis, ctx.positions.to(query.device), documents, causal=True,
-                         window=sliding_window, scale=scaling, record=ctx.record)
+                         window=sliding_window, scale=scaling, record=ctx.record, softcap=softcap)
     return out.transpose(1, 2), None
 
 
