@@ -75,6 +75,19 @@ assert torch.isfinite(metrics['loss'])
 state, metrics = step(step.init_state(params, dsfn.optim.adamw(1e-3)), batch)
 assert torch.isfinite(metrics['loss'])
 """,
+    # equal to one process running the same train step on the whole batch
+    "context-parallel": """
+state, metrics = step(step.init_state(params, dsfn.optim.sgd(0.1)), batch)
+one = dsfn.compose()(train_step)
+_, ref = one(one.init_state(params, dsfn.optim.sgd(0.1)), batch)
+torch.testing.assert_close(metrics['loss'], ref['loss'], rtol=1e-5, atol=1e-6)
+""",
+    "context-parallel-2d": """
+state, metrics = step(step.init_state(params, dsfn.optim.sgd(0.1)), batch)
+one = dsfn.compose()(train_step)
+_, ref = one(one.init_state(params, dsfn.optim.sgd(0.1)), batch)
+torch.testing.assert_close(metrics['loss'], ref['loss'], rtol=1e-5, atol=1e-6)
+""",
     "pipeline-parallel": """
 state, metrics = step(step.init_state(params, dsfn.optim.adamw(1e-3)), batch)
 assert torch.isfinite(metrics['loss'])
@@ -108,12 +121,14 @@ assert torch.isfinite(metrics['loss'])
 # the internal names a THEN check reads besides the block's own (made like a given)
 THEN_NEEDS = {"remat": ("params", "batch", "shard_zero", "remat"),
               "tensor-parallel": ("batch",), "sequence-parallel": ("params", "batch"), "pipeline-parallel": ("batch",),
+              "context-parallel": ("params", "batch"), "context-parallel-2d": ("params", "batch"),
               "pipeline-tensor-parallel": ("batch",),
               "offload": ("params", "batch"), "zero3-by-hand": ("params", "batch"),
               }
 # which model a block's `model` / `params` / `train_step` are: a tiny GPT (dsfn.models), a tiny
 # Hugging Face Llama, or a BatchNorm MLP
 MODEL = {"buffers": "bn", "remat": "llama", "tensor-parallel": "llama", "sequence-parallel": "llama",
+         "context-parallel": "llama", "context-parallel-2d": "llama",
          "pipeline-parallel": "llama",
          "pipeline-tensor-parallel": "llama",
          "tp-sp-from-ds-config": "llama"}
@@ -238,7 +253,7 @@ def _build(name: str, block: str, ns: dict, tmp: str, cache: dict):
         import importlib
         return importlib.import_module({"F": "torch.nn.functional"}.get(name, name))
     if name in ("shard_zero", "offload", "mixed_precision", "clip_grad_norm", "tensor_parallel",
-                "sequence_parallel", "remat", "data_parallel"):
+                "sequence_parallel", "context_parallel", "remat", "data_parallel"):
         return getattr(T, name)
     if name == "init_mesh":
         from dsfn.runtime import init_mesh
