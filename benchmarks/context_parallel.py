@@ -17,7 +17,7 @@ Printed:
 2. **Longest sequence under a cap** of saved activation bytes per rank (`--cap-kib`), at cp
    1 / 2 / 4: doubling from 2 x cp x 8 tokens, then bisecting on multiples of 2 x cp x 8.
 3. **K/V bytes on the wire** per step and rank: the runtime's counters of the ring's sends,
-   `explain`'s (the step's `RingCall`s) and the closed form L x ((2cp - 1) x block + cp x
+   `explain`'s (the step's `RingCall`s) and the closed form L x (2(cp - 1) x block + cp x
    dK/dV), block = 2 x B x Hkv x S/cp x D x 4 + 8 S/cp (positions), dK/dV = 2 x B x Hkv x S/cp
    x D x 4.
 4. **Causal work balance**: the chunk pairs each rank computes (of the ring's n x 4; each a
@@ -133,7 +133,7 @@ def _closed_form(seq: int, n: int, model) -> int:
     s = seq // n
     block = 2 * ROWS * cfg.num_key_value_heads * s * d * 4 + 8 * s
     grads = 2 * ROWS * cfg.num_key_value_heads * s * d * 4
-    return cfg.num_hidden_layers * ((2 * n - 1) * block + n * grads)
+    return cfg.num_hidden_layers * (2 * (n - 1) * block + n * grads)
 
 
 def main() -> None:

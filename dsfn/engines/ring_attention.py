@@ -21,8 +21,11 @@ and computes its queries against it meanwhile: for each (query chunk, key chunk)
 mask is not all False (the others are skipped: under the head-tail causal layout a third of
 them), scores in fp32, the block's output and log-sum-exp merged into the running ones.
 Backward (flash attention's, per block, from the saved output and log-sum-exp): the same
-ring; dQ stays home, each block's dK / dV accumulate as they travel with it and come home
-with one last shift.
+ring, the next K/V block in flight while this one is used; dQ stays home, each block's dK /
+dV accumulate as they travel after it and come home with one last shift. Chunk pairs seen
+whole or as the causal diagonal run on PyTorch's fused flash attention for CPU (forward and
+backward, which return and take the log-sum-exp); other masks, soft-capping and other
+devices on the explicit fp32 path (a fused GPU path is not built yet).
 
 Equal to plain softmax attention on the whole sequence (`tests/engines/test_ring_attention.py`,
 against `torch.nn.functional.scaled_dot_product_attention` at n = 2, 3, 4) up to fp32
@@ -75,9 +78,9 @@ class RingCall:
 
     @property
     def wire_bytes(self) -> int:
-        """This rank's bytes sent for the call: n - 1 shifts of the block in forward, n in
-        backward with its dK / dV (the last brings them home)."""
-        return (self.n - 1) * self.block_bytes + self.n * (self.block_bytes + self.grad_bytes)
+        """This rank's bytes sent for the call: n - 1 shifts of the block in forward and again
+        in backward, and n of its dK / dV (the last brings them home)."""
+        return 2 * (self.n - 1) * self.block_bytes + self.n * self.grad_bytes
 
 
 def head_tail_positions(seq_len: int, n: int, rank: int) -> torch.Tensor:
@@ -139,6 +142,22 @@ def _scores(qf: torch.Tensor, kf: torch.Tensor, qs: slice, ks: slice, sub: torch
     return sc.masked_fill(~sub.unsqueeze(1), -math.inf), th
 
 
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _kernel_pair(q: torch.Tensor, sub: torch.Tensor, softcap: float | None) -> bool | None:
+    """How a chunk pair runs on a fused attention kernel (CPU: PyTorch's flash attention for
+    CPU, which returns the log-sum-exp the merge needs): False for a pair every query sees
+    whole, True for the causal diagonal (same positions), None for any other mask (documents,
+    windows, padding) or soft-capping: the explicit fp32 path."""
+    if _FLASH_CPU is None or q.device.type != "cpu" or softcap or sub.shape[0] != 1 or sub.shape[1] != sub.shape[2]:
+        return None
+    if bool(sub.all()):
+        return False
+    tril = torch.ones(sub.shape[1:], dtype=torch.bool, device=sub.device).tril()
+    return True if bool((sub[0] == tril).all()) else None
+
+
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, axis, q_pos, q_doc, causal, window, scale, chunk, record, softcap):
@@ -161,13 +180,17 @@ class _Ring(torch.autograd.Function):
                 pairs += 1
                 if record is not None:          # (a host sync: only when explain asks)
                     products += int(sub.sum()) * h * (b // sub.shape[0])
-                sc, _ = _scores(qf, kf, qs, ks, sub, scale, softcap)
-                m = sc.amax(-1)
-                m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-                p = torch.exp(sc - m.unsqueeze(-1))
-                l_ = p.sum(-1)
-                blk_lse = torch.where(l_ > 0, m + torch.log(l_), torch.full_like(l_, -math.inf))
-                blk_out = (p @ vf[:, :, ks]) / l_.clamp_min(1e-30).unsqueeze(-1)
+                fused = _kernel_pair(q, sub, softcap)
+                if fused is not None:
+                    blk_out, blk_lse = _FLASH_CPU(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], 0.0, fused, scale=scale)
+                else:
+                    sc, _ = _scores(qf, kf, qs, ks, sub, scale, softcap)
+                    m = sc.amax(-1)
+                    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+                    p = torch.exp(sc - m.unsqueeze(-1))
+                    l_ = p.sum(-1)
+                    blk_lse = torch.where(l_ > 0, m + torch.log(l_), torch.full_like(l_, -math.inf))
+                    blk_out = (p @ vf[:, :, ks]) / l_.clamp_min(1e-30).unsqueeze(-1)
                 new = torch.logaddexp(lse[:, :, qs], blk_lse)
                 safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
                 a = torch.exp(lse[:, :, qs] - safe).unsqueeze(-1)
@@ -199,14 +222,24 @@ class _Ring(torch.autograd.Function):
         dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         block = [k, v, q_pos] + ([q_doc] if q_doc is not None else [])
-        width = len(block)
         for s in range(n):
+            # the next K/V block travels while this one is used; its dK / dV follow after
+            shift = C.ring_shift(block, axis) if s < n - 1 else None
             kk, vv, k_pos = block[:3]
             mask = visible(q_pos, k_pos, q_doc, block[3] if q_doc is not None else None, ctx.causal, ctx.window)
             kf, vf = _repeat(kk.float(), groups), _repeat(vv.float(), groups)
             dk_blk = torch.zeros_like(kf)
             dv_blk = torch.zeros_like(vf)
             for qs, ks, sub in _pairs(mask, chunk, chunk):
+                fused = _kernel_pair(q, sub, ctx.softcap)
+                if fused is not None:
+                    gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                        do[:, :, qs], qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], out[:, :, qs], lse[:, :, qs],
+                        0.0, fused, scale=scale)
+                    dq[:, :, qs] += gq
+                    dk_blk[:, :, ks] += gk
+                    dv_blk[:, :, ks] += gv
+                    continue
                 sc, th = _scores(qf, kf, qs, ks, sub, scale, ctx.softcap)
                 p = torch.exp(sc - safe_lse[:, :, qs].unsqueeze(-1))
                 p = torch.where(torch.isinf(lse[:, :, qs]).unsqueeze(-1), torch.zeros_like(p), p)
@@ -219,9 +252,10 @@ class _Ring(torch.autograd.Function):
                 dk_blk[:, :, ks] += (ds.transpose(-1, -2) @ qf[:, :, qs]) * scale
             dk_acc = dk_acc + _fold(dk_blk, groups)
             dv_acc = dv_acc + _fold(dv_blk, groups)
-            # the block moves on with its gradients; after n shifts they are home
-            shifted = C.ring_shift(block + [dk_acc, dv_acc], axis).wait()
-            block, (dk_acc, dv_acc) = shifted[:width], shifted[width:]
+            # the gradients move on after their block; after n shifts they are home
+            dk_acc, dv_acc = C.ring_shift([dk_acc, dv_acc], axis).wait()
+            if shift is not None:
+                block = shift.wait()
         return (dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None, None, None, None,
                 None, None)
 

@@ -86,8 +86,8 @@ class ContextParallel(SplitSequence):
             total = sum(x.wire_bytes for x in calls)
             lines.append(f"  last step: {len(calls)} ring attention calls; per call a K/V block of {c.block_bytes:,} B "
                          f"(K, V [{c.rows}, {c.kv_heads}, {c.seq}, {c.head_dim}] x {c.itemsize} B + positions"
-                         f"{' + documents' if c.documents else ''}) makes {c.n - 1} shifts in forward and {c.n} in "
-                         f"backward with its dK / dV ({c.grad_bytes:,} B fp32): {c.wire_bytes:,} B sent per call, "
+                         f"{' + documents' if c.documents else ''}) makes {c.n - 1} shifts in forward and "
+                         f"{c.n - 1} in backward, its dK / dV ({c.grad_bytes:,} B fp32) {c.n}: {c.wire_bytes:,} B sent per call, "
                          f"{total:,} B this step; chunk pairs computed {sum(x.pairs for x in calls)} of "
                          f"{sum(x.pairs_total for x in calls)} (the rest fully masked, skipped); one block in flight "
                          f"beside the rank's own: {c.block_bytes:,} B")

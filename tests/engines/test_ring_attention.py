@@ -156,3 +156,23 @@ def test_soft_capped_scores_equal_eager_attention(n, window):
         torch.testing.assert_close(dq, ref[1][:, :, pos], **TOL)
         torch.testing.assert_close(dk, ref[2][:, :, pos], **TOL)
         torch.testing.assert_close(dv, ref[3][:, :, pos], **TOL)
+
+
+def _ring_counting(n, seq, kind):
+    """The ring at n ranks: how many chunk pairs its forward ran on the fused CPU kernel."""
+    calls = []
+    orig = R._FLASH_CPU
+
+    def counting(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+    R._FLASH_CPU = counting
+    _ring(n, seq, True, None, kind)
+    return len(calls)
+
+
+def test_whole_and_causal_pairs_run_on_the_fused_kernel_and_masked_ones_do_not():
+    """The causal head-tail layout's computed pairs are all whole or diagonal (fused: 3 of
+    the own block's 4, 2 of the other's at cp 2); packed documents' are neither (explicit)."""
+    assert run_on_ranks(_ring_counting, 2, 2, 24, None, timeout=120) == [5, 5]
+    assert run_on_ranks(_ring_counting, 2, 2, 24, "packed", timeout=120) == [0, 0]

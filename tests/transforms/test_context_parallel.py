@@ -263,7 +263,7 @@ def explain_2d(mesh, two):
 def test_explain_says_which_axis_crosses_nodes_and_the_wire_bytes_equal_the_closed_form(order, cp_crosses):
     """4 ranks on 2 nodes of 2: the mesh's outer axis crosses nodes. The ring's bytes sent per
     step (the runtime's counters) equal explain's and the closed form: per layer a block of
-    K, V [B, Hkv/sp, S/cp, D] fp32 + positions + documents (int64) makes 2cp - 1 shifts, and
+    K, V [B, Hkv/sp, S/cp, D] fp32 + positions + documents (int64) makes 2(cp - 1) shifts, and
     its dK / dV (fp32) cp."""
     pytest.importorskip("transformers")
     mesh = {a: 2 for a in order}
@@ -274,7 +274,7 @@ def test_explain_says_which_axis_crosses_nodes_and_the_wire_bytes_equal_the_clos
         rows, t, n = 4, 16 // 2, 2
         block = 2 * rows * (hkv // 2) * t * d * 4 + 8 * t + 8 * rows * t
         grads = 2 * rows * (hkv // 2) * t * d * 4
-        closed = layers * ((2 * n - 1) * block + n * grads)
+        closed = layers * (2 * (n - 1) * block + n * grads)
         assert sent == closed
         assert f"{closed:,} B this step" in text
 
