@@ -41,6 +41,20 @@ def token_batches(n_batches: int, batch_size: int, seq_len: int, vocab: int, see
     return out
 
 
+def uneven_label_batches(lengths: tuple[int, ...], rows: int, vocab: int, seed: int = 0) -> list[dict]:
+    """One `token_batches` batch per length in `lengths`, every other row's first 5 labels
+    ignored (-100): sequence chunks (and dp halves alike) hold different numbers of valid
+    targets, so a loss normalised per part instead of over the whole batch differs."""
+    out = []
+    for i, t in enumerate(lengths):
+        b = token_batches(1, rows, t, vocab, seed=seed + i)[0]
+        lab = b["labels"].clone()
+        for r in range(0, rows, 2):
+            lab[r, :5] = -100
+        out.append({"input_ids": b["input_ids"], "labels": lab})
+    return out
+
+
 def make_tiny_llama(seed: int = 0, **config):
     """A small Hugging Face `LlamaForCausalLM` with random weights (needs the `hf` extra).
 

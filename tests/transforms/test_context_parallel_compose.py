@@ -35,7 +35,7 @@ from dsfn.runtime import init_mesh
 from dsfn.state.layout import Placed, is_placed
 from dsfn.testing import run_on_ranks
 from dsfn.testing.asserts import assert_trees_close
-from dsfn.testing.models import token_batches
+from dsfn.testing.models import uneven_label_batches
 from dsfn.testing.reference import train_step_for
 from dsfn.transforms import (
     async_checkpoint,
@@ -74,14 +74,7 @@ class HiddenGPT(GPT):
 
 
 def make_batches(lengths=(16, 13, 24), rows=4, seed=0):
-    out = []
-    for i, t in enumerate(lengths):
-        b = token_batches(1, rows, t, VOCAB, seed=seed + i)[0]
-        lab = b["labels"].clone()
-        for r in range(0, rows, 2):       # uneven valid targets over the chunks, the same in each dp half
-            lab[r, :5] = -100
-        out.append({"input_ids": b["input_ids"], "labels": lab})
-    return out
+    return uneven_label_batches(lengths, rows, VOCAB, seed)
 
 
 def _labels(batch):
