@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dsfn.engines import ring_attention as R
 from dsfn.runtime import init_mesh
@@ -108,6 +110,30 @@ def test_head_tail_layout_gives_every_rank_the_same_causal_work():
     assert len(set(contiguous)) == n
     with pytest.raises(Exception, match="not a multiple of 8"):
         R.head_tail_positions(30, 4, 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 8), c=st.integers(1, 6), window=st.one_of(st.none(), st.integers(1, 20)))
+def test_head_tail_layout_partitions_the_sequence_and_balances_causal_work(n, c, window):
+    """Any cp degree and chunk size: the ranks' positions cover the sequence exactly once,
+    every rank's queries see the same number of causal keys, and the chunk pairs the ring
+    computes (the fully masked ones skipped) hold every visible (query, key) pair of the whole
+    sequence, with or without a sliding window."""
+    seq = 2 * n * c
+    every = torch.cat([R.head_tail_positions(seq, n, r) for r in range(n)])
+    assert sorted(every.tolist()) == list(range(seq))
+    keys = torch.arange(seq)
+    work = {int(R.visible(R.head_tail_positions(seq, n, r), keys, None, None, True, None).sum()) for r in range(n)}
+    assert len(work) == 1
+    # the chunk pairs the ring computes cover every visible (query, key) of the whole sequence once
+    mask = R.visible(keys, keys, None, None, True, window)
+    covered = 0
+    for r in range(n):
+        q = R.head_tail_positions(seq, n, r)
+        for k in range(n):
+            kp = R.head_tail_positions(seq, n, k)
+            covered += sum(int(sub.sum()) for _, _, sub in R._pairs(R.visible(q, kp, None, None, True, window), c, c))
+    assert covered == int(mask.sum())
 
 
 def test_negative_control_a_skipped_block_or_a_contiguous_layout_differs():
