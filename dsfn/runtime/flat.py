@@ -266,14 +266,19 @@ class FlatGather:
         the same storages), from `pieces_over(axis)` of every rank along `axis`; the views
         are laid out as here. One all-gather per slab, each over `axis` only."""
         slabs, pendings = [], []
-        for piece in pieces:
+        for k, piece in enumerate(pieces):
             buf = pool.take(piece.numel() * current_mesh().size(axis), piece.dtype, piece.device)
             version = buf._version
-            pendings.append(C.all_gather_into_([buf], [piece], axis, async_op=True))
+            if k in self.quantized_slabs:        # qwZ's secondary gathers are quantized too
+                from dsfn.runtime.quantized import all_gather_quantized_into
+                pendings.append(all_gather_quantized_into([buf], [piece], axis, self.wire))
+            else:
+                pendings.append(C.all_gather_into_([buf], [piece], axis, async_op=True))
             torch._C._autograd._unsafe_set_version_counter((buf,), (version,))
             slabs.append(buf)
         g = FlatGather(self._spec, slabs, pendings)
         g._inputs = pieces            # alive until the gathers complete
+        g.wire, g.quantized_slabs = self.wire, self.quantized_slabs
         return g
 
     def release(self, pool: BufferPool | None) -> None:
@@ -286,11 +291,13 @@ class FlatGather:
                 pool.give(s)
 
     _own = False      # True when the slabs are the caller's shards (size-1 axis): never pooled
+    wire: Any = None                    # the quantized wire format of the slabs in `quantized_slabs`
+    quantized_slabs: frozenset = frozenset()
 
 
 def gather_into_buffers(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]], axis: str,
                         bucket_elems: int, pool: BufferPool | None = None,
-                        hierarchy: tuple[str, str] | None = None) -> FlatGather:
+                        hierarchy: tuple[str, str] | None = None, wire: Any = None) -> FlatGather:
     """Start all-gathering full tensors of `shapes` from every rank's `shards` (FlatShard
     pieces), each directly into its place in a flat buffer (see `FlatGather`), taken from
     `pool` when one is given. Shards are grouped by (dtype, device) and packed into buckets
@@ -304,6 +311,11 @@ def gather_into_buffers(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[i
     on one node, consecutive) and `cross` (the same place on every node); each bucket is then
     gathered in two stages, across nodes first, then inside the node (MiCS's hierarchical
     all-gather, `hierarchical_all_gather`), synchronously.
+
+    `wire` (a `dsfn.runtime.quantized.WireFormat`, ZeRO++ qwZ): the tensors it `quantizes`
+    (floating, at least its `min_numel` elements) go in buckets of their own, gathered as
+    block-wise codes and scales and dequantized into the buffer (`all_gather_quantized_into`);
+    the others as they are. Not with `hierarchy` (those gathers stay unquantized).
     """
     n = current_mesh().size(axis)
     shards = [s.detach() for s in shards]      # collectives write outside autograd
@@ -313,8 +325,10 @@ def gather_into_buffers(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[i
         g._own = True
         return g
     views: list[tuple[int, int, tuple[int, ...]] | None] = [None] * len(shards)
-    slabs, pendings = [], []
-    groups = [(str(s.dtype), str(s.device)) for s in shards]
+    slabs, pendings, quantized_slabs = [], [], []
+    quantized = [wire is not None and hierarchy is None and wire.quantizes(s.dtype, math.prod(shape))
+                 for s, shape in zip(shards, shapes)]
+    groups = [(str(s.dtype), str(s.device), q) for s, q in zip(shards, quantized)]
     order = sorted(range(len(shards)), key=groups.__getitem__)  # stable
     bucket: list[int] = []
 
@@ -333,8 +347,13 @@ def gather_into_buffers(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[i
             at += size
         version = buf._version
         ins = [shards[i] for i in bucket]
-        pendings.append(C.all_gather_into_(outs, ins, axis, async_op=True) if hierarchy is None
-                        else hierarchical_all_gather(outs, ins, *hierarchy))
+        if quantized[bucket[0]]:
+            from dsfn.runtime.quantized import all_gather_quantized_into
+            pendings.append(all_gather_quantized_into(outs, ins, axis, wire))
+            quantized_slabs.append(len(slabs))
+        else:
+            pendings.append(C.all_gather_into_(outs, ins, axis, async_op=True) if hierarchy is None
+                            else hierarchical_all_gather(outs, ins, *hierarchy))
         torch._C._autograd._unsafe_set_version_counter((buf,), (version,))
         slabs.append(buf)
         bucket.clear()
@@ -342,14 +361,15 @@ def gather_into_buffers(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[i
     used = 0
     for i in order:
         s = shards[i]
-        if bucket and (s.dtype != shards[bucket[0]].dtype or s.device != shards[bucket[0]].device
-                       or used + s.numel() > bucket_elems):
+        if bucket and (groups[i] != groups[bucket[0]] or used + s.numel() > bucket_elems):
             flush()
             used = 0
         bucket.append(i)
         used += s.numel()
     flush()
-    return FlatGather(views, slabs, pendings)  # type: ignore[arg-type]
+    g = FlatGather(views, slabs, pendings)  # type: ignore[arg-type]
+    g.wire, g.quantized_slabs = wire, frozenset(quantized_slabs)
+    return g
 
 
 def owners_by_size(numels: Sequence[int], n: int) -> list[int]:

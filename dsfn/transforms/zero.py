@@ -120,7 +120,8 @@ class ShardZero(Transform):
                  allgather_bucket_size: int = 50_000_000, param_persistence_threshold: int = 0,
                  units: Sequence[str] | None = None, prefetch: int = 1, split_batch: bool = True,
                  shard_group: int | str | None = None, hpz: int | str | None = None, cross_node: bool = False,
-                 hierarchical_gather: bool = False):
+                 hierarchical_gather: bool = False, quantize_weights: str | None = None,
+                 quantize_block: int = 2048):
         if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
             raise ConfigError(f"shard_zero(stage={stage!r}): stage must be 0, 1, 2 or 3 "
                               "(0 = plain data parallel, 1 = + optimizer state, 2 = + gradients, 3 = + parameters)")
@@ -149,6 +150,7 @@ class ShardZero(Transform):
         self.prefetch = prefetch
         self.shard_group, self.hpz, self.cross_node = shard_group, hpz, bool(cross_node)
         self.hierarchical_gather = hierarchical_gather
+        self.wire = _weight_wire(stage, quantize_weights, quantize_block)
         # the stage's engine (none at stage 0: data parallel's replicas do everything)
         self._engine = _engine_for(self)
 
@@ -380,14 +382,25 @@ def _engine_for(zero: ShardZero) -> Any:
         return None
     options = ZeroOptions(zero.axis, zero.stage, zero.reduce_bucket_size, zero.allgather_bucket_size,
                           zero.param_persistence_threshold, zero.units, zero.prefetch, zero.shard_group,
-                          zero.cross_node, zero.hpz, zero.hierarchical_gather)
+                          zero.cross_node, zero.hpz, zero.hierarchical_gather, zero.wire)
     return Stage12(options) if zero.stage in (1, 2) else Stage3(options)
 
 
 def shard_zero(*args: Any, **kwargs: Any) -> ShardZero:
     """`shard_zero(stage, axis="dp", reduce_bucket_size=4e6, allgather_bucket_size=5e7,
     param_persistence_threshold=0, units=None, prefetch=1, split_batch=True,
-    shard_group=None, hpz=None, cross_node=False, hierarchical_gather=False)`.
+    shard_group=None, hpz=None, cross_node=False, hierarchical_gather=False,
+    quantize_weights=None, quantize_block=2048)`.
+
+    ZeRO++ qwZ (stage 3): `quantize_weights="int8"` (or "fp8_e4m3") gathers the weights for
+    the compute as block-wise symmetric codes with one fp32 scale per `quantize_block`
+    elements (`dsfn.ops.quantize`), dequantized into the gathered unit: a quarter of the bytes
+    from fp32, half from bf16, + 4 / quantize_block per element of scales; hpZ's secondary
+    re-gathers too. Tensors of fewer than `quantize_block` elements (norms, biases) and
+    non-floating ones travel as they are; so do MiCS's hierarchical gathers. The shards, the
+    master weights, the optimizer state and checkpoints never hold quantized values: only the
+    gathered compute copy is lossy (int8: within half a block's scale, absmax / 254, per
+    element).
 
     Beyond one node (stages 1-3): `shard_group="node"` (or k ranks) is hybrid sharding
     (FSDP2's HSDP, DeepSpeed's MiCS): the state is sharded over the dp ranks of one node
@@ -430,6 +443,23 @@ def _check_group_spec(key: str, v: Any) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ConfigError(f"shard_zero({key}={v!r}): give a number of dp ranks (an int >= 1) or 'node' (the dp "
                           "ranks of one node, from the launcher's topology)")
+
+
+def _weight_wire(stage: int, fmt: Any, block: Any) -> Any:
+    """qwZ's wire format (None: exact gathers); ConfigErrors for what cannot be quantized."""
+    from dsfn.ops.quantize import check_format
+    from dsfn.runtime.quantized import WireFormat
+    if fmt is None:
+        if block != 2048:
+            raise ConfigError(f"shard_zero(quantize_block={block!r}) sizes quantized weight gathers; pass "
+                              "quantize_weights='int8' (or 'fp8_e4m3') too, or drop it")
+        return None
+    if stage != 3:
+        raise ConfigError(f"shard_zero({stage}, quantize_weights={fmt!r}): only stage 3 gathers weights for the "
+                          "compute (stages 1-2 gather the updated parameters into the state, which must stay "
+                          "exact); use shard_zero(3, quantize_weights=...)")
+    check_format(fmt, block, "shard_zero(quantize_weights=..., quantize_block=...)")
+    return WireFormat(fmt, block, block)
 
 
 def _check_groups(stage: int, shard_group: Any, hpz: Any, cross_node: Any, hierarchical: Any) -> None:

@@ -80,7 +80,8 @@ class ZeroOptions:
     """ZeRO's options as the engines read them (fixed at construction; `shard_zero` checks
     them). Counts of elements, as DeepSpeed's config keys are; `units`: module patterns of
     stage 3's units (None: every ModuleList's children); `shard_group` / `hpz`: a number of
-    dp ranks or "node" (hybrid sharding, ZeRO++'s hpZ)."""
+    dp ranks or "node" (hybrid sharding, ZeRO++'s hpZ); `wire`: stage 3's quantized
+    weight gathers (ZeRO++ qwZ), None for full precision."""
 
     axis: str
     stage: int
@@ -93,6 +94,7 @@ class ZeroOptions:
     cross_node: bool = False
     hpz: Any = None
     hierarchical_gather: bool = False
+    wire: Any = None            # stage 3's quantized weight gathers (qwZ): a runtime.quantized.WireFormat
 
 
 class GradientRounds:

@@ -105,6 +105,7 @@ class Stage3(ZeroShards):
         self.hpz = options.hpz
         # MiCS's hierarchical gather: a shard group spanning nodes gathers across nodes, then inside
         self.hierarchical_gather = options.hierarchical_gather
+        self.wire = options.wire          # qwZ: the weight gathers' quantized format (None: exact)
         self.param_persistence_threshold = options.param_persistence_threshold
         self.units, self.prefetch = options.units, options.prefetch
         self.due: GradientsDue | None = None         # the running value_and_grad's sink
@@ -236,7 +237,8 @@ class Stage3(ZeroShards):
         due = self.due
         gatherer = UnitGatherer(apply_fn.module, params, plan, leaves, frozen, self.axis,
                                 self.allgather_bucket_size, self.prefetch, due, self.secondary_axis(),
-                                self.hierarchy_axes(), concurrent=due is not None and due.rounds is not None)
+                                self.hierarchy_axes(), concurrent=due is not None and due.rounds is not None,
+                                wire=self.wire)
         if due is not None:           # inside value_and_grad: its backward ends the sequence
             due.gatherers.append(gatherer)
             due.host_units = due.host_units or any(d.type == "cpu" for d in gatherer.homes)

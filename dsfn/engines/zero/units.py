@@ -54,7 +54,7 @@ class UnitGatherer:
     def __init__(self, module: nn.Module, params: dict[str, Any], plan: UnitPlan, leaves: tuple,
                  frozen: dict[str, tuple[torch.Tensor, FlatShard]], axis: str, bucket_elems: int, prefetch: int,
                  due: Any = None, secondary: str | None = None, hierarchy: tuple[str, str] | None = None,
-                 concurrent: bool = False):
+                 concurrent: bool = False, wire: Any = None):
         """`plan`: the module's UnitPlan; `leaves`: (names, FlatShards, compute devices) of the
         ZeRO shards among `params`; `frozen`: name -> (piece to gather, its FlatShard); the
         gathers run over `axis` in buckets of `bucket_elems`, `prefetch` units ahead. `due`
@@ -67,7 +67,9 @@ class UnitGatherer:
         several forwards' gatherers alive at once, their hooks kept for recomputes): a unit is
         installed for a recompute only once this gatherer's own backward re-gathered it (its
         outputs' gradient hook), so another micro-batch's forward, or its recompute, leaves
-        this gatherer's hooks inert."""
+        this gatherer's hooks inert. `wire` (ZeRO++ qwZ): the gathers' quantized format
+        (`dsfn.runtime.quantized.WireFormat`; hpZ's secondary re-gathers too), None: exact."""
+        self.wire = wire
         self.module, self.axis, self.bucket_elems, self.prefetch, self.due = module, axis, bucket_elems, prefetch, due
         self.secondary = secondary
         self.concurrent = concurrent
@@ -250,7 +252,7 @@ class UnitGatherer:
         shards, homes, layouts = self.shards, self.homes, self.layouts
         on_home = [shards[j] if shards[j].device == homes[j] else self._on_home(j) for j in ids]
         return store.gather(lambda pool: gather_into_buffers(
-            on_home, [layouts[j].shape for j in ids], self.axis, self.bucket_elems, pool, self.hierarchy))
+            on_home, [layouts[j].shape for j in ids], self.axis, self.bucket_elems, pool, self.hierarchy, self.wire))
 
     def _gather_for_backward_async(self, u: int) -> FlatGather:
         """Start unit u's backward gather: from the secondary shards over the secondary axis

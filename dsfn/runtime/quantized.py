@@ -1,0 +1,101 @@
+"""Quantized all-gathers (ZeRO++ qwZ): the weights travel as block-wise codes and scales
+(`dsfn.ops.quantize`) and are dequantized into the caller's buffers, the wire carrying a
+quarter (int8 / fp8 from fp32) or half (from bf16 / fp16) of the bytes plus one fp32 scale
+per block.
+
+`WireFormat(fmt, block, min_numel)`: the format ("int8" or "fp8_e4m3"), the elements per
+scale, and the smallest full tensor quantized (smaller ones, e.g. norms and biases, travel
+as they are: `quantizes`). `all_gather_quantized_into(outs, ins, axis, wire)` is
+`collectives.all_gather_into_(outs, ins, axis, async_op=True)` with the data quantized:
+this rank's `ins` are packed into one flat vector, quantized once (blocks may span two
+tensors), its codes and scales all-gathered (two collectives, counted as the runtime counts
+every all-gather: the gathered bytes), and `wait()` dequantizes each rank's part into
+`outs` (out i: n x c_i elements, rank r's piece at [r c_i, (r + 1) c_i)). Every rank
+reconstructs the same values, its own piece included: only the gathered copy is lossy,
+never the shards it came from.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from dsfn.errors import ConfigError
+from dsfn.ops.quantize import check_format, dequantize_blockwise, quantize_blockwise
+from dsfn.runtime import collectives as C
+from dsfn.runtime.mesh import current_mesh
+
+__all__ = ["WireFormat", "all_gather_quantized_into"]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """A quantized wire format (module docstring)."""
+    fmt: str = "int8"
+    block: int = 2048
+    min_numel: int = 2048
+
+    def __post_init__(self):
+        check_format(self.fmt, self.block, "quantized gathers")
+        if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
+            raise ConfigError(f"quantized gathers: min_numel {self.min_numel!r} must be an int >= 0")
+
+    def quantizes(self, dtype: torch.dtype, full_numel: int) -> bool:
+        """Whether a tensor of `dtype` and `full_numel` elements travels quantized: floating
+        (fp32, bf16, fp16) and at least `min_numel` elements."""
+        return dtype in _FLOATS and full_numel >= self.min_numel
+
+    def bytes_per(self, numel: int) -> int:
+        """Wire bytes of `numel` quantized elements: one byte each and a 4-byte scale per block."""
+        return numel + 4 * math.ceil(numel / self.block)
+
+
+class _Dequantizing:
+    """The pending quantized gather: `wait()` waits for the codes and scales, then writes
+    every rank's dequantized piece into the outputs."""
+
+    def __init__(self, works: list, codes: torch.Tensor, scales: torch.Tensor, outs: Sequence[torch.Tensor],
+                 sizes: list[int], n: int, wire: WireFormat, inputs: tuple):
+        self._works, self._codes, self._scales, self._outs = works, codes, scales, list(outs)
+        self._sizes, self._n, self._wire, self._inputs = sizes, n, wire, inputs
+
+    def wait(self) -> None:
+        if self._works is None:
+            return
+        for w in self._works:
+            if w is not None:
+                w.wait()
+        self._works = None
+        total, nb, w = sum(self._sizes), math.ceil(sum(self._sizes) / self._wire.block), self._wire
+        dtype = self._outs[0].dtype
+        codes = self._codes.view(self._n, total)
+        scales = self._scales.view(self._n, nb)
+        # the outputs' version counters stay as they were: a buffer refilled with the same
+        # weights (ZeRO-3's backward re-gather) leaves the views autograd saved valid
+        versions = [o._version for o in self._outs]
+        for r in range(self._n):
+            part = dequantize_blockwise(codes[r], scales[r], w.block, w.fmt, dtype)
+            at = 0
+            for out, c in zip(self._outs, self._sizes):
+                out.view(self._n, c)[r].copy_(part[at:at + c])
+                at += c
+        torch._C._autograd._unsafe_set_version_counter(tuple(self._outs), tuple(versions))
+        self._codes = self._scales = self._inputs = None
+
+
+def all_gather_quantized_into(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], axis: str,
+                              wire: WireFormat) -> _Dequantizing:
+    """See the module docstring. `ins`: this rank's pieces (one dtype: the outputs'),
+    `outs[i]`: n x ins[i].numel() elements. Every rank of the axis calls it alike."""
+    n = current_mesh().size(axis)
+    flat = torch.cat([t.detach().reshape(-1) for t in ins]) if len(ins) > 1 else ins[0].detach().reshape(-1)
+    codes, scales = quantize_blockwise(flat, wire.block, wire.fmt)
+    all_codes = torch.empty(n * codes.numel(), dtype=torch.uint8, device=codes.device)
+    all_scales = torch.empty(n * scales.numel(), dtype=torch.float32, device=scales.device)
+    works = [C.all_gather_into_([all_codes], [codes], axis, async_op=True),
+             C.all_gather_into_([all_scales], [scales], axis, async_op=True)]
+    return _Dequantizing(works, all_codes, all_scales, outs, [t.numel() for t in ins], n, wire, (codes, scales))

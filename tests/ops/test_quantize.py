@@ -1,0 +1,106 @@
+"""Block-wise wire quantization (`dsfn.ops.quantize`, ZeRO++ qwZ): the Triton int8 kernels
+(run by Triton's CPU interpreter here, TRITON_INTERPRET=1) are bitwise their torch
+references, and the round trip keeps the format's bound: |x - dequantize(quantize(x))| <=
+scale / 2 per element for int8 (scale = the block's absmax / 127), relative 2^-4 for
+fp8 e4m3 above its subnormals; exact for all-zero blocks and for values that are codes x
+scale; NaN throughout a block holding a NaN or an infinity. Hypothesis over sizes, block
+sizes, dtypes and values at the range's edges."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsfn.errors import ConfigError, LeafTypeError
+from dsfn.ops import quantize as Q
+
+pytestmark = [pytest.mark.usefixtures("triton_forced"),
+              pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
+ON_CUDA = os.environ.get("DSFN_TEST_DEVICE", "cpu").strip().lower() == "cuda"
+DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def _values(n, seed, dtype, kind):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)
+    if kind == "edges":          # the dtype's largest and smallest magnitudes, signed zeros
+        info = torch.finfo(dtype)
+        edge = torch.tensor([info.max, -info.max, info.tiny, -info.tiny, 0.0, -0.0, 1.0, -1.0])
+        x = torch.cat([edge, x])[:n]
+    if kind == "zeros":
+        x = torch.zeros(n)
+    return x.to(dtype)
+
+
+@settings(deadline=None, max_examples=10 if ON_CUDA else 15, derandomize=True)
+@given(n=st.integers(1, 400), block=st.sampled_from([1, 7, 32, 64, 128, 256]), dtype=st.sampled_from(sorted(DT)),
+       seed=st.integers(0, 2**16), kind=st.sampled_from(["random", "edges", "zeros"]))
+def test_int8_kernel_is_bitwise_the_reference_and_keeps_half_a_scale(device, n, block, dtype, seed, kind):
+    x = _values(n, seed, DT[dtype], kind).to(device)
+    codes, scales = Q.quantize_blockwise(x, block, "int8")
+    ref_codes, ref_scales = Q.quantize_blockwise_torch(x.cpu(), block, "int8")
+    assert torch.equal(codes.cpu(), ref_codes) and torch.equal(scales.cpu(), ref_scales)
+    for out_dtype in (torch.float32, DT[dtype]):
+        got = Q.dequantize_blockwise(codes, scales, block, "int8", out_dtype)
+        want = Q.dequantize_blockwise_torch(ref_codes, ref_scales, block, "int8", out_dtype)
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+    back = Q.dequantize_blockwise_torch(ref_codes, ref_scales, block, "int8", torch.float32)
+    per = ref_scales.repeat_interleave(block)[:n]
+    err = (back - x.cpu().float()).abs()
+    assert bool((err <= per / 2 * (1 + 2**-20) + 0).all()), float((err - per / 2).max())
+    if kind == "zeros":
+        assert torch.equal(back, torch.zeros(n)) and torch.equal(ref_scales, torch.zeros_like(ref_scales))
+
+
+@settings(deadline=None, max_examples=20, derandomize=True)
+@given(n=st.integers(1, 500), block=st.sampled_from([16, 128]), seed=st.integers(0, 2**16))
+def test_values_that_are_codes_times_the_scale_round_trip_bitwise(n, block, seed):
+    """Per block: integer codes in [-127, 127] with 127 present, times a power-of-two scale."""
+    g = torch.Generator().manual_seed(seed)
+    nb = math.ceil(n / block)
+    codes = torch.randint(-127, 128, (nb * block,), generator=g)
+    codes.view(nb, block)[:, 0] = 127
+    scale = 2.0 ** torch.randint(-20, 20, (nb,), generator=g).float()
+    x = (codes.view(nb, block).float() * scale[:, None]).reshape(-1)[:n]
+    c, s = Q.quantize_blockwise(x, block, "int8")
+    assert torch.equal(Q.dequantize_blockwise(c, s, block, "int8"), x)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_block_with_a_non_finite_value_dequantizes_to_nan_throughout(device, bad):
+    x = torch.randn(300)
+    x[130] = bad                          # block 1 of [0, 128), [128, 256), [256, 300)
+    for fmt in ("int8", "fp8_e4m3"):
+        c, s = Q.quantize_blockwise(x.to(device), 128, fmt)
+        back = Q.dequantize_blockwise(c, s, 128, fmt).cpu()
+        assert bool(torch.isnan(back[128:256]).all()), fmt
+        assert bool(torch.isfinite(back[:128]).all() and torch.isfinite(back[256:]).all()), fmt
+
+
+@settings(deadline=None, max_examples=20, derandomize=True)
+@given(n=st.integers(1, 500), block=st.sampled_from([8, 64, 256]), dtype=st.sampled_from(sorted(DT)),
+       seed=st.integers(0, 2**16))
+def test_fp8_e4m3_keeps_its_relative_bound(n, block, dtype, seed):
+    """e4m3 has 3 mantissa bits: round to nearest is within 2^-4 relative, and within half its
+    smallest subnormal step (2^-10 x scale) below the normal range."""
+    x = _values(n, seed, DT[dtype], "random").float()
+    c, s = Q.quantize_blockwise(x, block, "fp8_e4m3")
+    back = Q.dequantize_blockwise(c, s, block, "fp8_e4m3")
+    per = s.repeat_interleave(block)[:n]
+    bound = torch.maximum(x.abs() * 2**-4, per * 2**-10) * (1 + 2**-20)
+    assert bool(((back - x).abs() <= bound).all())
+
+
+def test_named_errors():
+    with pytest.raises(ConfigError, match="block size 0 must be a positive integer"):
+        Q.quantize_blockwise(torch.ones(4), 0)
+    with pytest.raises(ConfigError, match="block size 2.5 must be a positive integer"):
+        Q.quantize_blockwise(torch.ones(4), 2.5)
+    with pytest.raises(ConfigError, match="format 'int4' is not one of"):
+        Q.quantize_blockwise(torch.ones(4), 8, "int4")
+    with pytest.raises(LeafTypeError, match="integer and fp8 tensors have no quantized wire format"):
+        Q.quantize_blockwise(torch.ones(4, dtype=torch.int64), 8)
