@@ -197,6 +197,11 @@ class ShardZero(Transform):
         if secondary is not None:
             note += (f": hpZ, each gathered unit keeps a secondary shard over {where(secondary)} for backward's "
                      f"re-gather (+1/{mesh.size(secondary)} of a unit per rank from its forward to its backward)")
+        if self.wire is not None:
+            w = self.wire
+            note += (f": qwZ, weights of >= {w.min_numel} elements gathered as {w.fmt} codes (1 B per element) with "
+                     f"one fp32 scale per {w.block} elements{' (the secondary re-gathers too)' if secondary else ''}, "
+                     "dequantized into the unit; the shards stay exact")
         return note
 
     # tests that exercise the sharded machinery in one process (on `meta`, standing in for a

@@ -72,12 +72,21 @@ def test_keys_map_to_shard_zero_options(zero, expected):
      r"mics_hierarchical_params_gather: .*no mics_shard_size is set: set mics_shard_size, or remove the key"),
     ({**_cfg(mics_shard_size=2), "sequence_parallel_size": 2},
      r"mics_shard_size: DeepSpeed forms its groups over the whole world.*shard_zero\(3, shard_group=2\) by hand"),
-    (_cfg(zero_quantized_weights=True), r"zero_quantized_weights: ZeRO\+\+ quantized communication"),
+    ({**BASE, "zero_optimization": {"stage": 2, "zero_quantized_weights": True}},
+     r"zero_quantized_weights: DeepSpeed quantizes ZeRO-3's weight gathers; set stage 3 \(then it is "
+     r"shard_zero\(3, quantize_weights='int8'\)\)"),
+    (_cfg(zero_quantized_gradients=True), r"zero_quantized_gradients: ZeRO\+\+ quantized communication"),
     (_cfg(mics_shard_size="2"), r"mics_shard_size='2': expected a whole number"),
 ])
 def test_refusals_are_config_errors_naming_the_key_and_the_fix(cfg, match):
     with pytest.raises(ConfigError, match=match):
         _zero(cfg)
+
+
+def test_zero_quantized_weights_maps_to_qwz():
+    """DeepSpeed's qwZ key is shard_zero(3, quantize_weights="int8"); false leaves it off."""
+    assert _zero(_cfg(zero_quantized_weights=True)).wire.fmt == "int8"
+    assert _zero(_cfg(zero_quantized_weights=False)).wire is None
 
 
 def test_hierarchical_gather_maps_to_the_two_stage_gather():

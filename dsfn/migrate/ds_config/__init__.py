@@ -17,6 +17,7 @@ Keys and defaults are DeepSpeed 0.19's (`deepspeed/runtime/config.py`, `zero/con
 | `zero_optimization.stage` s (default 0) | `shard_zero(s, reduce_bucket_size, allgather_bucket_size (s >= 1), param_persistence_threshold (s = 3))` (DeepSpeed's defaults 5e8, 5e8, 1e5 for stage 3) |
 | `zero_optimization.mics_shard_size: k` (> 0, stage 3) | `shard_zero(3, shard_group=k, cross_node=True)` (MiCS: state sharded over blocks of k ranks, replicated across them) |
 | `zero_optimization.zero_hpz_partition_size: k` (> 1, stage 3) | `shard_zero(3, hpz=min(k, dp))` (ZeRO++ hpZ) |
+| `zero_optimization.zero_quantized_weights: true` (stage 3) | `shard_zero(3, quantize_weights="int8")` (ZeRO++ qwZ; block-wise int8 weight gathers) |
 | `tensor_parallel.autotp_size: N` (> 1) | `tensor_parallel("auto", model=model)`, mesh tp = N (with a pipeline: inside it) |
 | `activation_checkpointing.cpu_checkpointing` / `partition_activations` | `remat(offload="cpu")` / `remat(partition_activations=True)` |
 | `gradient_accumulation_steps: n` (> 1) | `accumulate(n)` (without a pipeline) |

@@ -3,8 +3,9 @@
 `stage` s (default 0) is `shard_zero(s, reduce_bucket_size, allgather_bucket_size (s >= 1),
 param_persistence_threshold (s = 3))` with DeepSpeed's defaults (5e8, 5e8, 1e5);
 `mics_shard_size` / `zero_hpz_partition_size` are hybrid sharding (`_hybrid`); the
-communication / memory tuning keys are named in the warning, ZeRO++ quantized
-communication and `leaf_module` are listed.
+communication / memory tuning keys are named in the warning; `zero_quantized_weights` is
+qwZ (`shard_zero(3, quantize_weights="int8")`); qgZ, quantized frozen weights and
+`leaf_module` are listed.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from dsfn.migrate.ds_config.tuning_keys import ZERO_PERF
 from dsfn.migrate.ds_config.values import flag, whole_number
 from dsfn.migrate.ds_config.zenflow import read_zenflow
 
-_QUANTIZED = ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights")
+# ZeRO++'s quantized keys not built yet (qgZ, frozen weights held quantized); qwZ is `_quantized`
+_QUANTIZED = ("zero_quantized_gradients", "zero_quantized_nontrainable_weights")
 
 
 @dataclass
@@ -123,11 +125,27 @@ def _other_zero_keys(zero: dict, report: KeyReport) -> None:
         elif k == "leaf_module" and not v:
             continue
         elif k in _QUANTIZED:
-            report.refuse(f"zero_optimization.{k}", "ZeRO++ quantized communication")
+            report.refuse(f"zero_optimization.{k}", "ZeRO++ quantized communication (only zero_quantized_weights, "
+                          "qwZ, is built)")
         elif k == "leaf_module":
             report.refuse("zero_optimization.leaf_module", "use shard_zero(3, units=[module name patterns]) instead")
         else:
             report.refuse(f"zero_optimization.{k}", "not a DeepSpeed 0.19 zero_optimization key dsfn knows")
+
+
+def _quantized(zero: dict, stage: int, report: KeyReport) -> dict:
+    """ZeRO++'s `zero_quantized_weights` (qwZ: DeepSpeed's int8 block-wise weight gathers, stage
+    3 only) -> shard_zero(3, quantize_weights="int8"); popped."""
+    on = zero.pop("zero_quantized_weights", False)
+    if not isinstance(on, bool):
+        raise ConfigError(f"ds_config zero_optimization.zero_quantized_weights={on!r}: expected true or false")
+    if not on:
+        return {}
+    if stage != 3:
+        report.refuse("zero_optimization.zero_quantized_weights", "DeepSpeed quantizes ZeRO-3's weight gathers; "
+                      "set stage 3 (then it is shard_zero(3, quantize_weights='int8')), or remove it")
+        return {}
+    return {"quantize_weights": "int8"}
 
 
 def read_zero(block: Any, dp: int, model_parallel: int, report: KeyReport) -> ZeroSettings:
@@ -141,5 +159,6 @@ def read_zero(block: Any, dp: int, model_parallel: int, report: KeyReport) -> Ze
     offload = read_offload(zero, stage, report)
     zenflow = read_zenflow(zero.pop("zenflow", None), report)
     shard_kwargs.update(_hybrid(zero, stage, dp, model_parallel, report))
+    shard_kwargs.update(_quantized(zero, stage, report))
     _other_zero_keys(zero, report)
     return ZeroSettings(stage, shard_kwargs, offload, zenflow)
