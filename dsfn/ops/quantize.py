@@ -8,6 +8,9 @@ each (returned as uint8: every wire format travels as bytes):
 - "int8": s_b = absmax_b / 127; code = clamp(floor(x / s_b + 0.5), -127, 127) as int8
   (round half up: the same op sequence in the kernel and the reference, so they agree
   bitwise); |x - code * s_b| <= s_b / 2.
+- "int4" (qgZ's gradients): s_b = absmax_b / 7; codes -7..7 (round half up, clamped) stored
+  as 1..15, two per byte (low nibble first; `numel` tells the dequantizer the count); an
+  even block size. |x - code * s_b| <= s_b / 2. Torch path only.
 - "fp8_e4m3": s_b = absmax_b / 448 (the format's largest finite value); code = (x / s_b)
   cast to float8_e4m3fn (round to nearest even); relative error <= 2^-4 of |x| above the
   format's subnormals. Torch path only (the kernel is int8's).
@@ -19,8 +22,9 @@ never silently finite). Dequantizing computes code * s_b in fp32 (saturated at f
 largest finite value, which it can pass by an ulp for a block holding it), then casts to the
 requested dtype (round to nearest even).
 
-`quantize_blockwise(x, block, fmt) -> (codes uint8 [n], scales float32 [ceil(n / block)])`;
-`dequantize_blockwise(codes, scales, block, fmt, dtype, out=None) -> [n] of dtype`.
+`quantize_blockwise(x, block, fmt) -> (codes uint8 [n] (int4: [ceil(n / 2)]), scales float32
+[ceil(n / block)])`; `dequantize_blockwise(codes, scales, block, fmt, dtype, out=None,
+numel=None) -> [n] of dtype`.
 Inputs: float32, bfloat16 or float16, any shape (flattened; contiguous copies made where
 needed). The Triton kernels run where `dsfn.ops.dispatch.use_triton` says (CUDA; CPU under
 TRITON_INTERPRET=1, as the tests run them).
@@ -37,17 +41,20 @@ from dsfn.ops import dispatch
 __all__ = ["FORMATS", "check_format", "dequantize_blockwise", "dequantize_blockwise_torch", "quantize_blockwise",
            "quantize_blockwise_torch"]
 
-FORMATS = {"int8": 127.0, "fp8_e4m3": 448.0}      # format -> its largest code magnitude
+FORMATS = {"int8": 127.0, "fp8_e4m3": 448.0, "int4": 7.0}      # format -> its largest code magnitude
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _F32_MAX = torch.finfo(torch.float32).max     # code x scale may round one ulp past it: saturated
 
 
 def check_format(fmt: str, block: int, where: str = "quantize_blockwise") -> None:
-    """ConfigError for an unknown format or a block size that is not a positive integer."""
+    """ConfigError for an unknown format or a block size that is not a positive integer (an
+    even one for int4, whose codes pack two to a byte)."""
     if fmt not in FORMATS:
         raise ConfigError(f"{where}: format {fmt!r} is not one of {sorted(FORMATS)}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ConfigError(f"{where}: block size {block!r} must be a positive integer (elements per scale)")
+    if fmt == "int4" and block % 2:
+        raise ConfigError(f"{where}: int4 packs two codes per byte; its block size {block} must be even")
 
 
 def _check_input(x: torch.Tensor) -> None:
@@ -72,6 +79,11 @@ def quantize_blockwise_torch(x: torch.Tensor, block: int, fmt: str = "int8") -> 
     ok = torch.isfinite(scale) & (scale > 0)
     safe = torch.where(ok, scale, torch.ones_like(scale))[:, None]
     q = padded / safe
+    if fmt == "int4":        # codes -7..7 stored as 1..15, two per byte (low nibble first)
+        codes = torch.clamp(torch.floor(q + 0.5), -7, 7)
+        nib = (torch.where(ok[:, None], codes, torch.zeros_like(codes)) + 8).to(torch.uint8).reshape(-1)[:n]
+        nib = torch.nn.functional.pad(nib, (0, n % 2), value=8)
+        return (nib[0::2] | (nib[1::2] << 4)).contiguous(), scale.contiguous()
     if fmt == "int8":
         codes = torch.clamp(torch.floor(q + 0.5), -127, 127)
         codes = torch.where(ok[:, None], codes, torch.zeros_like(codes)).to(torch.int8).view(torch.uint8)
@@ -81,14 +93,21 @@ def quantize_blockwise_torch(x: torch.Tensor, block: int, fmt: str = "int8") -> 
 
 
 def dequantize_blockwise_torch(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str = "int8",
-                               dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+                               dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
+                               numel: int | None = None) -> torch.Tensor:
     """The reference (module docstring)."""
     check_format(fmt, block)
+    if fmt == "int4":
+        if numel is None:
+            raise ShapeError("dequantize_blockwise(fmt='int4'): pass numel= (two codes per byte)")
+        packed = codes.reshape(-1)
+        codes = torch.stack([packed & 15, packed >> 4], 1).reshape(-1)[:numel]
     n = codes.numel()
     _check_codes(codes, scales, block, n, out, dtype)
     nb = scales.numel()
     padded = torch.nn.functional.pad(codes.reshape(-1), (0, nb * block - n)).view(nb, block)
-    values = padded.view(torch.int8).float() if fmt == "int8" else padded.view(torch.float8_e4m3fn).float()
+    values = ((padded.to(torch.int16) - 8).float() if fmt == "int4" else padded.view(torch.int8).float()
+              if fmt == "int8" else padded.view(torch.float8_e4m3fn).float())
     s = scales.float()[:, None]
     x = torch.where(torch.isfinite(s), (values * s).clamp(-_F32_MAX, _F32_MAX), torch.full_like(values, math.nan))
     x = x.reshape(-1)[:n].to(dtype)
@@ -127,13 +146,15 @@ def quantize_blockwise(x: torch.Tensor, block: int, fmt: str = "int8") -> tuple[
 
 
 def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str = "int8",
-                         dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
-    """See the module docstring; int8 on the Triton kernel where dispatch picks Triton."""
+                         dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
+                         numel: int | None = None) -> torch.Tensor:
+    """See the module docstring; int8 on the Triton kernel where dispatch picks Triton.
+    `numel`: the element count of int4 codes (two per byte), required there."""
     check_format(fmt, block)
     n = codes.numel()
     if fmt != "int8" or n == 0 or not dispatch.use_triton(codes, scales, *(() if out is None else (out,)),
                                                           dtypes=(dtype,)):
-        return dequantize_blockwise_torch(codes, scales, block, fmt, dtype, out)
+        return dequantize_blockwise_torch(codes, scales, block, fmt, dtype, out, numel)
     _check_codes(codes, scales, block, n, out, dtype)
     dst = out.reshape(-1) if out is not None else torch.empty(n, dtype=dtype, device=codes.device)
     from dsfn.ops.multi_tensor import TL_DTYPES

@@ -85,6 +85,11 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
     all-gather could otherwise close a wait cycle across groups). `on_bucket` then runs at
     `finish()`, on the fully reduced buckets.
 
+    `wire` (ZeRO++ qgZ, a `dsfn.runtime.quantized.WireFormat`): every floating bucket is
+    reduced by `reduce_scatter_quantized` instead (its rows block-wise quantized through
+    all-to-alls; `hierarchy` = (cross, local): inside the node first, then across nodes),
+    synchronously as it completes; the result is cast back to the bucket's dtype.
+
     `on_bucket([(key, shard), ...])`, when given, is called once per reduced bucket as it
     completes (while backward still runs, for all but the last buckets), in plan order: the
     sink a caller hands in (ZeRO passes the "grad_bucket_ready" primitive, which
@@ -95,9 +100,10 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
                  named: Sequence[tuple[Any, torch.Tensor]] = (), devices: dict | None = None,
                  pool: BufferPool | None = None, keep_dtype: bool = False,
                  on_bucket: Callable[[list[tuple[Any, torch.Tensor]]], None] | None = None,
-                 replicate: str | None = None):
+                 replicate: str | None = None, wire: Any = None, hierarchy: tuple[str, str] | None = None):
         from dsfn.runtime.buckets import FixedBuckets, backward_order
         self.axis, self.op, self.dtype = axis, op, dtype
+        self.wire, self.hierarchy = wire, hierarchy      # qgZ (`reduce_scatter_quantized`); None: exact
         self.replicate = replicate if replicate is not None and current_mesh().size(replicate) > 1 else None
         self.on_bucket = on_bucket
         self.n = current_mesh().size(axis)
@@ -146,7 +152,14 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
 
     def _launch(self, buckets: list) -> None:
         for items in buckets:
-            if self.pool is None or self.n == 1:
+            if self.wire is not None and self.n > 1 and items[0][1].is_floating_point():
+                # qgZ: the bucket's rows through quantized all-to-alls (synchronous), back in its dtype
+                from dsfn.runtime.quantized import reduce_scatter_quantized
+                bucket = torch.cat([rows for _, rows in items], dim=1) if len(items) > 1 else items[0][1]
+                row = reduce_scatter_quantized(bucket, self.axis, self.wire, self.op, self.hierarchy)
+                self._inflight.append(([(k, rows.shape[1]) for k, rows in items],
+                                       C.Pending(None, row.to(bucket.dtype))))
+            elif self.pool is None or self.n == 1:
                 bucket = torch.cat([rows for _, rows in items], dim=1) if len(items) > 1 else items[0][1]
                 pending = C.reduce_scatter(bucket.reshape(-1), self.axis, self.op, async_op=True)
                 self._inflight.append(([(k, rows.shape[1]) for k, rows in items], pending))

@@ -121,7 +121,7 @@ class ShardZero(Transform):
                  units: Sequence[str] | None = None, prefetch: int = 1, split_batch: bool = True,
                  shard_group: int | str | None = None, hpz: int | str | None = None, cross_node: bool = False,
                  hierarchical_gather: bool = False, quantize_weights: str | None = None,
-                 quantize_block: int = 2048):
+                 quantize_block: int = 2048, quantize_grads: str | None = None, quantize_grads_block: int = 128):
         if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
             raise ConfigError(f"shard_zero(stage={stage!r}): stage must be 0, 1, 2 or 3 "
                               "(0 = plain data parallel, 1 = + optimizer state, 2 = + gradients, 3 = + parameters)")
@@ -151,6 +151,7 @@ class ShardZero(Transform):
         self.shard_group, self.hpz, self.cross_node = shard_group, hpz, bool(cross_node)
         self.hierarchical_gather = hierarchical_gather
         self.wire = _weight_wire(stage, quantize_weights, quantize_block)
+        self.grad_wire = _grad_wire(stage, quantize_grads, quantize_grads_block)
         # the stage's engine (none at stage 0: data parallel's replicas do everything)
         self._engine = _engine_for(self)
 
@@ -197,6 +198,12 @@ class ShardZero(Transform):
         if secondary is not None:
             note += (f": hpZ, each gathered unit keeps a secondary shard over {where(secondary)} for backward's "
                      f"re-gather (+1/{mesh.size(secondary)} of a unit per rank from its forward to its backward)")
+        if self.grad_wire is not None:
+            g = self.grad_wire
+            local = mesh.ranks_on_node(shard)
+            note += (f": qgZ, gradient buckets reduced as {g.fmt} codes with one fp32 scale per {g.block} elements "
+                     + (f"by all-to-all inside each node ({local} ranks), then across nodes (one row per node)"
+                        if local < mesh.size(shard) and local > 1 else f"by one all-to-all over {where(shard)}"))
         if self.wire is not None:
             w = self.wire
             note += (f": qwZ, weights of >= {w.min_numel} elements gathered as {w.fmt} codes (1 B per element) with "
@@ -387,7 +394,7 @@ def _engine_for(zero: ShardZero) -> Any:
         return None
     options = ZeroOptions(zero.axis, zero.stage, zero.reduce_bucket_size, zero.allgather_bucket_size,
                           zero.param_persistence_threshold, zero.units, zero.prefetch, zero.shard_group,
-                          zero.cross_node, zero.hpz, zero.hierarchical_gather, zero.wire)
+                          zero.cross_node, zero.hpz, zero.hierarchical_gather, zero.wire, zero.grad_wire)
     return Stage12(options) if zero.stage in (1, 2) else Stage3(options)
 
 
@@ -395,7 +402,7 @@ def shard_zero(*args: Any, **kwargs: Any) -> ShardZero:
     """`shard_zero(stage, axis="dp", reduce_bucket_size=4e6, allgather_bucket_size=5e7,
     param_persistence_threshold=0, units=None, prefetch=1, split_batch=True,
     shard_group=None, hpz=None, cross_node=False, hierarchical_gather=False,
-    quantize_weights=None, quantize_block=2048)`.
+    quantize_weights=None, quantize_block=2048, quantize_grads=None, quantize_grads_block=128)`.
 
     ZeRO++ qwZ (stage 3): `quantize_weights="int8"` (or "fp8_e4m3") gathers the weights for
     the compute as block-wise symmetric codes with one fp32 scale per `quantize_block`
@@ -406,6 +413,14 @@ def shard_zero(*args: Any, **kwargs: Any) -> ShardZero:
     master weights, the optimizer state and checkpoints never hold quantized values: only the
     gathered compute copy is lossy (int8: within half a block's scale, absmax / 254, per
     element).
+
+    ZeRO++ qgZ (stages 1-3): `quantize_grads="int4"` (or "int8") replaces each gradient
+    bucket's reduce-scatter by block-wise quantized all-to-alls (one fp32 scale per
+    `quantize_grads_block` elements of each destination's row): where the shard axis spans
+    nodes, inside the node first (dequantized, summed over the node's ranks, requantized),
+    then across nodes with one row per node; then averaged. Synchronous per bucket (the
+    exact reduce-scatter overlaps backward). No error feedback. Under hybrid sharding the
+    in-group reduce-scatter is quantized, the all-reduce across groups is exact.
 
     Beyond one node (stages 1-3): `shard_group="node"` (or k ranks) is hybrid sharding
     (FSDP2's HSDP, DeepSpeed's MiCS): the state is sharded over the dp ranks of one node
@@ -465,6 +480,24 @@ def _weight_wire(stage: int, fmt: Any, block: Any) -> Any:
                           "exact); use shard_zero(3, quantize_weights=...)")
     check_format(fmt, block, "shard_zero(quantize_weights=..., quantize_block=...)")
     return WireFormat(fmt, block, block)
+
+
+def _grad_wire(stage: int, fmt: Any, block: Any) -> Any:
+    """qgZ's wire format (None: exact reduce-scatters); ConfigErrors for what cannot be quantized."""
+    from dsfn.ops.quantize import check_format
+    from dsfn.runtime.quantized import WireFormat
+    if fmt is None:
+        if block != 128:
+            raise ConfigError(f"shard_zero(quantize_grads_block={block!r}) sizes quantized gradient reductions; pass "
+                              "quantize_grads='int4' (or 'int8') too, or drop it")
+        return None
+    if stage == 0:
+        raise ConfigError("shard_zero(0, quantize_grads=...): stage 0 all-reduces whole gradients, it has no "
+                          "reduce-scatter to quantize; use stage 1, 2 or 3")
+    if fmt not in ("int4", "int8"):
+        raise ConfigError(f"shard_zero(quantize_grads={fmt!r}): gradients travel as 'int4' (ZeRO++ qgZ) or 'int8'")
+    check_format(fmt, block, "shard_zero(quantize_grads=..., quantize_grads_block=...)")
+    return WireFormat(fmt, block, 0)
 
 
 def _check_groups(stage: int, shard_group: Any, hpz: Any, cross_node: Any, hierarchical: Any) -> None:

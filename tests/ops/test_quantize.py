@@ -2,7 +2,7 @@
 (run by Triton's CPU interpreter here, TRITON_INTERPRET=1) are bitwise their torch
 references, and the round trip keeps the format's bound: |x - dequantize(quantize(x))| <=
 scale / 2 per element for int8 (scale = the block's absmax / 127), relative 2^-4 for
-fp8 e4m3 above its subnormals; exact for all-zero blocks and for values that are codes x
+fp8 e4m3 above its subnormals, scale / 2 for int4 (absmax / 7, two codes a byte: qgZ); exact for all-zero blocks and for values that are codes x
 scale; NaN throughout a block holding a NaN or an infinity. Hypothesis over sizes, block
 sizes, dtypes and values at the range's edges."""
 from __future__ import annotations
@@ -74,9 +74,9 @@ def test_values_that_are_codes_times_the_scale_round_trip_bitwise(n, block, seed
 def test_a_block_with_a_non_finite_value_dequantizes_to_nan_throughout(device, bad):
     x = torch.randn(300)
     x[130] = bad                          # block 1 of [0, 128), [128, 256), [256, 300)
-    for fmt in ("int8", "fp8_e4m3"):
+    for fmt in ("int8", "fp8_e4m3", "int4"):
         c, s = Q.quantize_blockwise(x.to(device), 128, fmt)
-        back = Q.dequantize_blockwise(c, s, 128, fmt).cpu()
+        back = Q.dequantize_blockwise(c, s, 128, fmt, numel=300).cpu()
         assert bool(torch.isnan(back[128:256]).all()), fmt
         assert bool(torch.isfinite(back[:128]).all() and torch.isfinite(back[256:]).all()), fmt
 
@@ -95,12 +95,31 @@ def test_fp8_e4m3_keeps_its_relative_bound(n, block, dtype, seed):
     assert bool(((back - x).abs() <= bound).all())
 
 
+@settings(deadline=None, max_examples=25, derandomize=True)
+@given(n=st.integers(1, 500), block=st.sampled_from([2, 8, 64, 128]), dtype=st.sampled_from(sorted(DT)),
+       seed=st.integers(0, 2**16), kind=st.sampled_from(["random", "edges", "zeros"]))
+def test_int4_packs_two_codes_a_byte_and_keeps_half_a_scale(n, block, dtype, seed, kind):
+    """qgZ's format: ceil(n / 2) bytes, codes -7..7; within half a block's scale (absmax / 7)."""
+    x = _values(n, seed, DT[dtype], kind)
+    c, s = Q.quantize_blockwise(x, block, "int4")
+    assert c.numel() == (n + 1) // 2 and c.dtype == torch.uint8 and s.numel() == math.ceil(n / block)
+    back = Q.dequantize_blockwise(c, s, block, "int4", numel=n)
+    per = s.repeat_interleave(block)[:n]
+    assert bool(((back - x.float()).abs() <= per / 2 * (1 + 2**-20)).all())
+    nib = torch.stack([c & 15, c >> 4], 1).reshape(-1)[:n]
+    assert bool(((nib >= 1) & (nib <= 15)).all())          # -7..7 stored as 1..15
+    if kind == "zeros":
+        assert torch.equal(back, torch.zeros(n))
+
+
 def test_named_errors():
     with pytest.raises(ConfigError, match="block size 0 must be a positive integer"):
         Q.quantize_blockwise(torch.ones(4), 0)
     with pytest.raises(ConfigError, match="block size 2.5 must be a positive integer"):
         Q.quantize_blockwise(torch.ones(4), 2.5)
-    with pytest.raises(ConfigError, match="format 'int4' is not one of"):
-        Q.quantize_blockwise(torch.ones(4), 8, "int4")
+    with pytest.raises(ConfigError, match="format 'int3' is not one of"):
+        Q.quantize_blockwise(torch.ones(4), 8, "int3")
+    with pytest.raises(ConfigError, match="int4 packs two codes per byte; its block size 5 must be even"):
+        Q.quantize_blockwise(torch.ones(4), 5, "int4")
     with pytest.raises(LeafTypeError, match="integer and fp8 tensors have no quantized wire format"):
         Q.quantize_blockwise(torch.ones(4, dtype=torch.int64), 8)

@@ -95,6 +95,7 @@ class ZeroOptions:
     hpz: Any = None
     hierarchical_gather: bool = False
     wire: Any = None            # stage 3's quantized weight gathers (qwZ): a runtime.quantized.WireFormat
+    grad_wire: Any = None       # the quantized gradient reduce-scatter (qgZ): a WireFormat
 
 
 class GradientRounds:
@@ -139,6 +140,7 @@ class ZeroShards:
         self._axes_on = IdentityCache()         # mesh -> (shard axis, replicate axis); holds the mesh
         self.reduce_bucket_size = options.reduce_bucket_size
         self.allgather_bucket_size = options.allgather_bucket_size
+        self.grad_wire = options.grad_wire          # qgZ: the reduce-scatter's quantized format (None: exact)
         self._grad_plans = IdentityCache()      # (tree spec, leaf layouts) -> grad_plan's plan
         # gradient buckets and shards, the same blocks every step
         self.grad_pool = BufferPool(keep=ShardReducer.MAX_INFLIGHT + 1)
@@ -263,10 +265,24 @@ class ZeroShards:
         `hears` (a transform inside hears reduced buckets: offload's overlapped host update)
         each bucket goes to the "grad_bucket_ready" primitive as it completes."""
         replicate = self.replicate_axis
+        grad_wire = self.grad_wire
         return ShardReducer(channel, self.reduce_bucket_size, "avg", facts.grad_wire_dtype, plan["named"],
                             plan["devices"], pool=self.grad_pool, keep_dtype=facts.grads_keep_dtype,
                             on_bucket=bucket_ready if hears else None,
-                            replicate=None if replicate is None else grad_channel(replicate))
+                            replicate=None if replicate is None else grad_channel(replicate),
+                            wire=grad_wire, hierarchy=self.qgz_hierarchy(channel) if grad_wire is not None else None)
+
+    def qgz_hierarchy(self, channel: str) -> tuple[str, str] | None:
+        """qgZ's (cross, local) axes (on `channel`'s side: the gradient channels where it is
+        one) when the shard axis spans nodes: its node-local ranks exchange first. None inside
+        one node (one flat exchange)."""
+        mesh = current_mesh()
+        n, local = mesh.size(self.axis), mesh.ranks_on_node(self.axis)
+        if local >= n or local == 1:
+            return None
+        inner, across = mesh.split(self.axis, local, names=(f"{self.axis}_local", f"{self.axis}_cross"))
+        on = grad_channel if channel != self.axis else (lambda a: a)
+        return on(across), on(inner)
 
     def finish_reduction(self, reducer: ShardReducer, plan: dict[str, Any], grads: Any, facts: Any) -> Any:
         """The step's gradients as ZeRO hands them on: the reducer's shards (zeros where this
