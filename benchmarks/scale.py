@@ -1,4 +1,5 @@
-"""Communication to 1,024 nodes: flat ZeRO-3 vs HSDP/MiCS vs ZeRO++ hpZ (`dsfn.comm_model`).
+"""Communication to 1,024 nodes: flat ZeRO-3 vs HSDP/MiCS vs ZeRO++ hpZ vs ZeRO++ whole (hpZ + qwZ +
+qgZ, modelled) (`dsfn.comm_model`).
 
 Projected part: per-step inter-node bytes per node and modelled communication seconds for
 Llama-2 7B and Llama-3 70B (bf16) on 1..1,024 nodes of 8 GPUs (NVLink 450 GB/s per
@@ -28,18 +29,23 @@ QUOTED = ["ZeRO++ (Wang et al. 2023): 4x less cross-node communication volume, u
           "MiCS (Zhang et al. 2022): up to 2.89x throughput, 99.4% weak-scaling efficiency at 512 GPUs"]
 
 
+ALL = M.LAYOUTS + M.QUANTIZED_LAYOUTS
+
+
 def table(model: M.ModelSpec) -> dict:
-    plans = M.projections(model, NODES)
+    plans = M.projections(model, NODES, ALL)
     print(f"\n{model.name} ({model.params / 1e9:.2f}e9 params, bf16), per step: inter-node GB per node | "
           "modelled comm seconds")
-    print(f"{'nodes':>6} " + " ".join(f"{lay:>20}" for lay in M.LAYOUTS) + f" {'hsdp/flat':>10} {'hpz/flat':>9}")
+    print(f"{'nodes':>6} " + " ".join(f"{lay:>20}" for lay in ALL) + f" {'hsdp/flat':>10} {'hpz/flat':>9}"
+          f" {'zero++/flat':>11}")
     for n in NODES:
         cells = " ".join(f"{plans[n, lay].inter_bytes / 1e9:9.1f} GB {plans[n, lay].seconds:6.2f} s"
-                         for lay in M.LAYOUTS)
+                         for lay in ALL)
         f = plans[n, "flat"]
         r = ("         -" if f.inter_bytes == 0 else f"{plans[n, 'hsdp'].inter_bytes / f.inter_bytes:10.3f}")
         r2 = ("        -" if f.inter_bytes == 0 else f"{plans[n, 'hpz'].inter_bytes / f.inter_bytes:9.3f}")
-        print(f"{n:6d} {cells} {r} {r2}")
+        r3 = ("          -" if f.inter_bytes == 0 else f"{plans[n, 'zeropp'].inter_bytes / f.inter_bytes:11.3f}")
+        print(f"{n:6d} {cells} {r} {r2} {r3}")
     return plans
 
 
@@ -121,14 +127,15 @@ def main() -> None:
     table(M.LLAMA_7B)
     plans = table(M.LLAMA_70B)
     tp = {n: M.step_comm(M.LLAMA_70B, "hsdp", M.Cluster(n), tp=8) for n in NODES}
-    f, h, z = (plans[128, lay] for lay in M.LAYOUTS)
+    f, h, z, q = (plans[128, lay] for lay in ALL)
     print(f"\n70B on 128 nodes x 8: comm seconds per step flat {f.seconds:.2f}, HSDP {h.seconds:.2f} "
-          f"({h.seconds / f.seconds:.2f}x), hpZ {z.seconds:.2f} ({z.seconds / f.seconds:.2f}x); "
+          f"({h.seconds / f.seconds:.2f}x), hpZ {z.seconds:.2f} ({z.seconds / f.seconds:.2f}x), ZeRO++ (hpZ + qwZ "
+          f"+ qgZ) {q.seconds:.2f} ({q.seconds / f.seconds:.2f}x); "
           f"HSDP with tp=8 in the node {tp[128].seconds:.2f} (inter {tp[128].inter_bytes / 1e9:.1f} GB/node)")
     print("published, for context (not reproduced here):")
     for q in QUOTED:
         print(f"  {q}")
-    series = {lay: [(n, plans[n, lay].seconds) for n in NODES] for lay in M.LAYOUTS}
+    series = {lay: [(n, plans[n, lay].seconds) for n in NODES] for lay in ALL}
     series["hsdp + tp8"] = [(n, tp[n].seconds) for n in NODES]
     svg(series, args.out, "Llama-3 70B, bf16: modelled comm seconds per step")
     print(f"plot: {args.out}")

@@ -15,6 +15,9 @@ tensor is flattened and zero-padded to a multiple of its shard group's size, as
 |        | (HSDP / MiCS: `shard_group="node"`)                                              |
 | hpz    | forward all-gather over dp, backward re-gather over dp_shard; reduce-scatter over dp |
 |        | (ZeRO++ hpZ: `hpz="node"`)                                                      |
+| zeropp | hpz with qwZ (both gathers int8: 1 byte per element + an fp32 scale per 2,048)    |
+|        | and qgZ (int4 all-to-all inside the node, then one row per node across, + scales |
+|        | per 128): ZeRO++ whole (`hpz="node", quantize_weights="int8", quantize_grads=...`) |
 
 `tp` > 1 (inside a node) splits each weight matrix over tp ranks and adds Megatron's four
 activation all-reduces per layer (two in forward, two in backward) of tokens x hidden;
@@ -41,10 +44,13 @@ from dsfn.errors import ConfigError
 from dsfn.runtime.links import LinkBytes, group_links, link_bytes
 from dsfn.runtime.topology import Topology
 
-__all__ = ["Link", "Cluster", "ModelSpec", "Collective", "Plan", "LAYOUTS", "NVLINK_H100", "NIC_400G",
+__all__ = ["Link", "Cluster", "ModelSpec", "Collective", "Plan", "LAYOUTS", "QUANTIZED_LAYOUTS", "NVLINK_H100",
+           "NIC_400G",
            "llama", "LLAMA_7B", "LLAMA_70B", "step_comm"]
 
 LAYOUTS = ("flat", "hsdp", "hpz")
+# modelled, not measured call for call (the scales' count depends on the buckets): ZeRO++ whole
+QUANTIZED_LAYOUTS = ("zeropp",)
 
 
 @dataclass(frozen=True)
@@ -159,8 +165,8 @@ def step_comm(model: ModelSpec, layout: str, cluster: Cluster, *, elem_bytes: in
     and gradients' element size (2: bf16); `tokens`: tokens per rank per step (tp/sp
     activations); `metric_bytes`: the metrics all-reduced over dp (a loss and its count, as
     float32: 8)."""
-    if layout not in LAYOUTS:
-        raise ConfigError(f"unknown layout {layout!r}; one of {LAYOUTS}")
+    if layout not in LAYOUTS + QUANTIZED_LAYOUTS:
+        raise ConfigError(f"unknown layout {layout!r}; one of {LAYOUTS + QUANTIZED_LAYOUTS}")
     L = cluster.gpus_per_node
     if L % (tp * sp):
         raise ConfigError(f"tp x sp = {tp * sp} must divide the {L} GPUs of a node (tp and sp stay inside a node)")
@@ -203,11 +209,20 @@ def step_comm(model: ModelSpec, layout: str, cluster: Cluster, *, elem_bytes: in
         add("dp_shard", "all_gather", 2 * units, 2 * per)
         add("dp_shard", "reduce_scatter", buckets, per)
         add("dp_replicate", "all_reduce", buckets, per // k)
-    else:
+    elif layout == "hpz":
         per = sum(unit_bytes(len(dp)))
         add("dp", "all_gather", units, per)
         add("dp_shard", "all_gather", units, per)
         add("dp", "reduce_scatter", buckets, per)
+    else:                       # zeropp: hpZ + qwZ (int8, scales per 2048) + qgZ (int4, scales per 128)
+        elems = sum(unit_bytes(len(dp))) // elem_bytes
+        q8 = elems + 4 * math.ceil(elems / 2048)
+        add("dp", "all_gather", 2 * units, q8)              # codes and scales: two calls per unit
+        add("dp_shard", "all_gather", 2 * units, q8)
+        nodes = len(dp) // k
+        q4 = elems // 2 + 4 * math.ceil(elems / 128)
+        add("dp_shard", "all_to_all", 2 * buckets, q4)       # every destination's row, inside the node
+        add("dp_replicate", "all_to_all", 2 * buckets, q4 // k if nodes > 1 else 0)   # one row per node
     add("dp", "all_reduce", 1, metric_bytes)
     act = tokens * model.hidden * elem_bytes
     add("tp", "all_reduce", 4 * model.layers, 4 * model.layers * act)
