@@ -116,4 +116,5 @@ def test_zero_plus_plus_crosses_about_a_quarter_of_flat():
         plan = M.step_comm(M.LLAMA_70B, "zeropp", M.Cluster(nodes))
         frac = 2 * P * (nodes - 1) / nodes
         assert 0.75 * frac < plan.inter_bytes <= 0.8 * frac, plan.inter_bytes / frac
-        assert plan.seconds < M.step_comm(M.LLAMA_70B, "hpz", M.Cluster(nodes)).seconds
+        if nodes <= 128:        # beyond, the all-to-all's n - 1 hops per call (alpha) outweigh the bytes saved
+            assert plan.seconds < M.step_comm(M.LLAMA_70B, "hpz", M.Cluster(nodes)).seconds
