@@ -1,5 +1,6 @@
 """Comparing a conformance row with its single-process reference: the tolerances (fp32 rows
-at rtol 1e-5; mixed-precision rows within `MP_REL` of what the reference's updates changed),
+at rtol 1e-5; mixed-precision rows within `MP_REL` of what the reference's updates changed,
+quantized-communication rows within their StackSpec's `update_rel` of it),
 `compare` (AssertionError on a mismatch), `sensitivity` (how many times its tolerance the
 reference moved the parameters; a row needs `MIN_RATIO`) and the `Verdict` of a row.
 """
@@ -69,8 +70,8 @@ def sensitivity(case: Case, ref_init: dict, ref_final: dict) -> float:
         if ini is None:
             continue
         c = float((fin - ini).norm())
-        if STACKS[case.stack].mixed:
-            t = MP_REL * c + MP_FLOOR * fin.numel() ** 0.5
+        if STACKS[case.stack].mixed or STACKS[case.stack].update_rel:
+            t = (STACKS[case.stack].update_rel or MP_REL) * c + MP_FLOOR * fin.numel() ** 0.5
         else:
             t = float((FP32_ATOL + rtol * fin.abs()).norm())
         change2, tol2 = change2 + c * c, tol2 + t * t
@@ -91,10 +92,12 @@ def compare(case: Case, rank: int, losses: list[float], state: dict, ref_losses:
     if len(losses) != len(ref_losses):
         raise AssertionError(f"{case}: rank {rank} ran {len(losses)} steps, the reference {len(ref_losses)}")
     lrt, lat = (MP_LOSS_RTOL, 0.0) if sspec.mixed else (rtol, sspec.atol)
+    by_update = sspec.mixed or sspec.update_rel is not None
+    rel = sspec.update_rel or MP_REL
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64), torch.tensor(ref_losses, dtype=torch.float64),
                                rtol=lrt, atol=lat,
                                msg=lambda m: f"{case}: rank {rank} losses {losses} vs reference {ref_losses}: {m}")
-    if not sspec.mixed:
+    if not by_update:
         assert_trees_close(state, ref_state, rtol=rtol, atol=max(sspec.atol, FP32_ATOL),
                            msg=f"{case}: rank {rank} final state vs reference")
         return None
@@ -105,12 +108,12 @@ def compare(case: Case, rank: int, losses: list[float], state: dict, ref_losses:
     for path, a, r, r0 in _pairs(state, ref_state, ref_init):
         change = float((r - (r0 if r0 is not None else torch.zeros_like(r))).norm())
         err = float((a - r).norm())
-        tol = MP_REL * change + MP_FLOOR * r.numel() ** 0.5
+        tol = rel * change + MP_FLOOR * r.numel() ** 0.5
         if change > MP_FLOOR * r.numel() ** 0.5:
             worst = max(worst, err / change)
         if not err <= tol:
             bad.append(f"  {path}: |stack - reference| {err:.3g} > {tol:.3g} "
-                       f"({MP_REL:g} of the reference's change {change:.3g})")
+                       f"({rel:g} of the reference's change {change:.3g})")
     if bad:
         raise AssertionError(f"{case}: rank {rank} final state vs the same-precision reference: {len(bad)} leaves "
                              "differ by more than their tolerance\n" + "\n".join(bad[:10]))

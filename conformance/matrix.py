@@ -91,6 +91,8 @@ def cases() -> list[Case]:
     """The whole matrix (refused combinations included: they must raise)."""
     out = []
     for s, o, m in itertools.product(STACKS, OPTIMIZERS, MODELS):
+        if o in STACKS[s].skip_optimizers:
+            continue
         for w in STACKS[s].worlds:
             out.append(Case(s, o, m, w))
     return out
@@ -123,7 +125,7 @@ def default_sample(seed: int = SAMPLE_SEED) -> list[Case]:
         return rng.choice([x for x in allowed if counts[x] == low])
 
     def draw(stack: str, family: str, world: int) -> None:
-        opts = [o for o, spec in OPTIMIZERS.items() if spec.family == family
+        opts = [o for o, spec in OPTIMIZERS.items() if spec.family == family and o not in STACKS[stack].skip_optimizers
                 and any(refusal(stack, o, m) is None for m in MODELS)]
         o = least(used_opt, opts)
         m = least(used_model, [m for m in MODELS if MODELS[m].drawn and refusal(stack, o, m) is None])
@@ -138,7 +140,7 @@ def default_sample(seed: int = SAMPLE_SEED) -> list[Case]:
         for k, model in enumerate(sspec.models):            # the models the stack names, one row each
             family = ("sgd", "adam")[(len(out) + k) % 2]
             o = least(used_opt, [o for o, spec in OPTIMIZERS.items() if spec.family == family
-                                 and refusal(stack, o, model) is None])
+                                 and o not in sspec.skip_optimizers and refusal(stack, o, model) is None])
             used_opt[o] += 1
             used_model[model] += 1
             out.append(Case(stack, o, model, sspec.full_world()))

@@ -195,6 +195,30 @@ def _ep_replicas_not_averaged():
     return mock.patch.object(data_parallel.Replicas, "mean_over_batch_axes", lambda self, grads, axes, facts: grads)
 
 
+def _qwz_local_scales():
+    """qwZ's gathered codes dequantized with this rank's own scales (the scales not gathered)."""
+    from dsfn.runtime import quantized as Q
+    orig = Q._Dequantizing.wait
+
+    def wait(self):
+        if self._works is not None:
+            for w in self._works:
+                if w is not None:
+                    w.wait()
+            self._works = [None]
+            self._scales = self._inputs[1].repeat(self._n)
+        return orig(self)
+    return mock.patch.object(Q._Dequantizing, "wait", wait)
+
+
+def _qgz_unscaled():
+    """qgZ's received codes read without their scales (every scale taken as 1)."""
+    from dsfn.runtime import quantized as Q
+    orig = Q._dequantize_rows
+    return mock.patch.object(Q, "_dequantize_rows",
+                             lambda codes, scales, w, wire: orig(codes, torch.ones_like(scales), w, wire))
+
+
 def _cp_skips_block():
     """Ring attention leaves out the last visible chunk pair of every K/V block that has two or more."""
     from dsfn.engines import ring_attention
@@ -295,6 +319,12 @@ MUTATIONS: dict[str, Mutation] = {m.name: m for m in [
              ("tests/transforms/test_expert_parallel.py",)),
     Mutation("ep_replicas_not_averaged", "the non-expert gradients not averaged over ep", _ep_replicas_not_averaged,
              _ep_row, ("tests/transforms/test_expert_parallel.py",)),
+    # ZeRO++: qwZ quantizes the tensors of >= 64 elements (the sequence models'), qgZ every 2-D gradient
+    Mutation("qwz_local_scales", "qwZ's weights dequantized with the rank's own scales, not the gathered ones",
+             _qwz_local_scales, lambda c: "qwz" in c.stack.split("+") and _K().MODELS[c.model].attention,
+             ("tests/runtime/test_quantized_gather.py",)),
+    Mutation("qgz_unscaled", "qgZ's gradient codes read without their scales", _qgz_unscaled,
+             lambda c: "qgz" in c.stack.split("+"), ("tests/runtime/test_quantized_reduce.py",)),
     # context parallel: every cp row (the models without a token sequence refuse it)
     Mutation("cp_skips_block", "ring attention skips a K/V block", _cp_skips_block,
              lambda c: "cp" in c.stack.split("+"), ("tests/engines/test_ring_attention.py",)),

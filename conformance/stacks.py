@@ -26,6 +26,11 @@ class StackSpec:
     nodes: int | None = None        # the ranks spread over this many nodes (launcher topology; None: one)
     also_sampled: tuple[int, ...] = ()   # more worlds the default sample runs it at (one row each)
     models: tuple[str, ...] = ()    # models the default sample also runs it with (one row each, full world)
+    update_rel: float | None = None  # quantized rows: each leaf within this fraction of the reference's
+    #                                  change (L2, as mixed precision's MP_REL), losses at `rtol`
+    min_ratio: float | None = None   # below compare.MIN_RATIO where a format's error is a large part of an
+    #                                  update (int4 gradients): the row still sees a lost or 2x update
+    skip_optimizers: tuple[str, ...] = ()   # not run with these (the matrix leaves them out; said why below)
 
     def ranks_per_node(self, world: int) -> int | None:
         return world // self.nodes if self.nodes and world > 1 else None
@@ -190,6 +195,25 @@ STACKS: dict[str, StackSpec] = {
     # the ring inside each pipeline stage
     "cp+pp": StackSpec(lambda m, s, d: [_cp(m, s), _T().pipeline_parallel("1f1b", 2, model=m)],
                        mesh=lambda w: {"cp": 2, "pp": w // 2}, worlds=(4,), models=MASKS),
+    # ZeRO++ quantized communication (small blocks, so the tiny models' tensors quantize),
+    # compared as mixed precision is: each leaf of the final state within `update_rel` of what
+    # the reference's 3 updates changed in it (L2), losses at `rtol`. The formats' error moves
+    # the updates by (measured, worst leaf over gpt / llama / qwen2 and sgd / groups / adamw /
+    # muon): int8 weight gathers (each weight within absmax / 254 of its block) 2-4% under
+    # SGD, 13-15% under AdamW and Muon (scale-blind updates amplify gradient changes near 0);
+    # int4 gradients (within absmax / 14 per quantization, two on an element's path) 7-14%
+    # under SGD, 20-36% under AdamW. Tolerances sit ~1.3x above those; a lost update, a 2x
+    # update, a scale not gathered or codes read without their scales move leaves by their
+    # whole update. Muon with int4 gradients is left out: it orthogonalizes the update, so
+    # the noise in the small singular directions is scaled up to the signal's size (measured
+    # 0.6-0.97 of the update; use quantize_grads="int8" with Muon)
+    "zero3+qwz": StackSpec(lambda m, s, d: [_T().shard_zero(3, quantize_weights="int8", quantize_block=64)],
+                           worlds=(4,), rtol=5e-3, update_rel=0.2, min_ratio=4.5, models=("gpt", "llama")),
+    "hsdp3+qwz+qgz": StackSpec(lambda m, s, d: [_T().shard_zero(3, shard_group="node", quantize_weights="int8",
+                                                                quantize_block=64, quantize_grads="int4",
+                                                                quantize_grads_block=32)],
+                               worlds=(4,), nodes=2, rtol=2e-2, update_rel=0.45, min_ratio=2.0,
+                               skip_optimizers=("muon",), models=("gpt", "llama")),
     "hsdp3+tp": StackSpec(lambda m, s, d: [_T().shard_zero(3, shard_group="node"), _tp(m, s)],
                           mesh=lambda w: {"dp": w // 2, "tp": 2}, worlds=(8,), nodes=2),
 }

@@ -87,8 +87,9 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
 
     `wire` (ZeRO++ qgZ, a `dsfn.runtime.quantized.WireFormat`): every floating bucket is
     reduced by `reduce_scatter_quantized` instead (its rows block-wise quantized through
-    all-to-alls; `hierarchy` = (cross, local): inside the node first, then across nodes),
-    synchronously as it completes; the result is cast back to the bucket's dtype.
+    all-to-alls, each tensor on blocks of its own; `hierarchy` = (cross, local): inside the
+    node first, then across nodes), synchronously as it completes; 1-D gradients exactly
+    (`_reduce_quantized`); the result is cast back to the bucket's dtype.
 
     `on_bucket([(key, shard), ...])`, when given, is called once per reduced bucket as it
     completes (while backward still runs, for all but the last buckets), in plan order: the
@@ -104,6 +105,7 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
         from dsfn.runtime.buckets import FixedBuckets, backward_order
         self.axis, self.op, self.dtype = axis, op, dtype
         self.wire, self.hierarchy = wire, hierarchy      # qgZ (`reduce_scatter_quantized`); None: exact
+        self._dims = {k: t.dim() for k, t in named}     # qgZ quantizes the gradients of 2+ dims
         self.replicate = replicate if replicate is not None and current_mesh().size(replicate) > 1 else None
         self.on_bucket = on_bucket
         self.n = current_mesh().size(axis)
@@ -153,12 +155,8 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
     def _launch(self, buckets: list) -> None:
         for items in buckets:
             if self.wire is not None and self.n > 1 and items[0][1].is_floating_point():
-                # qgZ: the bucket's rows through quantized all-to-alls (synchronous), back in its dtype
-                from dsfn.runtime.quantized import reduce_scatter_quantized
-                bucket = torch.cat([rows for _, rows in items], dim=1) if len(items) > 1 else items[0][1]
-                row = reduce_scatter_quantized(bucket, self.axis, self.wire, self.op, self.hierarchy)
                 self._inflight.append(([(k, rows.shape[1]) for k, rows in items],
-                                       C.Pending(None, row.to(bucket.dtype))))
+                                       C.Pending(None, self._reduce_quantized(items))))
             elif self.pool is None or self.n == 1:
                 bucket = torch.cat([rows for _, rows in items], dim=1) if len(items) > 1 else items[0][1]
                 pending = C.reduce_scatter(bucket.reshape(-1), self.axis, self.op, async_op=True)
@@ -174,6 +172,34 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
             self._drain(block=False)          # finished ones release their inputs now
 
     MAX_INFLIGHT = 2
+
+    def _reduce_quantized(self, items: list) -> torch.Tensor:
+        """qgZ of one bucket (synchronous): the rows of its tensors of 2+ dims through
+        `reduce_scatter_quantized`, each tensor's segment padded to whole blocks (a block never
+        mixes two tensors' scales); 1-D tensors (norms, biases: small, and quantized beside a
+        large neighbour they would round to zero) reduce-scattered exactly, as DeepSpeed's
+        qgZ falls back for them. Returns this rank's row of the bucket, in its dtype."""
+        from dsfn.runtime.quantized import reduce_scatter_quantized
+        block = self.wire.block
+        dtype = items[0][1].dtype
+        quant = [(k, rows) for k, rows in items if self._dims.get(k, 2) >= 2]
+        exact = [(k, rows) for k, rows in items if self._dims.get(k, 2) < 2]
+        pieces: dict[Any, torch.Tensor] = {}
+        if quant:
+            widths = [rows.shape[1] for _, rows in quant]
+            padded = torch.cat([torch.nn.functional.pad(rows, (0, -(-w // block) * block - w))
+                                for (_, rows), w in zip(quant, widths)], dim=1)
+            row = reduce_scatter_quantized(padded, self.axis, self.wire, self.op, self.hierarchy)
+            at = 0
+            for (k, _), w in zip(quant, widths):
+                pieces[k] = row[at:at + w]
+                at += -(-w // block) * block
+        if exact:
+            bucket = torch.cat([rows for _, rows in exact], dim=1) if len(exact) > 1 else exact[0][1]
+            row = C.reduce_scatter(bucket.reshape(-1), self.axis, self.op)
+            for (k, rows), piece in zip(exact, row.split([r.shape[1] for _, r in exact])):
+                pieces[k] = piece
+        return torch.cat([pieces[k].to(dtype) for k, _ in items])
 
     def _launch_pooled(self, items: list) -> None:
         first = items[0][1]

@@ -7,8 +7,8 @@ per block.
 scale, and the smallest full tensor quantized (smaller ones, e.g. norms and biases, travel
 as they are: `quantizes`). `all_gather_quantized_into(outs, ins, axis, wire)` is
 `collectives.all_gather_into_(outs, ins, axis, async_op=True)` with the data quantized:
-this rank's `ins` are packed into one flat vector, quantized once (blocks may span two
-tensors), its codes and scales all-gathered (two collectives, counted as the runtime counts
+this rank's `ins` are packed into one flat vector, each padded to whole blocks (a block
+never mixes two tensors' scales), quantized once, its codes and scales all-gathered (two collectives, counted as the runtime counts
 every all-gather: the gathered bytes), and `wait()` dequantizes each rank's part into
 `outs` (out i: n x c_i elements, rank r's piece at [r c_i, (r + 1) c_i)). Every rank
 reconstructs the same values, its own piece included: only the gathered copy is lossy,
@@ -59,9 +59,9 @@ class _Dequantizing:
     every rank's dequantized piece into the outputs."""
 
     def __init__(self, works: list, codes: torch.Tensor, scales: torch.Tensor, outs: Sequence[torch.Tensor],
-                 sizes: list[int], n: int, wire: WireFormat, inputs: tuple):
+                 sizes: list[int], n: int, wire: WireFormat, inputs: tuple, pad: list[int]):
         self._works, self._codes, self._scales, self._outs = works, codes, scales, list(outs)
-        self._sizes, self._n, self._wire, self._inputs = sizes, n, wire, inputs
+        self._sizes, self._n, self._wire, self._inputs, self._pad = sizes, n, wire, inputs, pad
 
     def wait(self) -> None:
         if self._works is None:
@@ -70,7 +70,8 @@ class _Dequantizing:
             if w is not None:
                 w.wait()
         self._works = None
-        total, nb, w = sum(self._sizes), math.ceil(sum(self._sizes) / self._wire.block), self._wire
+        total = sum(self._sizes) + sum(self._pad)
+        nb, w = total // self._wire.block, self._wire
         dtype = self._outs[0].dtype
         codes = self._codes.view(self._n, total)
         scales = self._scales.view(self._n, nb)
@@ -80,9 +81,9 @@ class _Dequantizing:
         for r in range(self._n):
             part = dequantize_blockwise(codes[r], scales[r], w.block, w.fmt, dtype)
             at = 0
-            for out, c in zip(self._outs, self._sizes):
+            for out, c, p in zip(self._outs, self._sizes, self._pad):
                 out.view(self._n, c)[r].copy_(part[at:at + c])
-                at += c
+                at += c + p
         torch._C._autograd._unsafe_set_version_counter(tuple(self._outs), tuple(versions))
         self._codes = self._scales = self._inputs = None
 
@@ -92,13 +93,15 @@ def all_gather_quantized_into(outs: Sequence[torch.Tensor], ins: Sequence[torch.
     """See the module docstring. `ins`: this rank's pieces (one dtype: the outputs'),
     `outs[i]`: n x ins[i].numel() elements. Every rank of the axis calls it alike."""
     n = current_mesh().size(axis)
-    flat = torch.cat([t.detach().reshape(-1) for t in ins]) if len(ins) > 1 else ins[0].detach().reshape(-1)
+    # each piece on blocks of its own (padded to whole blocks): a block never mixes two tensors' scales
+    pad = [-(-t.numel() // wire.block) * wire.block - t.numel() for t in ins]
+    flat = torch.cat([torch.nn.functional.pad(t.detach().reshape(-1), (0, p)) for t, p in zip(ins, pad)])
     codes, scales = quantize_blockwise(flat, wire.block, wire.fmt)
     all_codes = torch.empty(n * codes.numel(), dtype=torch.uint8, device=codes.device)
     all_scales = torch.empty(n * scales.numel(), dtype=torch.float32, device=scales.device)
     works = [C.all_gather_into_([all_codes], [codes], axis, async_op=True),
              C.all_gather_into_([all_scales], [scales], axis, async_op=True)]
-    return _Dequantizing(works, all_codes, all_scales, outs, [t.numel() for t in ins], n, wire, (codes, scales))
+    return _Dequantizing(works, all_codes, all_scales, outs, [t.numel() for t in ins], n, wire, (codes, scales), pad)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,13 +51,22 @@ def _gather(block, min_numel, dtype, bug=None):
     got = [t.clone() for t in gather_into_buffers(shards, SHAPES, "dp", 10**9, wire=wire).wait()]
     sent = counters.bytes("dp", "all_gather")
     # this rank's packed quantized elements: the tensors of >= min_numel elements, their shards
-    packed = sum(s.numel() for s, shape in zip(shards, SHAPES) if math.prod(shape) >= min_numel)
+    # (each on whole blocks of its own)
+    packed = sum(-(-s.numel() // block) * block for s, shape in zip(shards, SHAPES) if math.prod(shape) >= min_numel)
     exact_bytes = sum(s.numel() * s.element_size() for s, shape in zip(shards, SHAPES)
                       if math.prod(shape) < min_numel)
     # each rank's packed flat vector and its block scales, for the bound
     flats = [torch.cat([exact[i].reshape(-1)[r * shards[i].numel():(r + 1) * shards[i].numel()]
                         for i, shape in enumerate(SHAPES) if math.prod(shape) >= min_numel]) for r in range(n)]
-    bounds = [quantize_blockwise_torch(f, block)[1].repeat_interleave(block)[:f.numel()] / 2 for f in flats]
+    def piece(i, r):
+        return exact[i].reshape(-1)[r * shards[i].numel():(r + 1) * shards[i].numel()]
+
+    def per_tensor_scales(r):        # each tensor's piece on blocks of its own (padding: zeros)
+        return torch.cat([quantize_blockwise_torch(torch.nn.functional.pad(piece(i, r), (0, shards[i].numel()
+                                                                                       - piece(i, r).numel())),
+                                                   block)[1].repeat_interleave(block)[:piece(i, r).numel()]
+                          for i, shape in enumerate(SHAPES) if math.prod(shape) >= min_numel])
+    bounds = [per_tensor_scales(r) / 2 for r in range(n)]
     errs = [torch.cat([(got[i].reshape(-1)[r * shards[i].numel():(r + 1) * shards[i].numel()]
                         - exact[i].reshape(-1)[r * shards[i].numel():(r + 1) * shards[i].numel()]).float().abs()
                        for i, shape in enumerate(SHAPES) if math.prod(shape) >= min_numel]) for r in range(n)]
@@ -68,7 +77,7 @@ def _gather(block, min_numel, dtype, bug=None):
     lossy = any(bool((e > 0).any()) for e in errs)
     small_exact = all(torch.equal(g, x) for g, x, shape in zip(got, exact, SHAPES) if math.prod(shape) < min_numel)
     return dict(got=got, within=within, lossy=lossy, small_exact=small_exact, sent=sent, n=n,
-                want_sent=n * (packed + 4 * math.ceil(packed / block)) + n * exact_bytes)
+                want_sent=n * (packed + 4 * (packed // block)) + n * exact_bytes)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
