@@ -17,7 +17,7 @@ tensor is flattened and zero-padded to a multiple of its shard group's size, as
 |        | (ZeRO++ hpZ: `hpz="node"`)                                                      |
 | zeropp | hpz with qwZ (both gathers int8: 1 byte per element + an fp32 scale per 2,048)    |
 |        | and qgZ (int4 all-to-all inside the node, then one row per node across, + scales |
-|        | per 128): ZeRO++ whole (`hpz="node", quantize_weights="int8", quantize_grads=...`) |
+|        | per 64): ZeRO++ whole  (`hpz="node", quantize_weights="int8", quantize_grads=...`) |
 
 `tp` > 1 (inside a node) splits each weight matrix over tp ranks and adds Megatron's four
 activation all-reduces per layer (two in forward, two in backward) of tokens x hidden;
@@ -214,13 +214,13 @@ def step_comm(model: ModelSpec, layout: str, cluster: Cluster, *, elem_bytes: in
         add("dp", "all_gather", units, per)
         add("dp_shard", "all_gather", units, per)
         add("dp", "reduce_scatter", buckets, per)
-    else:                       # zeropp: hpZ + qwZ (int8, scales per 2048) + qgZ (int4, scales per 128)
+    else:                       # zeropp: hpZ + qwZ (int8, scales per 2048) + qgZ (int4, scales per 64)
         elems = sum(unit_bytes(len(dp))) // elem_bytes
         q8 = elems + 4 * math.ceil(elems / 2048)
         add("dp", "all_gather", 2 * units, q8)              # codes and scales: two calls per unit
         add("dp_shard", "all_gather", 2 * units, q8)
         nodes = len(dp) // k
-        q4 = elems // 2 + 4 * math.ceil(elems / 128)
+        q4 = elems // 2 + 4 * math.ceil(elems / 64)
         add("dp_shard", "all_to_all", 2 * buckets, q4)       # every destination's row, inside the node
         add("dp_replicate", "all_to_all", 2 * buckets, q4 // k if nodes > 1 else 0)   # one row per node
     add("dp", "all_reduce", 1, metric_bytes)

@@ -75,6 +75,13 @@ assert torch.isfinite(metrics['loss'])
 state, metrics = step(step.init_state(params, dsfn.optim.adamw(1e-3)), batch)
 assert torch.isfinite(metrics['loss'])
 """,
+    # near the exact stack: the formats' error, not a broken scale (which moves it by far more)
+    "zeropp": """
+exact = dsfn.compose(shard_zero(3, hpz="node"))(train_step)
+_, ref = exact(exact.init_state(params, tx), batch)
+torch.testing.assert_close(metrics['loss'], ref['loss'], rtol=1e-3, atol=0)
+assert metrics['loss'] != ref['loss']      # the wire really is quantized
+""",
     # equal to one process running the same train step on the whole batch
     "context-parallel": """
 state, metrics = step(step.init_state(params, dsfn.optim.sgd(0.1)), batch)
