@@ -108,7 +108,7 @@ def throughput() -> None:
     copy = timed(lambda: x.clone())
     print(f"\n3. quantize + dequantize, torch path on CPU, {x.numel():,} fp32 elements ({gb:.3f} GB)")
     print(f"  plain copy: {gb / copy:6.2f} GB/s")
-    for fmt, block in (("int8", 2048), ("int4", 128)):
+    for fmt, block in (("int8", 2048), ("int4", 64)):
         q = timed(lambda: quantize_blockwise_torch(x, block, fmt))
         c, s = quantize_blockwise_torch(x, block, fmt)
         d = timed(lambda: dequantize_blockwise_torch(c, s, block, fmt, numel=x.numel()))

@@ -158,3 +158,31 @@ def test_qgz_reduces_1d_gradients_exactly_and_quantizes_each_tensor_on_its_own_b
         if v.dim() == 1:
             assert torch.equal(got[k], v), k
     assert any(not torch.equal(got[k], v) for k, v in exact.items() if v.dim() >= 2)
+
+
+def compose_run(kind, q):
+    from dsfn.models.gpt import tp_plan
+    from dsfn.testing.pipelines import pipeline_model
+    from dsfn.transforms import offload, pipeline_parallel, tensor_parallel
+    init_mesh(**{"offload": {"dp": 2}, "tp": {"dp": 2, "tp": 2}, "pp": {"dp": 2, "pp": 2}}[kind])
+    m = pipeline_model("gpt", vocab_size=61) if kind == "pp" else _model()
+    apply_fn, params = dsfn.functionalize(m)
+    kw = {}
+    if q:
+        kw = ({"quantize_grads": "int4"} if kind == "pp" else
+              dict(quantize_weights="int8", quantize_block=256, quantize_grads="int4"))
+    ts = {"offload": lambda: [shard_zero(3, **kw), offload("cpu")],
+          "tp": lambda: [shard_zero(3, **kw), tensor_parallel(tp_plan(), model=m)],
+          "pp": lambda: [shard_zero(1, **kw), pipeline_parallel("1f1b", 4, model=m)]}[kind]()
+    step = compose(*ts)(train_step_for(apply_fn, lm_loss))
+    return run_steps(step, step.init_state(params, dsfn.optim.sgd(0.1, momentum=0.9)), BATCHES)[0]
+
+
+@pytest.mark.parametrize("kind,world", [("offload", 2), ("tp", 4), ("pp", 4)])
+def test_composes_with_offload_tensor_parallel_and_the_pipeline(kind, world):
+    """qwZ + qgZ under ZeRO-3 with the optimizer on the host and with tp inside; qgZ under
+    ZeRO-1 around a pipeline (stage 1 reduce-scatters too): near the exact stack, not equal."""
+    ref = run_on_ranks(compose_run, world, kind, False, ranks_per_node=2, timeout=180)[0]
+    for losses in run_on_ranks(compose_run, world, kind, True, ranks_per_node=2, timeout=180):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-3, atol=0)
+        assert losses != ref
