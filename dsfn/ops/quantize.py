@@ -10,7 +10,7 @@ each (returned as uint8: every wire format travels as bytes):
   bitwise); |x - code * s_b| <= s_b / 2.
 - "int4" (qgZ's gradients): s_b = absmax_b / 7; codes -7..7 (round half up, clamped) stored
   as 1..15, two per byte (low nibble first; `numel` tells the dequantizer the count); an
-  even block size. |x - code * s_b| <= s_b / 2. Torch path only.
+  even block size. |x - code * s_b| <= s_b / 2.
 - "fp8_e4m3": s_b = absmax_b / 448 (the format's largest finite value); code = (x / s_b)
   cast to float8_e4m3fn (round to nearest even); relative error <= 2^-4 of |x| above the
   format's subnormals. Torch path only (the kernel is int8's).
@@ -128,20 +128,25 @@ def _check_codes(codes, scales, block, n, out, dtype) -> None:
 
 
 def quantize_blockwise(x: torch.Tensor, block: int, fmt: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
-    """See the module docstring; int8 on the Triton kernel where dispatch picks Triton."""
+    """See the module docstring; int8 and int4 on the Triton kernels where dispatch picks Triton."""
     check_format(fmt, block)
     _check_input(x)
-    if fmt != "int8" or x.numel() == 0 or not dispatch.use_triton(x):
+    if fmt == "fp8_e4m3" or x.numel() == 0 or not dispatch.use_triton(x):
         return quantize_blockwise_torch(x, block, fmt)
     flat = x.detach().reshape(-1).contiguous()
     n = flat.numel()
     nb = math.ceil(n / block)
-    codes = torch.empty(n, dtype=torch.uint8, device=x.device)
+    src = flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat
     scales = torch.empty(nb, dtype=torch.float32, device=x.device)
     with dispatch.device_guard(x):
-        _quantize_int8_kernel[(nb,)](flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat, codes,
-                                     scales, n, BLOCK=block, PAD=triton.next_power_of_2(block),
-                                     BF16=flat.dtype == torch.bfloat16)
+        if fmt == "int8":
+            codes = torch.empty(n, dtype=torch.uint8, device=x.device)
+            _quantize_int8_kernel[(nb,)](src, codes, scales, n, BLOCK=block, PAD=triton.next_power_of_2(block),
+                                         BF16=flat.dtype == torch.bfloat16)
+        else:
+            codes = torch.empty((n + 1) // 2, dtype=torch.uint8, device=x.device)
+            _quantize_int4_kernel[(nb,)](src, codes, scales, n, BLOCK=block, HALF=triton.next_power_of_2(block // 2),
+                                         BF16=flat.dtype == torch.bfloat16)
     return codes, scales
 
 
@@ -151,16 +156,22 @@ def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, block: int, 
     """See the module docstring; int8 on the Triton kernel where dispatch picks Triton.
     `numel`: the element count of int4 codes (two per byte), required there."""
     check_format(fmt, block)
-    n = codes.numel()
-    if fmt != "int8" or n == 0 or not dispatch.use_triton(codes, scales, *(() if out is None else (out,)),
-                                                          dtypes=(dtype,)):
+    n = codes.numel() if fmt != "int4" else numel
+    if fmt == "fp8_e4m3" or not n or not dispatch.use_triton(codes, scales, *(() if out is None else (out,)),
+                                                             dtypes=(dtype,)):
         return dequantize_blockwise_torch(codes, scales, block, fmt, dtype, out, numel)
-    _check_codes(codes, scales, block, n, out, dtype)
+    _check_codes(codes if fmt == "int8" else torch.empty(n, dtype=torch.uint8, device="meta"), scales, block, n,
+                 out, dtype)
     dst = out.reshape(-1) if out is not None else torch.empty(n, dtype=dtype, device=codes.device)
     from dsfn.ops.multi_tensor import TL_DTYPES
     with dispatch.device_guard(codes):
-        _dequantize_int8_kernel[(scales.numel(),)](codes.contiguous(), scales, dst, n, BLOCK=block,
-                                                   PAD=triton.next_power_of_2(block), D_DTYPE=TL_DTYPES[dtype])
+        if fmt == "int8":
+            _dequantize_int8_kernel[(scales.numel(),)](codes.contiguous(), scales, dst, n, BLOCK=block,
+                                                       PAD=triton.next_power_of_2(block), D_DTYPE=TL_DTYPES[dtype])
+        else:
+            _dequantize_int4_kernel[(scales.numel(),)](codes.contiguous(), scales, dst, n, BLOCK=block,
+                                                       HALF=triton.next_power_of_2(block // 2),
+                                                       D_DTYPE=TL_DTYPES[dtype])
     return dst if out is None else out
 
 
@@ -208,3 +219,52 @@ if triton is not None:
         x = tl.where(finite, tl.minimum(tl.maximum(c * s, -3.4028234663852886e38), 3.4028234663852886e38),
                      float("nan"))
         tl.store(dst + offs, cast_rne(x, D_DTYPE), mask=mask)
+
+    @triton.jit
+    def _quantize_int4_kernel(src, codes, scales, n, BLOCK: tl.constexpr, HALF: tl.constexpr, BF16: tl.constexpr):
+        """One program: one block; element pairs (2i, 2i + 1) of the block make byte i (low nibble first)."""
+        b = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, HALF)
+        even = b * BLOCK + 2 * i.to(tl.int64)
+        m_even = (i < BLOCK // 2) & (even < n)
+        m_odd = (i < BLOCK // 2) & (even + 1 < n)
+        if BF16:
+            lo = (tl.load(src + even, mask=m_even, other=0).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
+                tl.float32, bitcast=True)
+            hi = (tl.load(src + even + 1, mask=m_odd, other=0).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
+                tl.float32, bitcast=True)
+        else:
+            lo = tl.load(src + even, mask=m_even, other=0.0).to(tl.float32)
+            hi = tl.load(src + even + 1, mask=m_odd, other=0.0).to(tl.float32)
+        has_nan = tl.maximum(tl.max((lo != lo).to(tl.int32), axis=0), tl.max((hi != hi).to(tl.int32), axis=0))
+        absmax = tl.maximum(tl.max(tl.abs(lo), axis=0), tl.max(tl.abs(hi), axis=0))
+        absmax = tl.where(has_nan > 0, float("nan"), absmax)
+        scale = absmax / 7.0
+        ok = (scale == scale) & (scale < float("inf")) & (scale > 0)
+        safe = tl.where(ok, scale, 1.0)
+        q_lo = tl.where(ok, tl.minimum(tl.maximum(tl.floor(lo / safe + 0.5), -7.0), 7.0), 0.0)
+        q_hi = tl.where(ok, tl.minimum(tl.maximum(tl.floor(hi / safe + 0.5), -7.0), 7.0), 0.0)
+        # an element past n pads its byte's high nibble with code 0 (stored 8), as the reference does
+        q_hi = tl.where(m_odd, q_hi, 0.0)
+        byte = (q_lo.to(tl.int32) + 8) | ((q_hi.to(tl.int32) + 8) << 4)
+        tl.store(codes + b * (BLOCK // 2) + i.to(tl.int64), byte.to(tl.uint8), mask=m_even)
+        tl.store(scales + b, scale)
+
+    @triton.jit
+    def _dequantize_int4_kernel(codes, scales, dst, n, BLOCK: tl.constexpr, HALF: tl.constexpr,
+                                D_DTYPE: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, HALF)
+        even = b * BLOCK + 2 * i.to(tl.int64)
+        m_even = (i < BLOCK // 2) & (even < n)
+        m_odd = (i < BLOCK // 2) & (even + 1 < n)
+        byte = tl.load(codes + b * (BLOCK // 2) + i.to(tl.int64), mask=m_even, other=136).to(tl.int32)
+        lo = ((byte & 15) - 8).to(tl.float32)
+        hi = ((byte >> 4) - 8).to(tl.float32)
+        s = tl.load(scales + b)
+        finite = (s == s) & (tl.abs(s) < float("inf"))
+        big = 3.4028234663852886e38
+        x_lo = tl.where(finite, tl.minimum(tl.maximum(lo * s, -big), big), float("nan"))
+        x_hi = tl.where(finite, tl.minimum(tl.maximum(hi * s, -big), big), float("nan"))
+        tl.store(dst + even, cast_rne(x_lo, D_DTYPE), mask=m_even)
+        tl.store(dst + even + 1, cast_rne(x_hi, D_DTYPE), mask=m_odd)

@@ -1,4 +1,4 @@
-"""Block-wise wire quantization (`dsfn.ops.quantize`, ZeRO++ qwZ): the Triton int8 kernels
+"""Block-wise wire quantization (`dsfn.ops.quantize`, ZeRO++ qwZ / qgZ): the Triton int8 and int4 kernels
 (run by Triton's CPU interpreter here, TRITON_INTERPRET=1) are bitwise their torch
 references, and the round trip keeps the format's bound: |x - dequantize(quantize(x))| <=
 scale / 2 per element for int8 (scale = the block's absmax / 127), relative 2^-4 for
@@ -93,6 +93,20 @@ def test_fp8_e4m3_keeps_its_relative_bound(n, block, dtype, seed):
     per = s.repeat_interleave(block)[:n]
     bound = torch.maximum(x.abs() * 2**-4, per * 2**-10) * (1 + 2**-20)
     assert bool(((back - x).abs() <= bound).all())
+
+
+@settings(deadline=None, max_examples=10 if ON_CUDA else 15, derandomize=True)
+@given(n=st.integers(1, 400), block=st.sampled_from([2, 8, 64, 256]), dtype=st.sampled_from(sorted(DT)),
+       seed=st.integers(0, 2**16), kind=st.sampled_from(["random", "edges", "zeros"]))
+def test_int4_kernel_is_bitwise_the_reference(device, n, block, dtype, seed, kind):
+    x = _values(n, seed, DT[dtype], kind).to(device)
+    codes, scales = Q.quantize_blockwise(x, block, "int4")
+    ref_codes, ref_scales = Q.quantize_blockwise_torch(x.cpu(), block, "int4")
+    assert torch.equal(codes.cpu(), ref_codes) and torch.equal(scales.cpu(), ref_scales)
+    for out_dtype in (torch.float32, DT[dtype]):
+        got = Q.dequantize_blockwise(codes, scales, block, "int4", out_dtype, numel=n)
+        want = Q.dequantize_blockwise_torch(ref_codes, ref_scales, block, "int4", out_dtype, numel=n)
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
 
 
 @settings(deadline=None, max_examples=25, derandomize=True)
