@@ -481,6 +481,9 @@ def _weight_wire(stage: int, fmt: Any, block: Any) -> Any:
         raise ConfigError(f"shard_zero({stage}, quantize_weights={fmt!r}): only stage 3 gathers weights for the "
                           "compute (stages 1-2 gather the updated parameters into the state, which must stay "
                           "exact); use shard_zero(3, quantize_weights=...)")
+    if fmt not in ("int8", "fp8_e4m3"):
+        raise ConfigError(f"shard_zero(quantize_weights={fmt!r}): weights travel as 'int8' (ZeRO++ qwZ) or "
+                          "'fp8_e4m3'")
     check_format(fmt, block, "shard_zero(quantize_weights=..., quantize_block=...)")
     return WireFormat(fmt, block, block)
 

@@ -36,18 +36,26 @@ def _values(n, seed, dtype, kind):
     return x.to(dtype)
 
 
+def _kernel_matches_reference(x, block, fmt):
+    """The kernels' codes, scales and dequantized values (fp32 and x's dtype) bitwise the
+    references'; returns the reference's codes and scales."""
+    n = x.numel()
+    codes, scales = Q.quantize_blockwise(x, block, fmt)
+    ref_codes, ref_scales = Q.quantize_blockwise_torch(x.cpu(), block, fmt)
+    assert torch.equal(codes.cpu(), ref_codes) and torch.equal(scales.cpu(), ref_scales)
+    for out_dtype in (torch.float32, x.dtype):
+        got = Q.dequantize_blockwise(codes, scales, block, fmt, out_dtype, numel=n)
+        want = Q.dequantize_blockwise_torch(ref_codes, ref_scales, block, fmt, out_dtype, numel=n)
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+    return ref_codes, ref_scales
+
+
 @settings(deadline=None, max_examples=10 if ON_CUDA else 15, derandomize=True)
 @given(n=st.integers(1, 400), block=st.sampled_from([1, 7, 32, 64, 128, 256]), dtype=st.sampled_from(sorted(DT)),
        seed=st.integers(0, 2**16), kind=st.sampled_from(["random", "edges", "zeros"]))
 def test_int8_kernel_is_bitwise_the_reference_and_keeps_half_a_scale(device, n, block, dtype, seed, kind):
     x = _values(n, seed, DT[dtype], kind).to(device)
-    codes, scales = Q.quantize_blockwise(x, block, "int8")
-    ref_codes, ref_scales = Q.quantize_blockwise_torch(x.cpu(), block, "int8")
-    assert torch.equal(codes.cpu(), ref_codes) and torch.equal(scales.cpu(), ref_scales)
-    for out_dtype in (torch.float32, DT[dtype]):
-        got = Q.dequantize_blockwise(codes, scales, block, "int8", out_dtype)
-        want = Q.dequantize_blockwise_torch(ref_codes, ref_scales, block, "int8", out_dtype)
-        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+    ref_codes, ref_scales = _kernel_matches_reference(x, block, "int8")
     back = Q.dequantize_blockwise_torch(ref_codes, ref_scales, block, "int8", torch.float32)
     per = ref_scales.repeat_interleave(block)[:n]
     err = (back - x.cpu().float()).abs()
@@ -99,14 +107,7 @@ def test_fp8_e4m3_keeps_its_relative_bound(n, block, dtype, seed):
 @given(n=st.integers(1, 400), block=st.sampled_from([2, 8, 64, 256]), dtype=st.sampled_from(sorted(DT)),
        seed=st.integers(0, 2**16), kind=st.sampled_from(["random", "edges", "zeros"]))
 def test_int4_kernel_is_bitwise_the_reference(device, n, block, dtype, seed, kind):
-    x = _values(n, seed, DT[dtype], kind).to(device)
-    codes, scales = Q.quantize_blockwise(x, block, "int4")
-    ref_codes, ref_scales = Q.quantize_blockwise_torch(x.cpu(), block, "int4")
-    assert torch.equal(codes.cpu(), ref_codes) and torch.equal(scales.cpu(), ref_scales)
-    for out_dtype in (torch.float32, DT[dtype]):
-        got = Q.dequantize_blockwise(codes, scales, block, "int4", out_dtype, numel=n)
-        want = Q.dequantize_blockwise_torch(ref_codes, ref_scales, block, "int4", out_dtype, numel=n)
-        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+    _kernel_matches_reference(_values(n, seed, DT[dtype], kind).to(device), block, "int4")
 
 
 @settings(deadline=None, max_examples=25, derandomize=True)

@@ -127,8 +127,8 @@ def test_bad_options_are_named_errors():
         shard_zero(2, quantize_weights="int8")
     with pytest.raises(ConfigError, match=r"block size 0 must be a positive integer"):
         shard_zero(3, quantize_weights="int8", quantize_block=0)
-    with pytest.raises(ConfigError, match=r"format 'int3' is not one of"):
-        shard_zero(3, quantize_weights="int3")
+    with pytest.raises(ConfigError, match=r"weights travel as 'int8' \(ZeRO\+\+ qwZ\) or 'fp8_e4m3'"):
+        shard_zero(3, quantize_weights="int4")
     with pytest.raises(ConfigError, match=r"quantize_block=512.*pass quantize_weights="):
         shard_zero(3, quantize_block=512)
     with pytest.raises(ConfigError, match=r"stage 0 all-reduces whole gradients, it has no reduce-scatter"):
