@@ -180,20 +180,20 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
         large neighbour they would round to zero) reduce-scattered exactly, as DeepSpeed's
         qgZ falls back for them. Returns this rank's row of the bucket, in its dtype."""
         from dsfn.runtime.quantized import reduce_scatter_quantized
-        block = self.wire.block
+        whole = self.wire.whole_blocks
         dtype = items[0][1].dtype
         quant = [(k, rows) for k, rows in items if self._dims.get(k, 2) >= 2]
         exact = [(k, rows) for k, rows in items if self._dims.get(k, 2) < 2]
         pieces: dict[Any, torch.Tensor] = {}
         if quant:
             widths = [rows.shape[1] for _, rows in quant]
-            padded = torch.cat([torch.nn.functional.pad(rows, (0, -(-w // block) * block - w))
+            padded = torch.cat([torch.nn.functional.pad(rows, (0, whole(w) - w))
                                 for (_, rows), w in zip(quant, widths)], dim=1)
             row = reduce_scatter_quantized(padded, self.axis, self.wire, self.op, self.hierarchy)
             at = 0
             for (k, _), w in zip(quant, widths):
                 pieces[k] = row[at:at + w]
-                at += -(-w // block) * block
+                at += whole(w)
         if exact:
             bucket = torch.cat([rows for _, rows in exact], dim=1) if len(exact) > 1 else exact[0][1]
             row = C.reduce_scatter(bucket.reshape(-1), self.axis, self.op)

@@ -49,6 +49,11 @@ class WireFormat:
         (fp32, bf16, fp16) and at least `min_numel` elements."""
         return dtype in _FLOATS and full_numel >= self.min_numel
 
+    def whole_blocks(self, numel: int) -> int:
+        """`numel` rounded up to whole blocks: a tensor's padded width, so no block mixes two
+        tensors' (or rows') scales."""
+        return -(-numel // self.block) * self.block
+
     def bytes_per(self, numel: int) -> int:
         """Wire bytes of `numel` quantized elements: one byte each and a 4-byte scale per block."""
         return numel + 4 * math.ceil(numel / self.block)
@@ -94,7 +99,7 @@ def all_gather_quantized_into(outs: Sequence[torch.Tensor], ins: Sequence[torch.
     `outs[i]`: n x ins[i].numel() elements. Every rank of the axis calls it alike."""
     n = current_mesh().size(axis)
     # each piece on blocks of its own (padded to whole blocks): a block never mixes two tensors' scales
-    pad = [-(-t.numel() // wire.block) * wire.block - t.numel() for t in ins]
+    pad = [wire.whole_blocks(t.numel()) - t.numel() for t in ins]
     flat = torch.cat([torch.nn.functional.pad(t.detach().reshape(-1), (0, p)) for t, p in zip(ins, pad)])
     codes, scales = quantize_blockwise(flat, wire.block, wire.fmt)
     all_codes = torch.empty(n * codes.numel(), dtype=torch.uint8, device=codes.device)
@@ -112,7 +117,7 @@ def _quantize_rows(rows: torch.Tensor, wire: WireFormat) -> tuple[torch.Tensor, 
     """[R, W] -> (codes [R, bytes per row], scales [R, blocks per row], W): each row
     quantized on its own (its width padded to whole blocks, so no block spans two rows)."""
     r, w = rows.shape
-    wp = -(-w // wire.block) * wire.block
+    wp = wire.whole_blocks(w)
     flat = torch.nn.functional.pad(rows.float(), (0, wp - w)).reshape(-1)
     codes, scales = quantize_blockwise(flat, wire.block, wire.fmt)
     return codes.view(r, -1), scales.view(r, -1), w

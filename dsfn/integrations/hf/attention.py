@@ -126,13 +126,7 @@ def _documents(ctx: _Context, position_ids: torch.Tensor | None) -> tuple[torch.
     got = ctx.documents.get(id(position_ids))
     if got is not None and got[0] is position_ids:
         return got[1], got[2]
-    from dsfn.runtime import collectives as C
-    from dsfn.runtime.mesh import current_mesh
-    pos = position_ids if position_ids.dim() == 2 else position_ids[None]
-    n = current_mesh().size(ctx.axis)
-    b, c = pos.shape
-    full = C.all_gather(pos.contiguous(), ctx.axis).reshape(n, b, c).permute(1, 0, 2).reshape(b, n * c)
-    full = full.to(position_ids.device)
+    full = _whole_sequence(ctx, position_ids if position_ids.dim() == 2 else position_ids[None])
     docs = document_ids(full)
     if bool((docs[:, -1] == 0).all()):
         full, docs = None, None
