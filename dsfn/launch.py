@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable, Mapping, Sequence
@@ -183,6 +184,21 @@ def _child_main(rank: int, world_size: int, fn: Callable[..., Any], args: tuple,
 
 
 # --------------------------------------------------------------------------- parent
+
+
+def _relay_lines(pipe: Any, sink: Any, lock: threading.Lock) -> None:
+    """Copy one rank's output to `sink` a whole line at a time, so lines printed by
+    several ranks at once never interleave mid-line (an unbuffered child writes each
+    piece of a `print` separately)."""
+    out = getattr(sink, "buffer", None)
+    for line in iter(pipe.readline, b""):
+        with lock:
+            if out is not None:
+                out.write(line)
+            else:
+                sink.write(line.decode(errors="replace"))
+            sink.flush()
+    pipe.close()
 
 
 def _kill(procs: Sequence[Any]) -> None:
@@ -379,12 +395,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmd = [sys.executable] + (["-m"] if ns.module else []) + [ns.script] + list(ns.script_args)
     parent_pid = os.getpid()
     procs: list[subprocess.Popen] = []
+    relays: list[threading.Thread] = []
+    locks = {"stdout": threading.Lock(), "stderr": threading.Lock()}
     code = 0
     try:
         for rank in range(ns.nproc):
-            procs.append(subprocess.Popen(
+            proc = subprocess.Popen(
                 cmd, env={**base, **_rank_env(rank, ns.nproc, store.port)},
-                start_new_session=True, preexec_fn=lambda: _die_with_parent(parent_pid)))
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True, preexec_fn=lambda: _die_with_parent(parent_pid))
+            procs.append(proc)
+            for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+                relay = threading.Thread(target=_relay_lines, args=(pipe, getattr(sys, name), locks[name]),
+                                         daemon=True)
+                relay.start()
+                relays.append(relay)
         deadline = None if ns.timeout is None else time.monotonic() + ns.timeout
         running = set(range(ns.nproc))
         while running:
@@ -416,6 +441,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     proc.kill()
         for proc in procs:
             proc.wait()
+        for relay in relays:
+            # A grandchild that kept the pipe open must not hold the launcher forever.
+            relay.join(timeout=5.0)
         del store
     return code
 

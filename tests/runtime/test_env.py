@@ -172,3 +172,28 @@ def test_rank_before_the_first_step_reads_the_launcher(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert sorted(line for line in r.stdout.splitlines() if line.startswith("RANK")) == \
         ["RANK 0 2 False", "RANK 1 2 False"], r.stdout
+
+
+def test_launched_ranks_lines_never_interleave(tmp_path):
+    """Two ranks writing each line in pieces (as an unbuffered `print` does) reach the
+    launcher's output as whole lines (the CI's flake: 'RANK 1RANK  0 2 False')."""
+    import pathlib
+    import subprocess
+    import sys
+    script = tmp_path / "w.py"
+    # Both ranks wait for each other (a file barrier) so their writes overlap.
+    script.write_text("import os, pathlib, sys, time\n"
+                      "r = os.environ['RANK']\n"
+                      f"here = pathlib.Path({str(tmp_path)!r})\n"
+                      "(here / ('up' + r)).touch()\n"
+                      "while not all((here / f'up{k}').exists() for k in '01'):\n"
+                      "    time.sleep(0.001)\n"
+                      "for i in range(2000):\n"
+                      "    for piece in ('LINE ', r, ' ', str(i), '\\n'):\n"
+                      "        os.write(1, piece.encode())\n")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "dsfn.launch", "--nproc", "2", str(script)], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert sorted(lines) == sorted(f"LINE {rank} {i}" for rank in (0, 1) for i in range(2000))
