@@ -183,7 +183,9 @@ def export_state(state: Any, out: str | os.PathLike, apply_fn: Any = None, dtype
     def logical(x: Any) -> tuple[torch.dtype, tuple[int, ...]]:
         t = x.data if isinstance(x, Placed) else x
         shape = tuple(x.layout.shape) if isinstance(x, Placed) else tuple(t.shape)
-        return (dt if dt is not None and t.is_floating_point() else t.dtype), shape
+        # a frozen weight held quantized (uint8 codes) is written as the dtype it dequantizes to
+        own = getattr(x.layout, "dtype", t.dtype) if isinstance(x, Placed) else t.dtype
+        return (dt if dt is not None and own.is_floating_point else own), shape
     me = current_mesh().rank == rank
     gather = _FlatGatherer([items[n] for n in names])
     final = os.path.join(os.path.abspath(os.fspath(out)), "model.safetensors")

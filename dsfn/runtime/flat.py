@@ -17,7 +17,7 @@ two-stage `hierarchical_all_gather` in `dsfn.runtime.gathers`. This module re-ex
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -294,49 +294,60 @@ class FlatGather:
     def pieces_over(self, axis: str) -> list[torch.Tensor]:
         """This rank's 1/k of every slab along `axis` (size k, dividing each slab: slabs hold
         n * c elements per tensor and k divides the gather's n), copied: ZeRO++ hpZ's
-        secondary shard, kept once the slabs are freed. `regather` rebuilds the slabs from
-        every rank's pieces. After `wait`."""
+        secondary shard, kept once the slabs are freed. A quantized slab's is its gathered
+        codes and scales' 1/k (`_Dequantizing.codes_over`: held quantized, and backward gets
+        bitwise the forward's weights). `regather` rebuilds the slabs from every rank's
+        pieces. After `wait`."""
         m = current_mesh()
         k, me = m.size(axis), m.local_rank(axis)
-        return [s.view(k, -1)[me].clone() for s in self.slabs]
+        return [self._dequant[j].codes_over(axis) if j in self._dequant else s.view(k, -1)[me].clone()
+                for j, s in enumerate(self.slabs)]
 
     def regather(self, pieces: list[torch.Tensor], axis: str, pool: Any) -> "FlatGather":
         """Start gathering this gather's slabs again, into buffers from `pool` (a UnitStorage:
         the same storages), from `pieces_over(axis)` of every rank along `axis`; the views
         are laid out as here. One all-gather per slab, each over `axis` only."""
         slabs, pendings = [], []
-        for k, piece in enumerate(pieces):
-            buf = pool.take(piece.numel() * current_mesh().size(axis), piece.dtype, piece.device)
-            version = buf._version
-            if k in self.quantized_slabs:        # qwZ's secondary gathers are quantized too
-                from dsfn.runtime.quantized import all_gather_quantized_into
-                pendings.append(all_gather_quantized_into([buf], [piece], axis, self.wire))
+        for j, piece in enumerate(pieces):
+            like = self._dequant.get(j)
+            if like is not None:             # qwZ: the forward's codes, dequantized again
+                buf = pool.take(self._slab_numel[j], self._slab_dtype[j], piece.device)
+                version = buf._version
+                pendings.append(like.regather_quantized(buf, piece, axis))
             else:
+                buf = pool.take(piece.numel() * current_mesh().size(axis), piece.dtype, piece.device)
+                version = buf._version
                 pendings.append(C.all_gather_into_([buf], [piece], axis, async_op=True))
             torch._C._autograd._unsafe_set_version_counter((buf,), (version,))
             slabs.append(buf)
         g = FlatGather(self._spec, slabs, pendings)
         g._inputs = pieces            # alive until the gathers complete
-        g.wire, g.quantized_slabs = self.wire, self.quantized_slabs
         return g
 
     def release(self, pool: BufferPool | None) -> None:
         """Give the buffers back to `pool` (after `wait`; the views must be dropped by now)."""
         for p in self._pendings:
             p.wait()
+        for d in self._dequant.values():      # codes kept for `pieces_over` go with the slabs
+            d.drop_codes()
         slabs, self.slabs, self._pendings = self.slabs, [], []
         if pool is not None and not self._own:
             for s in slabs:
                 pool.give(s)
 
     _own = False      # True when the slabs are the caller's shards (size-1 axis): never pooled
-    wire: Any = None                    # the quantized wire format of the slabs in `quantized_slabs`
-    quantized_slabs: frozenset = frozenset()
+    # quantized slabs (qwZ): slab index -> its `_Dequantizing` (kept for hpZ's secondary codes),
+    # and each slab's element count and dtype
+    _dequant: dict = {}
+    _slab_numel: list = []
+    _slab_dtype: list = []
 
 
 def gather_into_buffers(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]], axis: str,
                         bucket_elems: int, pool: BufferPool | None = None,
-                        hierarchy: tuple[str, str] | None = None, wire: Any = None) -> FlatGather:
+                        hierarchy: tuple[str, str] | None = None, wire: Any = None,
+                        packed: Mapping[int, tuple[Any, torch.dtype]] | None = None,
+                        keep_codes: bool = False) -> FlatGather:
     """Start all-gathering full tensors of `shapes` from every rank's `shards` (FlatShard
     pieces), each directly into its place in a flat buffer (see `FlatGather`), taken from
     `pool` when one is given. Shards are grouped by (dtype, device) and packed into buckets
@@ -355,59 +366,73 @@ def gather_into_buffers(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[i
     (floating, at least its `min_numel` elements) go in buckets of their own, gathered as
     block-wise codes and scales and dequantized into the buffer (`all_gather_quantized_into`);
     the others as they are. Not with `hierarchy` (those gathers stay unquantized).
+    `packed` (index -> (its WireFormat, the logical dtype)): shards held quantized (ZeRO++'s
+    frozen weights: `WireFormat.pack`ed pieces of ceil(numel / n) elements), gathered as
+    their codes and scales whatever `wire` and `hierarchy` say. `keep_codes`: the quantized
+    slabs keep their gathered codes until `release` (hpZ's secondary shard is cut from them).
     """
     n = current_mesh().size(axis)
+    packed = packed or {}
     shards = [s.detach() for s in shards]      # collectives write outside autograd
+    # per shard: (its logical dtype, its elements on this rank, its wire format or None)
+    dtypes = [packed[i][1] if i in packed else s.dtype for i, s in enumerate(shards)]
+    sizes = [-(-math.prod(shape) // n) if i in packed else s.numel() for i, (s, shape) in enumerate(zip(shards, shapes))]
     if n == 1:
-        g = FlatGather([(i, 0, tuple(shape)) for i, shape in enumerate(shapes)],
-                       [s.reshape(-1) for s in shards], [])
+        whole = [packed[i][0].unpack(s, sizes[i], dtypes[i]) if i in packed else s.reshape(-1)
+                 for i, s in enumerate(shards)]
+        g = FlatGather([(i, 0, tuple(shape)) for i, shape in enumerate(shapes)], whole, [])
         g._own = True
         return g
+    formats = [packed[i][0] if i in packed else
+               wire if wire is not None and hierarchy is None and wire.quantizes(s.dtype, math.prod(shape)) else None
+               for i, (s, shape) in enumerate(zip(shards, shapes))]
     views: list[tuple[int, int, tuple[int, ...]] | None] = [None] * len(shards)
-    slabs, pendings, quantized_slabs = [], [], []
-    quantized = [wire is not None and hierarchy is None and wire.quantizes(s.dtype, math.prod(shape))
-                 for s, shape in zip(shards, shapes)]
-    groups = [(str(s.dtype), str(s.device), q) for s, q in zip(shards, quantized)]
+    slabs, pendings, dequant, slab_numel, slab_dtype = [], [], {}, [], []
+    groups = [(str(dtypes[i]), str(s.device), repr(formats[i]), i in packed) for i, s in enumerate(shards)]
     order = sorted(range(len(shards)), key=groups.__getitem__)  # stable
     bucket: list[int] = []
 
     def flush() -> None:
         if not bucket:
             return
-        s0 = shards[bucket[0]]
+        i0 = bucket[0]
+        numel = n * sum(sizes[i] for i in bucket)
         buf = (pool.take if pool is not None else
                lambda numel, dtype, device: torch.empty(numel, dtype=dtype, device=device))(
-            n * sum(shards[i].numel() for i in bucket), s0.dtype, s0.device)
+            numel, dtypes[i0], shards[i0].device)
         outs, at = [], 0
         for i in bucket:
-            size = n * shards[i].numel()
+            size = n * sizes[i]
             outs.append(buf[at:at + size])
             views[i] = (len(slabs), at, tuple(shapes[i]))
             at += size
         version = buf._version
         ins = [shards[i] for i in bucket]
-        if quantized[bucket[0]]:
+        if formats[i0] is not None:
             from dsfn.runtime.quantized import all_gather_quantized_into
-            pendings.append(all_gather_quantized_into(outs, ins, axis, wire))
-            quantized_slabs.append(len(slabs))
+            pending = all_gather_quantized_into(outs, ins, axis, formats[i0], packed=i0 in packed,
+                                                keep_codes=keep_codes)
+            dequant[len(slabs)] = pending
+            pendings.append(pending)
         else:
             pendings.append(C.all_gather_into_(outs, ins, axis, async_op=True) if hierarchy is None
                             else hierarchical_all_gather(outs, ins, *hierarchy))
         torch._C._autograd._unsafe_set_version_counter((buf,), (version,))
         slabs.append(buf)
+        slab_numel.append(numel)
+        slab_dtype.append(dtypes[i0])
         bucket.clear()
 
     used = 0
     for i in order:
-        s = shards[i]
-        if bucket and (groups[i] != groups[bucket[0]] or used + s.numel() > bucket_elems):
+        if bucket and (groups[i] != groups[bucket[0]] or used + sizes[i] > bucket_elems):
             flush()
             used = 0
         bucket.append(i)
-        used += s.numel()
+        used += sizes[i]
     flush()
     g = FlatGather(views, slabs, pendings)  # type: ignore[arg-type]
-    g.wire, g.quantized_slabs = wire, frozenset(quantized_slabs)
+    g._dequant, g._slab_numel, g._slab_dtype = dequant, slab_numel, slab_dtype
     return g
 
 

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from dsfn.errors import ConfigError
+from dsfn.errors import ConfigError, ShapeError
 from dsfn.ops.quantize import check_format, dequantize_blockwise, quantize_blockwise
 from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
@@ -58,15 +58,56 @@ class WireFormat:
         """Wire bytes of `numel` quantized elements: one byte each and a 4-byte scale per block."""
         return numel + 4 * math.ceil(numel / self.block)
 
+    # -- a piece stored quantized (ZeRO++'s frozen weights, hpZ's secondary codes): one uint8
+    # tensor, the codes of the piece padded to whole blocks, then its fp32 scales' bytes
+    def code_bytes(self, numel: int) -> int:
+        """Bytes of the codes of `numel` elements padded to whole blocks (int4: two a byte)."""
+        padded = self.whole_blocks(numel)
+        return padded // 2 if self.fmt == "int4" else padded
+
+    def packed_bytes(self, numel: int) -> int:
+        """Bytes of `pack`'s tensor for `numel` elements: the codes and 4 per block's scale."""
+        return self.code_bytes(numel) + 4 * (self.whole_blocks(numel) // self.block)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` (flattened) -> one uint8 tensor of `packed_bytes(x.numel())`: its codes, padded
+        to whole blocks, then its scales (`unpack` inverts it up to the format's error)."""
+        flat = torch.nn.functional.pad(x.detach().reshape(-1), (0, self.whole_blocks(x.numel()) - x.numel()))
+        codes, scales = quantize_blockwise(flat, self.block, self.fmt)
+        return torch.cat([codes, scales.view(torch.uint8)])
+
+    def split(self, packed: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`pack`'s tensor of `numel` elements -> (codes, scales): views, no copy."""
+        cb = self.code_bytes(numel)
+        if packed.dtype != torch.uint8 or packed.numel() != self.packed_bytes(numel):
+            raise ShapeError(f"a {self.fmt} piece of {numel} elements packs into {self.packed_bytes(numel)} uint8 "
+                             f"bytes; got {packed.numel()} {packed.dtype}")
+        return packed[:cb], packed[cb:].view(torch.float32)
+
+    def unpack(self, packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The values `pack` stored: `numel` elements of `dtype`."""
+        codes, scales = self.split(packed, numel)
+        return dequantize_blockwise(codes, scales, self.block, self.fmt, dtype,
+                                    numel=self.whole_blocks(numel))[:numel]
+
 
 class _Dequantizing:
     """The pending quantized gather: `wait()` waits for the codes and scales, then writes
-    every rank's dequantized piece into the outputs."""
+    every rank's dequantized piece into the outputs. With `keep_codes` the gathered codes and
+    scales outlive `wait` (until `drop_codes`), for hpZ's secondary shard (`codes_over`)."""
 
-    def __init__(self, works: list, codes: torch.Tensor, scales: torch.Tensor, outs: Sequence[torch.Tensor],
-                 sizes: list[int], n: int, wire: WireFormat, inputs: tuple, pad: list[int]):
+    def __init__(self, works: list, codes: torch.Tensor | None, scales: torch.Tensor | None,
+                 outs: Sequence[torch.Tensor], sizes: list[int], n: int, wire: WireFormat, inputs: tuple,
+                 pad: list[int], keep_codes: bool = False, rows: tuple | None = None):
         self._works, self._codes, self._scales, self._outs = works, codes, scales, list(outs)
         self._sizes, self._n, self._wire, self._inputs, self._pad = sizes, n, wire, inputs, pad
+        self._keep = keep_codes
+        self._rows = rows        # a regather's (gathered packed rows [k, L], code bytes per row)
+
+    @property
+    def _total(self) -> int:
+        """Elements per rank on the wire: every piece padded to whole blocks."""
+        return sum(self._sizes) + sum(self._pad)
 
     def wait(self) -> None:
         if self._works is None:
@@ -75,38 +116,81 @@ class _Dequantizing:
             if w is not None:
                 w.wait()
         self._works = None
-        total = sum(self._sizes) + sum(self._pad)
+        if self._rows is not None:           # a regather: each row is codes then scales
+            rows, cb = self._rows
+            self._codes = rows[:, :cb].reshape(-1)
+            self._scales = rows[:, cb:].contiguous().view(torch.float32).reshape(-1)
+            self._rows = None
+        total = self._total
         nb, w = total // self._wire.block, self._wire
         dtype = self._outs[0].dtype
-        codes = self._codes.view(self._n, total)
+        codes = self._codes.view(self._n, -1)
         scales = self._scales.view(self._n, nb)
         # the outputs' version counters stay as they were: a buffer refilled with the same
         # weights (ZeRO-3's backward re-gather) leaves the views autograd saved valid
         versions = [o._version for o in self._outs]
         for r in range(self._n):
-            part = dequantize_blockwise(codes[r], scales[r], w.block, w.fmt, dtype)
+            part = dequantize_blockwise(codes[r], scales[r], w.block, w.fmt, dtype, numel=total)
             at = 0
             for out, c, p in zip(self._outs, self._sizes, self._pad):
                 out.view(self._n, c)[r].copy_(part[at:at + c])
                 at += c + p
         torch._C._autograd._unsafe_set_version_counter(tuple(self._outs), tuple(versions))
-        self._codes = self._scales = self._inputs = None
+        self._inputs = None
+        if not self._keep:
+            self.drop_codes()
+
+    def drop_codes(self) -> None:
+        self._codes = self._scales = None
+
+    def codes_over(self, axis: str) -> torch.Tensor:
+        """hpZ's secondary shard held quantized: this rank's 1/k (k = the size of `axis`,
+        dividing the gather's n) of the gathered codes and scales, copied into one uint8
+        tensor (codes, then the scales' bytes). `regather_quantized` rebuilds from every
+        rank's the exact codes this gather received, so backward sees bitwise the forward's
+        weights, and the shard costs a byte an element. After `wait`, with `keep_codes`."""
+        m = current_mesh()
+        k, me = m.size(axis), m.local_rank(axis)
+        codes, scales = self._codes.view(k, -1)[me], self._scales.view(k, -1)[me]
+        return torch.cat([codes, scales.view(torch.uint8)])
+
+    def regather_quantized(self, buf: torch.Tensor, piece: torch.Tensor, axis: str) -> "_Dequantizing":
+        """Start gathering every rank's `codes_over(axis)` (`piece`, this rank's) over `axis`
+        and dequantize them into `buf` (laid out as this gather's outputs, back to back)."""
+        k = current_mesh().size(axis)
+        rows = torch.empty(k * piece.numel(), dtype=torch.uint8, device=piece.device)
+        work = C.all_gather_into_([rows], [piece], axis, async_op=True)
+        outs, at = [], 0
+        for c in self._sizes:
+            outs.append(buf[at:at + self._n * c])
+            at += self._n * c
+        cb = self._n // k * self._wire.code_bytes(self._total)
+        return _Dequantizing([work], None, None, outs, self._sizes, self._n, self._wire, (piece,), self._pad,
+                             rows=(rows.view(k, -1), cb))
 
 
 def all_gather_quantized_into(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], axis: str,
-                              wire: WireFormat) -> _Dequantizing:
+                              wire: WireFormat, packed: bool = False, keep_codes: bool = False) -> _Dequantizing:
     """See the module docstring. `ins`: this rank's pieces (one dtype: the outputs'),
-    `outs[i]`: n x ins[i].numel() elements. Every rank of the axis calls it alike."""
+    `outs[i]`: n x ins[i].numel() elements. With `packed`, each of `ins` is already a
+    `wire.pack`ed piece of outs[i].numel() / n elements (frozen weights held quantized): its
+    codes and scales go on the wire as they are. Every rank of the axis calls it alike."""
     n = current_mesh().size(axis)
+    sizes = [o.numel() // n for o in outs]
     # each piece on blocks of its own (padded to whole blocks): a block never mixes two tensors' scales
-    pad = [wire.whole_blocks(t.numel()) - t.numel() for t in ins]
-    flat = torch.cat([torch.nn.functional.pad(t.detach().reshape(-1), (0, p)) for t, p in zip(ins, pad)])
-    codes, scales = quantize_blockwise(flat, wire.block, wire.fmt)
+    pad = [wire.whole_blocks(c) - c for c in sizes]
+    if packed:
+        parts = [wire.split(t, c) for t, c in zip(ins, sizes)]
+        codes = torch.cat([c for c, _ in parts])
+        scales = torch.cat([sc for _, sc in parts])
+    else:
+        flat = torch.cat([torch.nn.functional.pad(t.detach().reshape(-1), (0, p)) for t, p in zip(ins, pad)])
+        codes, scales = quantize_blockwise(flat, wire.block, wire.fmt)
     all_codes = torch.empty(n * codes.numel(), dtype=torch.uint8, device=codes.device)
     all_scales = torch.empty(n * scales.numel(), dtype=torch.float32, device=scales.device)
     works = [C.all_gather_into_([all_codes], [codes], axis, async_op=True),
              C.all_gather_into_([all_scales], [scales], axis, async_op=True)]
-    return _Dequantizing(works, all_codes, all_scales, outs, [t.numel() for t in ins], n, wire, (codes, scales), pad)
+    return _Dequantizing(works, all_codes, all_scales, outs, sizes, n, wire, (codes, scales), pad, keep_codes)
 
 
 # ---------------------------------------------------------------------------------------------

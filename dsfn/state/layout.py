@@ -47,7 +47,7 @@ GroupDimShard, StageOwned); the rules over placed leaves and trees (place, gathe
 map_with_mirrors, stage_split, ...) in `dsfn.state.placement`. This module re-exports them.
 """
 from dsfn.placed import Placed, is_placed  # noqa: F401  (re-exported: the leaf these layouts describe)
-from dsfn.state.layout_base import Layout, MeshCoords, Nested, Offloaded, Replicated  # noqa: F401
+from dsfn.state.layout_base import Layout, MeshCoords, Nested, Offloaded, Quantized, Replicated  # noqa: F401
 from dsfn.state.placement import (data, gather_tree, inner_view, layout_of, leaf_records,  # noqa: F401
                                   map_with_mirrors, mirrored_param, place, place_tree, shard_further,
                                   held_copies, stage_piece_shape, stage_split, sum_held_copies, unplace)

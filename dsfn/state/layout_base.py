@@ -170,6 +170,57 @@ class Offloaded(Layout):
 
 
 @dataclass(frozen=True)
+class Quantized(Layout):
+    """`inner`'s piece (1-D: a FlatShard's) stored block-wise quantized: one uint8 tensor, the
+    piece's codes padded to whole blocks of `block`, then its fp32 scales
+    (`dsfn.runtime.quantized.WireFormat.pack`); `dtype` is the logical dtype it dequantizes
+    to. ZeRO++'s frozen weights held quantized (`shard_zero(3, quantize_frozen=...)`): lossy
+    by design, so only constants use it, never state: `runs` refuses (no checkpoint reads
+    or writes such a piece)."""
+    inner: Layout
+    fmt: str = "int8"
+    block: int = 2048
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.inner.shape
+
+    @property
+    def wire(self) -> Any:
+        from dsfn.runtime.quantized import WireFormat
+        return WireFormat(self.fmt, self.block, 0)
+
+    def piece_numel(self, mesh=None) -> int:
+        return math.prod(self.inner.local_shape(mesh))
+
+    def local_shape(self, mesh=None):
+        return (self.wire.packed_bytes(self.piece_numel(mesh)),)
+
+    def shard(self, full, mesh=None):
+        return self.wire.pack(self.inner.shard(full, mesh))
+
+    def dequantized(self, local, mesh=None) -> torch.Tensor:
+        """This rank's inner piece, dequantized (no communication)."""
+        return self.wire.unpack(local, self.piece_numel(mesh), self.dtype).view(self.inner.local_shape(mesh))
+
+    def unshard(self, local, mesh=None):
+        return self.inner.unshard(self.dequantized(local, mesh), mesh)
+
+    def runs(self, mesh=None):
+        from dsfn.errors import LayoutError
+        raise LayoutError("a piece held quantized (shard_zero(3, quantize_frozen=...): a frozen weight) is not "
+                          "state: no checkpoint saves or loads it; export the model with "
+                          "dsfn.checkpoint.export_state(state, out, apply_fn=...) (it dequantizes)")
+
+    def axes(self):
+        return self.inner.axes()
+
+    def duplicate(self, mesh=None):
+        return self.inner.duplicate(mesh)
+
+
+@dataclass(frozen=True)
 class MeshCoords:
     """A mesh stand-in with given axis sizes and this rank's coordinates, for computing
     another rank's `runs` (e.g. a saved rank's, when loading a checkpoint)."""

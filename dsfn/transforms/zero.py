@@ -121,7 +121,8 @@ class ShardZero(Transform):
                  units: Sequence[str] | None = None, prefetch: int = 1, split_batch: bool = True,
                  shard_group: int | str | None = None, hpz: int | str | None = None, cross_node: bool = False,
                  hierarchical_gather: bool = False, quantize_weights: str | None = None,
-                 quantize_block: int = 2048, quantize_grads: str | None = None, quantize_grads_block: int = 64):
+                 quantize_block: int = 2048, quantize_grads: str | None = None, quantize_grads_block: int = 64,
+                 quantize_frozen: str | None = None):
         if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
             raise ConfigError(f"shard_zero(stage={stage!r}): stage must be 0, 1, 2 or 3 "
                               "(0 = plain data parallel, 1 = + optimizer state, 2 = + gradients, 3 = + parameters)")
@@ -150,7 +151,8 @@ class ShardZero(Transform):
         self.prefetch = prefetch
         self.shard_group, self.hpz, self.cross_node = shard_group, hpz, bool(cross_node)
         self.hierarchical_gather = hierarchical_gather
-        self.wire = _weight_wire(stage, quantize_weights, quantize_block)
+        self.wire = _weight_wire(stage, quantize_weights, quantize_block, quantize_frozen is not None)
+        self.frozen_wire = _frozen_wire(stage, quantize_frozen, quantize_block)
         self.grad_wire = _grad_wire(stage, quantize_grads, quantize_grads_block)
         # the stage's engine (none at stage 0: data parallel's replicas do everything)
         self._engine = _engine_for(self)
@@ -394,7 +396,8 @@ def _engine_for(zero: ShardZero) -> Any:
         return None
     options = ZeroOptions(zero.axis, zero.stage, zero.reduce_bucket_size, zero.allgather_bucket_size,
                           zero.param_persistence_threshold, zero.units, zero.prefetch, zero.shard_group,
-                          zero.cross_node, zero.hpz, zero.hierarchical_gather, zero.wire, zero.grad_wire)
+                          zero.cross_node, zero.hpz, zero.hierarchical_gather, zero.wire, zero.grad_wire,
+                          zero.frozen_wire)
     return Stage12(options) if zero.stage in (1, 2) else Stage3(options)
 
 
@@ -402,17 +405,28 @@ def shard_zero(*args: Any, **kwargs: Any) -> ShardZero:
     """`shard_zero(stage, axis="dp", reduce_bucket_size=4e6, allgather_bucket_size=5e7,
     param_persistence_threshold=0, units=None, prefetch=1, split_batch=True,
     shard_group=None, hpz=None, cross_node=False, hierarchical_gather=False,
-    quantize_weights=None, quantize_block=2048, quantize_grads=None, quantize_grads_block=64)`.
+    quantize_weights=None, quantize_block=2048, quantize_grads=None, quantize_grads_block=64,
+    quantize_frozen=None)`.
 
     ZeRO++ qwZ (stage 3): `quantize_weights="int8"` (or "fp8_e4m3") gathers the weights for
     the compute as block-wise symmetric codes with one fp32 scale per `quantize_block`
     elements (`dsfn.ops.quantize`), dequantized into the gathered unit: a quarter of the bytes
-    from fp32, half from bf16, + 4 / quantize_block per element of scales; hpZ's secondary
-    re-gathers too. Tensors of fewer than `quantize_block` elements (norms, biases) and
+    from fp32, half from bf16, + 4 / quantize_block per element of scales. Under hpZ the
+    secondary shard keeps the forward's codes and scales (a byte an element), so backward's
+    re-gather sends codes too and rebuilds bitwise the forward's weights. Tensors of fewer than `quantize_block` elements (norms, biases) and
     non-floating ones travel as they are; so do MiCS's hierarchical gathers. The shards, the
     master weights, the optimizer state and checkpoints never hold quantized values: only the
     gathered compute copy is lossy (int8: within half a block's scale, absmax / 254, per
     element).
+
+    ZeRO++'s quantized nontrainable weights (stage 3): `quantize_frozen="int8"` (or
+    "fp8_e4m3") holds each frozen parameter's shard (a LoRA base) quantized, once, at the
+    first step: its codes and scales (a `Quantized` layout; a byte an element, + 4 /
+    quantize_block), gathered as they are and dequantized into the unit in the compute
+    dtype, so a frozen base costs a quarter (fp32) or half (bf16) of its shard's memory and
+    wire. The same size rule as qwZ; independent of `quantize_weights`. Lossy by design:
+    the held weights are the quantized ones from then on (`export_state` writes them
+    dequantized); trainable state is never quantized.
 
     ZeRO++ qgZ (stages 1-3): `quantize_grads="int4"` (or "int8") replaces each gradient
     bucket's reduce-scatter by block-wise quantized all-to-alls (one fp32 scale per
@@ -468,12 +482,13 @@ def _check_group_spec(key: str, v: Any) -> None:
                           "ranks of one node, from the launcher's topology)")
 
 
-def _weight_wire(stage: int, fmt: Any, block: Any) -> Any:
-    """qwZ's wire format (None: exact gathers); ConfigErrors for what cannot be quantized."""
+def _weight_wire(stage: int, fmt: Any, block: Any, frozen: bool = False) -> Any:
+    """qwZ's wire format (None: exact gathers); ConfigErrors for what cannot be quantized.
+    `frozen`: quantize_frozen is given (it reads `quantize_block` too)."""
     from dsfn.ops.quantize import check_format
     from dsfn.runtime.quantized import WireFormat
     if fmt is None:
-        if block != 2048:
+        if block != 2048 and not frozen:
             raise ConfigError(f"shard_zero(quantize_block={block!r}) sizes quantized weight gathers; pass "
                               "quantize_weights='int8' (or 'fp8_e4m3') too, or drop it")
         return None
@@ -485,6 +500,22 @@ def _weight_wire(stage: int, fmt: Any, block: Any) -> Any:
         raise ConfigError(f"shard_zero(quantize_weights={fmt!r}): weights travel as 'int8' (ZeRO++ qwZ) or "
                           "'fp8_e4m3'")
     check_format(fmt, block, "shard_zero(quantize_weights=..., quantize_block=...)")
+    return WireFormat(fmt, block, block)
+
+
+def _frozen_wire(stage: int, fmt: Any, block: Any) -> Any:
+    """The format frozen weights are held in (None: as they are); ConfigErrors as qwZ's."""
+    from dsfn.ops.quantize import check_format
+    from dsfn.runtime.quantized import WireFormat
+    if fmt is None:
+        return None
+    if stage != 3:
+        raise ConfigError(f"shard_zero({stage}, quantize_frozen={fmt!r}): only stage 3 stores frozen weights as "
+                          "shards it gathers for the compute; use shard_zero(3, quantize_frozen=...)")
+    if fmt not in ("int8", "fp8_e4m3"):
+        raise ConfigError(f"shard_zero(quantize_frozen={fmt!r}): frozen weights are held as 'int8' (ZeRO++'s "
+                          "zero_quantized_nontrainable_weights) or 'fp8_e4m3'")
+    check_format(fmt, block, "shard_zero(quantize_frozen=..., quantize_block=...)")
     return WireFormat(fmt, block, block)
 
 

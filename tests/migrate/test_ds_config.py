@@ -242,8 +242,8 @@ def test_unsupported_keys_are_listed_in_one_error():
         "optimizer state; use 1.0\n"
         "  - zero_optimization.zero_hpz_partition_size: DeepSpeed reads it only at ZeRO stage 3; set stage 3 (then "
         "it is shard_zero(3, hpz=2)), or remove it\n"
-        "  - zero_optimization.zero_quantized_gradients: ZeRO++ quantized communication (only "
-        "zero_quantized_weights, qwZ, is built)\n"
+        "  - zero_optimization.zero_quantized_gradients: DeepSpeed quantizes ZeRO-3's gradient reduce-scatter; set "
+        "stage 3 (then it is shard_zero(3, quantize_grads='int4')), or remove it\n"
         "  - amp: use bf16/fp16 (dsfn's mixed_precision) instead\n"
         "  - gradient_allreduce_op: 'sum': dsfn averages gradients over data parallel (DeepSpeed's 'mean')")
     # negative control: without those keys the same config is accepted

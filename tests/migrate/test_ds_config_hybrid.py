@@ -75,7 +75,12 @@ def test_keys_map_to_shard_zero_options(zero, expected):
     ({**BASE, "zero_optimization": {"stage": 2, "zero_quantized_weights": True}},
      r"zero_quantized_weights: DeepSpeed quantizes ZeRO-3's weight gathers; set stage 3 \(then it is "
      r"shard_zero\(3, quantize_weights='int8'\)\)"),
-    (_cfg(zero_quantized_gradients=True), r"zero_quantized_gradients: ZeRO\+\+ quantized communication"),
+    ({**BASE, "zero_optimization": {"stage": 2, "zero_quantized_gradients": True}},
+     r"zero_quantized_gradients: DeepSpeed quantizes ZeRO-3's gradient reduce-scatter; set stage 3 \(then it is "
+     r"shard_zero\(3, quantize_grads='int4'\)\)"),
+    ({**BASE, "zero_optimization": {"stage": 1, "zero_quantized_nontrainable_weights": True}},
+     r"zero_quantized_nontrainable_weights: DeepSpeed quantizes ZeRO-3's frozen weight shards; set stage 3"),
+    (_cfg(zero_quantized_gradients="yes"), r"zero_quantized_gradients='yes': expected true or false"),
     (_cfg(mics_shard_size="2"), r"mics_shard_size='2': expected a whole number"),
 ])
 def test_refusals_are_config_errors_naming_the_key_and_the_fix(cfg, match):
@@ -83,10 +88,16 @@ def test_refusals_are_config_errors_naming_the_key_and_the_fix(cfg, match):
         _zero(cfg)
 
 
-def test_zero_quantized_weights_maps_to_qwz():
-    """DeepSpeed's qwZ key is shard_zero(3, quantize_weights="int8"); false leaves it off."""
-    assert _zero(_cfg(zero_quantized_weights=True)).wire.fmt == "int8"
-    assert _zero(_cfg(zero_quantized_weights=False)).wire is None
+@pytest.mark.parametrize("key,attr,fmt", [("zero_quantized_weights", "wire", "int8"),
+                                          ("zero_quantized_gradients", "grad_wire", "int4"),
+                                          ("zero_quantized_nontrainable_weights", "frozen_wire", "int8")])
+def test_zero_quantized_keys_map_to_zeropp_options(key, attr, fmt):
+    """DeepSpeed's ZeRO++ keys are shard_zero(3, quantize_weights / quantize_grads /
+    quantize_frozen); false leaves them off, and each turns on only its own."""
+    on = _zero(_cfg(**{key: True}))
+    assert getattr(on, attr).fmt == fmt
+    assert [a for a in ("wire", "grad_wire", "frozen_wire") if getattr(on, a) is not None] == [attr]
+    assert getattr(_zero(_cfg(**{key: False})), attr) is None
 
 
 def test_hierarchical_gather_maps_to_the_two_stage_gather():

@@ -261,3 +261,127 @@ def test_frozen_base_split_by_tp_plan(mesh, zero):
         assert torch.allclose(torch.tensor(res["losses"]), torch.tensor(ref_losses), **FP32)
         assert_trees_close(res["params"], ref.params, **FP32)
         assert_trees_close(res["opt"], ref.opt_state, **FP32)
+
+
+# -- held quantized: shard_zero(3, quantize_frozen=...) (DeepSpeed's zero_quantized_nontrainable_weights) --
+BLOCK = 64
+
+
+def _train_held(kw, mesh, base=None, mp=False):
+    """Train the LoRA model under shard_zero(3, **kw); `base`: name -> values to give its
+    frozen weights first. Returns the losses, the held frozen constants (as each rank stores
+    them, and dequantized whole), the all-gather bytes, the adapters after training and the
+    explain rows of the constants."""
+    from dsfn.runtime import counters
+    from dsfn.state.layout import unplace
+    init_mesh(**mesh)
+    model = LoRAModel()
+    if base is not None:
+        with torch.no_grad():
+            for n, v in base.items():
+                model.get_parameter(n).copy_(v)
+    original = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    apply_fn, params = dsfn.functionalize(model)
+    stack = [shard_zero(3, **kw)] + ([mixed_precision(torch.bfloat16)] if mp else [])
+    step = dsfn.compose(*stack)(train_step_for(apply_fn, mse_loss))
+    state = step.place(dsfn.TrainState.create(params, dsfn.optim.sgd(lr=0.1, momentum=0.9)))
+    counters.reset()
+    C.reset_gauges()
+    losses = []
+    for b in BATCHES:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    sent = counters.bytes(op="all_gather")
+    frozen = {n: apply_fn.constants[n] for n in apply_fn.frozen}
+    stored = {n: (type(x.layout).__name__, x.data.dtype, x.data.numel() * x.data.element_size()) for n, x in frozen.items()}
+    whole = {n: unplace(x).clone() for n, x in frozen.items()}
+    ex = step.explain(state, BATCHES[0])
+    rows = {p[len("constants."):]: nbytes for p, _, _, _, nbytes in ex.leaves if p.startswith("constants.")}
+    return dict(losses=losses, stored=stored, whole=whole, original=original, sent=sent,
+                params={k: v.clone() for k, v in step.gather(state).params.items()}, explain=rows,
+                secondary=C.gauge_max.get("zero3.secondary_bytes"))
+
+
+def test_frozen_weights_held_quantized_train_as_the_model_with_that_base():
+    """dp2, quantize_frozen="int8": each large frozen shard is stored once as its codes and
+    scales (uint8, a byte an element + 4 / block), the small ones (biases) as they are; what
+    the units compute with is exactly that held base: the run equals, bitwise, an exact
+    shard_zero(3) run of the model whose frozen weights are the dequantized ones. The held
+    base is within absmax / 254 of the original (int8), not equal to it; the gathers send
+    fewer bytes; explain counts the bytes held."""
+    from dsfn.runtime.quantized import WireFormat
+    wire = WireFormat("int8", BLOCK, BLOCK)
+    exact = run_on_ranks(_train_held, 2, {}, {"dp": 2}, timeout=120)
+    got = run_on_ranks(_train_held, 2, {"quantize_frozen": "int8", "quantize_block": BLOCK}, {"dp": 2}, timeout=120)
+    same = run_on_ranks(_train_held, 2, {}, {"dp": 2}, got[0]["whole"], timeout=120)
+    for r in range(2):
+        q = got[r]
+        for n, (kind, dtype, nbytes) in q["stored"].items():
+            numel = LoRAModel().get_parameter(n).numel()
+            if numel >= BLOCK:
+                assert (kind, dtype, nbytes) == ("Quantized", torch.uint8, wire.packed_bytes(math.ceil(numel / 2))), n
+                err = (q["whole"][n] - q["original"][n]).abs().max()
+                assert 0 < err <= q["original"][n].abs().max() / 254 * (1 + 1e-6), (n, err)
+            else:
+                assert (kind, nbytes) == ("FlatShard", 4 * math.ceil(numel / 2)), n
+                assert torch.equal(q["whole"][n], q["original"][n]), n
+            assert q["explain"][n] == nbytes, (n, q["explain"][n], nbytes)
+        assert q["losses"] == same[r]["losses"]
+        for k in q["params"]:
+            assert torch.equal(q["params"][k], same[r]["params"][k]), k
+        assert q["losses"] != exact[r]["losses"]
+        torch.testing.assert_close(torch.tensor(q["losses"]), torch.tensor(exact[r]["losses"]), rtol=1e-3, atol=0)
+        assert q["sent"] < 0.75 * exact[r]["sent"], (q["sent"], exact[r]["sent"])
+
+
+def test_held_quantized_base_under_hpz_and_mixed_precision():
+    """4 ranks on 2 nodes, hpZ: the secondary shard keeps the forward's codes (fewer bytes
+    held than the dequantized fp32 slices), and backward rebuilds bitwise the forward's
+    weights — the run equals the flat (no hpZ) one bitwise. Under bf16 the held base is
+    dequantized into the compute dtype and trains near the exact bf16 run."""
+    kw = {"quantize_frozen": "int8", "quantize_block": BLOCK}
+    flat = run_on_ranks(_train_held, 4, kw, {"dp": 4}, timeout=120, ranks_per_node=2)
+    hpz = run_on_ranks(_train_held, 4, {**kw, "hpz": "node"}, {"dp": 4}, timeout=120, ranks_per_node=2)
+    plain_hpz = run_on_ranks(_train_held, 4, {"hpz": "node"}, {"dp": 4}, timeout=120, ranks_per_node=2)
+    for a, b, c in zip(flat, hpz, plain_hpz):
+        assert a["losses"] == b["losses"]
+        for k in a["params"]:
+            assert torch.equal(a["params"][k], b["params"][k]), k
+        assert 0 < b["secondary"] < 0.6 * c["secondary"], (b["secondary"], c["secondary"])
+    bf16 = run_on_ranks(_train_held, 2, kw, {"dp": 2}, None, True, timeout=120)
+    ref = run_on_ranks(_train_held, 2, {}, {"dp": 2}, None, True, timeout=120)
+    for a, b in zip(bf16, ref):
+        torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=2e-2, atol=0)
+
+
+def test_quantize_frozen_bad_options_are_named_errors():
+    from dsfn.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"shard_zero\(2, quantize_frozen='int8'\): only stage 3"):
+        shard_zero(2, quantize_frozen="int8")
+    with pytest.raises(ConfigError, match=r"quantize_frozen='int4'\): frozen weights are held as 'int8'"):
+        shard_zero(3, quantize_frozen="int4")
+    with pytest.raises(ConfigError, match="block"):
+        shard_zero(3, quantize_frozen="int8", quantize_block=0)
+
+
+def _export_held(out):
+    init_mesh(dp=2)
+    model = LoRAModel()
+    apply_fn, params = dsfn.functionalize(model)
+    step = dsfn.compose(shard_zero(3, quantize_frozen="int8", quantize_block=BLOCK))(train_step_for(apply_fn, mse_loss))
+    state = step.place(dsfn.TrainState.create(params, dsfn.optim.sgd(lr=0.1)))
+    state, _ = step(state, BATCHES[0])
+    from dsfn.state.layout import unplace
+    whole = {n: unplace(apply_fn.constants[n]).clone() for n in apply_fn.frozen}
+    path = dsfn.checkpoint.export_state(state, out, apply_fn=apply_fn)
+    return path, whole
+
+
+def test_export_writes_the_held_quantized_base_dequantized(tmp_path):
+    """export_state writes a frozen weight held quantized as its logical dtype (fp32), the
+    values the units compute with."""
+    from safetensors.torch import load_file
+    path, whole = run_on_ranks(_export_held, 2, str(tmp_path / "out"), timeout=120)[0]
+    got = load_file(path)
+    for n, v in whole.items():
+        assert got[n].dtype == torch.float32 and torch.equal(got[n], v), n

@@ -64,6 +64,19 @@ def test_training_stays_near_the_unquantized_run_and_sends_fewer_bytes(q, mesh, 
         assert sent < 0.6 * ref[2], (sent, ref[2])      # ~1/4 of fp32 for the large tensors
 
 
+def test_hpz_secondary_keeps_the_forward_codes_so_backward_sees_the_forward_weights():
+    """2 nodes x 2, qwZ + hpZ: the secondary shard is the forward gather's codes and scales,
+    so backward's re-gather inside the node rebuilds bitwise the weights the forward used:
+    training equals qwZ without hpZ (whose backward re-gathers the same shards) bitwise. A
+    secondary re-quantized from the dequantized weights differs (a second rounding)."""
+    flat = run_on_ranks(train, 4, "int8", {"dp": 4}, None, timeout=180, ranks_per_node=2)
+    hpz = run_on_ranks(train, 4, "int8", {"dp": 4}, "node", timeout=180, ranks_per_node=2)
+    for (l1, f1, _, _), (l2, f2, _, _) in zip(flat, hpz):
+        assert l1 == l2
+        for k, v in dsfn.tree.leaves_with_path(f1["params"]):
+            assert torch.equal(v, dict(dsfn.tree.leaves_with_path(f2["params"]))[k]), k
+
+
 def test_master_weights_stay_exact():
     """lr 0: three steps of quantized gathers leave the fp32 shards, gathered, bitwise as they were."""
     for _, final, _, initial in run_on_ranks(train, 2, "int8", {"dp": 2}, None, 0.0, timeout=180):

@@ -30,8 +30,8 @@ from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import collectives as C
 from dsfn.runtime.flat import BufferPool, ShardReducer, all_gather_full
 from dsfn.runtime.mesh import current_mesh, grad_channel
-from dsfn.state.layout import (FlatShard, Layout, Nested, Offloaded, map_with_mirrors, mirrored_param, shard_further,
-                               held_copies, stage_piece_shape, sum_held_copies)
+from dsfn.state.layout import (FlatShard, Layout, Nested, Offloaded, Quantized, held_copies, map_with_mirrors,
+                               mirrored_param, shard_further, stage_piece_shape, sum_held_copies)
 
 __all__ = ["GradientRounds", "WholeJob", "ZeroOptions", "ZeroShards", "compute_device", "inner_piece", "logical_shape", "zero_layout"]
 
@@ -48,8 +48,8 @@ def compute_device(x: Any) -> torch.device:
 
 
 def zero_layout(layout: Layout) -> FlatShard | None:
-    """ZeRO's FlatShard in a leaf's layout (under Offloaded, as Nested's outer), or None."""
-    while isinstance(layout, Offloaded):
+    """ZeRO's FlatShard in a leaf's layout (under Quantized and Offloaded, as Nested's outer), or None."""
+    while isinstance(layout, (Quantized, Offloaded)):
         layout = layout.inner
     if isinstance(layout, Nested):
         layout = layout.outer
@@ -96,6 +96,7 @@ class ZeroOptions:
     hierarchical_gather: bool = False
     wire: Any = None            # stage 3's quantized weight gathers (qwZ): a runtime.quantized.WireFormat
     grad_wire: Any = None       # the quantized gradient reduce-scatter (qgZ): a WireFormat
+    frozen_wire: Any = None     # frozen weights held quantized (stage 3): a WireFormat
 
 
 class GradientRounds:

@@ -19,6 +19,7 @@ Imports no transform; `dsfn.transforms.zero` picks this engine for stage 3.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -32,8 +33,8 @@ from dsfn.identity_cache import IdentityCache, KeyedCache
 from dsfn.placed import Placed, data_of, is_placed
 from dsfn.runtime import env
 from dsfn.runtime.mesh import current_mesh, grad_channel
-from dsfn.state.init import place_frozen
-from dsfn.state.layout import FlatShard
+from dsfn.state.init import place_frozen, store_constants
+from dsfn.state.layout import FlatShard, Quantized
 
 __all__ = ["GradientsDue", "Stage3", "Stage3Reduction"]
 
@@ -106,6 +107,7 @@ class Stage3(ZeroShards):
         # MiCS's hierarchical gather: a shard group spanning nodes gathers across nodes, then inside
         self.hierarchical_gather = options.hierarchical_gather
         self.wire = options.wire          # qwZ: the weight gathers' quantized format (None: exact)
+        self.frozen_wire = options.frozen_wire    # frozen weights held quantized in this format (None: exact)
         self.param_persistence_threshold = options.param_persistence_threshold
         self.units, self.prefetch = options.units, options.prefetch
         self.due: GradientsDue | None = None         # the running value_and_grad's sink
@@ -189,17 +191,38 @@ class Stage3(ZeroShards):
     def shard_frozen(self, apply_fn: Any) -> None:
         """Store `apply_fn`'s frozen parameters sharded, in place: their `constants` entries
         become Placed pieces (through the "place_constants" primitive); the module's full
-        tensors are released."""
+        tensors are released. With `frozen_wire` (ZeRO++'s quantized nontrainable weights)
+        each sharded floating piece of at least its `min_numel` elements is then held
+        quantized (a `Quantized` layout: codes and scales, a byte an element), once."""
         place_frozen(apply_fn)
+        wire = self.frozen_wire
+        if wire is None:
+            return
+        held = {}
+        for n in apply_fn.frozen:
+            v = apply_fn.constants.get(n)
+            if self.mine(v) and not isinstance(v.layout, Quantized) and not v.data.is_meta \
+                    and wire.quantizes(v.data.dtype, math.prod(v.layout.shape)):
+                held[n] = Placed(wire.pack(v.data), Quantized(v.layout, wire.fmt, wire.block, v.data.dtype))
+        if held:
+            store_constants(apply_fn, held)
 
     def frozen_view(self, apply_fn: Any, dtype: torch.dtype | None
-                    ) -> tuple[Any, dict[str, tuple[torch.Tensor, FlatShard]]]:
+                    ) -> tuple[Any, dict[str, tuple[torch.Tensor, FlatShard, Any]]]:
         """(an ApplyFn whose constants are plain tensors — a sharded frozen parameter's local
-        piece —, {name: (the piece to gather, in `dtype` when given; its FlatShard)}).
+        piece —, {name: (the piece to gather, in `dtype` when given; its FlatShard; for a
+        piece held quantized, (its WireFormat, the dtype it dequantizes to), else None)}).
         `begin_forward` caches it per apply_fn (held alive), its constants and dtype."""
-        pieces = {n: v.data for n, v in apply_fn.constants.items() if self.mine(v)}
-        cast = {n: (t.to(dtype) if dtype is not None and t.is_floating_point() else t,
-                    zero_layout(apply_fn.constants[n].layout)) for n, t in pieces.items()}
+        cast = {}
+        for n, v in apply_fn.constants.items():
+            if not self.mine(v):
+                continue
+            t, layout = v.data, v.layout
+            if isinstance(layout, Quantized):     # gathered as its codes, dequantized to the compute dtype
+                cast[n] = (t, zero_layout(layout), (layout.wire, dtype if dtype is not None else layout.dtype))
+            else:
+                cast[n] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t, zero_layout(layout),
+                           None)
         return apply_fn.with_local_constants(), cast
 
     # -- units ----------------------------------------------------------------------------------

@@ -52,11 +52,12 @@ class UnitGatherer:
     """
 
     def __init__(self, module: nn.Module, params: dict[str, Any], plan: UnitPlan, leaves: tuple,
-                 frozen: dict[str, tuple[torch.Tensor, FlatShard]], axis: str, bucket_elems: int, prefetch: int,
+                 frozen: dict[str, tuple[torch.Tensor, FlatShard, Any]], axis: str, bucket_elems: int, prefetch: int,
                  due: Any = None, secondary: str | None = None, hierarchy: tuple[str, str] | None = None,
                  concurrent: bool = False, wire: Any = None):
         """`plan`: the module's UnitPlan; `leaves`: (names, FlatShards, compute devices) of the
-        ZeRO shards among `params`; `frozen`: name -> (piece to gather, its FlatShard); the
+        ZeRO shards among `params`; `frozen`: name -> (piece to gather, its FlatShard, for a
+        piece held quantized (its WireFormat, the dtype it dequantizes to), else None); the
         gathers run over `axis` in buckets of `bucket_elems`, `prefetch` units ahead. `due`
         (inside value_and_grad, else None): the gradient sink — `gathers_made(keys)` as a
         unit is gathered under grad, `grads_arrived([(key, grad)])` as its gradients come.
@@ -80,10 +81,12 @@ class UnitGatherer:
         self.names, self.frozen, self.index, self.slots = plan.names, plan.frozen, plan.index, plan.slots
         self.units, self.unit_params, self.unit_of = plan.units, plan.unit_params, plan.unit_of
         self._owners, self._bw_seq, self._bw_pos = plan.owners, plan.bw_seq, plan.bw_pos
-        self.shards = [params[n].data for n in names] + [piece for piece, _ in frozen.values()]
-        self.layouts = layouts + [layout for _, layout in frozen.values()]
+        self.shards = [params[n].data for n in names] + [piece for piece, _, _ in frozen.values()]
+        self.layouts = layouts + [layout for _, layout, _ in frozen.values()]
+        # frozen weights held quantized: index -> (their WireFormat, the dtype they dequantize to)
+        self.packed = {len(names) + k: held for k, (_, _, held) in enumerate(frozen.values()) if held is not None}
         # where each gathered weight must be (offload(params=True) keeps shards on the host)
-        self.homes = homes + [piece.device for piece, _ in frozen.values()]
+        self.homes = homes + [piece.device for piece, _, _ in frozen.values()]
         self.call_params = {n: (v.data if isinstance(v, Placed) else v) for n, v in params.items()}
         self.view: Any = None     # the apply_fn to run the module with (ZeRO-3's `begin_forward` sets it)
         # a unit is gathered into flat buffers (`FlatGather.slabs`); its weights are views of them
@@ -251,8 +254,10 @@ class UnitGatherer:
         store = self._unit_storage[u]
         shards, homes, layouts = self.shards, self.homes, self.layouts
         on_home = [shards[j] if shards[j].device == homes[j] else self._on_home(j) for j in ids]
+        packed = {k: self.packed[j] for k, j in enumerate(ids) if j in self.packed} if self.packed else None
         return store.gather(lambda pool: gather_into_buffers(
-            on_home, [layouts[j].shape for j in ids], self.axis, self.bucket_elems, pool, self.hierarchy, self.wire))
+            on_home, [layouts[j].shape for j in ids], self.axis, self.bucket_elems, pool, self.hierarchy, self.wire,
+            packed, keep_codes=self.secondary is not None))
 
     def _gather_for_backward_async(self, u: int) -> FlatGather:
         """Start unit u's backward gather: from the secondary shards over the secondary axis

@@ -18,6 +18,8 @@ Keys and defaults are DeepSpeed 0.19's (`deepspeed/runtime/config.py`, `zero/con
 | `zero_optimization.mics_shard_size: k` (> 0, stage 3) | `shard_zero(3, shard_group=k, cross_node=True)` (MiCS: state sharded over blocks of k ranks, replicated across them) |
 | `zero_optimization.zero_hpz_partition_size: k` (> 1, stage 3) | `shard_zero(3, hpz=min(k, dp))` (ZeRO++ hpZ) |
 | `zero_optimization.zero_quantized_weights: true` (stage 3) | `shard_zero(3, quantize_weights="int8")` (ZeRO++ qwZ; block-wise int8 weight gathers) |
+| `zero_optimization.zero_quantized_gradients: true` (stage 3) | `shard_zero(3, quantize_grads="int4")` (ZeRO++ qgZ; int4 all-to-all reduction, inside the node then across) |
+| `zero_optimization.zero_quantized_nontrainable_weights: true` (stage 3) | `shard_zero(3, quantize_frozen="int8")` (frozen weights' shards held in int8, gathered as codes) |
 | `tensor_parallel.autotp_size: N` (> 1) | `tensor_parallel("auto", model=model)`, mesh tp = N (with a pipeline: inside it) |
 | `activation_checkpointing.cpu_checkpointing` / `partition_activations` | `remat(offload="cpu")` / `remat(partition_activations=True)` |
 | `gradient_accumulation_steps: n` (> 1) | `accumulate(n)` (without a pipeline) |

@@ -3,9 +3,9 @@
 `stage` s (default 0) is `shard_zero(s, reduce_bucket_size, allgather_bucket_size (s >= 1),
 param_persistence_threshold (s = 3))` with DeepSpeed's defaults (5e8, 5e8, 1e5);
 `mics_shard_size` / `zero_hpz_partition_size` are hybrid sharding (`_hybrid`); the
-communication / memory tuning keys are named in the warning; `zero_quantized_weights` is
-qwZ (`shard_zero(3, quantize_weights="int8")`); qgZ, quantized frozen weights and
-`leaf_module` are listed.
+communication / memory tuning keys are named in the warning; ZeRO++'s quantized keys (stage
+3, as DeepSpeed reads them) are `shard_zero(3, ...)` options (`_quantized`); `leaf_module`
+is listed.
 """
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ from dsfn.migrate.ds_config.tuning_keys import ZERO_PERF
 from dsfn.migrate.ds_config.values import flag, whole_number
 from dsfn.migrate.ds_config.zenflow import read_zenflow
 
-# ZeRO++'s quantized keys not built yet (qgZ, frozen weights held quantized); qwZ is `_quantized`
-_QUANTIZED = ("zero_quantized_gradients", "zero_quantized_nontrainable_weights")
+# ZeRO++'s quantized keys -> (shard_zero's option, its value, what DeepSpeed quantizes), `_quantized`
+_QUANTIZED = {"zero_quantized_weights": ("quantize_weights", "int8", "ZeRO-3's weight gathers"),
+              "zero_quantized_gradients": ("quantize_grads", "int4", "ZeRO-3's gradient reduce-scatter"),
+              "zero_quantized_nontrainable_weights": ("quantize_frozen", "int8", "ZeRO-3's frozen weight shards")}
 
 
 @dataclass
@@ -120,13 +122,8 @@ def _other_zero_keys(zero: dict, report: KeyReport) -> None:
         v = zero.pop(k)
         if k in ZERO_PERF:
             report.ignore(f"zero_optimization.{k}", "communication / memory tuning")
-        elif k in _QUANTIZED and not v:
-            continue
         elif k == "leaf_module" and not v:
             continue
-        elif k in _QUANTIZED:
-            report.refuse(f"zero_optimization.{k}", "ZeRO++ quantized communication (only zero_quantized_weights, "
-                          "qwZ, is built)")
         elif k == "leaf_module":
             report.refuse("zero_optimization.leaf_module", "use shard_zero(3, units=[module name patterns]) instead")
         else:
@@ -134,18 +131,24 @@ def _other_zero_keys(zero: dict, report: KeyReport) -> None:
 
 
 def _quantized(zero: dict, stage: int, report: KeyReport) -> dict:
-    """ZeRO++'s `zero_quantized_weights` (qwZ: DeepSpeed's int8 block-wise weight gathers, stage
-    3 only) -> shard_zero(3, quantize_weights="int8"); popped."""
-    on = zero.pop("zero_quantized_weights", False)
-    if not isinstance(on, bool):
-        raise ConfigError(f"ds_config zero_optimization.zero_quantized_weights={on!r}: expected true or false")
-    if not on:
-        return {}
-    if stage != 3:
-        report.refuse("zero_optimization.zero_quantized_weights", "DeepSpeed quantizes ZeRO-3's weight gathers; "
-                      "set stage 3 (then it is shard_zero(3, quantize_weights='int8')), or remove it")
-        return {}
-    return {"quantize_weights": "int8"}
+    """ZeRO++'s quantized keys (popped), each read by DeepSpeed's stage 3 only:
+    `zero_quantized_weights` (qwZ: int8 block-wise weight gathers) -> quantize_weights="int8",
+    `zero_quantized_gradients` (qgZ: int4 hierarchical all-to-all reduction) ->
+    quantize_grads="int4", `zero_quantized_nontrainable_weights` (frozen weights held in
+    int8) -> quantize_frozen="int8"; dsfn's block sizes (2048 weights, 64 gradients)."""
+    out = {}
+    for key, (option, fmt, what) in _QUANTIZED.items():
+        on = zero.pop(key, False)
+        if not isinstance(on, bool):
+            raise ConfigError(f"ds_config zero_optimization.{key}={on!r}: expected true or false")
+        if not on:
+            continue
+        if stage != 3:
+            report.refuse(f"zero_optimization.{key}", f"DeepSpeed quantizes {what}; set stage 3 (then it is "
+                          f"shard_zero(3, {option}='{fmt}')), or remove it")
+            continue
+        out[option] = fmt
+    return out
 
 
 def read_zero(block: Any, dp: int, model_parallel: int, report: KeyReport) -> ZeroSettings:
