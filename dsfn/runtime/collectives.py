@@ -43,6 +43,9 @@ class OpCount:
     bytes: int = 0
     intra: float = 0.0
     inter: float = 0.0
+    # of `bytes`, what quantized collectives (ZeRO++) sent as codes and as their fp32 scales
+    codes: int = 0
+    scales: int = 0
 
 
 def _link_factors(op: str, axis: str, m: Mesh) -> tuple[float, float]:
@@ -80,8 +83,16 @@ class CommCounters:
         c.intra += nbytes * f[0]
         c.inter += nbytes * f[1]
 
+    def quantized(self, axis: str, op: str, codes: int, scales: int) -> None:
+        """Of the bytes `record` counted for (axis, op), `codes` were quantized codes and
+        `scales` their fp32 scales (`dsfn.runtime.quantized` calls it beside each quantized
+        collective, so explain shows the two apart)."""
+        c = self._counts[(axis.split("/")[0], op)]
+        c.codes += int(codes)
+        c.scales += int(scales)
+
     def snapshot(self) -> dict[tuple[str, str], OpCount]:
-        return {k: OpCount(v.calls, v.bytes, v.intra, v.inter) for k, v in self._counts.items()}
+        return {k: OpCount(v.calls, v.bytes, v.intra, v.inter, v.codes, v.scales) for k, v in self._counts.items()}
 
     def bytes(self, axis: str | None = None, op: str | None = None) -> int:
         return sum(v.bytes for (a, o), v in self._counts.items()

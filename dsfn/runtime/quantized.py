@@ -160,11 +160,12 @@ class _Dequantizing:
         k = current_mesh().size(axis)
         rows = torch.empty(k * piece.numel(), dtype=torch.uint8, device=piece.device)
         work = C.all_gather_into_([rows], [piece], axis, async_op=True)
+        cb = self._n // k * self._wire.code_bytes(self._total)
+        C.counters.quantized(axis, "all_gather", k * cb, rows.numel() - k * cb)
         outs, at = [], 0
         for c in self._sizes:
             outs.append(buf[at:at + self._n * c])
             at += self._n * c
-        cb = self._n // k * self._wire.code_bytes(self._total)
         return _Dequantizing([work], None, None, outs, self._sizes, self._n, self._wire, (piece,), self._pad,
                              rows=(rows.view(k, -1), cb))
 
@@ -190,6 +191,7 @@ def all_gather_quantized_into(outs: Sequence[torch.Tensor], ins: Sequence[torch.
     all_scales = torch.empty(n * scales.numel(), dtype=torch.float32, device=scales.device)
     works = [C.all_gather_into_([all_codes], [codes], axis, async_op=True),
              C.all_gather_into_([all_scales], [scales], axis, async_op=True)]
+    C.counters.quantized(axis, "all_gather", all_codes.numel(), 4 * all_scales.numel())
     return _Dequantizing(works, all_codes, all_scales, outs, sizes, n, wire, (codes, scales), pad, keep_codes)
 
 
@@ -223,6 +225,7 @@ def _exchange(rows: torch.Tensor, axis: str, wire: WireFormat) -> torch.Tensor:
     codes, scales, _ = _quantize_rows(rows.reshape(n * k, w), wire)
     codes = C.all_to_all(codes.contiguous(), axis)
     scales = C.all_to_all(scales.contiguous(), axis)
+    C.counters.quantized(axis, "all_to_all", codes.numel(), 4 * scales.numel())
     return _dequantize_rows(codes, scales, w, wire).view(n, k, w)
 
 

@@ -179,13 +179,15 @@ class Step:
         with recording_apply_fns() as seen:
             self(state, batch, donate=False)        # a dry run never consumes the state
         after = C.counters.snapshot()
-        comm, links = {}, {}
+        comm, links, quantized = {}, {}, {}
         for key, v in after.items():
             b = before.get(key) or C.OpCount()
             calls, nbytes = v.calls - b.calls, v.bytes - b.bytes
             if calls:
                 comm[key] = (calls, nbytes)
                 links[key] = (v.intra - b.intra, v.inter - b.inter)
+                if v.codes - b.codes or v.scales - b.scales:
+                    quantized[key] = (v.codes - b.codes, v.scales - b.scales)
         leaves = leaf_records(state)
         for fn in seen.values():     # frozen parameters, non-persistent buffers: not state, still held here
             for name, x in fn.constants.items():
@@ -195,7 +197,7 @@ class Step:
         with activate(self.stack, self.facts):
             notes = [t.explain_note() for t in self.stack]
         out = Explanation(notes, leaves, comm, dict(C.gauge_max))
-        out.links = links
+        out.links, out.quantized = links, quantized
         out.handlers = handler_order(self.stack)
         # dsfn.estimate_memory for this stack, beside the leaves (registered by dsfn.estimate_explain)
         view = ESTIMATE_VIEW.get("estimate")
@@ -231,6 +233,8 @@ class Explanation:
         # primitive -> the transforms that handle it, outermost first (the order `bind` runs them)
         self.handlers: dict[str, list[str]] = {}
         self.links: dict[tuple[str, str], tuple[float, float]] = {}
+        # {(axis, op): (codes bytes, scales bytes)}: the quantized part of a collective's bytes (ZeRO++)
+        self.quantized: dict[tuple[str, str], tuple[int, int]] = {}
 
     @property
     def state_bytes(self) -> int:
@@ -261,6 +265,10 @@ class Explanation:
             where = "node-local" if not inter else f"{inter:,.0f} B across nodes (per node)"
             lines.append(f"  {axis:12s} {op:15s} {calls:5d} calls {nbytes:14,d} B   {intra:14,.0f} B intra-node, "
                          f"{where}")
+            if (axis, op) in self.quantized:
+                codes, scales = self.quantized[(axis, op)]
+                lines.append(f"  {'':12s} {'':15s}   of which quantized: {codes:,d} B codes + {scales:,d} B fp32 "
+                             f"scales; {nbytes - codes - scales:,d} B exact")
         if self.collectives:
             lines.append(f"  by link: {self.intra_bytes:,.0f} B intra-node (this rank), "
                          f"{self.inter_bytes:,.0f} B inter-node (per node)")

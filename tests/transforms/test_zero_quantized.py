@@ -199,3 +199,31 @@ def test_composes_with_offload_tensor_parallel_and_the_pipeline(kind, world):
     for losses in run_on_ranks(compose_run, world, kind, True, ranks_per_node=2, timeout=180):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-3, atol=0)
         assert losses != ref
+
+
+def _explain_zeropp():
+    init_mesh(dp=4)
+    apply_fn, params = dsfn.functionalize(_model())
+    step = compose(shard_zero(3, quantize_weights="int8", quantize_block=256, quantize_grads="int4",
+                              hpz="node"))(train_step_for(apply_fn, lm_loss))
+    ex = step.explain(step.init_state(params, dsfn.optim.sgd(0.1)), BATCHES[0])
+    return ex.collectives, ex.quantized, str(ex)
+
+
+def test_explain_shows_the_quantized_codes_and_their_scales_apart():
+    """ZeRO++ whole at 2 nodes x 2: explain splits each quantized collective's bytes into
+    codes and fp32 scales — one scale (4 B) per block: 256 int8 codes for the weight gathers
+    (forward over dp, backward's secondary over dp_local), 64 int4 codes (32 B) for the
+    gradient all-to-alls over both hops — and the 1-D tensors that travel exact."""
+    for comm, quantized, text in run_on_ranks(_explain_zeropp, 4, ranks_per_node=2, timeout=120):
+        assert set(quantized) == {("dp", "all_gather"), ("dp_local", "all_gather"), ("dp_local", "all_to_all"),
+                                  ("dp_cross", "all_to_all")}, quantized
+        for (axis, op), (codes, scales) in quantized.items():
+            per_scale = 256 if op == "all_gather" else 32
+            assert codes > 0 and scales * per_scale == 4 * codes, (axis, op, codes, scales)
+            assert codes + scales <= comm[(axis, op)][1]
+            line = f"of which quantized: {codes:,d} B codes + {scales:,d} B fp32 scales; " \
+                   f"{comm[(axis, op)][1] - codes - scales:,d} B exact"
+            assert line in text
+        # the gradient all-to-alls carry nothing exact (1-D gradients go by the reduce-scatter)
+        assert all(quantized[k][0] + quantized[k][1] == comm[k][1] for k in quantized if k[1] == "all_to_all")
