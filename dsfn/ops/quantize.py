@@ -13,7 +13,7 @@ each (returned as uint8: every wire format travels as bytes):
   even block size. |x - code * s_b| <= s_b / 2.
 - "fp8_e4m3": s_b = absmax_b / 448 (the format's largest finite value); code = (x / s_b)
   cast to float8_e4m3fn (round to nearest even); relative error <= 2^-4 of |x| above the
-  format's subnormals. Torch path only (the kernel is int8's).
+  format's subnormals. The kernel is int8's with the cast in place of the rounding.
 
 Edge rules, the same in both paths: an all-zero block has s_b = 0 and codes 0, and
 dequantizes to exact zeros; a block holding a NaN or an infinity has a non-finite scale,
@@ -128,10 +128,11 @@ def _check_codes(codes, scales, block, n, out, dtype) -> None:
 
 
 def quantize_blockwise(x: torch.Tensor, block: int, fmt: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
-    """See the module docstring; int8 and int4 on the Triton kernels where dispatch picks Triton."""
+    """See the module docstring; on the Triton kernels where dispatch picks Triton (fp8: on
+    GPUs with e4m3 conversions, compute capability 8.9+, and the interpreter)."""
     check_format(fmt, block)
     _check_input(x)
-    if fmt == "fp8_e4m3" or x.numel() == 0 or not dispatch.use_triton(x):
+    if x.numel() == 0 or not dispatch.use_triton(x) or (fmt == "fp8_e4m3" and not _fp8_kernels(x.device)):
         return quantize_blockwise_torch(x, block, fmt)
     flat = x.detach().reshape(-1).contiguous()
     n = flat.numel()
@@ -139,10 +140,10 @@ def quantize_blockwise(x: torch.Tensor, block: int, fmt: str = "int8") -> tuple[
     src = flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat
     scales = torch.empty(nb, dtype=torch.float32, device=x.device)
     with dispatch.device_guard(x):
-        if fmt == "int8":
+        if fmt != "int4":
             codes = torch.empty(n, dtype=torch.uint8, device=x.device)
             _quantize_int8_kernel[(nb,)](src, codes, scales, n, BLOCK=block, PAD=triton.next_power_of_2(block),
-                                         BF16=flat.dtype == torch.bfloat16)
+                                         BF16=flat.dtype == torch.bfloat16, FP8=fmt == "fp8_e4m3")
         else:
             codes = torch.empty((n + 1) // 2, dtype=torch.uint8, device=x.device)
             _quantize_int4_kernel[(nb,)](src, codes, scales, n, BLOCK=block, HALF=triton.next_power_of_2(block // 2),
@@ -150,24 +151,31 @@ def quantize_blockwise(x: torch.Tensor, block: int, fmt: str = "int8") -> tuple[
     return codes, scales
 
 
+def _fp8_kernels(device: torch.device) -> bool:
+    """Whether Triton converts to and from float8 e4m3 on `device`: CUDA from compute
+    capability 8.9 (Ada, Hopper), and the interpreter on the CPU."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str = "int8",
                          dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
                          numel: int | None = None) -> torch.Tensor:
-    """See the module docstring; int8 on the Triton kernel where dispatch picks Triton.
-    `numel`: the element count of int4 codes (two per byte), required there."""
+    """See the module docstring; on the Triton kernels where dispatch picks Triton (as
+    `quantize_blockwise`). `numel`: the element count of int4 codes (two per byte), required there."""
     check_format(fmt, block)
     n = codes.numel() if fmt != "int4" else numel
-    if fmt == "fp8_e4m3" or not n or not dispatch.use_triton(codes, scales, *(() if out is None else (out,)),
-                                                             dtypes=(dtype,)):
+    if not n or not dispatch.use_triton(codes, scales, *(() if out is None else (out,)), dtypes=(dtype,)) \
+            or (fmt == "fp8_e4m3" and not _fp8_kernels(codes.device)):
         return dequantize_blockwise_torch(codes, scales, block, fmt, dtype, out, numel)
-    _check_codes(codes if fmt == "int8" else torch.empty(n, dtype=torch.uint8, device="meta"), scales, block, n,
+    _check_codes(codes if fmt != "int4" else torch.empty(n, dtype=torch.uint8, device="meta"), scales, block, n,
                  out, dtype)
     dst = out.reshape(-1) if out is not None else torch.empty(n, dtype=dtype, device=codes.device)
     from dsfn.ops.multi_tensor import TL_DTYPES
     with dispatch.device_guard(codes):
-        if fmt == "int8":
+        if fmt != "int4":
             _dequantize_int8_kernel[(scales.numel(),)](codes.contiguous(), scales, dst, n, BLOCK=block,
-                                                       PAD=triton.next_power_of_2(block), D_DTYPE=TL_DTYPES[dtype])
+                                                       PAD=triton.next_power_of_2(block), D_DTYPE=TL_DTYPES[dtype],
+                                                       FP8=fmt == "fp8_e4m3")
         else:
             _dequantize_int4_kernel[(scales.numel(),)](codes.contiguous(), scales, dst, n, BLOCK=block,
                                                        HALF=triton.next_power_of_2(block // 2),
@@ -185,8 +193,40 @@ if triton is not None:
     from dsfn.ops.adamw import cast_rne
 
     @triton.jit
-    def _quantize_int8_kernel(src, codes, scales, n, BLOCK: tl.constexpr, PAD: tl.constexpr, BF16: tl.constexpr):
-        """One program: one block of BLOCK elements (the last may be short)."""
+    def _e4m3_bits(q):
+        """fp32 values of magnitude <= 448 -> their float8 e4m3fn codes (uint8), round to
+        nearest even, by integer arithmetic on the fp32 bits: the same on every backend
+        (a hardware or interpreter cast may round through fp16 first: a double rounding)."""
+        bits = q.to(tl.uint32, bitcast=True)
+        sign = (bits >> 31) << 7
+        a = bits & 0x7FFFFFFF
+        # normal range (>= 2^-6): keep 3 of the 23 mantissa bits, ties to even, then rebias 127 -> 7
+        r = (a + 0x7FFFF + ((a >> 20) & 1)) >> 20
+        normal = r.to(tl.int32) - (120 << 3)
+        # subnormals (steps of 2^-9): |q| * 512 rounded to the nearest integer, ties to even
+        y = tl.abs(q) * 512.0
+        k = tl.floor(y + 0.5)
+        k = tl.where((k - y == 0.5) & ((k.to(tl.int32) & 1) == 1), k - 1.0, k)
+        mag = tl.where(a < 0x3C800000, k.to(tl.int32), normal)       # 0x3C800000: 2^-6
+        return (mag | sign.to(tl.int32)).to(tl.uint8)
+
+    @triton.jit
+    def _e4m3_value(c):
+        """float8 e4m3fn codes (uint8) -> their fp32 values, exactly (0x7F / 0xFF: NaN)."""
+        c = c.to(tl.uint32)
+        e = (c >> 3) & 15
+        m = c & 7
+        normal = ((c >> 7) << 31 | (e + 120) << 23 | m << 20).to(tl.float32, bitcast=True)
+        sub = m.to(tl.float32) * 0.001953125
+        sub = tl.where((c >> 7) == 1, -sub, sub)
+        v = tl.where(e == 0, sub, normal)
+        return tl.where((e == 15) & (m == 7), float("nan"), v)
+
+    @triton.jit
+    def _quantize_int8_kernel(src, codes, scales, n, BLOCK: tl.constexpr, PAD: tl.constexpr, BF16: tl.constexpr,
+                              FP8: tl.constexpr = False):
+        """One program: one block of BLOCK elements (the last may be short); `FP8`: the
+        codes are x / scale cast to float8 e4m3 (round to nearest even) instead of int8."""
         b = tl.program_id(0).to(tl.int64)
         offs = b * BLOCK + tl.arange(0, PAD).to(tl.int64)
         mask = (tl.arange(0, PAD) < BLOCK) & (offs < n)
@@ -198,22 +238,32 @@ if triton is not None:
         has_nan = tl.max((x != x).to(tl.int32), axis=0)
         absmax = tl.max(tl.abs(x), axis=0)
         absmax = tl.where(has_nan > 0, float("nan"), absmax)
-        scale = absmax / 127.0
+        if FP8:
+            scale = absmax / 448.0
+        else:
+            scale = absmax / 127.0
         ok = (scale == scale) & (scale < float("inf")) & (scale > 0)
         safe = tl.where(ok, scale, 1.0)
-        q = tl.floor(x / safe + 0.5)
-        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-        q = tl.where(ok, q, 0.0)
-        tl.store(codes + offs, q.to(tl.int32).to(tl.int8).to(tl.uint8, bitcast=True), mask=mask)
+        if FP8:
+            q = tl.where(ok, x / safe, 0.0)
+            tl.store(codes + offs, _e4m3_bits(q), mask=mask)
+        else:
+            q = tl.floor(x / safe + 0.5)
+            q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+            q = tl.where(ok, q, 0.0)
+            tl.store(codes + offs, q.to(tl.int32).to(tl.int8).to(tl.uint8, bitcast=True), mask=mask)
         tl.store(scales + b, scale)
 
     @triton.jit
     def _dequantize_int8_kernel(codes, scales, dst, n, BLOCK: tl.constexpr, PAD: tl.constexpr,
-                                D_DTYPE: tl.constexpr):
+                                D_DTYPE: tl.constexpr, FP8: tl.constexpr = False):
         b = tl.program_id(0).to(tl.int64)
         offs = b * BLOCK + tl.arange(0, PAD).to(tl.int64)
         mask = (tl.arange(0, PAD) < BLOCK) & (offs < n)
-        c = tl.load(codes + offs, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        if FP8:
+            c = _e4m3_value(tl.load(codes + offs, mask=mask, other=0))
+        else:
+            c = tl.load(codes + offs, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         s = tl.load(scales + b)
         finite = (s == s) & (tl.abs(s) < float("inf"))
         x = tl.where(finite, tl.minimum(tl.maximum(c * s, -3.4028234663852886e38), 3.4028234663852886e38),
