@@ -121,7 +121,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--png", default="/tmp/dsfn_quantized_comm.png")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--grads-block", type=int, default=None, help="qgZ's quantize_grads_block (default: shard_zero's)")
     a = ap.parse_args()
+    if a.grads_block is not None:
+        LAYOUTS["hpz+qwZ+qgZ"]["quantize_grads_block"] = a.grads_block
     data = corpus.train_val_split(corpus.load_corpus(2_000_000))
     print("1. bytes per step (step 2, rank 0; counters by link), as multiples of P(n-1)/n, n = 2 nodes, P the fp32 "
           "parameter bytes (the issue's 3.0 for flat ZeRO-3)")

@@ -251,19 +251,41 @@ waited for), so the full gradients alive during backward stay a few buckets. Key
 
     def _reduce_across(self) -> None:
         """Hybrid sharding: each bucket's shards all-reduced across the replicate axis (one
-        call per bucket, all in flight at once, in plan order), in the wire dtype."""
+        call per bucket, all in flight at once, in plan order), in the wire dtype. Under qgZ
+        (`wire`) the shards of 2+-dim gradients cross quantized instead, each on blocks of
+        its own (`all_reduce_quantized`); 1-D ones exactly, as inside the group."""
+        done = self._reduce_across_quantized() if self.wire is not None else set()
         pending = []
         for keys in self.plan.buckets:
-            parts = [self.shards[k] for k in keys]
-            flat = torch.cat([p.reshape(-1) for p in parts]) if len(parts) > 1 else parts[0].reshape(-1).clone()
-            wire = flat if self.dtype is None or flat.dtype == self.dtype else flat.to(self.dtype)
-            pending.append((keys, parts, C.all_reduce_(wire, self.replicate, self.op, async_op=True)))
-        for keys, parts, p in pending:
-            flat = p.wait()
-            for k, part, piece in zip(keys, parts, flat.split([t.numel() for t in parts])):
-                self.shards[k] = piece.view(part.shape).to(part.dtype)
+            rest = [k for k in keys if k not in done]
+            p = None
+            if rest:
+                parts = [self.shards[k] for k in rest]
+                flat = torch.cat([t.reshape(-1) for t in parts]) if len(parts) > 1 else parts[0].reshape(-1).clone()
+                wire = flat if self.dtype is None or flat.dtype == self.dtype else flat.to(self.dtype)
+                p = C.all_reduce_(wire, self.replicate, self.op, async_op=True)
+            pending.append((keys, rest, p))
+        for keys, rest, p in pending:
+            if p is not None:
+                flat = p.wait()
+                parts = [self.shards[k] for k in rest]
+                for k, part, piece in zip(rest, parts, flat.split([t.numel() for t in parts])):
+                    self.shards[k] = piece.view(part.shape).to(part.dtype)
             if self.on_bucket is not None:
                 self.on_bucket([(k, self.shards[k]) for k in keys])
+
+    def _reduce_across_quantized(self) -> set:
+        """qgZ across replicas: the shards of 2+-dim gradients, each quantized on its own;
+        the keys it reduced."""
+        from dsfn.runtime.quantized import all_reduce_quantized
+        done = set()
+        for keys in self.plan.buckets:
+            for k in keys:
+                part = self.shards[k]
+                if self._dims.get(k, 1) >= 2 and part.is_floating_point():
+                    self.shards[k] = all_reduce_quantized(part, self.replicate, self.wire, self.op).to(part.dtype)
+                    done.add(k)
+        return done
 
 
 class FlatGather:

@@ -27,7 +27,7 @@ from dsfn.ops.quantize import check_format, dequantize_blockwise, quantize_block
 from dsfn.runtime import collectives as C
 from dsfn.runtime.mesh import current_mesh
 
-__all__ = ["WireFormat", "all_gather_quantized_into"]
+__all__ = ["WireFormat", "all_gather_quantized_into", "all_reduce_quantized", "reduce_scatter_quantized"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -257,3 +257,20 @@ def reduce_scatter_quantized(bucket: torch.Tensor, axis: str, wire: WireFormat, 
         partial = _exchange(by_place.contiguous(), local, wire).sum(0)         # [nodes, W]: my place, every node
         got = _exchange(partial[:, None], cross, wire)[:, 0].sum(0)
     return got / n if op == "avg" else got
+
+
+def all_reduce_quantized(flat: torch.Tensor, axis: str, wire: WireFormat, op: str = "avg") -> torch.Tensor:
+    """ZeRO++ qgZ across hybrid sharding's replicas: the 1-D `flat` reduced over `axis` with
+    the data quantized on both hops — its r row chunks reduce-scattered by one quantized
+    all-to-all (`reduce_scatter_quantized`), then the reduced chunks all-gathered as codes
+    and scales (`all_gather_quantized_into`, one block set per chunk). Every rank
+    dequantizes the same codes, its own chunk's included, so the replicas stay bitwise
+    equal. float32, `flat`'s numel. Every rank calls it alike."""
+    r = current_mesh().size(axis)
+    n = flat.numel()
+    w = -(-n // r)
+    rows = torch.nn.functional.pad(flat.float().reshape(-1), (0, r * w - n)).view(r, w)
+    mine = reduce_scatter_quantized(rows, axis, wire, op)
+    out = torch.empty(r * w, dtype=torch.float32, device=flat.device)
+    all_gather_quantized_into([out], [mine], axis, wire).wait()
+    return out[:n]

@@ -121,7 +121,7 @@ class ShardZero(Transform):
                  units: Sequence[str] | None = None, prefetch: int = 1, split_batch: bool = True,
                  shard_group: int | str | None = None, hpz: int | str | None = None, cross_node: bool = False,
                  hierarchical_gather: bool = False, quantize_weights: str | None = None,
-                 quantize_block: int = 2048, quantize_grads: str | None = None, quantize_grads_block: int = 64,
+                 quantize_block: int = 2048, quantize_grads: str | None = None, quantize_grads_block: int = 32,
                  quantize_frozen: str | None = None):
         if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
             raise ConfigError(f"shard_zero(stage={stage!r}): stage must be 0, 1, 2 or 3 "
@@ -205,11 +205,12 @@ class ShardZero(Transform):
             local = mesh.ranks_on_node(shard)
             note += (f": qgZ, gradient buckets reduced as {g.fmt} codes with one fp32 scale per {g.block} elements "
                      + (f"by all-to-all inside each node ({local} ranks), then across nodes (one row per node)"
-                        if local < mesh.size(shard) and local > 1 else f"by one all-to-all over {where(shard)}"))
+                        if local < mesh.size(shard) and local > 1 else f"by one all-to-all over {where(shard)}")
+                     + (f", then all-reduced across {where(replicate)} as codes too" if replicate is not None else ""))
         if self.wire is not None:
             w = self.wire
             note += (f": qwZ, weights of >= {w.min_numel} elements gathered as {w.fmt} codes (1 B per element) with "
-                     f"one fp32 scale per {w.block} elements{' (the secondary re-gathers too)' if secondary else ''}, "
+                     f"one fp32 scale per {w.block} elements{' (the secondary keeps the codes)' if secondary else ''}, "
                      "dequantized into the unit; the shards stay exact")
         return note
 
@@ -405,7 +406,7 @@ def shard_zero(*args: Any, **kwargs: Any) -> ShardZero:
     """`shard_zero(stage, axis="dp", reduce_bucket_size=4e6, allgather_bucket_size=5e7,
     param_persistence_threshold=0, units=None, prefetch=1, split_batch=True,
     shard_group=None, hpz=None, cross_node=False, hierarchical_gather=False,
-    quantize_weights=None, quantize_block=2048, quantize_grads=None, quantize_grads_block=64,
+    quantize_weights=None, quantize_block=2048, quantize_grads=None, quantize_grads_block=32,
     quantize_frozen=None)`.
 
     ZeRO++ qwZ (stage 3): `quantize_weights="int8"` (or "fp8_e4m3") gathers the weights for
@@ -434,10 +435,12 @@ def shard_zero(*args: Any, **kwargs: Any) -> ShardZero:
     nodes, inside the node first (dequantized, summed over the node's ranks, requantized),
     then across nodes with one row per node; then averaged. Each tensor is quantized on blocks
     of its own; 1-D gradients (norms, biases) are reduce-scattered exactly. The default block
-    (64) keeps the example GPT's eval loss after 300 steps within 1% of the exact run's
-    (+0.97%; 128: +1.40%; benchmarks/quantized_comm.py). Synchronous per bucket (the exact
+    (32: 0.625 B an element on the wire) keeps the example GPT's eval loss after 300 steps
+    within 1% of the exact run's (+0.62%; 64: +1.02%, outside; benchmarks/quantized_comm.py). Synchronous per bucket (the exact
     reduce-scatter overlaps backward). No error feedback. Under hybrid sharding the
-    in-group reduce-scatter is quantized, the all-reduce across groups is exact.
+    in-group reduce-scatter is quantized, and so is the all-reduce of the shards across
+    groups (a quantized all-to-all, then the reduced chunks gathered as codes: every replica
+    dequantizes the same codes, so they stay bitwise equal); 1-D gradients exact there too.
 
     Beyond one node (stages 1-3): `shard_group="node"` (or k ranks) is hybrid sharding
     (FSDP2's HSDP, DeepSpeed's MiCS): the state is sharded over the dp ranks of one node
@@ -485,8 +488,6 @@ def _check_group_spec(key: str, v: Any) -> None:
 def _weight_wire(stage: int, fmt: Any, block: Any, frozen: bool = False) -> Any:
     """qwZ's wire format (None: exact gathers); ConfigErrors for what cannot be quantized.
     `frozen`: quantize_frozen is given (it reads `quantize_block` too)."""
-    from dsfn.ops.quantize import check_format
-    from dsfn.runtime.quantized import WireFormat
     if fmt is None:
         if block != 2048 and not frozen:
             raise ConfigError(f"shard_zero(quantize_block={block!r}) sizes quantized weight gathers; pass "
@@ -496,45 +497,46 @@ def _weight_wire(stage: int, fmt: Any, block: Any, frozen: bool = False) -> Any:
         raise ConfigError(f"shard_zero({stage}, quantize_weights={fmt!r}): only stage 3 gathers weights for the "
                           "compute (stages 1-2 gather the updated parameters into the state, which must stay "
                           "exact); use shard_zero(3, quantize_weights=...)")
-    if fmt not in ("int8", "fp8_e4m3"):
-        raise ConfigError(f"shard_zero(quantize_weights={fmt!r}): weights travel as 'int8' (ZeRO++ qwZ) or "
-                          "'fp8_e4m3'")
-    check_format(fmt, block, "shard_zero(quantize_weights=..., quantize_block=...)")
-    return WireFormat(fmt, block, block)
+    return _checked_wire("quantize_weights", fmt, "weights travel as 'int8' (ZeRO++ qwZ) or 'fp8_e4m3'",
+                         ("int8", "fp8_e4m3"), "quantize_block", block, block)
 
 
 def _frozen_wire(stage: int, fmt: Any, block: Any) -> Any:
     """The format frozen weights are held in (None: as they are); ConfigErrors as qwZ's."""
-    from dsfn.ops.quantize import check_format
-    from dsfn.runtime.quantized import WireFormat
     if fmt is None:
         return None
     if stage != 3:
         raise ConfigError(f"shard_zero({stage}, quantize_frozen={fmt!r}): only stage 3 stores frozen weights as "
                           "shards it gathers for the compute; use shard_zero(3, quantize_frozen=...)")
-    if fmt not in ("int8", "fp8_e4m3"):
-        raise ConfigError(f"shard_zero(quantize_frozen={fmt!r}): frozen weights are held as 'int8' (ZeRO++'s "
-                          "zero_quantized_nontrainable_weights) or 'fp8_e4m3'")
-    check_format(fmt, block, "shard_zero(quantize_frozen=..., quantize_block=...)")
-    return WireFormat(fmt, block, block)
+    return _checked_wire("quantize_frozen", fmt, "frozen weights are held as 'int8' (ZeRO++'s "
+                         "zero_quantized_nontrainable_weights) or 'fp8_e4m3'", ("int8", "fp8_e4m3"),
+                         "quantize_block", block, block)
+
+
+def _checked_wire(option: str, fmt: Any, formats_text: str, formats: tuple[str, ...], block_option: str,
+                  block: Any, min_numel: int) -> Any:
+    """`WireFormat(fmt, block, min_numel)` once `fmt` is one of `formats` (else a ConfigError
+    naming `option` and `formats_text`) and `block` suits it (`check_format`)."""
+    from dsfn.ops.quantize import check_format
+    from dsfn.runtime.quantized import WireFormat
+    if fmt not in formats:
+        raise ConfigError(f"shard_zero({option}={fmt!r}): {formats_text}")
+    check_format(fmt, block, f"shard_zero({option}=..., {block_option}=...)")
+    return WireFormat(fmt, block, min_numel)
 
 
 def _grad_wire(stage: int, fmt: Any, block: Any) -> Any:
     """qgZ's wire format (None: exact reduce-scatters); ConfigErrors for what cannot be quantized."""
-    from dsfn.ops.quantize import check_format
-    from dsfn.runtime.quantized import WireFormat
     if fmt is None:
-        if block != 64:
+        if block != 32:
             raise ConfigError(f"shard_zero(quantize_grads_block={block!r}) sizes quantized gradient reductions; pass "
                               "quantize_grads='int4' (or 'int8') too, or drop it")
         return None
     if stage == 0:
         raise ConfigError("shard_zero(0, quantize_grads=...): stage 0 all-reduces whole gradients, it has no "
                           "reduce-scatter to quantize; use stage 1, 2 or 3")
-    if fmt not in ("int4", "int8"):
-        raise ConfigError(f"shard_zero(quantize_grads={fmt!r}): gradients travel as 'int4' (ZeRO++ qgZ) or 'int8'")
-    check_format(fmt, block, "shard_zero(quantize_grads=..., quantize_grads_block=...)")
-    return WireFormat(fmt, block, 0)
+    return _checked_wire("quantize_grads", fmt, "gradients travel as 'int4' (ZeRO++ qgZ) or 'int8'", ("int4", "int8"),
+                         "quantize_grads_block", block, 0)
 
 
 def _check_groups(stage: int, shard_group: Any, hpz: Any, cross_node: Any, hierarchical: Any) -> None:

@@ -69,7 +69,7 @@ class UnitGatherer:
         installed for a recompute only once this gatherer's own backward re-gathered it (its
         outputs' gradient hook), so another micro-batch's forward, or its recompute, leaves
         this gatherer's hooks inert. `wire` (ZeRO++ qwZ): the gathers' quantized format
-        (`dsfn.runtime.quantized.WireFormat`; hpZ's secondary re-gathers too), None: exact."""
+        (`dsfn.runtime.quantized.WireFormat`; hpZ's secondary shard keeps the forward's codes), None: exact."""
         self.wire = wire
         self.module, self.axis, self.bucket_elems, self.prefetch, self.due = module, axis, bucket_elems, prefetch, due
         self.secondary = secondary

@@ -135,7 +135,7 @@ def _quantized(zero: dict, stage: int, report: KeyReport) -> dict:
     `zero_quantized_weights` (qwZ: int8 block-wise weight gathers) -> quantize_weights="int8",
     `zero_quantized_gradients` (qgZ: int4 hierarchical all-to-all reduction) ->
     quantize_grads="int4", `zero_quantized_nontrainable_weights` (frozen weights held in
-    int8) -> quantize_frozen="int8"; dsfn's block sizes (2048 weights, 64 gradients)."""
+    int8) -> quantize_frozen="int8"; dsfn's block sizes (2048 weights, 32 gradients)."""
     out = {}
     for key, (option, fmt, what) in _QUANTIZED.items():
         on = zero.pop(key, False)
