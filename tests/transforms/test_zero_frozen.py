@@ -218,12 +218,12 @@ def test_explain_counts_frozen_parameters_and_constant_buffers():
 PLAN = {"inp": "colwise_rep", "blocks.*.base": "colwise_rep"}
 
 
-def _train_tp(mesh, zero):
+def _train_tp(mesh, zero, **kw):
     from dsfn.transforms import tensor_parallel
     init_mesh(**mesh)
     model = LoRAModel()
     apply_fn, params = dsfn.functionalize(model)
-    stack = ([shard_zero(3)] if zero else []) + [tensor_parallel(PLAN, model=model)]
+    stack = ([shard_zero(3, **kw)] if zero else []) + [tensor_parallel(PLAN, model=model)]
     step = dsfn.compose(*stack)(train_step_for(apply_fn, mse_loss))
     state = step.place(dsfn.TrainState.create(params, dsfn.optim.sgd(lr=0.1, momentum=0.9)))
     losses = []
@@ -385,3 +385,15 @@ def test_export_writes_the_held_quantized_base_dequantized(tmp_path):
     got = load_file(path)
     for n, v in whole.items():
         assert got[n].dtype == torch.float32 and torch.equal(got[n], v), n
+
+
+def test_frozen_base_held_quantized_under_tensor_parallel():
+    """dp2 x tp2: ZeRO-3's pieces of the tp-split frozen weights are held quantized (their
+    layout wraps the Nested one) and training stays near the exact dp2 x tp2 run, not equal."""
+    mesh = dict(dp=2, tp=2)
+    exact = run_on_ranks(_train_tp, 4, mesh, True, timeout=120)
+    held = run_on_ranks(_train_tp, 4, mesh, True, quantize_frozen="int8", quantize_block=BLOCK, timeout=120)
+    for a, b in zip(exact, held):
+        assert "Quantized" in set(b["layouts"].values()), b["layouts"]
+        torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(a["losses"]), rtol=1e-3, atol=0)
+        assert b["losses"] != a["losses"]
