@@ -306,6 +306,11 @@ class FlatGather:
     def __init__(self, views: list[tuple[int, int, tuple[int, ...]]], slabs: list[torch.Tensor], pendings: list):
         self._spec, self.slabs, self._pendings = views, slabs, pendings
         self.slab_of = [k for k, _, _ in views]
+        # quantized slabs (qwZ): slab index -> its `_Dequantizing` (kept for hpZ's secondary
+        # codes), and each slab's element count and dtype (`gather_into_buffers` fills them)
+        self._dequant: dict[int, Any] = {}
+        self._slab_numel: list[int] = []
+        self._slab_dtype: list[torch.dtype] = []
 
     def wait(self) -> list[torch.Tensor]:
         for p in self._pendings:
@@ -358,11 +363,6 @@ class FlatGather:
                 pool.give(s)
 
     _own = False      # True when the slabs are the caller's shards (size-1 axis): never pooled
-    # quantized slabs (qwZ): slab index -> its `_Dequantizing` (kept for hpZ's secondary codes),
-    # and each slab's element count and dtype
-    _dequant: dict = {}
-    _slab_numel: list = []
-    _slab_dtype: list = []
 
 
 def gather_into_buffers(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]], axis: str,

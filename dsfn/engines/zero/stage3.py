@@ -218,11 +218,10 @@ class Stage3(ZeroShards):
             if not self.mine(v):
                 continue
             t, layout = v.data, v.layout
-            if isinstance(layout, Quantized):     # gathered as its codes, dequantized to the compute dtype
-                cast[n] = (t, zero_layout(layout), (layout.wire, dtype if dtype is not None else layout.dtype))
-            else:
-                cast[n] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t, zero_layout(layout),
-                           None)
+            # held quantized: gathered as its codes, dequantized into the compute dtype
+            held = (layout.wire, dtype or layout.dtype) if isinstance(layout, Quantized) else None
+            piece = t.to(dtype) if held is None and dtype is not None and t.is_floating_point() else t
+            cast[n] = (piece, zero_layout(layout), held)
         return apply_fn.with_local_constants(), cast
 
     # -- units ----------------------------------------------------------------------------------
