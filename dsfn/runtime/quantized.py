@@ -266,8 +266,10 @@ def all_reduce_quantized(flat: torch.Tensor, axis: str, wire: WireFormat, op: st
     and scales (`all_gather_quantized_into`, one block set per chunk). Every rank
     dequantizes the same codes, its own chunk's included, so the replicas stay bitwise
     equal. float32, `flat`'s numel. Every rank calls it alike."""
-    from dsfn.runtime.flat import padded_rows
-    rows = padded_rows(flat.float(), current_mesh().size(axis))
+    r = current_mesh().size(axis)
+    w = -(-flat.numel() // r)
+    # padded here, not by flat.padded_rows: flat imports this module (no import circle)
+    rows = torch.nn.functional.pad(flat.float().reshape(-1), (0, r * w - flat.numel())).view(r, w)
     mine = reduce_scatter_quantized(rows, axis, wire, op)
     out = torch.empty(rows.numel(), dtype=torch.float32, device=flat.device)
     all_gather_quantized_into([out], [mine], axis, wire).wait()
