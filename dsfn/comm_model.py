@@ -44,7 +44,7 @@ from dsfn.errors import ConfigError
 from dsfn.runtime.links import LinkBytes, group_links, link_bytes
 from dsfn.runtime.topology import Topology
 
-__all__ = ["Link", "Cluster", "ModelSpec", "Collective", "Plan", "LAYOUTS", "QUANTIZED_LAYOUTS", "NVLINK_H100",
+__all__ = ["Link", "Cluster", "ModelSpec", "Collective", "collective", "Plan", "LAYOUTS", "QUANTIZED_LAYOUTS", "NVLINK_H100",
            "NIC_400G",
            "llama", "LLAMA_7B", "LLAMA_70B", "step_comm"]
 
@@ -70,18 +70,56 @@ NIC_400G = Link("400 Gb/s NIC per GPU, 50 GB/s per direction", 50e9, 10e-6)
 
 @dataclass(frozen=True)
 class Cluster:
-    """`nodes` nodes of `gpus_per_node` GPUs, `intra` between GPUs of a node, `nics_per_node`
-    NICs of `inter` per node."""
+    """`nodes` nodes of `gpus_per_node` devices, `intra` between devices of a node,
+    `nics_per_node` NICs of `inter` per node; each device holds `memory` bytes and computes
+    `flops` dense (bf16, or the run's dtype) FLOP/s at peak, of which a training step's
+    matmuls reach `efficiency` (stated per device kind; `dsfn.planner.calibrate` measures it).
+    `overlap`: the fraction of an asynchronous collective's time the runtime hides behind
+    compute (1.0 on GPUs, where NCCL runs on its own streams; 0.0 on CPU ranks, whose gloo
+    threads take the cores the compute needs). `dtype`: the compute dtype the planner stacks
+    (`mixed_precision()` for bf16). Presets: `Cluster.h100(nodes)`, `Cluster.h200(nodes)`,
+    `Cluster.cpu(nodes, ranks_per_node)`."""
 
     nodes: int
     gpus_per_node: int = 8
     intra: Link = NVLINK_H100
     inter: Link = NIC_400G
     nics_per_node: int = 8
+    memory: float = 80e9
+    flops: float = 989e12
+    efficiency: float = 0.45
+    overlap: float = 1.0
+    dtype: str = "bf16"
+    name: str = "H100 SXM"
 
     @property
     def topology(self) -> Topology:
         return Topology(self.nodes, self.gpus_per_node, "comm_model")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @classmethod
+    def h100(cls, nodes: int = 1, **kw) -> "Cluster":
+        """Nodes of 8 H100 SXM (80 GB HBM3, 989 TFLOP/s dense bf16), NVLink 4 inside, a 400 Gb/s
+        InfiniBand NIC per GPU across."""
+        return cls(nodes, **{"name": "H100 SXM", "memory": 80e9, **kw})
+
+    @classmethod
+    def h200(cls, nodes: int = 1, **kw) -> "Cluster":
+        """Nodes of 8 H200 SXM (141 GB HBM3e, the H100's compute and links)."""
+        return cls(nodes, **{"name": "H200 SXM", "memory": 141e9, **kw})
+
+    @classmethod
+    def cpu(cls, nodes: int = 2, ranks_per_node: int = 2, *, memory: float = 4 * 2**30, flops: float = 20e9,
+            efficiency: float = 1.0, bandwidth: float = 2e9, latency: float = 60e-6, **kw) -> "Cluster":
+        """CPU/gloo ranks as this machine runs them (`dsfn.testing.run_on_ranks(..., ranks_per_node=)`):
+        every "link" is a loopback socket of `bandwidth` bytes/s and `latency` s, the step in
+        fp32, `flops` the rate one rank's step reaches (measure both: `dsfn.planner.calibrate_cpu`)."""
+        link = Link("gloo over loopback", bandwidth, latency)
+        return cls(nodes, ranks_per_node, link, link, 1, memory, flops, efficiency,
+                   **{"overlap": 0.0, "dtype": "fp32", "name": "CPU gloo", **kw})
 
 
 @dataclass(frozen=True)
@@ -155,6 +193,25 @@ class Plan:
         return {(c.axis, c.op): (c.calls, c.nbytes) for c in self.collectives}
 
 
+def collective(axis: str, ranks: Sequence[int], op: str, calls: int, nbytes: float, cluster: Cluster,
+               rank: int | None = None, src: int | None = None) -> Collective | None:
+    """`calls` of `op` over the group `ranks` (global ranks, seen from `rank`'s node, default
+    the group's first), `nbytes` counted in all: its link split and alpha-beta seconds (module
+    docstring). None when the group is one rank or nothing is sent."""
+    if len(ranks) == 1 or calls == 0:
+        return None
+    topo = cluster.topology
+    gl = group_links(ranks, topo, rank)
+    split = link_bytes(op, nbytes, gl, src=src, me=rank)
+    if op == "send":            # point to point: one hop, over the link the receiver sits behind
+        hops = calls * (cluster.inter.latency if split.inter > 0 else cluster.intra.latency)
+    else:
+        across = 2 * math.ceil(math.log2(gl.nodes_spanned)) if op == "all_reduce" else gl.nodes_spanned - 1
+        hops = calls * (cluster.intra.latency * (gl.on_node - 1) + cluster.inter.latency * across)
+    secs = hops + split.intra / cluster.intra.bandwidth + split.inter / (cluster.inter.bandwidth * cluster.nics_per_node)
+    return Collective(axis, op, calls, int(nbytes), split, secs)
+
+
 def _padded(numel: int, n: int) -> int:
     return -(-numel // n) * n
 
@@ -179,17 +236,9 @@ def step_comm(model: ModelSpec, layout: str, cluster: Cluster, *, elem_bytes: in
     plan = Plan(layout, cluster)
 
     def add(axis: str, op: str, calls: int, nbytes: int) -> None:
-        ranks = groups[axis]
-        if len(ranks) == 1 or calls == 0:
-            return
-        gl = group_links(ranks, topo, 0)
-        split = link_bytes(op, nbytes, gl)
-        nodes = gl.nodes_spanned
-        across = 2 * math.ceil(math.log2(nodes)) if op == "all_reduce" else nodes - 1
-        hops = calls * (cluster.intra.latency * (gl.on_node - 1) + cluster.inter.latency * across)
-        secs = hops + split.intra / cluster.intra.bandwidth + \
-            split.inter / (cluster.inter.bandwidth * cluster.nics_per_node)
-        plan.collectives.append(Collective(axis, op, calls, nbytes, split, secs))
+        c = collective(axis, groups[axis], op, calls, nbytes, cluster)
+        if c is not None:
+            plan.collectives.append(c)
 
     def local(n: int, split: bool) -> int:
         return -(-n // tp) if split and tp > 1 else n

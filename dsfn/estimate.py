@@ -67,6 +67,8 @@ class MemoryEstimate:
     dispatched: int = 0             # expert parallel: the dispatched rows held for backward (docs/estimate.md)
     dispatched_note: str = ""
     ring_in_flight: int = 0         # context parallel: the K/V block received while the rank's own is used
+    leaves: list = field(default_factory=list, repr=False)   # the placed meta state's leaf_records (path, layout,
+    #                                 local shape, dtype, bytes): what the planner reads the padded sizes off
 
     @property
     def state(self) -> int:
@@ -175,13 +177,26 @@ def _params_of(model: Any) -> tuple[dict[str, tuple[int, ...]], nn.Module | None
                       "enough), a dict {name: shape} or a parameter count (an int > 0)")
 
 
+_META_STATES: dict[tuple, tuple[Any, Any]] = {}
+
+
 def _placed_meta(stack: tuple, facts: Any, shapes: dict, dtype: torch.dtype, tx: Any) -> Any:
-    """The meta state of `shapes` placed by `stack` on the current (virtual) mesh."""
+    """The meta state of `shapes` placed by `stack` on the current (virtual) mesh. The unplaced
+    meta state is remembered per (tx, shapes, dtype): a caller estimating many stacks of one
+    model with one tx (the planner) builds it once; states are immutable, placing makes new ones."""
     from dsfn.state.init import place_state
     from dsfn.state.train_state import TrainState
-    meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x      # noqa: E731
-    state = TrainState.create({n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes.items()}, tx)
-    state = state.replace(step=meta(state.step), rng=meta(state.rng), opt_state=tree.map(meta, state.opt_state))
+    key = (id(tx), tuple(shapes.items()), dtype)
+    hit = _META_STATES.get(key)
+    if hit is not None and hit[0] is tx:
+        state = hit[1]
+    else:
+        meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x      # noqa: E731
+        state = TrainState.create({n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes.items()}, tx)
+        state = state.replace(step=meta(state.step), rng=meta(state.rng), opt_state=tree.map(meta, state.opt_state))
+        if len(_META_STATES) > 8:
+            _META_STATES.clear()
+        _META_STATES[key] = (tx, state)
     return place_state(stack, facts, state)
 
 
@@ -189,7 +204,8 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
                     tx: Any = None, tp: int | None = None, sp: int | None = None, pp: int | None = None,
                     pp_rank: int | None = None, batch: tuple[int, int] | None = None,
                     dtype: torch.dtype | None = None, ranks_per_node: int | None = None,
-                    ep: int | None = None, cp: int | None = None) -> MemoryEstimate:
+                    ep: int | None = None, cp: int | None = None,
+                    mesh_order: Sequence[str] | None = None) -> MemoryEstimate:
     """Per-rank bytes of parameters, gradients, optimizer state, master weights, the largest
     gathered unit, buckets, host and NVMe (see docs/estimate.md).
 
@@ -213,6 +229,8 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
         dtype: the parameters' dtype without mixed precision (default: the model's, else fp32).
         ranks_per_node: the launcher's ranks per node, for `shard_zero(shard_group="node")` /
             `hpz="node"` (default: this job's topology when it has `world_size` ranks).
+        mesh_order: the mesh axes outermost first, as the run's `init_mesh` lays them out
+            (default: dp, cp, sp, tp, ep, pp); it decides which groups a node holds.
     """
     from dsfn.engines.zero.groups import group_size
     from dsfn.optim import adamw
@@ -241,7 +259,8 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
     if pipe is not None and pp_rank is None:
         # the rank whose stages weigh the most (a pipeline's ranks differ: embeddings, head)
         ranks = [estimate_memory(model, stack, world_size, tx=tx, tp=tp, sp=sp, pp=pp, pp_rank=r, batch=batch, ep=ep,
-                                 dtype=dtype, ranks_per_node=ranks_per_node, cp=cp) for r in range(pp)]
+                                 dtype=dtype, ranks_per_node=ranks_per_node, cp=cp, mesh_order=mesh_order)
+                 for r in range(pp)]
         return max(ranks, key=lambda e: (e.device, -e.pp_rank))
     dp = world_size // (tp * sp * pp * ep * cp)
     zero = next(iter(whole.with_role("zero")), {})
@@ -249,7 +268,15 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
     cut = pipeline_cut(pipe, module, list(shapes), pp, pp_rank) if pipe is not None else None
     sizes = {"dp": dp, **({"cp": cp} if cp > 1 else {}), "sp": sp, "tp": tp, **({"ep": ep} if ep > 1 else {}),
              **({"pp": pp} if pp > 1 else {})}     # dp outermost
-    mesh = Mesh.virtual({**sizes, "pp": pp}, {"pp": pp_rank or 0}, _topology(world_size, ranks_per_node, zero))
+    sizes = {**sizes, "pp": pp}
+    if mesh_order is not None:
+        order = [k for k in mesh_order if k in sizes]
+        missing = [k for k, v in sizes.items() if v > 1 and k not in order]
+        if missing or len(set(order)) != len(order):
+            raise ConfigError(f"estimate_memory(mesh_order={tuple(mesh_order)}): name each mesh axis of size > 1 "
+                              f"once (missing: {missing})")
+        sizes = {**{k: sizes[k] for k in order}, **{k: v for k, v in sizes.items() if k not in order}}
+    mesh = Mesh.virtual(sizes, {"pp": pp_rank or 0}, _topology(world_size, ranks_per_node, zero))
     with on_virtual_mesh(mesh):
         state = _placed_meta(stack, facts, shapes, dtype or model_dtype, tx)
         hpz = group_size(mesh, dp_axis, zero["zero_hpz"], False, f"shard_zero(3, hpz={zero['zero_hpz']!r})") \
@@ -262,7 +289,8 @@ def estimate_memory(model: nn.Module | dict | int, stack: Sequence[Any] | Any = 
                                **({"pp": pp} if pp > 1 else {}), **({"cp": cp} if cp > 1 else {})}, stage=stage,
                          offload=whole.first("offload"), offload_params=bool(whole.first("offload_params", False)),
                          shard_group=hybrid, hpz=None if hpz == dp else hpz)
-    for k, v in state_fields(leaf_records(state)).items():
+    est.leaves = list(leaf_records(state))
+    for k, v in state_fields(est.leaves).items():
         setattr(est, k, v)
     pb = _transients(est, state, whole, zero, stage, n_shard, replicas, module, shapes, tp)
     if cut is not None:

@@ -177,11 +177,21 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zbv": zbv}
 
 
+_BUILT: dict[tuple, Schedule] = {}
+
+
 def build_schedule(name: str, p: int, m: int, v: int = 2) -> Schedule:
-    """The schedule called `name` ("gpipe", "1f1b", "interleaved" (uses v), "zbv")."""
+    """The schedule called `name` ("gpipe", "1f1b", "interleaved" (uses v), "zbv"). Schedules
+    are immutable: one is built once per (name, p, m, v) and shared (the estimate and the
+    planner ask for the same ones many times)."""
     if name not in SCHEDULES:
         raise ConfigError(f"unknown pipeline schedule {name!r}: use one of {sorted(SCHEDULES)}")
-    return interleaved_1f1b(p, m, v) if name == "interleaved" else SCHEDULES[name](p, m)
+    key = (name, p, m, v if name == "interleaved" else None)
+    if key not in _BUILT:
+        if len(_BUILT) > 256:
+            _BUILT.clear()
+        _BUILT[key] = interleaved_1f1b(p, m, v) if name == "interleaved" else SCHEDULES[name](p, m)
+    return _BUILT[key]
 
 
 def bubble_closed_form(name: str, p: int, m: int, v: int = 1) -> float | None:

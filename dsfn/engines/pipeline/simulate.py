@@ -196,6 +196,9 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float 
         raise ConfigError("simulate needs a Schedule (build one with gpipe/one_f_one_b/interleaved_1f1b/"
                           "zbv, or wrap your lists in Schedule(name, p, m, v, ranks))")
     t_w = t_b / 2 if t_w is None else t_w
+    hit = _SIMULATED.get((id(schedule), t_f, t_b, t_w))
+    if hit is not None and hit[0] is schedule:      # a schedule is immutable: its timing is too
+        return hit[1]
     if not (t_f > 0 and t_b > 0 and 0 < t_w < t_b):
         raise ConfigError(f"simulate needs t_f > 0, t_b > 0 and 0 < t_w < t_b (got t_f={t_f}, t_b={t_b}, "
                           f"t_w={t_w}); t_b is the full backward, t_w its weight-gradient part")
@@ -209,9 +212,16 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float 
     busy = tuple(math.fsum(sl.end - sl.start for sl in tl) for tl in timelines)
     bubble = 1.0 - math.fsum(busy) / (p * makespan) if makespan > 0 else 0.0
     peaks = [_peaks(acts) for acts in schedule]
-    return SimResult(schedule.name, p, m, v, timelines, makespan, busy, bubble,
-                     tuple(pk for pk, _ in peaks), tuple(pk / v for pk, _ in peaks),
-                     tuple(pw for _, pw in peaks))
+    result = SimResult(schedule.name, p, m, v, timelines, makespan, busy, bubble,
+                       tuple(pk for pk, _ in peaks), tuple(pk / v for pk, _ in peaks),
+                       tuple(pw for _, pw in peaks))
+    if len(_SIMULATED) > 256:
+        _SIMULATED.clear()
+    _SIMULATED[id(schedule), t_f, t_b, t_w] = (schedule, result)
+    return result
+
+
+_SIMULATED: dict[tuple, tuple[Schedule, SimResult]] = {}
 
 
 # --- timeline picture -----------------------------------------------------------------------
