@@ -15,6 +15,7 @@ from dsfn import integrations, optim, runtime, transforms  # noqa: E402,F401  (a
 from dsfn.estimate import estimate_memory  # noqa: E402
 import dsfn.estimate_explain  # noqa: E402,F401  (registers explain's memory view)
 from dsfn.migrate import from_ds_config  # noqa: E402
+from dsfn.planner import Cluster, plan  # noqa: E402
 
 
 def __getattr__(name: str):
@@ -26,6 +27,6 @@ def __getattr__(name: str):
         return importlib.import_module(f"dsfn.{name}")
     raise AttributeError(f"module 'dsfn' has no attribute {name!r}")
 
-__all__ = ["TrainState", "compose", "errors", "estimate_memory", "from_ds_config", "functionalize", "gather", "launch",
-           "optim", "runtime", "transforms", "tree", "value_and_grad"]
+__all__ = ["Cluster", "TrainState", "compose", "errors", "estimate_memory", "from_ds_config", "functionalize", "gather", "launch",
+           "optim", "plan", "runtime", "transforms", "tree", "value_and_grad"]
 __version__ = "0.1.0"

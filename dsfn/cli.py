@@ -7,9 +7,15 @@
     dsfn ckpt convert --from-deepspeed DS_DIR --out OUT --trust-pickle [--tag T]
                                                 a DeepSpeed ZeRO 0-3 or universal checkpoint -> dsfn
 
+    dsfn plan MODEL --nodes N [--cluster h100|h200|cpu] [--gpus-per-node G] [--memory-gib M]
+              --global-batch B --seq-len S [--top K] [--tp 1,2,..] [--pp ..] [--zero ..]
+                                                the ranked layouts of MODEL (a preset name or a Hugging
+                                                Face config.json / model directory) and why each
+                                                rejected family was rejected (`dsfn.plan`)
+
 DIR is a checkpoint root (its latest committed step) or a step directory. Exit status:
 0 success, 1 verification failed, 2 bad input (missing directory, no committed
-checkpoint, unreadable manifest, bad arguments).
+checkpoint, unreadable manifest, bad arguments; for plan: nothing fits, the model cannot be read).
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ import os
 import sys
 
 from dsfn.checkpoint import format as F
-from dsfn.errors import CheckpointError
+from dsfn.errors import CheckpointError, ConfigError
 
 
 def _human(n: int) -> str:
@@ -119,6 +125,34 @@ def cmd_convert(a) -> int:
     return 0
 
 
+def _plan_model(spec: str):
+    """A preset name, a config.json, or a directory holding one (read as a dict: no download)."""
+    import json
+    path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    return spec
+
+
+def cmd_plan(a) -> int:
+    from dsfn.comm_model import Cluster
+    from dsfn.planner import plan
+    kw = {"memory": a.memory_gib * 2**30} if a.memory_gib else {}
+    if a.cluster == "cpu":
+        cluster = Cluster.cpu(a.nodes, a.gpus_per_node or 2, **kw)
+    else:
+        cluster = getattr(Cluster, a.cluster)(a.nodes, **({"gpus_per_node": a.gpus_per_node} if a.gpus_per_node
+                                                          else {}), **kw)
+    ints = lambda v: tuple(int(x) for x in v.split(",")) if v else None      # noqa: E731
+    cons = {k: ints(getattr(a, k)) for k in ("tp", "pp", "sp", "cp", "ep") if getattr(a, k)}
+    if a.zero:
+        cons["zero"] = ints(a.zero)
+    result = plan(_plan_model(a.model), cluster, global_batch=a.global_batch, seq_len=a.seq_len, constraints=cons)
+    print(result.table(a.top))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsfn", description="dsfn command line tools")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -149,6 +183,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow reading DeepSpeed's pickle files (they can run code: only for trusted sources)")
     s.add_argument("--tag", default=None, help="with --from-deepspeed: the tag to read instead of `latest`")
     s.set_defaults(fn=cmd_convert)
+    s = sub.add_parser("plan", help="rank the layouts (mesh and stack) for a model, a cluster and a batch")
+    s.add_argument("model", help="a preset (dsfn.planner.presets.PRESETS), a config.json or a model directory")
+    s.add_argument("--cluster", choices=["h100", "h200", "cpu"], default="h100")
+    s.add_argument("--nodes", type=int, default=1)
+    s.add_argument("--gpus-per-node", type=int, default=None)
+    s.add_argument("--memory-gib", type=float, default=None, help="memory per device (default: the preset's)")
+    s.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    s.add_argument("--seq-len", type=int, required=True)
+    s.add_argument("--top", type=int, default=10)
+    for ax in ("tp", "pp", "sp", "cp", "ep", "zero"):
+        s.add_argument(f"--{ax}", default=None, help=f"{ax} degrees to search, comma-separated (default: all)")
+    s.set_defaults(fn=cmd_plan)
     return p
 
 
@@ -156,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except CheckpointError as e:
+    except (CheckpointError, ConfigError) as e:
         print(f"dsfn: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:

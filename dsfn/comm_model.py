@@ -85,7 +85,7 @@ class Cluster:
     intra: Link = NVLINK_H100
     inter: Link = NIC_400G
     nics_per_node: int = 8
-    memory: float = 80e9
+    memory: float = 80 * 2**30
     flops: float = 989e12
     efficiency: float = 0.45
     overlap: float = 1.0
@@ -102,14 +102,14 @@ class Cluster:
 
     @classmethod
     def h100(cls, nodes: int = 1, **kw) -> "Cluster":
-        """Nodes of 8 H100 SXM (80 GB HBM3, 989 TFLOP/s dense bf16), NVLink 4 inside, a 400 Gb/s
+        """Nodes of 8 H100 SXM (80 GiB HBM3, 989 TFLOP/s dense bf16), NVLink 4 inside, a 400 Gb/s
         InfiniBand NIC per GPU across."""
-        return cls(nodes, **{"name": "H100 SXM", "memory": 80e9, **kw})
+        return cls(nodes, **{"name": "H100 SXM", "memory": 80 * 2**30, **kw})
 
     @classmethod
     def h200(cls, nodes: int = 1, **kw) -> "Cluster":
-        """Nodes of 8 H200 SXM (141 GB HBM3e, the H100's compute and links)."""
-        return cls(nodes, **{"name": "H200 SXM", "memory": 141e9, **kw})
+        """Nodes of 8 H200 SXM (141 GB = 140 GiB HBM3e, the H100's compute and links)."""
+        return cls(nodes, **{"name": "H200 SXM", "memory": 140 * 2**30, **kw})
 
     @classmethod
     def cpu(cls, nodes: int = 2, ranks_per_node: int = 2, *, memory: float = 4 * 2**30, flops: float = 20e9,

@@ -10,8 +10,8 @@ model (`ModelFacts`).
 
 Modules: `model` (what is read off a model), `layout` (a candidate and its stack), `predict`
 (memory, time, communication of one candidate), `search` (the space and the ranking),
-`presets` (published model configs), `measure` (running a candidate on this machine's ranks,
-what the predictions are checked against), `calibrate` (a device's rates from a short run).
+`presets` (published model configs). `dsfn.testing.planner` runs a candidate on this
+machine's ranks: what the predictions are checked against.
 """
 from dsfn.comm_model import Cluster
 from dsfn.planner.layout import Layout

@@ -173,14 +173,14 @@ def _planner_tx() -> Any:
 def estimate(layout: Layout, module: Any, cluster: Cluster, pp_rank: int | None = None) -> Any:
     """`estimate_memory` of the layout's stack on its mesh (a pipeline: its largest rank, or
     `pp_rank`), remembered per (module, ranks per node, `state_key`, pp_rank)."""
-    import dsfn
+    from dsfn.estimate import estimate_memory
     key = (id(module), cluster.gpus_per_node, state_key(layout), pp_rank)
     hit = _ESTIMATES.get(key)
     if hit is not None and hit[0] is module:
         return hit[1]
     if len(_ESTIMATES) > 4096:
         _ESTIMATES.clear()
-    est = dsfn.estimate_memory(module, layout.stack(module), layout.world, tp=layout.tp, sp=layout.sp, pp=layout.pp,
+    est = estimate_memory(module, layout.stack(module), layout.world, tp=layout.tp, sp=layout.sp, pp=layout.pp,
                                ep=layout.ep, cp=layout.cp, ranks_per_node=cluster.gpus_per_node,
                                mesh_order=MESH_ORDER, pp_rank=pp_rank, tx=_planner_tx())
     _ESTIMATES[key] = (module, est)
@@ -296,9 +296,9 @@ def _makespan(layout: Layout, t_f: float, t_b: float) -> float:
 
 def _stage_layers(n_layers: int, layout: Layout, sched: Any, rank: int) -> list[tuple[int, int]]:
     """[start, end) layer ranges of `rank`'s stages: the pipeline's even split (`plan_stages`)."""
-    from dsfn.engines.pipeline.stages import _split
+    from dsfn.engines.pipeline.stages import stage_bounds
     stages = sorted({a.stage for acts in sched for a in acts if a.rank == rank})
-    cuts = _split(n_layers, layout.pp * (len(stages) and sched.v), None)
+    cuts = stage_bounds(n_layers, layout.pp * sched.v)
     return [cuts[s] for s in stages]
 
 

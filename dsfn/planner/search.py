@@ -325,9 +325,9 @@ def _has_real_weights(module: Any) -> bool:
 
 def _judge(lay: Layout, module: Any) -> str | None:
     """None when `compose` takes the layout's stack, else dsfn's reason."""
-    import dsfn
+    from dsfn.transforms.compose import compose
     try:
-        dsfn.compose(*lay.stack(module))(_no_step)
+        compose(*lay.stack(module))(_no_step)
     except DsfnError as e:
         return f"compose refuses the stack: {e}"
     return None

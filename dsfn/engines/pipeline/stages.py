@@ -44,7 +44,7 @@ from dsfn.errors import ConfigError
 from dsfn.functional import ForwardEnded
 from dsfn.units import find_units
 
-__all__ = ["StageHooks", "StagePlan", "StopForward", "layer_holders", "plan_stages", "running_stage"]
+__all__ = ["StageHooks", "StagePlan", "StopForward", "layer_holders", "plan_stages", "running_stage", "stage_bounds"]
 
 
 class StopForward(ForwardEnded):
@@ -114,7 +114,9 @@ def layer_holders(module: nn.Module, layers: str | None = None) -> tuple[str, li
     return path, [".".join(parts[:i]) for i in range(len(parts) + 1)]
 
 
-def _split(n_layers: int, n_stages: int, split: Sequence[int] | None) -> list[tuple[int, int]]:
+def stage_bounds(n_layers: int, n_stages: int, split: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """[start, end) layer indices of each of `n_stages` stages: `split` layer counts, or as even
+    as integers allow (the first stages one layer more)."""
     if split is None:
         if n_layers < n_stages:
             raise ConfigError(f"pipeline_parallel: the model has {n_layers} layers, fewer than the {n_stages} stages "
@@ -138,7 +140,7 @@ def plan_stages(module: nn.Module, param_names: Sequence[str], n_stages: int, sp
                 layers: str | None = None) -> StagePlan:
     """Cut `module` into `n_stages` stages (module docstring)."""
     path, layer_list = _layer_list(module, layers)
-    bounds = _split(len(layer_list), n_stages, split)
+    bounds = stage_bounds(len(layer_list), n_stages, split)
     stage_of_layer = {k: s for s, (a, b) in enumerate(bounds) for k in range(a, b)}
     order = {name: k for k, (name, _) in enumerate(module.named_modules())}
     at = order[path]

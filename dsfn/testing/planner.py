@@ -1,4 +1,5 @@
-"""Measuring a candidate on this machine's ranks: what the planner's predictions are checked against.
+"""Measuring a planner candidate (`dsfn.planner.Layout`) on this machine's ranks: what the
+planner's predictions are checked against (tests/planner, benchmarks/plan.py).
 
 `measure(layout, build, batch_of, ...)` runs on every rank of a `run_on_ranks` job: it
 builds the model (`build()`, the same seed on every rank), composes `layout.stack(model)`,
