@@ -91,6 +91,14 @@ class Cluster:
     overlap: float = 1.0
     dtype: str = "bf16"
     name: str = "H100 SXM"
+    hbm: float = 3.35e12
+    layer_overhead: float = 0.0
+    op_costs: tuple = ()
+    """Calibrated collectives ((op, group size, seconds per call, seconds per byte counted), ...):
+    where one is given it replaces the links' alpha-beta for that op and group size
+    (`dsfn.planner.calibrate` measures them on this machine's ranks). `hbm`: device memory
+    bandwidth (the optimizer's update streams the state); `layer_overhead`: seconds per layer and
+    micro-batch the framework adds to a step's compute (what a tiny model on CPU is made of)."""
 
     @property
     def topology(self) -> Topology:
@@ -109,7 +117,7 @@ class Cluster:
     @classmethod
     def h200(cls, nodes: int = 1, **kw) -> "Cluster":
         """Nodes of 8 H200 SXM (141 GB = 140 GiB HBM3e, the H100's compute and links)."""
-        return cls(nodes, **{"name": "H200 SXM", "memory": 140 * 2**30, **kw})
+        return cls(nodes, **{"name": "H200 SXM", "memory": 140 * 2**30, "hbm": 4.8e12, **kw})
 
     @classmethod
     def cpu(cls, nodes: int = 2, ranks_per_node: int = 2, *, memory: float = 4 * 2**30, flops: float = 20e9,
@@ -209,6 +217,9 @@ def collective(axis: str, ranks: Sequence[int], op: str, calls: int, nbytes: flo
         across = 2 * math.ceil(math.log2(gl.nodes_spanned)) if op == "all_reduce" else gl.nodes_spanned - 1
         hops = calls * (cluster.intra.latency * (gl.on_node - 1) + cluster.inter.latency * across)
     secs = hops + split.intra / cluster.intra.bandwidth + split.inter / (cluster.inter.bandwidth * cluster.nics_per_node)
+    for o, g, alpha, beta in cluster.op_costs:
+        if o == op and g == len(ranks):
+            secs = calls * alpha + nbytes * beta
     return Collective(axis, op, calls, int(nbytes), split, secs)
 
 

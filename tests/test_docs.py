@@ -115,6 +115,11 @@ assert torch.isfinite(metrics['loss'])
 """,
     "checkpoints": "import os\nassert int(state.step) == 100 and os.path.isdir('ckpt/step_00000100')",  # the text's name
     "donation": "assert int(state.step) == 2",
+    "planner": """
+assert result.candidates and result.best.peak <= 0.9 * 80 * 2**30
+assert result.best.step_s == min(p.step_s for p in result.candidates)
+assert result.best.layout.code().startswith('init_mesh(')
+""",
     "zero3-from-ds-config": "assert cfg.train_batch_size == 256 and int(state.step) == 2",
     "zero3-by-hand": """
 state, metrics = step(step.init_state(params, tx), batch)

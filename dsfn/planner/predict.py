@@ -326,6 +326,8 @@ def _comm(layout: Layout, facts: ModelFacts, cluster: Cluster, est: Any, module:
     buckets = max(1, math.ceil(local / bucket))
     rows = (layout.micro_batch * layout.accum)
     tokens = rows * seq // (layout.sp * layout.cp)       # per step on a rank
+    # ZeRO-3 gathers and reduces per micro-batch under accumulate (each pass needs the unit)
+    per_mb = layout.accum if layout.zero == 3 and layout.pp == 1 else 1
     if n > 1:
         if layout.zero == 0:
             add("dp", "all_reduce", buckets + 1, local * elem + 8, dp)
@@ -334,24 +336,27 @@ def _comm(layout: Layout, facts: ModelFacts, cluster: Cluster, est: Any, module:
             add("dp", "all_gather", buckets, padded * elem, dp)
         elif layout.shard == "hsdp":
             shard, rep = dp[:k], dp[::k]
-            add("dp_shard", "all_gather", 2 * units, 2 * padded * elem, shard)
-            add("dp_shard", "reduce_scatter", buckets, padded * elem, shard)
-            add("dp_replicate", "all_reduce", buckets, padded // k * elem, rep)
+            add("dp_shard", "all_gather", 2 * units * per_mb, 2 * padded * elem * per_mb, shard)
+            add("dp_shard", "reduce_scatter", buckets * per_mb, padded * elem * per_mb, shard)
+            add("dp_replicate", "all_reduce", buckets * per_mb, padded // k * elem * per_mb, rep)
         elif layout.shard == "hpz":
-            add("dp", "all_gather", units, padded * elem, dp)
-            add("dp_shard", "all_gather", units, padded * elem, dp[:k])
-            add("dp", "reduce_scatter", buckets, padded * elem, dp)
+            add("dp", "all_gather", units * per_mb, padded * elem * per_mb, dp)
+            add("dp_shard", "all_gather", units * per_mb, padded * elem * per_mb, dp[:k])
+            add("dp", "reduce_scatter", buckets * per_mb, padded * elem * per_mb, dp)
         else:
-            add("dp", "all_gather", 2 * units, 2 * padded * elem, dp)
-            add("dp", "reduce_scatter", buckets, padded * elem, dp)
+            add("dp", "all_gather", 2 * units * per_mb, 2 * padded * elem * per_mb, dp)
+            add("dp", "reduce_scatter", buckets * per_mb, padded * elem * per_mb, dp)
         if layout.zero > 0:
             add("dp", "all_reduce", 2 if layout.pp > 1 else 1, 8, dp)
+    # the gradients sp / cp sum: ZeRO's shard of them (its shard group's), or all of them
+    summed = (padded // shard_n if layout.zero >= 1 and shard_n > 1 else local) if n > 1 else local
     h = facts.hidden
     act = tokens * h * elem
     L = math.ceil(facts.layers / layout.pp)
     if layout.tp > 1:
         tp = mesh_group(layout, "tp")
-        per_layer = 4 + (2 if layout.remat else 0)
+        # remat re-runs the layer's forward but its last all-reduce (its output is not needed again)
+        per_layer = 4 + (1 if layout.remat else 0)
         extra = 2 if layout.pp == 1 else 1
         add("tp", "all_reduce", per_layer * L + extra, (per_layer * L + extra) * act, tp)
         vocab = -(-facts.vocab // layout.tp) * layout.tp
@@ -364,16 +369,19 @@ def _comm(layout: Layout, facts: ModelFacts, cluster: Cluster, est: Any, module:
         per = tokens * (2 * facts.heads * hd + 2 * kv * hd) * elem // layout.tp
         passes = 3 if layout.remat else 2
         add("sp", "all_to_all", 4 * passes * L, passes * L * per, sp)
-        grads = padded // n if layout.zero >= 1 and n > 1 else local
-        add("sp", "all_reduce", buckets + 2, grads * elem + 12, sp)
+        add("sp", "all_reduce", buckets + 2, summed * elem + 12, sp)
     if layout.cp > 1:
         cp = mesh_group(layout, "cp")
-        kv_block = 2 * tokens * facts.kv_heads // layout.tp * facts.head_dim * elem // layout.micro_batch \
-            * layout.micro_batch + tokens      # K and V of the rank's tokens, + a byte a token (its mask)
-        calls = 4 * L * (layout.cp - 1) * (3 if layout.remat else 2) // 2     # F sends K/V; B sends K/V and dK/dV
+        mb_tokens = tokens // layout.accum
+        # K and V of the rank's tokens (its K/V heads), + the block's positions (int32, cp-local sequence)
+        kv_block = 2 * mb_tokens * (facts.kv_heads // layout.tp) * facts.head_dim * elem + seq // layout.cp * 4
+        calls = 4 * L * (layout.cp - 1) * layout.accum * (3 if layout.remat else 2) // 2   # F: K/V; B: K/V, dK/dV
         add("cp", "send", calls, calls * kv_block, [0, cp[1]], src=cp[1])
-        grads = padded // n if layout.zero >= 1 and n > 1 else local
-        add("cp", "all_reduce", buckets + 2, grads * elem + 12, cp)
+        add("cp", "all_reduce", buckets + 2, summed * elem + 12, cp)
+        if layout.sp > 1:       # 2-D: the ring's positions made whole over cp, Ulysses' over sp, per micro-batch
+            add("cp", "all_gather", layout.accum, layout.accum * layout.micro_batch * seq * 8, cp)
+            add("sp", "all_gather", layout.accum, layout.accum * layout.micro_batch * seq // layout.cp * 2,
+                mesh_group(layout, "sp"))
     if layout.pp > 1:
         pp = mesh_group(layout, "pp")
         mb_act = layout.micro_batch * seq // (layout.sp * layout.cp) * h * elem
