@@ -82,8 +82,8 @@ class Prediction:
     """Predicted device bytes at the step's peak (the largest rank's): the state on the device,
     plus the larger of the end of forward (activations, the gathered unit, hpZ's secondary
     shards, and under accumulation or a pipeline the gradients summed so far) and the end of
-    backward (the gradients and the reduce bucket in flight, the unit), and the optimizer's
-    update (the gradients and its temporaries): activations are freed as gradients are made."""
+    backward (the gradients and the reduce bucket in flight, the unit): activations are freed
+    as gradients are made."""
 
     def links(self) -> dict[tuple[str, str], tuple[float, float]]:
         """{(axis, op): (intra bytes per rank, inter bytes per node)}: `Explanation.links`' shape."""
@@ -198,16 +198,14 @@ def _activations(layout: Layout, facts: ModelFacts, seq: int, elem: int, in_flig
     return layers * kept * in_flight + (one_layer if layout.remat else 0.0) + (root * tokens_mb if last else 0.0)
 
 
-def _peak(layout: Layout, e: Any, activations: float, reduce_bucket: int) -> int:
-    """Device bytes at the step's peak (`Prediction.peak`)."""
+def _peak(layout: Layout, e: Any, activations: float, reduce_bucket: int, whole_grads: int) -> int:
+    """Device bytes at the step's peak (`Prediction.peak`). `whole_grads`: the rank's gradients
+    unsharded, what accumulation sums micro-batch after micro-batch (measured: also at ZeRO 2/3)."""
     held = e.params + e.optimizer + e.master
     transient = e.largest_unit + e.secondary + e.dispatched + e.ring_in_flight
-    forward = activations + (e.grads if layout.accum > 1 else 0)       # gradients summed over micro-batches
+    forward = activations + (max(e.grads, whole_grads) if layout.accum > 1 else 0)
     backward = e.grads + reduce_bucket
-    # the optimizer's update: the gradients, and its temporaries (measured: an AdamW update of n
-    # fp32 elements allocates 4n x 4 B beside its inputs; 2 x the moments' bytes)
-    update = e.grads + 2 * e.optimizer
-    return int(held + transient + max(forward, backward, update))
+    return int(held + transient + max(forward, backward))
 
 
 def predict(layout: Layout, facts: ModelFacts, cluster: Cluster, global_batch: int, seq: int, *,
@@ -231,7 +229,7 @@ def predict(layout: Layout, facts: ModelFacts, cluster: Cluster, global_batch: i
         else:
             layers = sum(e2 - s2 for s2, e2 in _stage_layers(facts.layers, layout, sched, r))
             acts = _activations(layout, facts, seq, elem, sim.peak_activations[r], layers, r == layout.pp - 1)
-        per_rank.append((_peak(layout, e, acts, bucket), e, acts, bucket))
+        per_rank.append((_peak(layout, e, acts, bucket, local * elem), e, acts, bucket))
     peak, est, acts, bucket = max(per_rank, key=lambda x: x[0])
     est0 = per_rank[0][1]           # rank 0's own state for its collectives
     layers_here = math.ceil(facts.layers / layout.pp)
@@ -375,7 +373,8 @@ def _comm(layout: Layout, facts: ModelFacts, cluster: Cluster, est: Any, module:
         mb_tokens = tokens // layout.accum
         # K and V of the rank's tokens (its K/V heads), + the block's positions (int32, cp-local sequence)
         kv_block = 2 * mb_tokens * (facts.kv_heads // layout.tp) * facts.head_dim * elem + seq // layout.cp * 4
-        calls = 4 * L * (layout.cp - 1) * layout.accum * (3 if layout.remat else 2) // 2   # F: K/V; B: K/V, dK/dV
+        # per layer and ring step: F sends K/V once, B three times (K/V, dK/dV); remat's forward once more
+        calls = (4 + layout.remat) * L * (layout.cp - 1) * layout.accum
         add("cp", "send", calls, calls * kv_block, [0, cp[1]], src=cp[1])
         add("cp", "all_reduce", buckets + 2, summed * elem + 12, cp)
         if layout.sp > 1:       # 2-D: the ring's positions made whole over cp, Ulysses' over sp, per micro-batch

@@ -199,8 +199,9 @@ def _data_layouts(facts, cluster, global_batch, seq, cs, bf16, mesh) -> Iterable
                                                    f"{accum} is not a multiple")
                 continue
             for zero in cs.zero:
-                if zero > 0 and dp == 1 and zero > 1:
-                    continue            # nothing to shard over: ZeRO 2/3 at dp 1 is ZeRO 1
+                if dp == 1 and zero > 1:        # nothing to shard over: ZeRO 2/3 at dp 1 is ZeRO 1
+                    yield Rejection(f"zero{zero}", f"dp 1 leaves ZeRO {zero} nothing to shard (it is ZeRO 1)")
+                    continue
                 shards = ["flat"] if zero < 3 or dp <= k or dp % k else [s for s in cs.shard]
                 for shard in shards:
                     for remat in cs.remat:
@@ -251,7 +252,7 @@ def plan(model: Any, cluster: Cluster | None = None, *, global_batch: int, seq_l
             reasons.setdefault(x.family, x.reason)
     if not layouts:
         raise PlanError(f"plan: no layout of {facts.name} on {cluster.world} ranks: "
-                        + "; ".join(sorted(set(reasons.values()))[:4])
+                        + ("; ".join(sorted(set(reasons.values()))[:4]) or "the constraints leave none")
                         + ". Change the global batch to a multiple of the data ranks, or the degrees (constraints=)")
 
     def run(lays: list[Layout]) -> None:

@@ -54,8 +54,9 @@ def test_parameter_count_equals_the_meta_modules(preset):
     facts = ModelFacts.of(preset)
     real = sum(p.numel() for p in facts.meta_module().parameters())
     assert facts.params <= real and real - facts.params < 1e-3 * real
-    if facts.experts:                      # a token meets top_k of the experts
-        assert facts.active_params < facts.params / 4
+    published_active = {"mixtral-8x7b": 12.9e9, "qwen3-30b-a3b": 3.3e9, "deepseek-v3": 37e9}   # model cards
+    if preset in published_active:         # a token meets top_k of the experts
+        assert facts.active_params == pytest.approx(published_active[preset], rel=0.03)
 
 
 def test_activation_model_equals_the_forwards_allocations():
@@ -78,7 +79,8 @@ MEASURED = [Layout(dp=4, zero=1, micro_batch=2, bf16=False),
             Layout(dp=2, tp=2, zero=1, micro_batch=4, bf16=False),
             Layout(dp=2, pp=2, zero=1, schedule="1f1b", micro_batch=2, accum=2, bf16=False),
             Layout(dp=2, sp=2, zero=1, micro_batch=4, bf16=False),
-            Layout(dp=2, cp=2, zero=3, micro_batch=4, remat=True, bf16=False)]
+            Layout(dp=2, cp=2, zero=3, micro_batch=4, bf16=False),
+            Layout(dp=2, tp=2, zero=3, micro_batch=2, accum=2, bf16=False)]
 
 
 def _measure_all(layouts, batch):
@@ -158,7 +160,7 @@ def test_batch_no_degree_divides_is_a_plan_error():
 def test_nothing_fits_names_the_memory_that_would():
     with pytest.raises(PlanError, match=r"no layout of llama3-70b fits 8 x 16\.000 GiB.*needs [\d.]+ GiB per device"):
         plan("llama3-70b", Cluster.h100(1, memory=16 * 2**30), global_batch=8, seq_len=4096,
-             constraints=dict(tp=(8,), pp=(1,), zero=(3,), micro_batches=(1,)))
+             constraints=dict(tp=(1,), pp=(1,), zero=(3,), micro_batches=(1,)))
 
 
 def test_a_model_the_flops_count_cannot_read_is_named():
