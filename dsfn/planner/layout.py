@@ -114,9 +114,12 @@ class Layout:
     def stack(self, model: Any) -> list[Any]:
         """The transforms, built (`model`: the nn.Module, meta is enough, for tp / ep / pp)."""
         import dsfn.transforms as T
+        from dsfn.models.gpt import GPT, tp_plan
         built = []
         for name, _, kw in self._items():
             kw = {k: (model if k == "model" else v) for k, v in kw.items()}
+            if name == "tensor_parallel" and isinstance(model, GPT):     # dsfn's GPT: its own plan
+                kw["plan"] = tp_plan()
             built.append(getattr(T, name)(**kw))
         return built
 

@@ -24,6 +24,14 @@ LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_l
              num_key_value_heads=2, max_position_embeddings=128)
 
 
+def _odd_gpt():
+    """dsfn's GPT at odd sizes (d 66, vocab 255): ZeRO pads every tensor to its shard group,
+    which the predicted bytes must count (the Llama's sizes are all multiples of 4)."""
+    from dsfn.models.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=255, seq_len=64, n_layer=2, n_head=2, d_model=66))
+
+
 def _llama():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -63,7 +71,7 @@ def test_activation_model_equals_the_forwards_allocations():
     """The bytes the meta forward saves for backward (one and two layer copies) predict what a
     real forward allocates on CPU, within 1%."""
     model = _llama()
-    ids = torch.randint(0, 256, (2, 64))
+    ids = torch.randint(0, 255, (2, 64))
     model(ids)
     _, measured = allocation_peak(lambda: torch.nn.functional.cross_entropy(
         model(ids).logits.flatten(0, 1).float(), ids.flatten()))
@@ -83,14 +91,37 @@ MEASURED = [Layout(dp=4, zero=1, micro_batch=2, bf16=False),
             Layout(dp=2, tp=2, zero=3, micro_batch=2, accum=2, bf16=False)]
 
 
-def _measure_all(layouts, batch):
-    return [measure(lay, _llama, batch, steps=1, warmup=1) for lay in layouts]
+ODD = [Layout(dp=4, zero=1, micro_batch=2, bf16=False), Layout(dp=4, zero=3, micro_batch=2, bf16=False),
+       Layout(dp=4, zero=3, shard="hsdp", micro_batch=2, bf16=False), Layout(dp=2, tp=2, zero=3, micro_batch=4, bf16=False)]
+
+
+def _measure_all(layouts, batch, build):
+    return [measure(lay, build, batch, steps=1, warmup=1) for lay in layouts]
 
 
 @pytest.fixture(scope="module")
 def measured_runs():
-    ids = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0))
-    return run_on_ranks(_measure_all, 4, MEASURED, {"input_ids": ids, "labels": ids}, timeout=300, ranks_per_node=2)
+    ids = torch.randint(0, 255, (8, 64), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    return run_on_ranks(_measure_all, 4, MEASURED, batch, _llama, timeout=300, ranks_per_node=2)
+
+
+@pytest.fixture(scope="module")
+def odd_runs():
+    ids = torch.randint(0, 255, (8, 64), generator=torch.Generator().manual_seed(0))
+    return run_on_ranks(_measure_all, 4, ODD, {"input_ids": ids, "labels": ids}, _odd_gpt, timeout=300,
+                        ranks_per_node=2)
+
+
+def test_predicted_bytes_count_zeros_padding(odd_runs):
+    """At odd sizes the predicted bytes per link still equal the measured: the padding counts."""
+    facts = ModelFacts.of(_odd_gpt().config)
+    for i, lay in enumerate(ODD):
+        pred = predict(lay, facts, Cluster.cpu(2, 2), 8, 64).links()
+        got = odd_runs[0][i].links
+        assert set(pred) == set(got), (lay.describe(), sorted(pred), sorted(got))
+        for k in got:
+            assert pred[k] == pytest.approx(got[k], abs=0.5), (lay.describe(), k, pred[k], got[k])
 
 
 def test_predicted_bytes_per_link_equal_the_measured(measured_runs):
@@ -105,9 +136,9 @@ def test_predicted_bytes_per_link_equal_the_measured(measured_runs):
             assert pred[k] == pytest.approx(got[k], abs=0.5), (lay.describe(), k, pred[k], got[k])
 
 
-def test_predicted_peak_memory_is_within_a_fifth_of_the_measured(measured_runs):
+def test_predicted_peak_memory_is_within_a_tenth_of_the_measured(measured_runs):
     """Predicted peak device bytes (estimate_memory's state + the modelled activations and
-    transients) against each run's largest rank: the state exactly, the peak within 20% (the
+    transients) against each run's largest rank: the state exactly, the peak within 10% (the
     benchmark prints every candidate's ratio; see benchmarks/README.md)."""
     facts = ModelFacts.of(_llama().config)
     for i, lay in enumerate(MEASURED):
@@ -116,7 +147,7 @@ def test_predicted_peak_memory_is_within_a_fifth_of_the_measured(measured_runs):
         state = measured_runs[0][i].state
         held = p.memory.params + p.memory.optimizer + p.memory.master
         assert held == pytest.approx(state, abs=1024), lay.describe()
-        assert p.peak == pytest.approx(peak, rel=0.2), (lay.describe(), p.peak, peak)
+        assert p.peak == pytest.approx(peak, rel=0.1), (lay.describe(), p.peak, peak)
 
 
 def test_every_candidate_composes_and_rejections_are_named():
