@@ -113,27 +113,24 @@ def odd_runs():
                         ranks_per_node=2)
 
 
+def _assert_links_equal(facts, layouts, runs):
+    """Each layout's predicted {(axis, op): (intra, inter)} bytes equal rank 0's measured ones."""
+    for lay, run in zip(layouts, runs):
+        pred = predict(lay, facts, Cluster.cpu(2, 2), 8, 64).links()
+        assert set(pred) == set(run.links), (lay.describe(), sorted(pred), sorted(run.links))
+        for k, got in run.links.items():
+            assert pred[k] == pytest.approx(got, abs=0.5), (lay.describe(), k, pred[k], got)
+
+
 def test_predicted_bytes_count_zeros_padding(odd_runs):
     """At odd sizes the predicted bytes per link still equal the measured: the padding counts."""
-    facts = ModelFacts.of(_odd_gpt().config)
-    for i, lay in enumerate(ODD):
-        pred = predict(lay, facts, Cluster.cpu(2, 2), 8, 64).links()
-        got = odd_runs[0][i].links
-        assert set(pred) == set(got), (lay.describe(), sorted(pred), sorted(got))
-        for k in got:
-            assert pred[k] == pytest.approx(got[k], abs=0.5), (lay.describe(), k, pred[k], got[k])
+    _assert_links_equal(ModelFacts.of(_odd_gpt().config), ODD, odd_runs[0])
 
 
 def test_predicted_bytes_per_link_equal_the_measured(measured_runs):
     """Every (axis, op) a candidate's step sends, with its bytes over the node's links and
     across nodes, is predicted exactly (rank 0, `Step.explain`'s accounting)."""
-    facts = ModelFacts.of(_llama().config)
-    for i, lay in enumerate(MEASURED):
-        pred = predict(lay, facts, Cluster.cpu(2, 2), 8, 64).links()
-        got = measured_runs[0][i].links
-        assert set(pred) == set(got), (lay.describe(), sorted(pred), sorted(got))
-        for k in got:
-            assert pred[k] == pytest.approx(got[k], abs=0.5), (lay.describe(), k, pred[k], got[k])
+    _assert_links_equal(ModelFacts.of(_llama().config), MEASURED, measured_runs[0])
 
 
 def test_predicted_peak_memory_is_within_a_tenth_of_the_measured(measured_runs):
