@@ -106,20 +106,10 @@ class Prediction:
 
 
 def mesh_group(layout: Layout, axis: str, rank: int = 0) -> list[int]:
-    """Global ranks of `rank`'s group along `axis` of the layout's mesh (MESH_ORDER, row-major);
-    "dp_shard" / "dp_replicate": the node-local part of dp and its stride across nodes
-    (`shard_zero(shard_group="node")`, ranks_per_node given by the caller through `node`)."""
-    sizes = [(a, getattr(layout, a)) for a in MESH_ORDER]
-    stride, strides = 1, {}
-    for a, n in reversed(sizes):
-        strides[a] = stride
-        stride *= n
-    coords = {}
-    r = rank
-    for a, n in sizes:
-        coords[a] = (r // strides[a]) % n
-    base = rank - coords[axis] * strides[axis]
-    return [base + i * strides[axis] for i in range(getattr(layout, axis))]
+    """Global ranks of `rank`'s group along `axis` of the layout's mesh (MESH_ORDER, row-major)."""
+    stride = math.prod(getattr(layout, a) for a in MESH_ORDER[MESH_ORDER.index(axis) + 1:])
+    base = rank - (rank // stride) % getattr(layout, axis) * stride
+    return [base + i * stride for i in range(getattr(layout, axis))]
 
 
 def _param_pieces(est: Any, layout: Layout) -> list[int]:
@@ -241,13 +231,13 @@ def predict(layout: Layout, facts: ModelFacts, cluster: Cluster, global_batch: i
     flops_rank = tokens_rank * (3 * fwd + (facts.layer_forward_flops_per_token(seq) if layout.remat else 0.0)) \
         / (layout.tp * layout.pp)
     passes = 4 if layout.remat else 3
-    overhead = getattr(cluster, "layer_overhead", 0.0) * layers_here * layout.accum * passes / 3
+    overhead = cluster.layer_overhead * layers_here * layout.accum * passes / 3
     compute = flops_rank / rate + overhead
     pred = Prediction(layout, est, int(acts), compute, peak=peak, reduce_bucket=bucket)
     pred.comm = _comm(layout, facts, cluster, est0, module, seq, elem)
     # --- optimizer step: the state streamed once (read + write) at device (or host) bandwidth
     state_bytes = est.params + est.optimizer + est.master + est.host
-    hbm = getattr(cluster, "hbm", 3.35e12)
+    hbm = cluster.hbm
     pred.optimizer_s = 2 * state_bytes / (getattr(cluster, "host_bandwidth", 100e9) if layout.offload else hbm)
     if layout.offload:          # gradients down, parameters up over PCIe
         pred.optimizer_s += (est.host / 4) * 2 * elem / getattr(cluster, "pcie", 50e9)
