@@ -14,6 +14,7 @@ from dsfn.testing.asserts import assert_trees_close
 
 from conformance.matrix import Case
 from conformance.models import MODELS
+from conformance.optimizers import OPTIMIZERS
 from conformance.stacks import STACKS
 
 FP32_RTOL = 1e-5
@@ -60,6 +61,11 @@ def _pairs(a: Any, b: Any, c: Any | None) -> list[tuple[str, torch.Tensor, torch
     return out
 
 
+def _atol(case: Case) -> float:
+    """The fp32 state comparison's absolute floor: FP32_ATOL, or the optimizer's where larger."""
+    return max(FP32_ATOL, OPTIMIZERS[case.optimizer].atol)
+
+
 def sensitivity(case: Case, ref_init: dict, ref_final: dict) -> float:
     """How many times its tolerance the reference's STEPS updates moved the parameters:
     || change || / || per-element tolerance ||, over all parameters together (fp32: the
@@ -73,7 +79,7 @@ def sensitivity(case: Case, ref_init: dict, ref_final: dict) -> float:
         if STACKS[case.stack].mixed or STACKS[case.stack].update_rel:
             t = (STACKS[case.stack].update_rel or MP_REL) * c + MP_FLOOR * fin.numel() ** 0.5
         else:
-            t = float((FP32_ATOL + rtol * fin.abs()).norm())
+            t = float((_atol(case) + rtol * fin.abs()).norm())
         change2, tol2 = change2 + c * c, tol2 + t * t
     return (change2 / tol2) ** 0.5 if tol2 else 0.0
 
@@ -83,7 +89,8 @@ def compare(case: Case, rank: int, losses: list[float], state: dict, ref_losses:
     """AssertionError unless this rank's losses and final logical state match the reference.
 
     fp32 rows: every loss and every element of the final state (parameters, optimizer
-    state, step) at rtol 1e-5 (a model's own floor where larger), atol 1e-6.
+    state, step) at rtol 1e-5 (a model's own floor where larger), atol 1e-6 (an optimizer's
+    own floor where larger: Muon's 1e-5).
     Mixed-precision rows: losses at rtol MP_LOSS_RTOL; each leaf of the final state within
     MP_REL of what the reference's updates changed in it (L2 over the leaf). Returns, for a
     mixed-precision row, the largest measured |stack - reference| / change over the leaves."""
@@ -98,7 +105,7 @@ def compare(case: Case, rank: int, losses: list[float], state: dict, ref_losses:
                                rtol=lrt, atol=lat,
                                msg=lambda m: f"{case}: rank {rank} losses {losses} vs reference {ref_losses}: {m}")
     if not by_update:
-        assert_trees_close(state, ref_state, rtol=rtol, atol=max(sspec.atol, FP32_ATOL),
+        assert_trees_close(state, ref_state, rtol=rtol, atol=max(sspec.atol, _atol(case)),
                            msg=f"{case}: rank {rank} final state vs reference")
         return None
     from dsfn import tree

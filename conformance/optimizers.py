@@ -28,6 +28,7 @@ class OptSpec:
     make: Callable[[], Any]
     family: str                     # "sgd" (SGD-momentum and variants) | "adam" (Adam-like: AdamW, Muon)
     clipped: bool = False           # a clip below the gradient norm normalises every update (blind to its scale)
+    atol: float = 1e-6              # the state comparison's absolute floor (compare.FP32_ATOL unless larger)
 
 
 def _groups():
@@ -48,8 +49,12 @@ OPTIMIZERS: dict[str, OptSpec] = {
     "adamw": OptSpec(_adamw, "adam"),
     "clip+adamw": OptSpec(lambda: dsfn.optim.chain(dsfn.optim.clip_by_global_norm(0.05), _adamw()), "adam",
                           clipped=True),
+    # Newton-Schulz divides by the small singular values: a gradient's reduction-order bits in a
+    # weak direction move its orthogonalised update by ~1e-6 (measured 1.1e-6 on an 8 x 8 shared
+    # expert at dp2 x ep2 on one CPU model, bitwise on another), so its floor is 1e-5; a lost or
+    # scaled update still moves each element by >= 1e-3
     "muon": OptSpec(lambda: dsfn.optim.muon(lr=0.02, adam_lr=3e-3, adam_eps=ADAM_EPS, weight_decay=ADAM_WD,
-                                            allow_no_muon=True), "adam"),
+                                            allow_no_muon=True), "adam", atol=1e-5),
     "from_torch": OptSpec(lambda: dsfn.optim.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True),
                           "sgd"),
 }
