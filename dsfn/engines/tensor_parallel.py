@@ -218,8 +218,11 @@ class _SharedCopy:
     def __init__(self, axis: str, wire: Any = None):
         self.axis = axis
         self.wire = wire          # the stack's facts when its gradients travel in another dtype, else None
-        # id(x) -> x's copy; x held alive with it, so its id is not reused meanwhile
-        self.copies = KeyedCache()
+        # id(x) -> x's copy; x held alive with it, so its id is not reused meanwhile. Two
+        # entries: the readers of one input run one after another (q, k, v; gate, up), and a
+        # longer memory would hold every layer's inputs, and the graph behind them, until the
+        # backward is over (under remat: each recomputed layer's)
+        self.copies = KeyedCache(maxsize=2)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.copies.get(id(x), (x,), lambda: _CopyToTP.apply(x, self.axis))

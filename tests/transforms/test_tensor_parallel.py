@@ -424,3 +424,36 @@ def test_hf_plan_entries_for_modules_the_model_lacks_are_passed_over_but_a_users
         assert "model.layers.0.self_attn.q_proj" in styles and not any(".mlp." in n for n in styles)
         with pytest.raises(ConfigError, match="'model.layers.\\*.mlp.gate_proj' matches no module"):
             tensor_parallel({"model.layers.*.mlp.gate_proj": "colwise"}, model=model).module_styles()
+
+
+def _tp_step_peak(layers: int, with_remat: bool) -> int:
+    """The allocation high-water mark of one tp2 step (after a first) on a tiny Llama."""
+    from dsfn.testing.alloc import allocation_peak
+    from dsfn.transforms import remat
+    init_mesh(tp=2)
+    model = make_hf("llama", num_hidden_layers=layers)
+    apply_fn, params = dsfn.functionalize(model)
+    stack = [tensor_parallel("auto", model=model)] + ([remat()] if with_remat else [])
+    step = compose(*stack, donate=True)(train_step_for(apply_fn, lm_loss))
+    state = step.place(dsfn.TrainState.create(params, _sgd(), seed=0))
+    batch = token_batches(1, 8, 64, VOCAB, seed=2)[0]
+    state, _ = step(state, batch)
+    holder = [state]
+
+    def one():
+        holder[0], _ = step(holder[0], batch)
+    return allocation_peak(one)[1]
+
+
+def test_remat_under_tp_frees_each_layer_after_its_backward():
+    """Under tp, q/k/v (and gate/up) share one gradient-summing copy of their input, cached for
+    the forward. The cache must not keep a layer's inputs (and the graph behind them) past the
+    next layer: under remat that held every recomputed layer's norm inputs until the end of
+    backward, and remat saved a fifth of the memory instead of most of it. Measured: without
+    remat the peak grows by a layer's activations per layer; with remat by little more than
+    the layer's input."""
+    full = [run_on_ranks(_tp_step_peak, 2, n, False, timeout=120)[0] for n in (2, 6)]
+    kept = [run_on_ranks(_tp_step_peak, 2, n, True, timeout=120)[0] for n in (2, 6)]
+    per_layer_full = (full[1] - full[0]) / 4
+    per_layer_remat = (kept[1] - kept[0]) / 4
+    assert per_layer_remat < 0.35 * per_layer_full, (per_layer_remat, per_layer_full)
