@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from dsfn import tree
 from dsfn.adapters import MicroBatchCounts, adapter_for, micro_batches
 from dsfn.engines.micro_batches import slice_micro_batches
@@ -50,7 +48,7 @@ class Accumulate(Transform):
         def scaled(p, *a, **k):
             out = fn(p, *a, **k)
             return (out[0] * inv, out[1]) if has_aux else out * inv
-        total_v, total_g, auxes = None, None, []
+        total_v, total_g, spec, auxes = None, None, None, []
         with micro_batches(MicroBatchCounts(self.n, whole_of)):
             for j, (a, k) in enumerate(micro):
                 micro_batch_begins(MicroBatch(j, "forward", self.n))
@@ -59,8 +57,20 @@ class Accumulate(Transform):
                     value, aux = value
                     auxes.append(aux)
                 total_v = value if total_v is None else total_v + value
-                total_g = grads if total_g is None else tree.map(torch.add, total_g, grads)
-        return ((total_v, auxes) if has_aux else total_v), total_g
+                # one gradient sum held between micro-batches: the micro-batch's own gradients
+                # are dropped as they are added, a leaf at a time (a whole-tree add would hold
+                # the old sum, the new one and the addend at once, and the addend stayed
+                # bound through the next micro-batch's forward)
+                leaves, spec = tree.flatten(grads)
+                del grads
+                if total_g is None:
+                    total_g = leaves
+                else:
+                    for i in range(len(leaves)):
+                        total_g[i] = total_g[i] + leaves[i]
+                        leaves[i] = None
+                del leaves
+        return ((total_v, auxes) if has_aux else total_v), tree.unflatten(spec, total_g)
 
     def handle_apply_module(self, call_next, apply_fn, params, args, kwargs):
         """A model's own loss (a Hugging Face causal LM given labels) is the whole batch's

@@ -144,3 +144,30 @@ def test_per_rank_batch_not_divisible_by_n_is_a_shape_error_on_every_rank():
 def test_accumulation_steps_below_one_or_not_int_is_a_config_error(n):
     with pytest.raises(ConfigError, match="accumulate"):
         accumulate(n)
+
+
+def _accumulated_peak(n: int) -> tuple[int, int]:
+    """(the allocation high-water mark of one step of accumulate(n) over n micro-batches of 256
+    rows on an MLP whose activations outweigh its gradients, its parameter bytes)."""
+    from dsfn.testing.alloc import allocation_peak
+    apply_fn, params = dsfn.functionalize(make_mlp([64, 256, 256, 8], 0))
+    step = compose(accumulate(n), donate=True)(dsfn.testing.reference.train_step_for(apply_fn, mse_loss))
+    state = step.place(dsfn.TrainState.create(params, dsfn.optim.sgd(lr=0.01)))
+    batch = regression_batches(1, 256 * n, 64, 8, seed=0)[0]
+    state, _ = step(state, batch)
+    holder = [state]
+
+    def one():
+        holder[0], _ = step(holder[0], batch)
+    return allocation_peak(one)[1], sum(p.numel() * 4 for p in dsfn.tree.leaves(params))
+
+
+@pytest.mark.parametrize("n", [3, 6])
+def test_accumulation_holds_one_gradient_sum_between_micro_batches(n):
+    """Micro-batches of the same size: going from 1 to n of them adds the running sum of the
+    gradients (one gradient's bytes) at the end of the last micro-batch's forward, and nothing
+    that grows with n. A micro-batch's own gradients are dropped as they are added (they stayed
+    bound through the next micro-batch's forward: two gradient copies)."""
+    one, grad_bytes = _accumulated_peak(1)
+    many, _ = _accumulated_peak(n)
+    assert many - one <= 1.1 * grad_bytes, (many - one, grad_bytes)
