@@ -177,25 +177,54 @@ def estimate(layout: Layout, module: Any, cluster: Cluster, pp_rank: int | None 
     return est
 
 
+def _layer_bytes(layout: Layout, facts: ModelFacts, seq: int, elem: int) -> float:
+    """One layer's kept activation bytes for one micro-batch on a rank."""
+    rep, split, _ = facts.act_bytes_per_token(seq, elem)
+    return (rep + split / layout.tp) * layout.micro_batch * seq / (layout.sp * layout.cp)
+
+
 def _activations(layout: Layout, facts: ModelFacts, seq: int, elem: int, in_flight: float, layers: int,
                  last: bool) -> float:
     """A rank's modelled activation bytes (module docstring): `layers` of its stages, `in_flight`
     stage micro-batches held at once, the root's (logits, loss) on the rank holding the head."""
     tokens_mb = layout.micro_batch * seq / (layout.sp * layout.cp)
-    rep, split, root = facts.act_bytes_per_token(seq, elem)
-    one_layer = (rep + split / layout.tp) * tokens_mb
+    root = facts.act_bytes_per_token(seq, elem)[2]
+    one_layer = _layer_bytes(layout, facts, seq, elem)
     kept = (facts.hidden * elem * tokens_mb) if layout.remat else one_layer
     return layers * kept * in_flight + (one_layer if layout.remat else 0.0) + (root * tokens_mb if last else 0.0)
 
 
-def _peak(layout: Layout, e: Any, activations: float, reduce_bucket: int, whole_grads: int) -> int:
+def _peak(layout: Layout, e: Any, activations: float, reduce_bucket: int, whole_grads: int,
+          a2a: float = 0.0, layer: float = 0.0) -> int:
     """Device bytes at the step's peak (`Prediction.peak`). `whole_grads`: the rank's gradients
-    unsharded, what accumulation sums micro-batch after micro-batch (measured: also at ZeRO 2/3)."""
+    unsharded, what accumulation sums micro-batch after micro-batch (measured: also at ZeRO 2/3).
+    `a2a`: Ulysses' all-to-all bytes of one layer's q, k, v and output (`_a2a_bytes`); `layer`:
+    one layer's kept activations (under remat, what the last layers' recompute holds while
+    the gradients are nearly whole)."""
     held = e.params + e.optimizer + e.master
     transient = e.largest_unit + e.secondary + e.dispatched + e.ring_in_flight
-    forward = activations + (max(e.grads, whole_grads) if layout.accum > 1 else 0)
-    backward = e.grads + reduce_bucket
+    summed = max(e.grads, whole_grads) if layout.accum > 1 else 0      # the micro-batches' sum so far
+    forward = activations + summed
+    backward = e.grads + max(reduce_bucket, (layer + 3 * a2a) if layout.remat else 0.0) \
+        + (whole_grads if layout.accum > 1 else 0)    # + this micro-batch's own
+    if layout.zero == 3:
+        # a unit's backward holds its gathered weights and its whole gradient, and (flat, HSDP:
+        # gathered again) the next unit's prefetch; hpZ rebuilds units from the secondary it holds
+        backward += (1 if layout.shard == "hpz" else 2) * e.largest_unit
+    # Ulysses: a layer's backward holds the gradients of q, k, v and the output on both sides of
+    # its all-to-alls, at the peak of the activations (measured: ~3 x one layout's bytes)
+    forward += 3 * a2a
     return int(held + transient + max(forward, backward))
+
+
+def _a2a_bytes(layout: Layout, facts: ModelFacts, seq: int, elem: int) -> float:
+    """Bytes of one layer's q, k, v and attention output on a rank in one micro-batch, the
+    tensors Ulysses' all-to-alls move (0 without sp; key/value heads replicated up to sp)."""
+    if layout.sp == 1:
+        return 0.0
+    tokens = layout.micro_batch * seq / (layout.sp * layout.cp)
+    kv = max(facts.kv_heads, layout.sp)
+    return tokens * (2 * facts.heads + 2 * kv) * facts.head_dim * elem / layout.tp
 
 
 def predict(layout: Layout, facts: ModelFacts, cluster: Cluster, global_batch: int, seq: int, *,
@@ -219,7 +248,8 @@ def predict(layout: Layout, facts: ModelFacts, cluster: Cluster, global_batch: i
         else:
             layers = sum(e2 - s2 for s2, e2 in _stage_layers(facts.layers, layout, sched, r))
             acts = _activations(layout, facts, seq, elem, sim.peak_activations[r], layers, r == layout.pp - 1)
-        per_rank.append((_peak(layout, e, acts, bucket, local * elem), e, acts, bucket))
+        per_rank.append((_peak(layout, e, acts, bucket, local * elem, _a2a_bytes(layout, facts, seq, elem),
+                               _layer_bytes(layout, facts, seq, elem)), e, acts, bucket))
     peak, est, acts, bucket = max(per_rank, key=lambda x: x[0])
     est0 = per_rank[0][1]           # rank 0's own state for its collectives
     layers_here = math.ceil(facts.layers / layout.pp)
