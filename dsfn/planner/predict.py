@@ -264,7 +264,7 @@ def predict(layout: Layout, facts: ModelFacts, cluster: Cluster, global_batch: i
     overhead = cluster.layer_overhead * layers_here * layout.accum * passes / 3
     compute = flops_rank / rate + overhead
     pred = Prediction(layout, est, int(acts), compute, peak=peak, reduce_bucket=bucket)
-    pred.comm = _comm(layout, facts, cluster, est0, module, seq, elem)
+    pred.comm = _comm(layout, facts, cluster, est0, module, seq, elem, sched)
     # --- optimizer step: the state streamed once (read + write) at device (or host) bandwidth
     state_bytes = est.params + est.optimizer + est.master + est.host
     hbm = cluster.hbm
@@ -321,7 +321,7 @@ def _stage_layers(n_layers: int, layout: Layout, sched: Any, rank: int) -> list[
 
 
 def _comm(layout: Layout, facts: ModelFacts, cluster: Cluster, est: Any, module: Any, seq: int,
-          elem: int) -> list[CommItem]:
+          elem: int, sched: Any = None) -> list[CommItem]:
     """Rank 0's collectives in one step (module docstring; tests/planner check them call for
     call against `Step.explain`)."""
     out: list[CommItem] = []
@@ -339,13 +339,17 @@ def _comm(layout: Layout, facts: ModelFacts, cluster: Cluster, est: Any, module:
     shard_n = k if layout.shard == "hsdp" else n
     padded = sum(-(-p // shard_n) * shard_n for p in pieces)
     local = sum(pieces)
-    units = _unit_count(module) if layout.zero == 3 else 0
+    units = 0
+    if layout.zero == 3:            # ZeRO-3's units: the model's, or under a pipeline rank 0's stages' layers + a root each
+        units = _unit_count(module) if sched is None else \
+            sum(e2 - s2 + 1 for s2, e2 in _stage_layers(facts.layers, layout, sched, 0))
     bucket = 4_000_000
     buckets = max(1, math.ceil(local / bucket))
     rows = (layout.micro_batch * layout.accum)
     tokens = rows * seq // (layout.sp * layout.cp)       # per step on a rank
-    # ZeRO-3 gathers and reduces per micro-batch under accumulate (each pass needs the unit)
-    per_mb = layout.accum if layout.zero == 3 and layout.pp == 1 else 1
+    # ZeRO-3 gathers and reduce-scatters per micro-batch, under accumulate and in a pipeline
+    # alike (each pass needs the unit); HSDP's cross-replica all-reduce runs once, at the end
+    per_mb = layout.accum if layout.zero == 3 else 1
     if n > 1:
         if layout.zero == 0:
             add("dp", "all_reduce", buckets + 1, local * elem + 8, dp)
@@ -356,7 +360,7 @@ def _comm(layout: Layout, facts: ModelFacts, cluster: Cluster, est: Any, module:
             shard, rep = dp[:k], dp[::k]
             add("dp_shard", "all_gather", 2 * units * per_mb, 2 * padded * elem * per_mb, shard)
             add("dp_shard", "reduce_scatter", buckets * per_mb, padded * elem * per_mb, shard)
-            add("dp_replicate", "all_reduce", buckets * per_mb, padded // k * elem * per_mb, rep)
+            add("dp_replicate", "all_reduce", buckets, padded // k * elem, rep)
         elif layout.shard == "hpz":
             add("dp", "all_gather", units * per_mb, padded * elem * per_mb, dp)
             add("dp_shard", "all_gather", units * per_mb, padded * elem * per_mb, dp[:k])
@@ -391,21 +395,24 @@ def _comm(layout: Layout, facts: ModelFacts, cluster: Cluster, est: Any, module:
     if layout.cp > 1:
         cp = mesh_group(layout, "cp")
         mb_tokens = tokens // layout.accum
-        # K and V of the rank's tokens (its K/V heads), + the block's positions (int32, cp-local sequence)
-        kv_block = 2 * mb_tokens * (facts.kv_heads // layout.tp) * facts.head_dim * elem + seq // layout.cp * 4
+        # K and V of the rank's tokens (its K/V heads); the block's positions (int64, the cp-local
+        # sequence) travel with the forward's K/V and backward's first (and a recompute's) K/V
+        kv_block = 2 * mb_tokens * (facts.kv_heads // layout.tp) * facts.head_dim * elem
+        positions = seq // layout.cp * 8
         # per layer and ring step: F sends K/V once, B three times (K/V, dK/dV); remat's forward once more
-        calls = (4 + layout.remat) * L * (layout.cp - 1) * layout.accum
-        add("cp", "send", calls, calls * kv_block, [0, cp[1]], src=cp[1])
+        per = L * (layout.cp - 1) * layout.accum
+        calls = (4 + layout.remat) * per
+        add("cp", "send", calls, calls * kv_block + (2 + layout.remat) * per * positions, [0, cp[1]], src=cp[1])
         add("cp", "all_reduce", buckets + 2, summed * elem + 12, cp)
         if layout.sp > 1:       # 2-D: the ring's positions made whole over cp, Ulysses' over sp, per micro-batch
             add("cp", "all_gather", layout.accum, layout.accum * layout.micro_batch * seq * 8, cp)
-            add("sp", "all_gather", layout.accum, layout.accum * layout.micro_batch * seq // layout.cp * 2,
-                mesh_group(layout, "sp"))
+            add("sp", "all_gather", layout.accum, layout.accum * seq // layout.cp * 8, mesh_group(layout, "sp"))
     if layout.pp > 1:
         pp = mesh_group(layout, "pp")
         mb_act = layout.micro_batch * seq // (layout.sp * layout.cp) * h * elem
         add("pp", "send", layout.accum, layout.accum * mb_act, [0, pp[1]], src=pp[1])
-        if facts.tied:
-            add("pp", "all_reduce", 1, facts.vocab * h * elem // layout.tp, pp)
+        if facts.tied:          # the tied embedding's sum over its two stages (ZeRO-3: of its shard)
+            tied = facts.vocab * h // layout.tp
+            add("pp", "all_reduce", 1, (-(-tied // n) if layout.zero == 3 else tied) * elem, pp)
         add("pp", "broadcast", 1, 4, pp, src=pp[-1])
     return out
