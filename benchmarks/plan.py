@@ -5,8 +5,10 @@ Measured part (4 gloo ranks as 2 "nodes" x 2, `Cluster.cpu(2, 2)`): for the exam
 hidden 64, GQA 4/2 heads, sequence 64), the CPU's rates are calibrated first
 (`dsfn.planner.calibrate`: a plain forward+backward at two batch sizes, AdamW's update, the
 runtime's collectives at two sizes), then `dsfn.plan` lists every candidate of the search
-space below, and each is run: 3 rounds, every candidate once per round in turn (one job per
-round), the step time the median of the rounds' medians. Printed per candidate: predicted
+space below, and each is run: 3 timed rounds, every candidate once per round in turn (one job
+per round, the order reversed every other round), the step time the median of the rounds'
+medians; then one more round measures memory and links (the allocation profiler slows the
+steps after it in the same process, so it never runs before a timed step). Printed per candidate: predicted
 vs measured peak memory (state + a step's allocation high-water mark, the largest rank's),
 whether every (axis, op)'s bytes per link equal the predicted, predicted vs measured step
 time; then Kendall's tau between the two rankings, and the measured time of the planner's
@@ -15,7 +17,7 @@ first choice against the measured best.
 Paper part: for published large trainings, the planner's choice and predicted MFU beside the
 published layout and MFU, and the planner's prediction *of* the published layout.
 
-    python benchmarks/plan.py                 # both parts (~10 min on 2 cores)
+    python benchmarks/plan.py                 # both parts (~40 min per model on 2 cores)
     python benchmarks/plan.py --paper-only    # the at-scale table only
     python benchmarks/plan.py --measured-only
 """
@@ -66,7 +68,7 @@ def _batch(seq: int, rows: int = 8, vocab: int = 256) -> dict:
 
 def _round(layouts, build, batch, memory):
     """On every rank: each layout in turn (one job), its Measured."""
-    return [measure(lay, build, batch, steps=3, warmup=1, memory=memory) for lay in layouts]
+    return [measure(lay, build, batch, steps=3, warmup=2, memory=memory) for lay in layouts]
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -77,7 +79,7 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return 2 * s / (n * (n - 1)) if n > 1 else 1.0
 
 
-def measured(name: str, rounds: int = 3) -> dict:
+def measured(name: str, rounds: int = 3, save: str | None = None) -> dict:
     build, seq = MODELS[name]
     facts = ModelFacts.of(build().config)
     t0 = time.time()
@@ -95,14 +97,21 @@ def measured(name: str, rounds: int = 3) -> dict:
     mem = None
     for r in range(rounds):
         order = lays if r % 2 == 0 else lays[::-1]          # alternate the order between rounds
-        out = run_on_ranks(_round, 4, order, build, batch, r == 0, timeout=1200, ranks_per_node=2)
+        out = run_on_ranks(_round, 4, order, build, batch, False, timeout=2400, ranks_per_node=2)
         per = out[0] if r % 2 == 0 else out[0][::-1]
         for i, m in enumerate(per):
             times[i].append(statistics.median(m.seconds))
-        if r == 0:
-            mem = [max(o[i].peak for o in out) for i in range(len(lays))]
-            links = [per[i].links for i in range(len(lays))]
+        print(f"  round {r + 1} of {rounds} timed ({time.time() - t0:.0f} s)", flush=True)
+    # memory and links in a round of their own, after the timed ones: the allocation profiler
+    # slows the steps that follow it in the same process
+    out = run_on_ranks(_round, 4, lays, build, batch, True, timeout=2400, ranks_per_node=2)
+    mem = [max(o[i].peak for o in out) for i in range(len(lays))]
+    links = [out[0][i].links for i in range(len(lays))]
     meas_t = [statistics.median(t) for t in times]
+    if save:                # the measurements, to compare other predictions with them later
+        import pickle
+        with open(save, "wb") as f:
+            pickle.dump({"calibration": cal, "layouts": lays, "times": times, "peak": mem, "links": links}, f)
     rows, ok_mem, ok_links = [], 0, 0
     print(f"{'#':>3} {'layout':44s} {'pred peak':>10} {'meas peak':>10} {'ratio':>6} {'links':>6} "
           f"{'pred s':>8} {'meas s':>8}")
@@ -173,10 +182,11 @@ def main() -> int:
     ap.add_argument("--paper-only", action="store_true")
     ap.add_argument("--measured-only", action="store_true")
     ap.add_argument("--models", default="gpt,llama")
+    ap.add_argument("--save", help="pickle each model's measurements to SAVE.<model>.pkl")
     a = ap.parse_args()
     if not a.paper_only:
         for name in a.models.split(","):
-            measured(name)
+            measured(name, save=f"{a.save}.{name}.pkl" if a.save else None)
     if not a.measured_only:
         paper()
     return 0

@@ -4,9 +4,11 @@ predicts with, measured where the check runs (this machine's CPU/gloo ranks, or 
 `calibrate_rank(build, seq, rows)` runs on every rank of a job (all ranks at once, so the
 figures include the cores they share):
 
-- **compute**: a plain torch forward + backward of the model (`build()`) on `rows[0]` and
-  `rows[-1]` rows of `seq` tokens, each timed 3x (the median); `t = c0 + c1 x tokens` gives the
-  per-layer overhead (c0 / layers) and the rate (3 x forward FLOPs per token / c1);
+- **compute**: dsfn's own forward + backward of the model (`build()`, functionalized: the
+  `dsfn.value_and_grad` of its loss, so the framework's per-call cost is in it)
+  on `rows[0]` and `rows[-1]` rows of `seq` tokens, each timed 3x (the median);
+  `t = c0 + c1 x tokens` gives the per-layer overhead (c0 / layers) and the rate (3 x forward
+  FLOPs per token / c1);
 - **optimizer**: AdamW's update of the model's parameters, as bytes streamed per second;
 - **collectives**: the runtime's own collectives (`dsfn.runtime.collectives`, counted as
   `Step.explain` counts them) at two sizes on groups of 2 and of the whole world: per op,
@@ -48,17 +50,26 @@ def calibrate_rank(build: Callable[[], torch.nn.Module], seq: int, rows: tuple[i
 
     from dsfn.runtime import collectives as C
     from dsfn.runtime import init_mesh
+    import dsfn
     torch.manual_seed(0)
     model = build()
     vocab = model.config.vocab_size
+    apply_fn, tree_params = dsfn.functionalize(model)
+
+    def loss_fn(p: Any, ids: torch.Tensor) -> torch.Tensor:
+        out = apply_fn(p, ids)
+        logits = out.logits if hasattr(out, "logits") else out
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+    grad_fn = dsfn.value_and_grad(loss_fn)
 
     def fwd_bwd(r: int) -> None:
-        ids = torch.randint(0, vocab, (r, seq))
-        out = model(ids)
-        logits = out.logits if hasattr(out, "logits") else out
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
+        grad_fn(tree_params, torch.randint(0, vocab, (r, seq)))
     fwd_bwd(rows[0])
     compute = [(r * seq, _timed(lambda r=r: fwd_bwd(r))) for r in rows]
+    ids = torch.randint(0, vocab, (rows[0], seq))
+    out = model(ids)       # the module's own gradients, for the optimizer's timing
+    torch.nn.functional.cross_entropy((out.logits if hasattr(out, "logits") else out).flatten(0, 1).float(),
+                                      ids.flatten()).backward()
     params = [p for p in model.parameters() if p.grad is not None]
     opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
     opt.step()
