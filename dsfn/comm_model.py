@@ -94,11 +94,17 @@ class Cluster:
     hbm: float = 3.35e12
     layer_overhead: float = 0.0
     op_costs: tuple = ()
+    host_bandwidth: float = 100e9
+    pcie: float = 50e9
+    backend: str = "nccl"
     """Calibrated collectives ((op, group size, seconds per call, seconds per byte counted), ...):
     where one is given it replaces the links' alpha-beta for that op and group size
     (`dsfn.planner.calibrate` measures them on this machine's ranks). `hbm`: device memory
     bandwidth (the optimizer's update streams the state); `layer_overhead`: seconds per layer and
-    micro-batch the framework adds to a step's compute (what a tiny model on CPU is made of)."""
+    micro-batch the framework adds to a step's compute (what a tiny model on CPU is made of);
+    `host_bandwidth`: the host memory's bytes per second (an offloaded optimizer's update);
+    `pcie`: bytes per second each way between device and host (offload's gradients down and
+    parameters up); `backend`: the collectives' ("nccl", or "gloo" on CPU ranks)."""
 
     @property
     def topology(self) -> Topology:
@@ -124,10 +130,10 @@ class Cluster:
             efficiency: float = 1.0, bandwidth: float = 2e9, latency: float = 60e-6, **kw) -> "Cluster":
         """CPU/gloo ranks as this machine runs them (`dsfn.testing.run_on_ranks(..., ranks_per_node=)`):
         every "link" is a loopback socket of `bandwidth` bytes/s and `latency` s, the step in
-        fp32, `flops` the rate one rank's step reaches (measure both: `dsfn.planner.calibrate_cpu`)."""
+        fp32, `flops` the rate one rank's step reaches (measure both: `dsfn.planner.calibrate`)."""
         link = Link("gloo over loopback", bandwidth, latency)
         return cls(nodes, ranks_per_node, link, link, 1, memory, flops, efficiency,
-                   **{"overlap": 0.0, "dtype": "fp32", "name": "CPU gloo", **kw})
+                   **{"overlap": 0.0, "dtype": "fp32", "name": "CPU gloo", "backend": "gloo", **kw})
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,12 @@ models (`ModelFacts.act_bytes_per_token`, counted on the meta model):
 
 `in_flight` is 1 without a pipeline (micro-batches run one after another) and the pipeline
 simulator's peak stage micro-batches held at once (`simulate(schedule).peak_activations`).
+The peak (`_peak`) is the state plus the larger of two moments: the end of a forward (the
+activations, under accumulation the gradient sum so far, Ulysses' all-to-all copies of one
+layer) and the end of a backward (the gradients, the reduce bucket in flight or under remat
+the recomputed layer, under accumulation this micro-batch's gradients beside the sum, under
+ZeRO-3 a unit's gradient and the next unit's prefetch). Each term was found against the
+measured candidates of `benchmarks/plan.py` and is named in `_peak`.
 
 **Compute**: the model's FLOPs (`ModelFacts.train_flops_per_token`; remat adds one forward
 of the layers) over a rank's tokens, divided by tp (and pp: a rank runs its stage), at
@@ -268,9 +274,9 @@ def predict(layout: Layout, facts: ModelFacts, cluster: Cluster, global_batch: i
     # --- optimizer step: the state streamed once (read + write) at device (or host) bandwidth
     state_bytes = est.params + est.optimizer + est.master + est.host
     hbm = cluster.hbm
-    pred.optimizer_s = 2 * state_bytes / (getattr(cluster, "host_bandwidth", 100e9) if layout.offload else hbm)
+    pred.optimizer_s = 2 * state_bytes / (cluster.host_bandwidth if layout.offload else hbm)
     if layout.offload:          # gradients down, parameters up over PCIe
-        pred.optimizer_s += (est.host / 4) * 2 * elem / getattr(cluster, "pcie", 50e9)
+        pred.optimizer_s += (est.host / 4) * 2 * elem / cluster.pcie
     asyn = sum(c.seconds for c in pred.comm if c.overlapped)
     sync = sum(c.seconds for c in pred.comm if not c.overlapped)
     hidden_budget = compute * cluster.overlap
@@ -327,8 +333,10 @@ def _comm(layout: Layout, facts: ModelFacts, cluster: Cluster, est: Any, module:
     out: list[CommItem] = []
     gpn = cluster.gpus_per_node
 
-    def add(axis: str, op: str, calls: int, nbytes: float, ranks: list[int], src: int | None = None) -> None:
-        c = collective(axis, ranks, op, calls, nbytes, cluster, 0, src)
+    def add(axis: str, op: str, calls: int, nbytes: float, ranks: list[int], src: int | None = None,
+            timed_calls: int | None = None) -> None:
+        """`timed_calls`: the calls the time is paid for where they differ from the counted ones."""
+        c = collective(axis, ranks, op, calls if timed_calls is None else timed_calls, nbytes, cluster, 0, src)
         if c is not None:
             out.append(CommItem(axis, op, calls, int(nbytes), c.links.intra, c.links.inter, c.seconds,
                                 (axis, op) in ASYNC or (axis == "dp" and op == "all_reduce" and layout.zero == 0)))
@@ -339,6 +347,7 @@ def _comm(layout: Layout, facts: ModelFacts, cluster: Cluster, est: Any, module:
     shard_n = k if layout.shard == "hsdp" else n
     padded = sum(-(-p // shard_n) * shard_n for p in pieces)
     local = sum(pieces)
+    gloo_tensors = len(pieces) if cluster.backend == "gloo" else 0
     units = 0
     if layout.zero == 3:            # ZeRO-3's units: the model's, or under a pipeline rank 0's stages' layers + a root each
         units = _unit_count(module) if sched is None else \
@@ -355,7 +364,9 @@ def _comm(layout: Layout, facts: ModelFacts, cluster: Cluster, est: Any, module:
             add("dp", "all_reduce", buckets + 1, local * elem + 8, dp)
         elif layout.zero in (1, 2):
             add("dp", "reduce_scatter", buckets, padded * elem, dp)
-            add("dp", "all_gather", buckets, padded * elem, dp)
+            # on gloo the updated parameters are gathered a tensor at a time, in place (counted
+            # as one call per bucket: `collectives.all_gather_into_`)
+            add("dp", "all_gather", buckets, padded * elem, dp, timed_calls=gloo_tensors or None)
         elif layout.shard == "hsdp":
             shard, rep = dp[:k], dp[::k]
             add("dp_shard", "all_gather", 2 * units * per_mb, 2 * padded * elem * per_mb, shard)
@@ -366,7 +377,8 @@ def _comm(layout: Layout, facts: ModelFacts, cluster: Cluster, est: Any, module:
             add("dp_shard", "all_gather", units * per_mb, padded * elem * per_mb, dp[:k])
             add("dp", "reduce_scatter", buckets * per_mb, padded * elem * per_mb, dp)
         else:
-            add("dp", "all_gather", 2 * units * per_mb, 2 * padded * elem * per_mb, dp)
+            add("dp", "all_gather", 2 * units * per_mb, 2 * padded * elem * per_mb, dp,
+                timed_calls=2 * gloo_tensors * per_mb or None)
             add("dp", "reduce_scatter", buckets * per_mb, padded * elem * per_mb, dp)
         if layout.zero > 0:
             add("dp", "all_reduce", 2 if layout.pp > 1 else 1, 8, dp)
@@ -380,17 +392,18 @@ def _comm(layout: Layout, facts: ModelFacts, cluster: Cluster, est: Any, module:
         # remat re-runs the layer's forward but its last all-reduce (its output is not needed again)
         per_layer = 4 + (1 if layout.remat else 0)
         extra = 2 if layout.pp == 1 else 1
-        add("tp", "all_reduce", per_layer * L + extra, (per_layer * L + extra) * act, tp)
+        # per micro-batch (the bytes are the step's: `act` counts all its tokens)
+        add("tp", "all_reduce", (per_layer * L + extra) * layout.accum, (per_layer * L + extra) * act, tp)
         vocab = -(-facts.vocab // layout.tp) * layout.tp
         if layout.pp == 1:
-            add("tp", "all_gather", 1, tokens * vocab * 4, tp)
+            add("tp", "all_gather", layout.accum, tokens * vocab * 4, tp)
     if layout.sp > 1:
         sp = mesh_group(layout, "sp")
         hd = facts.head_dim
         kv = max(facts.kv_heads, layout.sp) if facts.kv_heads < layout.sp else facts.kv_heads
         per = tokens * (2 * facts.heads * hd + 2 * kv * hd) * elem // layout.tp
         passes = 3 if layout.remat else 2
-        add("sp", "all_to_all", 4 * passes * L, passes * L * per, sp)
+        add("sp", "all_to_all", 4 * passes * L * layout.accum, passes * L * per, sp)
         add("sp", "all_reduce", buckets + 2, summed * elem + 12, sp)
     if layout.cp > 1:
         cp = mesh_group(layout, "cp")

@@ -25,7 +25,7 @@ from typing import Any
 from dsfn import tree
 from dsfn.adapters import MicroBatchCounts, adapter_for, micro_batches
 from dsfn.engines.micro_batches import slice_micro_batches
-from dsfn.errors import ConfigError
+from dsfn.errors import ConfigError, StackError
 from dsfn.functional import MicroBatch, micro_batch_begins
 from dsfn.transforms.core import Transform, make_transform
 
@@ -61,11 +61,14 @@ class Accumulate(Transform):
                 # are dropped as they are added, a leaf at a time (a whole-tree add would hold
                 # the old sum, the new one and the addend at once, and the addend stayed
                 # bound through the next micro-batch's forward)
-                leaves, spec = tree.flatten(grads)
+                leaves, mb_spec = tree.flatten(grads)
                 del grads
                 if total_g is None:
-                    total_g = leaves
+                    total_g, spec = leaves, mb_spec
                 else:
+                    if mb_spec != spec:      # the leaf-wise sum pairs leaves by position
+                        raise StackError(f"accumulate({self.n}): micro-batch {j}'s gradients have another tree "
+                                         f"structure than micro-batch 0's ({mb_spec} vs {spec})")
                     for i in range(len(leaves)):
                         total_g[i] = total_g[i] + leaves[i]
                         leaves[i] = None

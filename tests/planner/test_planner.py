@@ -88,7 +88,19 @@ MEASURED = [Layout(dp=4, zero=1, micro_batch=2, bf16=False),
             Layout(dp=2, pp=2, zero=1, schedule="1f1b", micro_batch=2, accum=2, bf16=False),
             Layout(dp=2, sp=2, zero=1, micro_batch=4, bf16=False),
             Layout(dp=2, cp=2, zero=3, micro_batch=4, bf16=False),
-            Layout(dp=2, tp=2, zero=3, micro_batch=2, accum=2, bf16=False)]
+            Layout(dp=2, tp=2, zero=3, micro_batch=2, accum=2, bf16=False),
+            # what the first planner got wrong: ZeRO-3 around a pipeline (its stage's units per
+            # micro-batch), HSDP with one dp rank a node under accumulation (the cross-replica
+            # all-reduce once a step), remat under cp (positions in the recompute's sends) and tp
+            # (the layers freed after their backward), Ulysses under remat, 2-D cp x sp over 4
+            # micro-batches (one gradient sum held, the sp position gather); remat under cp: LINKS_ONLY
+            Layout(dp=2, pp=2, zero=3, schedule="1f1b", micro_batch=2, accum=2, bf16=False),
+            Layout(dp=2, tp=2, zero=3, shard="hsdp", micro_batch=2, accum=2, bf16=False),
+            Layout(dp=2, tp=2, zero=0, micro_batch=4, remat=True, bf16=False),
+            Layout(dp=2, sp=2, zero=1, micro_batch=4, remat=True, bf16=False),
+            Layout(cp=2, sp=2, zero=0, micro_batch=2, accum=4, bf16=False)]
+# bytes only: its measured peak moves with what ran before it in the job (2.52 to 2.83 MiB)
+LINKS_ONLY = [Layout(dp=2, cp=2, zero=1, micro_batch=4, remat=True, bf16=False)]
 
 
 ODD = [Layout(dp=4, zero=1, micro_batch=2, bf16=False), Layout(dp=4, zero=3, micro_batch=2, bf16=False),
@@ -103,7 +115,7 @@ def _measure_all(layouts, batch, build):
 def measured_runs():
     ids = torch.randint(0, 255, (8, 64), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
-    return run_on_ranks(_measure_all, 4, MEASURED, batch, _llama, timeout=300, ranks_per_node=2)
+    return run_on_ranks(_measure_all, 4, MEASURED + LINKS_ONLY, batch, _llama, timeout=300, ranks_per_node=2)
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +126,18 @@ def odd_runs():
 
 
 def _assert_links_equal(facts, layouts, runs):
-    """Each layout's predicted {(axis, op): (intra, inter)} bytes equal rank 0's measured ones."""
+    """Each layout's predicted {(axis, op): (intra, inter)} bytes and calls equal rank 0's measured ones."""
     for lay, run in zip(layouts, runs):
         pred = predict(lay, facts, Cluster.cpu(2, 2), 8, 64).links()
         assert set(pred) == set(run.links), (lay.describe(), sorted(pred), sorted(run.links))
         for k, got in run.links.items():
             assert pred[k] == pytest.approx(got, abs=0.5), (lay.describe(), k, pred[k], got)
+        calls: dict = {}
+        for c in predict(lay, facts, Cluster.cpu(2, 2), 8, 64).comm:
+            calls[c.axis, c.op] = calls.get((c.axis, c.op), 0) + c.calls
+        measured = {k: n for k, (n, _) in run.collectives.items()}
+        assert calls == measured, (lay.describe(), {k: (calls.get(k), measured.get(k)) for k in set(calls) | set(measured)
+                                                    if calls.get(k) != measured.get(k)})
 
 
 def test_predicted_bytes_count_zeros_padding(odd_runs):
@@ -130,7 +148,7 @@ def test_predicted_bytes_count_zeros_padding(odd_runs):
 def test_predicted_bytes_per_link_equal_the_measured(measured_runs):
     """Every (axis, op) a candidate's step sends, with its bytes over the node's links and
     across nodes, is predicted exactly (rank 0, `Step.explain`'s accounting)."""
-    _assert_links_equal(ModelFacts.of(_llama().config), MEASURED, measured_runs[0])
+    _assert_links_equal(ModelFacts.of(_llama().config), MEASURED + LINKS_ONLY, measured_runs[0])
 
 
 def test_predicted_peak_memory_is_within_a_tenth_of_the_measured(measured_runs):
