@@ -106,9 +106,11 @@ class Layout:
             pkw["virtual"] = self.virtual
         args = f"{self.schedule!r}, microbatches={self.accum}, model=model" + \
             (f", virtual={self.virtual}" if self.virtual else "")
-        # the pipeline sits inside every transform that handles the gradient; tp, ep and remat
-        # run inside each stage (compose refuses them outside it)
-        out += outer + [("pipeline_parallel", args, pkw)] + inner
+        # the pipeline sits inside every transform that handles the gradient; tp and remat run
+        # inside each stage (compose refuses them outside it), expert parallel outside it (it
+        # splits the rows before the pipeline cuts micro-batches; compose refuses it inside)
+        experts = [x for x in inner if x[0] == "expert_parallel"]
+        out += outer + experts + [("pipeline_parallel", args, pkw)] + [x for x in inner if x not in experts]
         return out
 
     def stack(self, model: Any) -> list[Any]:

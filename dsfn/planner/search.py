@@ -297,7 +297,8 @@ def plan(model: Any, cluster: Cluster | None = None, *, global_batch: int, seq_l
     if not result.candidates:
         need = f"; the smallest layout ({smallest[1].describe()}) needs {human_bytes(smallest[0]).strip()} per " \
                f"device, {human_bytes(smallest[0] / cs.memory_fraction).strip()} of memory with the " \
-               f"{cs.memory_fraction:.0%} margin" if smallest else ""
+               f"{cs.memory_fraction:.0%} margin" if smallest else \
+            "; none could be estimated: " + ("; ".join(sorted(set(reasons.values()))[:3]) or "no layout")
         raise PlanError(f"plan: no layout of {facts.name} fits {cluster.world} x {human_bytes(cluster.memory).strip()} "
                         f"({cluster.name}){need}. Use more nodes, devices with more memory, a smaller global batch "
                         f"or sequence, or allow offload (constraints=dict(offload=True))")
