@@ -50,17 +50,17 @@ def calibrate_rank(build: Callable[[], torch.nn.Module], seq: int, rows: tuple[i
 
     from dsfn.runtime import collectives as C
     from dsfn.runtime import init_mesh
-    import dsfn
+    from dsfn.functional import functionalize, value_and_grad
     torch.manual_seed(0)
     model = build()
     vocab = model.config.vocab_size
-    apply_fn, tree_params = dsfn.functionalize(model)
+    apply_fn, tree_params = functionalize(model)
 
     def loss_fn(p: Any, ids: torch.Tensor) -> torch.Tensor:
         out = apply_fn(p, ids)
         logits = out.logits if hasattr(out, "logits") else out
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
-    grad_fn = dsfn.value_and_grad(loss_fn)
+    grad_fn = value_and_grad(loss_fn)
 
     def fwd_bwd(r: int) -> None:
         grad_fn(tree_params, torch.randint(0, vocab, (r, seq)))
